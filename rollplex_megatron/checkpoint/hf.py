@@ -1,0 +1,246 @@
+"""Hugging Face Qwen2.5-VL checkpoints: config parsing, streaming reads, validation, load, export.
+
+Reads go tensor by tensor through safetensors' lazy `safe_open`, so the checkpoint is never held in
+memory twice; exports write size-capped safetensors shards with an index, each file atomically.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from rollplex_megatron.checkpoint import layout as L
+from rollplex_megatron.config import ModelConfig, VisionConfig
+
+INDEX = "model.safetensors.index.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint does not match the model: names the tensor and the numbers."""
+
+
+def model_config_from_hf(hf: dict, name: str = "hf") -> ModelConfig:
+    """ModelConfig from a config.json dict (released flat layout or transformers' text_config layout)."""
+    text = dict(hf.get("text_config") or {})
+    get = lambda k, d=None: text.get(k, hf.get(k, d))  # noqa: E731
+    rope = get("rope_parameters") or get("rope_scaling") or {}
+    vc = hf["vision_config"]
+    vision = VisionConfig(
+        depth=vc["depth"], hidden_size=vc["hidden_size"], ffn_hidden_size=vc["intermediate_size"],
+        num_heads=vc["num_heads"], out_hidden_size=vc["out_hidden_size"],
+        patch_size=vc.get("patch_size", 14), temporal_patch_size=vc.get("temporal_patch_size", 2),
+        spatial_merge_size=vc.get("spatial_merge_size", 2), window_size=vc.get("window_size", 112),
+        fullatt_block_indexes=list(vc.get("fullatt_block_indexes", [7, 15, 23, 31])),
+        tokens_per_second=vc.get("tokens_per_second", 2), in_channels=vc.get("in_channels", vc.get("in_chans", 3)),
+        rope_theta=(vc.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+    if vc.get("hidden_act", "silu") != "silu" or get("hidden_act", "silu") != "silu":
+        raise CheckpointError("only SiLU-gated MLPs (hidden_act='silu') are supported")
+    return ModelConfig(
+        name=name, vocab_size=get("vocab_size"), hidden_size=get("hidden_size"),
+        ffn_hidden_size=get("intermediate_size"), num_layers=get("num_hidden_layers"),
+        num_attention_heads=get("num_attention_heads"),
+        num_query_groups=get("num_key_value_heads") or get("num_attention_heads"),
+        rms_norm_eps=get("rms_norm_eps", 1e-6), rope_theta=rope.get("rope_theta", get("rope_theta", 1e6)),
+        mrope_section=list(rope.get("mrope_section", [16, 24, 24])),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+        max_position_embeddings=get("max_position_embeddings", 128000),
+        image_token_id=hf.get("image_token_id", 151655), video_token_id=hf.get("video_token_id", 151656),
+        vision_start_token_id=hf.get("vision_start_token_id", 151652),
+        vision_end_token_id=hf.get("vision_end_token_id", 151653), vision=vision)
+
+
+class HFCheckpoint:
+    """Lazy, per-tensor view of a safetensors checkpoint directory."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        if not (self.path / "config.json").is_file():
+            raise CheckpointError(f"{self.path}: no config.json (expected a Hugging Face model directory)")
+        self.raw_config = json.loads((self.path / "config.json").read_text())
+        if (self.path / INDEX).is_file():
+            wmap = json.loads((self.path / INDEX).read_text())["weight_map"]
+        else:
+            files = sorted(p.name for p in self.path.glob("*.safetensors"))
+            if not files:
+                raise CheckpointError(f"{self.path}: no *.safetensors files")
+            wmap = {}
+            for f in files:
+                with safe_open(self.path / f, "pt") as h:
+                    wmap.update({k: f for k in h.keys()})
+        self.weight_map: dict[str, str] = wmap
+        self._handles: dict[str, object] = {}
+        self.naming = L.HFNaming.detect(wmap)
+
+    def model_config(self) -> ModelConfig:
+        """The ModelConfig this checkpoint describes."""
+        return model_config_from_hf(self.raw_config, name=f"hf:{self.path.name}")
+
+    def _h(self, name: str):
+        f = self.weight_map[name]
+        if f not in self._handles:
+            self._handles[f] = safe_open(self.path / f, "pt")
+        return self._handles[f]
+
+    def keys(self) -> set[str]:
+        """All tensor names."""
+        return set(self.weight_map)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Shape without reading the data."""
+        return tuple(self._h(name).get_slice(name).get_shape())
+
+    def get(self, name: str) -> torch.Tensor:
+        """One tensor, read now."""
+        return self._h(name).get_tensor(name)
+
+
+def expected_hf_shapes(cfg: ModelConfig, naming: L.HFNaming) -> dict[str, tuple[int, ...]]:
+    """Every HF tensor name of this config with its shape (lm_head included only when untied)."""
+    v, h, hd = cfg.vision, cfg.hidden_size, cfg.head_dim
+    kv = cfg.num_query_groups * hd
+    out: dict[str, tuple[int, ...]] = {}
+    vp = naming.vision
+    out[f"{vp}patch_embed.proj.weight"] = (v.hidden_size, v.in_channels, v.temporal_patch_size,
+                                           v.patch_size, v.patch_size)
+    vh, vf = v.hidden_size, v.ffn_hidden_size
+    for i in range(v.depth):
+        b = f"{vp}blocks.{i}."
+        out.update({b + "norm1.weight": (vh,), b + "norm2.weight": (vh,), b + "attn.qkv.weight": (3 * vh, vh),
+                    b + "attn.qkv.bias": (3 * vh,), b + "attn.proj.weight": (vh, vh), b + "attn.proj.bias": (vh,),
+                    b + "mlp.gate_proj.weight": (vf, vh), b + "mlp.gate_proj.bias": (vf,),
+                    b + "mlp.up_proj.weight": (vf, vh), b + "mlp.up_proj.bias": (vf,),
+                    b + "mlp.down_proj.weight": (vh, vf), b + "mlp.down_proj.bias": (vh,)})
+    mw = vh * v.spatial_merge_size ** 2
+    out.update({f"{vp}merger.ln_q.weight": (vh,), f"{vp}merger.mlp.0.weight": (mw, mw),
+                f"{vp}merger.mlp.0.bias": (mw,), f"{vp}merger.mlp.2.weight": (h, mw),
+                f"{vp}merger.mlp.2.bias": (h,)})
+    lp = naming.llm
+    out[f"{lp}embed_tokens.weight"] = (cfg.vocab_size, h)
+    out[f"{lp}norm.weight"] = (h,)
+    for i in range(cfg.num_layers):
+        b = f"{lp}layers.{i}."
+        out.update({b + "input_layernorm.weight": (h,), b + "post_attention_layernorm.weight": (h,),
+                    b + "self_attn.q_proj.weight": (h, h), b + "self_attn.q_proj.bias": (h,),
+                    b + "self_attn.k_proj.weight": (kv, h), b + "self_attn.k_proj.bias": (kv,),
+                    b + "self_attn.v_proj.weight": (kv, h), b + "self_attn.v_proj.bias": (kv,),
+                    b + "self_attn.o_proj.weight": (h, h),
+                    b + "mlp.gate_proj.weight": (cfg.ffn_hidden_size, h),
+                    b + "mlp.up_proj.weight": (cfg.ffn_hidden_size, h),
+                    b + "mlp.down_proj.weight": (h, cfg.ffn_hidden_size)})
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = (cfg.vocab_size, h)
+    return out
+
+
+def validate_checkpoint(ckpt: HFCheckpoint, cfg: ModelConfig) -> None:
+    """Missing, unexpected or mis-shaped tensors: one error listing them, before any data is read."""
+    want = expected_hf_shapes(cfg, ckpt.naming)
+    have = ckpt.keys()
+    optional = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+    missing = sorted(set(want) - have)
+    extra = sorted(have - set(want) - optional)
+    bad = [f"{k}: checkpoint {ckpt.shape(k)} vs model {want[k]}" for k in sorted(set(want) & have)
+           if ckpt.shape(k) != want[k]]
+    problems = []
+    if missing:
+        problems.append(f"missing tensors ({len(missing)}): {', '.join(missing[:8])}")
+    if extra:
+        problems.append(f"unexpected tensors ({len(extra)}): {', '.join(extra[:8])}")
+    if bad:
+        problems.append(f"shape mismatches ({len(bad)}): {'; '.join(bad[:8])}")
+    if problems:
+        raise CheckpointError(f"{ckpt.path} does not match model '{cfg.name}': " + " | ".join(problems))
+
+
+def load_hf_into_model(model: torch.nn.Module, ckpt: HFCheckpoint, cfg: ModelConfig,
+                       tp_rank: int, tp: int, pp_rank: int, pp: int) -> int:
+    """Copy this rank's shards into `model` (one stage), tensor by tensor; returns tensors loaded."""
+    validate_checkpoint(ckpt, cfg)
+    params = dict(model.named_parameters())
+    rules = L.stage_rules(L.model_rules(cfg, tp, pp, ckpt.naming), pp_rank, pp)
+    names = {L.local_name(r, cfg, pp) for r in rules}
+    missing = sorted(set(params) - names)
+    if missing:
+        raise CheckpointError(f"model parameters with no checkpoint source: {missing[:8]}")
+    with torch.no_grad():
+        for r in rules:
+            name = L.local_name(r, cfg, pp)
+            shard = L.to_shard(r, [ckpt.get(n) for n in r.hf], tp_rank, tp)
+            p = params[name]
+            if tuple(shard.shape) != tuple(p.shape):
+                raise CheckpointError(f"{name} (from {', '.join(r.hf)}): shard {tuple(shard.shape)} "
+                                      f"vs parameter {tuple(p.shape)} at tp={tp}")
+            p.copy_(shard.to(p.dtype))
+    return len(rules)
+
+
+def shard_checkpoint(ckpt: HFCheckpoint, cfg: ModelConfig, tp_rank: int, tp: int, pp_rank: int,
+                     pp: int) -> dict[str, torch.Tensor]:
+    """One rank's megatron state (local names) straight from the HF files, without a model."""
+    validate_checkpoint(ckpt, cfg)
+    rules = L.stage_rules(L.model_rules(cfg, tp, pp, ckpt.naming), pp_rank, pp)
+    return {L.local_name(r, cfg, pp): L.to_shard(r, [ckpt.get(n) for n in r.hf], tp_rank, tp).clone()
+            for r in rules}
+
+
+def export_hf_tensors(rank_states, cfg: ModelConfig, tp: int, pp: int, naming: L.HFNaming):
+    """Yield (hf_name, tensor) one at a time from `rank_states[pp_rank][tp_rank]` (lazy dicts ok)."""
+    shapes = expected_hf_shapes(cfg, naming)
+    for r in L.model_rules(cfg, tp, pp, naming):
+        if not r.export:
+            continue
+        stage = r.stage if r.stage >= 0 else pp - 1
+        name = L.local_name(r, cfg, pp)
+        shards = [rank_states[stage][t][name] for t in range(tp)]
+        for hf_name, t in zip(r.hf, L.from_shards(r, shards, [shapes[n] for n in r.hf])):
+            yield hf_name, t.contiguous()
+
+
+def write_safetensors(tensors, out_dir: str | os.PathLike, max_shard_bytes: int = 4 << 30) -> list[str]:
+    """Write (name, tensor) pairs as size-capped shards plus an index; each file written atomically."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    shards, cur, size = [], {}, 0
+    for name, t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if cur and size + nbytes > max_shard_bytes:
+            shards.append(cur)
+            cur, size = {}, 0
+        cur[name] = t
+        size += nbytes
+        if size >= max_shard_bytes:
+            shards.append(cur)
+            cur, size = {}, 0
+    if cur or not shards:
+        shards.append(cur)
+    files, wmap = [], {}
+    for i, shard in enumerate(shards):
+        fname = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        atomic_save(lambda p, s=shard: save_file(s, p, metadata={"format": "pt"}), out / fname)
+        files.append(fname)
+        wmap.update({k: fname for k in shard})
+        shard.clear()
+    if len(shards) > 1:
+        atomic_write_text(out / INDEX, json.dumps({"metadata": {}, "weight_map": wmap}, indent=2))
+    return files
+
+
+def atomic_save(write_fn, path: Path) -> None:
+    """Write through a temporary file in the same folder, fsync, then rename over `path`."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    write_fn(str(tmp))
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Text file written atomically."""
+    def _w(p):
+        with open(p, "w") as f:
+            f.write(text)
+    atomic_save(_w, path)

@@ -1,0 +1,188 @@
+"""Structured configs (kw_only dataclasses registered in Hydra's ConfigStore).
+
+YAML cannot add unknown keys (structured configs are closed). Cross-field checks live in
+`__post_init__` and name the setting and the fix; they never write derived values back.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hydra.core.config_store import ConfigStore
+
+# Megatron-LM pads the vocabulary to a multiple of this times TP (--make-vocab-size-divisible-by).
+VOCAB_DIVISIBLE_BY = 128
+
+
+@dataclass(kw_only=True)
+class VisionConfig:
+    """Qwen2.5-VL vision tower shape."""
+
+    depth: int = 32  # number of vision transformer blocks
+    hidden_size: int = 1280  # vision width
+    ffn_hidden_size: int = 3420  # vision SwiGLU width (padded per TP at build time, exactly)
+    num_heads: int = 16  # vision attention heads (MHA)
+    out_hidden_size: int = 2048  # merger output width; must equal the LLM hidden size
+    patch_size: int = 14  # spatial patch size in pixels
+    temporal_patch_size: int = 2  # frames per temporal patch (Conv3d depth)
+    spatial_merge_size: int = 2  # merger folds merge x merge patches into one LLM token
+    window_size: int = 112  # window attention size in pixels
+    fullatt_block_indexes: list[int] = field(default_factory=lambda: [7, 15, 23, 31])  # full-attn blocks
+    tokens_per_second: int = 2  # temporal M-RoPE scale for videos
+    in_channels: int = 3  # image channels
+    rms_norm_eps: float = 1e-6  # RMSNorm epsilon (vision)
+    rope_theta: float = 10000.0  # vision 2D rotary base
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"model.vision.hidden_size ({self.hidden_size}) must be divisible by "
+                f"model.vision.num_heads ({self.num_heads})"
+            )
+        head_dim = self.hidden_size // self.num_heads
+        if head_dim % 4:
+            raise ValueError(f"vision head_dim ({head_dim}) must be divisible by 4 for 2D rotary")
+        bad = [i for i in self.fullatt_block_indexes if not 0 <= i < self.depth]
+        if bad:
+            raise ValueError(
+                f"model.vision.fullatt_block_indexes {bad} out of range for depth {self.depth}"
+            )
+        unit = self.patch_size * self.spatial_merge_size
+        if self.window_size % unit:
+            raise ValueError(
+                f"model.vision.window_size ({self.window_size}) must be a multiple of "
+                f"patch_size*spatial_merge_size ({unit})"
+            )
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """Qwen2.5-VL shape: LLM fields, special tokens and the vision tower."""
+
+    name: str = "qwen2_5_vl_3b"  # preset name
+    vocab_size: int = 151936  # true vocabulary (before TP padding)
+    hidden_size: int = 2048  # LLM width
+    ffn_hidden_size: int = 11008  # LLM SwiGLU width
+    num_layers: int = 36  # LLM decoder layers
+    num_attention_heads: int = 16  # LLM query heads
+    num_query_groups: int = 2  # LLM KV heads (GQA)
+    rms_norm_eps: float = 1e-6  # RMSNorm epsilon (LLM)
+    rope_theta: float = 1000000.0  # M-RoPE base
+    mrope_section: list[int] = field(default_factory=lambda: [16, 24, 24])  # t/h/w rotary split
+    tie_word_embeddings: bool = True  # output layer shares the embedding
+    max_position_embeddings: int = 128000  # longest sequence the presets accept
+    image_token_id: int = 151655  # <|image_pad|>
+    video_token_id: int = 151656  # <|video_pad|>
+    vision_start_token_id: int = 151652  # <|vision_start|>
+    vision_end_token_id: int = 151653  # <|vision_end|>
+    freeze_vision: bool = False  # vision tower gets no gradient (shared with the reference)
+    vision: VisionConfig = field(default_factory=VisionConfig)  # vision tower shape
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"model.hidden_size ({self.hidden_size}) must be divisible by "
+                f"model.num_attention_heads ({self.num_attention_heads})"
+            )
+        if self.num_attention_heads % self.num_query_groups:
+            raise ValueError(
+                f"model.num_attention_heads ({self.num_attention_heads}) must be divisible by "
+                f"model.num_query_groups ({self.num_query_groups})"
+            )
+        half = self.hidden_size // self.num_attention_heads // 2
+        if sum(self.mrope_section) != half or len(self.mrope_section) != 3:
+            raise ValueError(
+                f"model.mrope_section {list(self.mrope_section)} must have 3 entries summing to "
+                f"head_dim/2 = {half}"
+            )
+        if self.vision.out_hidden_size != self.hidden_size:
+            raise ValueError(
+                f"model.vision.out_hidden_size ({self.vision.out_hidden_size}) must equal "
+                f"model.hidden_size ({self.hidden_size})"
+            )
+        ids = [self.image_token_id, self.video_token_id, self.vision_start_token_id,
+               self.vision_end_token_id]
+        if any(not 0 <= i < self.vocab_size for i in ids):
+            raise ValueError(f"special token ids {ids} must lie inside model.vocab_size ({self.vocab_size})")
+
+    @property
+    def head_dim(self) -> int:
+        """LLM attention head dimension."""
+        return self.hidden_size // self.num_attention_heads
+
+    def padded_vocab_size(self, tp: int) -> int:
+        """Vocabulary padded to a multiple of 128*TP, as Megatron-LM pads it."""
+        mult = VOCAB_DIVISIBLE_BY * tp
+        return -(-self.vocab_size // mult) * mult
+
+    def padded_vision_ffn(self, tp: int) -> int:
+        """Vision SwiGLU width rounded up to a multiple of TP (zero rows/cols keep it exact)."""
+        return -(-self.vision.ffn_hidden_size // tp) * tp
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    """Parallel layout: tensor, pipeline and data parallel sizes."""
+
+    tp: int = 1  # tensor-parallel size
+    pp: int = 1  # pipeline-parallel size
+    dp: int = 1  # data-parallel size
+    backend: str = "auto"  # torch.distributed backend: auto (nccl on GPU, gloo on CPU), gloo, nccl
+
+    def __post_init__(self) -> None:
+        for key in ("tp", "pp", "dp"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"parallel.{key} must be >= 1, got {getattr(self, key)}")
+        if self.backend not in ("auto", "gloo", "nccl"):
+            raise ValueError(f"parallel.backend must be auto, gloo or nccl, got {self.backend!r}")
+
+    @property
+    def world_size(self) -> int:
+        """Processes needed: tp * pp * dp."""
+        return self.tp * self.pp * self.dp
+
+
+def check_model_parallel(model: ModelConfig, parallel: ParallelConfig) -> None:
+    """Fail early, naming the setting, when the model does not split over this layout."""
+    tp, pp = parallel.tp, parallel.pp
+    checks = [
+        (model.num_attention_heads, "model.num_attention_heads"),
+        (model.num_query_groups, "model.num_query_groups"),
+        (model.ffn_hidden_size, "model.ffn_hidden_size"),
+        (model.vision.num_heads, "model.vision.num_heads"),
+        (model.vision.hidden_size * model.vision.spatial_merge_size**2, "vision merger width"),
+    ]
+    for value, name in checks:
+        if value % tp:
+            raise ValueError(
+                f"{name} ({value}) is not divisible by parallel.tp ({tp}); choose a tensor-parallel "
+                f"size that divides it"
+            )
+    if model.num_layers % pp:
+        raise ValueError(
+            f"model.num_layers ({model.num_layers}) is not divisible by parallel.pp ({pp}); choose a "
+            f"pipeline size that divides it"
+        )
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    """Top-level config: model, parallel layout, seed and output location."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)  # model shape (recipes/model/*.yaml)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # parallel layout
+    seed: int = 1234  # global seed
+    dtype: str = "float32"  # compute dtype: float32 or bfloat16
+    run_dir: str = "runs"  # where runs write their outputs
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
+        check_model_parallel(self.model, self.parallel)
+
+
+def register_configs() -> None:
+    """Register the schemas with Hydra's ConfigStore (idempotent)."""
+    cs = ConfigStore.instance()
+    cs.store(name="run_schema", node=RunConfig)
+    cs.store(group="model", name="model_schema", node=ModelConfig)
+    cs.store(group="parallel", name="parallel_schema", node=ParallelConfig)

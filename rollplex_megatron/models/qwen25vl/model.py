@@ -1,0 +1,256 @@
+"""Qwen2.5-VL on megatron-core: vision tower + merger, and the M-RoPE LLM (GPTModel).
+
+Built from megatron-core parts: TransformerConfig, the local (non-TE) layer spec with the project's
+SDPA core attention, TransformerBlock, GPTModel and tensor-parallel linears. The vision tower sits
+on the first pipeline stage; the LLM is split over pipeline stages by GPTModel.
+Legend: S = text sequence, B = batch, H = LLM width, N = vision patches, U = merge units.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state as ps
+from megatron.core import tensor_parallel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_block import TransformerBlock
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from rollplex_megatron.attention import SDPACoreAttention
+from rollplex_megatron.config import ModelConfig
+from rollplex_megatron.models.qwen25vl import positions as P
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _common_tc(dtype: torch.dtype, tp: int) -> dict:
+    """TransformerConfig fields shared by the LLM and the vision tower (no fused CUDA kernels)."""
+    return dict(
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_qkv_bias=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        tensor_model_parallel_size=tp,
+        sequence_parallel=False,
+    )
+
+
+def llm_transformer_config(cfg: ModelConfig, dtype: torch.dtype, tp: int, pp: int) -> TransformerConfig:
+    """TransformerConfig of the LLM decoder (GQA, QKV bias, no other biases, M-RoPE)."""
+    return TransformerConfig(
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        ffn_hidden_size=cfg.ffn_hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        num_query_groups=cfg.num_query_groups,
+        kv_channels=cfg.head_dim,
+        layernorm_epsilon=cfg.rms_norm_eps,
+        add_bias_linear=False,
+        mrope_section=list(cfg.mrope_section),
+        pipeline_model_parallel_size=pp,
+        **_common_tc(dtype, tp),
+    )
+
+
+def vision_transformer_config(cfg: ModelConfig, dtype: torch.dtype, tp: int) -> TransformerConfig:
+    """TransformerConfig of the vision blocks (MHA, biases everywhere, never pipelined)."""
+    v = cfg.vision
+    return TransformerConfig(
+        num_layers=v.depth,
+        hidden_size=v.hidden_size,
+        ffn_hidden_size=cfg.padded_vision_ffn(tp),
+        num_attention_heads=v.num_heads,
+        num_query_groups=v.num_heads,
+        kv_channels=v.hidden_size // v.num_heads,
+        layernorm_epsilon=v.rms_norm_eps,
+        add_bias_linear=True,
+        pipeline_model_parallel_size=1,
+        **_common_tc(dtype, tp),
+    )
+
+
+def layer_spec(causal: bool):
+    """Megatron's local layer spec with the project's SDPA core attention."""
+    spec = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm"))
+    spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    spec.submodules.self_attention.params = {
+        "attn_mask_type": AttnMaskType.causal if causal else AttnMaskType.no_mask
+    }
+    return spec
+
+
+class VisionBlocks(TransformerBlock):
+    """TransformerBlock whose layers alternate window and full attention masks."""
+
+    def __init__(self, config: TransformerConfig, spec, fullatt_block_indexes: list[int]):
+        super().__init__(config=config, spec=spec, post_layer_norm=False, pre_process=True,
+                         post_process=False)
+        self.fullatt = set(fullatt_block_indexes)
+
+    def forward(self, hidden_NBH, full_mask, window_mask, rotary_NB1D):  # noqa: D102
+        for idx, layer in enumerate(self.layers):
+            mask = full_mask if idx in self.fullatt else window_mask
+            hidden_NBH, _ = layer(hidden_states=hidden_NBH, attention_mask=mask,
+                                  rotary_pos_emb=rotary_NB1D)
+        return hidden_NBH
+
+
+class PatchMerger(MegatronModule):
+    """RMSNorm, fold merge**2 patches, then Linear-GELU-Linear (column then row parallel)."""
+
+    def __init__(self, config: TransformerConfig, context_dim: int, out_dim: int, merge: int, eps: float):
+        super().__init__(config=config)
+        self.width = context_dim * merge * merge
+        self.ln_q = torch.nn.RMSNorm(context_dim, eps=eps, dtype=config.params_dtype)
+        init = config.init_method
+        self.fc1 = tensor_parallel.ColumnParallelLinear(
+            self.width, self.width, config=config, init_method=init, bias=True, gather_output=False)
+        self.fc2 = tensor_parallel.RowParallelLinear(
+            self.width, out_dim, config=config, init_method=init, bias=True,
+            input_is_parallel=True, skip_bias_add=False)
+
+    def forward(self, x_NC: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        x = self.ln_q(x_NC).view(-1, 1, self.width)  # [U, 1, width]
+        x, _ = self.fc1(x)
+        x, _ = self.fc2(F.gelu(x))
+        return x[:, 0]
+
+
+class VisionTower(MegatronModule):
+    """Qwen2.5-VL vision encoder: Conv3d patches, 2D RoPE, window/full attention, 2x2 merger."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, tp: int):
+        tc = vision_transformer_config(cfg, dtype, tp)
+        super().__init__(config=tc)
+        v = cfg.vision
+        self.v = v
+        k = (v.temporal_patch_size, v.patch_size, v.patch_size)
+        self.patch_embed = torch.nn.Conv3d(v.in_channels, v.hidden_size, kernel_size=k, stride=k,
+                                           bias=False, dtype=dtype)
+        self.blocks = VisionBlocks(tc, layer_spec(causal=False), list(v.fullatt_block_indexes))
+        self.merger = PatchMerger(tc, v.hidden_size, v.out_hidden_size, v.spatial_merge_size,
+                                  v.rms_norm_eps)
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        """pixel_values [N, C*T*p*p] -> merged embeddings [U, H] in the processor's token order."""
+        v = self.v
+        grid_thw = grid_thw.cpu().long()
+        n_expected = int(grid_thw.prod(-1).sum())
+        if pixel_values.shape[0] != n_expected:
+            raise ValueError(f"pixel_values has {pixel_values.shape[0]} patches, grid_thw needs {n_expected}")
+        x = pixel_values.to(self.patch_embed.weight.dtype).view(
+            -1, v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size)
+        x = self.patch_embed(x).view(-1, v.hidden_size)
+        unit = v.spatial_merge_size ** 2
+        order_U, cu_window = P.vision_window_order(grid_thw, v.spatial_merge_size, v.window_size, v.patch_size)
+        order_N = P.units_to_patches(order_U, unit).to(x.device)
+        rot = P.vision_rotary_freqs(P.vision_patch_positions(grid_thw, v.spatial_merge_size),
+                                    v.hidden_size // v.num_heads, v.rope_theta)
+        # Windows never cross frames and keep frame order, so per-frame full attention is also
+        # block-diagonal in window order.
+        full = P.block_diagonal_mask(P.vision_cu_seqlens(grid_thw))
+        window = P.block_diagonal_mask(cu_window)
+        x = self.blocks(x[order_N][:, None], full.to(x.device), window.to(x.device),
+                        rot[order_N.cpu()].to(x.device))
+        merged = self.merger(x[:, 0])
+        return merged[torch.argsort(order_U).to(merged.device)]
+
+
+class Qwen25VLModel(MegatronModule):
+    """Qwen2.5-VL as one megatron module per pipeline stage.
+
+    First stage: vision tower and token embedding; vision embeddings replace the image/video
+    placeholder tokens. Last stage: output logits, with the padded vocabulary masked out.
+    """
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32,
+                 pre_process: bool = True, post_process: bool = True):
+        tp = ps.get_tensor_model_parallel_world_size()
+        pp = ps.get_pipeline_model_parallel_world_size()
+        tc = llm_transformer_config(cfg, dtype, tp, pp)
+        super().__init__(config=tc)
+        self.cfg, self.pre_process, self.post_process = cfg, pre_process, post_process
+        self.padded_vocab = cfg.padded_vocab_size(tp)
+        self.vision = VisionTower(cfg, dtype, tp) if pre_process else None
+        self.language_model = GPTModel(
+            config=tc, transformer_layer_spec=layer_spec(causal=True),
+            vocab_size=self.padded_vocab, max_sequence_length=cfg.max_position_embeddings,
+            pre_process=pre_process, post_process=post_process,
+            share_embeddings_and_output_weights=cfg.tie_word_embeddings,
+            position_embedding_type="mrope", rotary_base=int(cfg.rope_theta))
+        if cfg.freeze_vision and self.vision is not None:
+            self.vision.requires_grad_(False)
+
+    def set_input_tensor(self, input_tensor) -> None:
+        """Pipeline hook: the activation received from the previous stage."""
+        self.language_model.set_input_tensor(input_tensor)
+
+    def embed(self, input_ids, pixel_values=None, image_grid_thw=None,
+              pixel_values_videos=None, video_grid_thw=None) -> torch.Tensor:
+        """Token embeddings [S,B,H] with image and video placeholders replaced by vision features."""
+        emb_BSH = self.language_model.embedding(input_ids=input_ids, position_ids=None).transpose(0, 1)
+        for pix, grid, tok, what in ((pixel_values, image_grid_thw, self.cfg.image_token_id, "image"),
+                                     (pixel_values_videos, video_grid_thw, self.cfg.video_token_id, "video")):
+            mask_BS = input_ids == tok
+            if pix is None:
+                if mask_BS.any():
+                    raise ValueError(f"input_ids hold {what} tokens but no {what} pixels were given")
+                continue
+            feats = self.vision(pix, grid).to(emb_BSH.dtype)
+            if int(mask_BS.sum()) != feats.shape[0]:
+                raise ValueError(f"{int(mask_BS.sum())} {what} tokens but the {what} grids give "
+                                 f"{feats.shape[0]} embeddings")
+            emb_BSH = emb_BSH.masked_scatter(mask_BS[..., None].expand_as(emb_BSH), feats)
+        return emb_BSH.transpose(0, 1).contiguous()
+
+    def mask_padded_vocab(self, logits_BSV: torch.Tensor) -> torch.Tensor:
+        """Set this TP rank's padded-vocabulary columns to the dtype minimum (never sampled)."""
+        local = logits_BSV.shape[-1]
+        start = ps.get_tensor_model_parallel_rank() * local
+        n_real = max(0, min(local, self.cfg.vocab_size - start))
+        if n_real == local:
+            return logits_BSV
+        col = torch.arange(local, device=logits_BSV.device) >= n_real
+        return logits_BSV.masked_fill(col, torch.finfo(logits_BSV.dtype).min)
+
+    def forward(self, input_ids=None, position_ids=None, pixel_values=None, image_grid_thw=None,
+                pixel_values_videos=None, video_grid_thw=None, decoder_input=None):
+        """Per-stage forward: vocab-parallel logits [B,S,V/TP] on the last stage, else hidden [S,B,H]."""
+        if self.pre_process and decoder_input is None:
+            decoder_input = self.embed(input_ids, pixel_values, image_grid_thw,
+                                       pixel_values_videos, video_grid_thw)
+        out = self.language_model(input_ids=None, position_ids=position_ids, attention_mask=None,
+                                  decoder_input=decoder_input)
+        return self.mask_padded_vocab(out) if self.post_process else out
+
+
+def build_model(cfg: ModelConfig, dtype: str | torch.dtype = "float32") -> Qwen25VLModel:
+    """Build this rank's stage of the model (megatron parallel state must be initialised)."""
+    dt = _DTYPES[dtype] if isinstance(dtype, str) else dtype
+    model = Qwen25VLModel(cfg, dt, pre_process=ps.is_pipeline_first_stage(),
+                          post_process=ps.is_pipeline_last_stage())
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    return model
+
+
+def gather_vocab_logits(logits_BSV: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """All-gather vocab-parallel logits over TP and drop the padding: [B,S,vocab_size]."""
+    full = tensor_parallel.gather_from_tensor_model_parallel_region(logits_BSV)
+    return full[..., :vocab_size]

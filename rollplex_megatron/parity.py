@@ -1,0 +1,108 @@
+"""`verify-hf`: the megatron model against transformers' Qwen2.5-VL on the same checkpoint.
+
+A fixed prompt per batch row with one image and one video (pixels from a fixed seed); the megatron
+logits, gathered over TP, are compared with transformers' logits in fp32 on the CPU.
+"""
+from __future__ import annotations
+
+import torch
+
+from rollplex_megatron.config import ModelConfig
+
+TOLERANCE = 1e-4  # max abs logit difference accepted (fp32)
+
+
+def sample_inputs(cfg: ModelConfig, seed: int = 0, batch: int = 2) -> dict:
+    """Prompts `text <vs> image <ve> text <vs> video <ve> text`, one image and one video per row."""
+    g = torch.Generator().manual_seed(seed)
+    v = cfg.vision
+    m = v.spatial_merge_size
+    img_thw, vid_thw = (1, 3 * m, 5 * m), (2, 2 * m, 2 * m)
+    n_img, n_vid = img_thw[0] * img_thw[1] * img_thw[2] // m**2, vid_thw[0] * vid_thw[1] * vid_thw[2] // m**2
+    patch = v.in_channels * v.temporal_patch_size * v.patch_size**2
+    text_hi = min(cfg.vocab_size, cfg.image_token_id, cfg.video_token_id,
+                  cfg.vision_start_token_id, cfg.vision_end_token_id)
+    rows = []
+    for _ in range(batch):
+        t = lambda n: torch.randint(0, text_hi, (n,), generator=g)  # noqa: E731
+        rows.append(torch.cat([
+            t(5), torch.tensor([cfg.vision_start_token_id]), torch.full((n_img,), cfg.image_token_id),
+            torch.tensor([cfg.vision_end_token_id]), t(4), torch.tensor([cfg.vision_start_token_id]),
+            torch.full((n_vid,), cfg.video_token_id), torch.tensor([cfg.vision_end_token_id]), t(6)]))
+    n_img_patch, n_vid_patch = img_thw[0] * img_thw[1] * img_thw[2], vid_thw[0] * vid_thw[1] * vid_thw[2]
+    return {
+        "input_ids": torch.stack(rows),
+        "pixel_values": torch.randn(batch * n_img_patch, patch, generator=g),
+        "image_grid_thw": torch.tensor([img_thw] * batch),
+        "pixel_values_videos": torch.randn(batch * n_vid_patch, patch, generator=g),
+        "video_grid_thw": torch.tensor([vid_thw] * batch),
+        "second_per_grid_ts": torch.tensor([1.5] * batch),
+    }
+
+
+def position_ids_for(cfg: ModelConfig, inputs: dict) -> torch.Tensor:
+    """M-RoPE position ids [3,B,S] of `inputs`."""
+    from rollplex_megatron.models.qwen25vl.positions import mrope_position_ids
+
+    pos, _ = mrope_position_ids(
+        inputs["input_ids"], inputs.get("image_grid_thw"), inputs.get("video_grid_thw"),
+        inputs.get("second_per_grid_ts"), image_token_id=cfg.image_token_id,
+        video_token_id=cfg.video_token_id, merge=cfg.vision.spatial_merge_size,
+        tokens_per_second=cfg.vision.tokens_per_second)
+    return pos
+
+
+def hf_logits(hf_dir: str, inputs: dict) -> torch.Tensor:
+    """transformers' Qwen2.5-VL logits [B,S,V] in fp32 on the CPU."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(hf_dir, dtype=torch.float32,
+                                                               attn_implementation="sdpa")
+    model.eval()
+    cfg = model.config
+    ids = inputs["input_ids"]
+    mm = (ids == cfg.image_token_id).int() + 2 * (ids == cfg.video_token_id).int()
+    with torch.no_grad():
+        out = model(input_ids=ids, pixel_values=inputs["pixel_values"],
+                    image_grid_thw=inputs["image_grid_thw"],
+                    pixel_values_videos=inputs["pixel_values_videos"],
+                    video_grid_thw=inputs["video_grid_thw"],
+                    second_per_grid_ts=inputs["second_per_grid_ts"], mm_token_type_ids=mm)
+    return out.logits.float()
+
+
+def megatron_logits(hf_dir: str, inputs: dict, tp: int) -> torch.Tensor:
+    """The megatron model's logits [B,S,V] (TP-gathered) after loading `hf_dir` (PP=1)."""
+    from megatron.core import parallel_state as ps
+
+    from rollplex_megatron.checkpoint.hf import HFCheckpoint, load_hf_into_model
+    from rollplex_megatron.config import check_model_parallel, ParallelConfig
+    from rollplex_megatron.dist import init_parallel
+    from rollplex_megatron.models.qwen25vl import build_model, gather_vocab_logits
+
+    ckpt = HFCheckpoint(hf_dir)
+    cfg = ckpt.model_config()
+    check_model_parallel(cfg, ParallelConfig(tp=tp))
+    init_parallel(tp=tp, pp=1)
+    model = build_model(cfg, "float32")
+    load_hf_into_model(model, ckpt, cfg, ps.get_tensor_model_parallel_rank(), tp, 0, 1)
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=inputs["input_ids"], position_ids=position_ids_for(cfg, inputs),
+                       pixel_values=inputs["pixel_values"], image_grid_thw=inputs["image_grid_thw"],
+                       pixel_values_videos=inputs["pixel_values_videos"],
+                       video_grid_thw=inputs["video_grid_thw"])
+        return gather_vocab_logits(logits, cfg.vocab_size).float()
+
+
+def verify_rank(hf_dir: str, tp: int, seed: int = 0) -> dict:
+    """Run on every rank of a TP group: the comparison summary (identical on all ranks)."""
+    from rollplex_megatron.checkpoint.hf import HFCheckpoint
+
+    cfg = HFCheckpoint(hf_dir).model_config()
+    inputs = sample_inputs(cfg, seed)
+    ours = megatron_logits(hf_dir, inputs, tp)
+    ref = hf_logits(hf_dir, inputs)
+    diff = (ours - ref).abs().max().item()
+    return {"max_abs_logit_diff": diff, "tp": tp, "tolerance": TOLERANCE, "ok": diff <= TOLERANCE,
+            "logit_abs_max": ref.abs().max().item(), "shape": list(ref.shape)}

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# The README's main-job command: set up .venv if needed, then run the embedded default job.
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+bash "$root/scripts/setup_env.sh"
+cd "$root"
+exec .venv/bin/python -m rollplex_megatron train "$@"

@@ -1,0 +1,22 @@
+"""Rollplex-Megatron: cross-phase GPU sharing for VLM RL post-training on Megatron-Core."""
+from setuptools import find_packages, setup
+
+setup(
+    name="rollplex_megatron",
+    version="0.1.0",
+    description="Rollplex runtime for GRPO post-training of vision-language models on Megatron-Core",
+    packages=find_packages(include=["rollplex_megatron", "rollplex_megatron.*"]),
+    python_requires=">=3.11",
+    install_requires=[
+        "torch>=2.11",
+        "megatron-core>=0.16.1",
+        "hydra-core>=1.3.2",
+        "transformers>=5.0",
+        "safetensors",
+        "tqdm",
+        "matplotlib",
+    ],
+    extras_require={"test": ["pytest"]},
+    entry_points={"console_scripts": ["rollplex=rollplex_megatron.__main__:main"]},
+    include_package_data=True,
+)
