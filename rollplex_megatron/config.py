@@ -165,11 +165,33 @@ def check_model_parallel(model: ModelConfig, parallel: ParallelConfig) -> None:
 
 
 @dataclass(kw_only=True)
+class SmokeConfig:
+    """Workload of the `smoke` command: forward+backward on synthetic image+video prompts."""
+
+    batch: int = 2  # prompts per micro-batch
+    micro_batches: int = 1  # micro-batches per step (through megatron's schedule)
+    image_grid: list[int] = field(default_factory=lambda: [1, 8, 12])  # image (t, h, w) in patches
+    video_grid: list[int] = field(default_factory=lambda: [4, 8, 8])  # video (t, h, w) in patches
+    text_tokens: int = 48  # text tokens per prompt besides the vision placeholders
+    steps: int = 3  # timed steps
+    warmup: int = 1  # untimed steps first
+
+    def __post_init__(self) -> None:
+        for key in ("batch", "micro_batches", "text_tokens", "steps"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"smoke.{key} must be >= 1, got {getattr(self, key)}")
+        for key in ("image_grid", "video_grid"):
+            if len(getattr(self, key)) != 3 or min(getattr(self, key)) < 1:
+                raise ValueError(f"smoke.{key} must be three positive ints (t, h, w), got {getattr(self, key)}")
+
+
+@dataclass(kw_only=True)
 class RunConfig:
     """Top-level config: model, parallel layout, seed and output location."""
 
     model: ModelConfig = field(default_factory=ModelConfig)  # model shape (recipes/model/*.yaml)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # parallel layout
+    smoke: SmokeConfig = field(default_factory=SmokeConfig)  # `smoke` command workload
     seed: int = 1234  # global seed
     dtype: str = "float32"  # compute dtype: float32 or bfloat16
     run_dir: str = "runs"  # where runs write their outputs
@@ -178,6 +200,12 @@ class RunConfig:
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
         check_model_parallel(self.model, self.parallel)
+        m = self.model.vision.spatial_merge_size
+        for key in ("image_grid", "video_grid"):
+            _, h, w = getattr(self.smoke, key)
+            if h % m or w % m:
+                raise ValueError(f"smoke.{key} h and w must be multiples of "
+                                 f"model.vision.spatial_merge_size ({m}), got {h}x{w}")
 
 
 def register_configs() -> None:

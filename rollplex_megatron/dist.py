@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from rollplex_megatron.compat import apply_cpu_shims
+from rollplex_megatron.compat import apply_cpu_shims, quiet_known_warnings
 
 
 def under_torchrun() -> bool:
@@ -71,6 +71,7 @@ def _worker(rank: int, world: int, port: int, fn, args, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    quiet_known_warnings()
     path = os.path.join(out_dir, f"rank{rank}.pt")
     try:
         result = {"ok": True, "value": fn(*args)}

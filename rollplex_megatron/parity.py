@@ -12,32 +12,45 @@ from rollplex_megatron.config import ModelConfig
 TOLERANCE = 1e-4  # max abs logit difference accepted (fp32)
 
 
-def sample_inputs(cfg: ModelConfig, seed: int = 0, batch: int = 2) -> dict:
-    """Prompts `text <vs> image <ve> text <vs> video <ve> text`, one image and one video per row."""
+def synthetic_inputs(cfg: ModelConfig, seed: int, batch: int, image_thw: tuple[int, int, int],
+                     video_thw: tuple[int, int, int], text_tokens: int,
+                     second_per_grid_t: float = 1.5) -> dict:
+    """Rows `text <vs> image <ve> text <vs> video <ve> text` with random pixels; grids in patches."""
     g = torch.Generator().manual_seed(seed)
     v = cfg.vision
     m = v.spatial_merge_size
-    img_thw, vid_thw = (1, 3 * m, 5 * m), (2, 2 * m, 2 * m)
-    n_img, n_vid = img_thw[0] * img_thw[1] * img_thw[2] // m**2, vid_thw[0] * vid_thw[1] * vid_thw[2] // m**2
+    n_img = image_thw[0] * image_thw[1] * image_thw[2]
+    n_vid = video_thw[0] * video_thw[1] * video_thw[2]
     patch = v.in_channels * v.temporal_patch_size * v.patch_size**2
     text_hi = min(cfg.vocab_size, cfg.image_token_id, cfg.video_token_id,
                   cfg.vision_start_token_id, cfg.vision_end_token_id)
+    a, b = text_tokens // 3, text_tokens // 4
     rows = []
     for _ in range(batch):
         t = lambda n: torch.randint(0, text_hi, (n,), generator=g)  # noqa: E731
         rows.append(torch.cat([
-            t(5), torch.tensor([cfg.vision_start_token_id]), torch.full((n_img,), cfg.image_token_id),
-            torch.tensor([cfg.vision_end_token_id]), t(4), torch.tensor([cfg.vision_start_token_id]),
-            torch.full((n_vid,), cfg.video_token_id), torch.tensor([cfg.vision_end_token_id]), t(6)]))
-    n_img_patch, n_vid_patch = img_thw[0] * img_thw[1] * img_thw[2], vid_thw[0] * vid_thw[1] * vid_thw[2]
+            t(a), torch.tensor([cfg.vision_start_token_id]), torch.full((n_img // m**2,), cfg.image_token_id),
+            torch.tensor([cfg.vision_end_token_id]), t(b), torch.tensor([cfg.vision_start_token_id]),
+            torch.full((n_vid // m**2,), cfg.video_token_id), torch.tensor([cfg.vision_end_token_id]),
+            t(text_tokens - a - b)]))
     return {
         "input_ids": torch.stack(rows),
-        "pixel_values": torch.randn(batch * n_img_patch, patch, generator=g),
-        "image_grid_thw": torch.tensor([img_thw] * batch),
-        "pixel_values_videos": torch.randn(batch * n_vid_patch, patch, generator=g),
-        "video_grid_thw": torch.tensor([vid_thw] * batch),
-        "second_per_grid_ts": torch.tensor([1.5] * batch),
+        "pixel_values": torch.randn(batch * n_img, patch, generator=g),
+        "image_grid_thw": torch.tensor([list(image_thw)] * batch),
+        "pixel_values_videos": torch.randn(batch * n_vid, patch, generator=g),
+        "video_grid_thw": torch.tensor([list(video_thw)] * batch),
+        "second_per_grid_ts": torch.tensor([second_per_grid_t] * batch),
     }
+
+
+def sample_inputs(cfg: ModelConfig, seed: int = 0, batch: int = 2) -> dict:
+    """The fixed parity prompt: a 3x5-unit image (partial windows) and a 2-frame video per row.
+
+    Video time steps of `tokens_per_second * 1.5` exceed the spatial extent, so the text after the
+    video checks the M-RoPE position-advance convention too.
+    """
+    m = cfg.vision.spatial_merge_size
+    return synthetic_inputs(cfg, seed, batch, (1, 3 * m, 5 * m), (4, 2 * m, 2 * m), 15)
 
 
 def position_ids_for(cfg: ModelConfig, inputs: dict) -> torch.Tensor:

@@ -15,6 +15,7 @@ from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.enums import ModelType
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_block import TransformerBlock
@@ -186,6 +187,7 @@ class Qwen25VLModel(MegatronModule):
         tc = llm_transformer_config(cfg, dtype, tp, pp)
         super().__init__(config=tc)
         self.cfg, self.pre_process, self.post_process = cfg, pre_process, post_process
+        self.model_type = ModelType.encoder_or_decoder  # read by megatron's schedules
         self.padded_vocab = cfg.padded_vocab_size(tp)
         self.vision = VisionTower(cfg, dtype, tp) if pre_process else None
         self.language_model = GPTModel(

@@ -1,0 +1,106 @@
+"""Command line: `python -m rollplex_megatron <command> ...` (also installed as `rollplex`).
+
+Commands
+  smoke [hydra overrides]             forward+backward of the model on a random image and video
+  verify-hf --hf-dir DIR [--tp N] [--json]
+                                      megatron model vs transformers on an HF checkpoint
+  convert hf-to-mcore --hf-dir DIR --out DIR [--tp N] [--pp N]
+  convert mcore-to-hf --mcore-dir DIR --out DIR
+  print-config [hydra overrides]      the resolved config
+Commands that take Hydra overrides accept e.g. `model=qwen2_5_vl_3b parallel.tp=2`.
+Multi-process commands launch their own local processes when not started by torchrun.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from rollplex_megatron.compat import quiet_known_warnings
+
+
+def _cmd_verify_hf(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="rollplex verify-hf", description="megatron vs transformers logits")
+    ap.add_argument("--hf-dir", required=True, help="Hugging Face Qwen2.5-VL directory")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (local processes)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the prompt's pixels and text")
+    ap.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    a = ap.parse_args(argv)
+    from rollplex_megatron.checkpoint.hf import HFCheckpoint
+    from rollplex_megatron.config import ParallelConfig, check_model_parallel
+    from rollplex_megatron.dist import run_local, under_torchrun
+    from rollplex_megatron.parity import verify_rank
+
+    ckpt = HFCheckpoint(a.hf_dir)  # bad directory or config: fail here, before any process starts
+    check_model_parallel(ckpt.model_config(), ParallelConfig(tp=a.tp))
+    if under_torchrun():
+        res = verify_rank(a.hf_dir, a.tp, a.seed)
+    else:
+        res = run_local(verify_rank, a.tp, a.hf_dir, a.tp, a.seed)[0]
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return 0 if res["ok"] else 1
+    print(f"max |logits - transformers| = {res['max_abs_logit_diff']:.3e} at tp={res['tp']} "
+          f"(tolerance {res['tolerance']:.0e}): {'OK' if res['ok'] else 'MISMATCH'}")
+    if a.json:
+        print(json.dumps(res))
+    return 0 if res["ok"] else 1
+
+
+def _cmd_convert(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="rollplex convert", description="checkpoint conversion")
+    sub = ap.add_subparsers(dest="direction", required=True)
+    h2m = sub.add_parser("hf-to-mcore", help="HF directory -> per-rank megatron shards")
+    h2m.add_argument("--hf-dir", required=True)
+    h2m.add_argument("--out", required=True)
+    h2m.add_argument("--tp", type=int, default=1)
+    h2m.add_argument("--pp", type=int, default=1)
+    m2h = sub.add_parser("mcore-to-hf", help="per-rank megatron shards -> HF directory")
+    m2h.add_argument("--mcore-dir", required=True)
+    m2h.add_argument("--out", required=True)
+    m2h.add_argument("--max-shard-gib", type=float, default=4.0)
+    a = ap.parse_args(argv)
+    from rollplex_megatron.checkpoint import convert
+
+    if a.direction == "hf-to-mcore":
+        out = convert.hf_to_mcore(a.hf_dir, a.out, a.tp, a.pp)
+    else:
+        out = convert.mcore_to_hf(a.mcore_dir, a.out, int(a.max_shard_gib * (1 << 30)))
+    print(out)
+    return 0
+
+
+def _cmd_print_config(argv: list[str]) -> int:
+    from rollplex_megatron.recipes import load_run_config, to_yaml
+
+    print(to_yaml(load_run_config(argv)))
+    return 0
+
+
+def _cmd_smoke(argv: list[str]) -> int:
+    from rollplex_megatron.smoke import main as smoke_main
+
+    return smoke_main(argv)
+
+
+COMMANDS = {"smoke": _cmd_smoke, "verify-hf": _cmd_verify_hf, "convert": _cmd_convert,
+            "print-config": _cmd_print_config}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Dispatch to a command; returns the exit status."""
+    argv = sys.argv[1:] if argv is None else argv
+    quiet_known_warnings()
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0 if argv else 2
+    cmd, rest = argv[0], argv[1:]
+    if cmd not in COMMANDS:
+        print(f"unknown command {cmd!r}; commands: {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    return COMMANDS[cmd](rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
