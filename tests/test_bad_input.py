@@ -1,0 +1,85 @@
+"""Bad configs and checkpoints fail early with errors that name the setting or tensor and the numbers."""
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from hydra.errors import ConfigCompositionException
+from safetensors.torch import load_file, save_file
+
+from rollplex_megatron.checkpoint.hf import CheckpointError, HFCheckpoint, validate_checkpoint
+from rollplex_megatron.config import ParallelConfig, check_model_parallel
+from rollplex_megatron.recipes import load_run_config
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (["model=qwen2_5_vl_3b", "parallel.tp=4"], r"model.num_query_groups \(2\) is not divisible by parallel.tp \(4\)"),
+    (["model=qwen2_5_vl_7b", "parallel.tp=8"], r"model.num_attention_heads \(28\) is not divisible by parallel.tp \(8\)"),
+    (["model=qwen2_5_vl_7b", "parallel.pp=3"], r"model.num_layers \(28\) is not divisible by parallel.pp \(3\)"),
+    (["model.mrope_section=[2,3,4]"], r"model.mrope_section \[2, 3, 4\] must have 3 entries summing to head_dim/2 = 8"),
+    (["model.vision.out_hidden_size=32"], r"model.vision.out_hidden_size \(32\) must equal model.hidden_size \(64\)"),
+    (["model.vision.fullatt_block_indexes=[9]"], r"fullatt_block_indexes \[9\] out of range for depth 4"),
+    (["smoke.image_grid=[1,3,4]"], r"smoke.image_grid h and w must be multiples"),
+    (["parallel.tp=0"], r"parallel.tp must be >= 1"),
+])
+def test_config_errors_name_the_setting(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        load_run_config(overrides)
+
+
+def test_unknown_keys_are_rejected():
+    with pytest.raises(ConfigCompositionException, match="model.bogus"):
+        load_run_config(["model.bogus=1"])
+
+
+def test_released_presets_compose():
+    for name, tp in (("qwen2_5_vl_3b", 2), ("qwen2_5_vl_7b", 4), ("qwen2_5_vl_32b", 8)):
+        cfg = load_run_config([f"model={name}", f"parallel.tp={tp}"])
+        assert cfg.model.name == name and cfg.model.padded_vocab_size(tp) % (128 * tp) == 0
+
+
+def _edit_checkpoint(src, dst, fn):
+    shutil.copytree(src, dst)
+    tensors = load_file(Path(dst) / "model.safetensors")
+    fn(tensors)
+    save_file(tensors, Path(dst) / "model.safetensors")
+    return HFCheckpoint(dst)
+
+
+def test_missing_tensor_is_named(tiny_hf, tmp_path):
+    ck = _edit_checkpoint(tiny_hf, tmp_path / "c", lambda t: t.pop("model.layers.2.self_attn.k_proj.bias"))
+    with pytest.raises(CheckpointError, match=r"missing tensors \(1\): model.layers.2.self_attn.k_proj.bias"):
+        validate_checkpoint(ck, ck.model_config())
+
+
+def test_extra_tensor_is_named(tiny_hf, tmp_path):
+    def add(t):
+        t["model.layers.9.mlp.gate_proj.weight"] = torch.zeros(2, 2)
+
+    ck = _edit_checkpoint(tiny_hf, tmp_path / "c", add)
+    with pytest.raises(CheckpointError, match=r"unexpected tensors \(1\): model.layers.9.mlp.gate_proj.weight"):
+        validate_checkpoint(ck, ck.model_config())
+
+
+def test_shape_mismatch_names_tensor_and_numbers(tiny_hf, tmp_path):
+    def shrink(t):
+        t["visual.blocks.1.attn.qkv.weight"] = t["visual.blocks.1.attn.qkv.weight"][:90]
+
+    ck = _edit_checkpoint(tiny_hf, tmp_path / "c", shrink)
+    with pytest.raises(CheckpointError, match=r"visual.blocks.1.attn.qkv.weight: checkpoint \(90, 32\) vs model \(96, 32\)"):
+        validate_checkpoint(ck, ck.model_config())
+
+
+def test_checkpoint_heads_not_divisible_by_tp(tiny_hf):
+    cfg = HFCheckpoint(tiny_hf).model_config()
+    with pytest.raises(ValueError, match=r"model.num_query_groups \(2\) is not divisible by parallel.tp \(4\)"):
+        check_model_parallel(cfg, ParallelConfig(tp=4))
+
+
+def test_not_a_checkpoint(tmp_path):
+    with pytest.raises(CheckpointError, match="no config.json"):
+        HFCheckpoint(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({}))
+    with pytest.raises(CheckpointError, match=r"no \*.safetensors files"):
+        HFCheckpoint(tmp_path)
