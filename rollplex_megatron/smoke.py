@@ -33,8 +33,9 @@ def environment_record() -> dict:
     except ImportError:
         te = False
     root = Path(__file__).resolve().parent.parent
+    commit = os.environ.get("ROLLPLEX_COMMIT")  # set by benchmark scripts where .git does not travel
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
+        commit = commit or subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
                                 text=True, timeout=10).stdout.strip() or None
     except OSError:
         commit = None
