@@ -13,7 +13,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv >
 run() {
   local tag=$1; shift
   local args=("$@")
-  python3 -m rollplex_megatron smoke "${args[@]}" run_dir=/tmp/runs_$tag > /tmp/$tag.log 2>&1 || { tail -40 /tmp/$tag.log; return 1; }
+  python3 -m rollplex_megatron smoke "${args[@]}" run_dir=/tmp/runs_$tag > /tmp/$tag.log 2> /tmp/$tag.err || { tail -40 /tmp/$tag.err; return 1; }
   local dir; dir=$(tail -1 /tmp/$tag.log)
   python3 - "$dir/summary.json" "$out/$tag.json" "python -m rollplex_megatron smoke ${args[*]}" <<'PY'
 import json, sys

@@ -143,7 +143,13 @@ def main(argv: list[str]) -> int:
         raise ValueError("smoke runs tp*pp processes; set parallel.dp=1")
     print(to_yaml(cfg), flush=True)
     world = cfg.parallel.world_size
-    ranks = [run_rank(cfg)] if under_torchrun() or world == 1 else run_local(run_rank, world, cfg)
+    if world == 1 and not under_torchrun():
+        from rollplex_megatron.dist import destroy_parallel
+
+        ranks = [run_rank(cfg)]
+        destroy_parallel()
+    else:
+        ranks = [run_rank(cfg)] if under_torchrun() else run_local(run_rank, world, cfg)
     if under_torchrun() and world > 1:
         gathered = [None] * world
         torch.distributed.all_gather_object(gathered, ranks[0])
