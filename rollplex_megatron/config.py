@@ -186,12 +186,48 @@ class SmokeConfig:
 
 
 @dataclass(kw_only=True)
+class RolloutConfig:
+    """Rollout shape: GRPO group size and response length limit."""
+
+    group_size: int = 4  # G: responses sampled per prompt
+    max_response_len: int = 256  # longest response accepted (tokens)
+
+    def __post_init__(self) -> None:
+        if self.group_size < 1:
+            raise ValueError(f"rollout.group_size must be >= 1, got {self.group_size}")
+        if self.max_response_len < 1:
+            raise ValueError(f"rollout.max_response_len must be >= 1, got {self.max_response_len}")
+
+
+@dataclass(kw_only=True)
+class EquivalenceConfig:
+    """Random batch of `verify-equivalence`: prefix/response execution vs full sequences."""
+
+    groups_per_rank: int = 2  # prompts per data-parallel rank
+    min_response_len: int = 2  # shortest sampled response
+    max_response_len: int = 12  # longest sampled response (<= rollout.max_response_len)
+    responses_per_micro_batch: int = 3  # packed responses per micro-batch
+    image_grid: list[int] = field(default_factory=lambda: [1, 4, 6])  # image (t, h, w) patches
+    video_grid: list[int] = field(default_factory=lambda: [2, 4, 4])  # video (t, h, w) patches
+    text_tokens: int = 9  # prompt text tokens besides vision placeholders
+    seed: int = 7  # batch seed (fresh random inputs per seed)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_response_len <= self.max_response_len:
+            raise ValueError("verify.min_response_len must be >= 1 and <= verify.max_response_len")
+        if self.groups_per_rank < 1 or self.responses_per_micro_batch < 1:
+            raise ValueError("verify.groups_per_rank and verify.responses_per_micro_batch must be >= 1")
+
+
+@dataclass(kw_only=True)
 class RunConfig:
     """Top-level config: model, parallel layout, seed and output location."""
 
     model: ModelConfig = field(default_factory=ModelConfig)  # model shape (recipes/model/*.yaml)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # parallel layout
     smoke: SmokeConfig = field(default_factory=SmokeConfig)  # `smoke` command workload
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)  # rollout shape
+    verify: EquivalenceConfig = field(default_factory=EquivalenceConfig)  # verify-equivalence batch
     seed: int = 1234  # global seed
     dtype: str = "float32"  # compute dtype: float32 or bfloat16
     run_dir: str = "runs"  # where runs write their outputs
@@ -200,11 +236,15 @@ class RunConfig:
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
         check_model_parallel(self.model, self.parallel)
+        if self.verify.max_response_len > self.rollout.max_response_len:
+            raise ValueError(f"verify.max_response_len ({self.verify.max_response_len}) exceeds "
+                             f"rollout.max_response_len ({self.rollout.max_response_len})")
         m = self.model.vision.spatial_merge_size
-        for key in ("image_grid", "video_grid"):
-            _, h, w = getattr(self.smoke, key)
+        for key, owner in (("image_grid", self.smoke), ("video_grid", self.smoke),
+                           ("image_grid", self.verify), ("video_grid", self.verify)):
+            _, h, w = getattr(owner, key)
             if h % m or w % m:
-                raise ValueError(f"smoke.{key} h and w must be multiples of "
+                raise ValueError(f"{'smoke' if owner is self.smoke else 'verify'}.{key} h and w must be multiples of "
                                  f"model.vision.spatial_merge_size ({m}), got {h}x{w}")
 
 

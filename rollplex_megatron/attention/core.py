@@ -80,6 +80,10 @@ class SDPACoreAttention(MegatronModule):
         packed_seq_params=None,
     ):
         """Megatron layout in, `[S,B,Nq*D]` out."""
+        from rollplex_megatron.attention.prefix import PrefixContext
+
+        if isinstance(packed_seq_params, PrefixContext):
+            return packed_seq_params.attend(self.layer_number, query, key, value, self.softmax_scale)
         if packed_seq_params is not None:
             raise NotImplementedError("SDPACoreAttention: packed_seq_params (THD) is not supported")
         if attention_bias is not None:

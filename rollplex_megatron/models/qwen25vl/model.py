@@ -65,6 +65,9 @@ def llm_transformer_config(cfg: ModelConfig, dtype: torch.dtype, tp: int, pp: in
         add_bias_linear=False,
         mrope_section=list(cfg.mrope_section),
         pipeline_model_parallel_size=pp,
+        # Losses arrive pre-normalised by the global token count: the schedule must not divide by
+        # tokens or micro-batches, and DDP must sum (not average) over data-parallel ranks.
+        calculate_per_token_loss=True,
         **_common_tc(dtype, tp),
     )
 
@@ -199,6 +202,15 @@ class Qwen25VLModel(MegatronModule):
         if cfg.freeze_vision and self.vision is not None:
             self.vision.requires_grad_(False)
 
+    @property
+    def share_embeddings_and_output_weights(self) -> bool:
+        """Read by megatron's finalize_model_grads (tied-embedding gradient sync over PP)."""
+        return self.language_model.share_embeddings_and_output_weights
+
+    def shared_embedding_or_output_weight(self):
+        """The tied weight on this stage (embedding on the first, output copy on the last)."""
+        return self.language_model.shared_embedding_or_output_weight()
+
     def set_input_tensor(self, input_tensor) -> None:
         """Pipeline hook: the activation received from the previous stage."""
         self.language_model.set_input_tensor(input_tensor)
@@ -232,14 +244,35 @@ class Qwen25VLModel(MegatronModule):
         return logits_BSV.masked_fill(col, torch.finfo(logits_BSV.dtype).min)
 
     def forward(self, input_ids=None, position_ids=None, pixel_values=None, image_grid_thw=None,
-                pixel_values_videos=None, video_grid_thw=None, decoder_input=None):
-        """Per-stage forward: vocab-parallel logits [B,S,V/TP] on the last stage, else hidden [S,B,H]."""
+                pixel_values_videos=None, video_grid_thw=None, decoder_input=None, attention_context=None):
+        """Per-stage forward: vocab-parallel logits [B,S,V/TP] on the last stage, else hidden [S,B,H].
+
+        `attention_context` (a PrefixContext) reaches the core attention of every layer through
+        megatron's `packed_seq_params` argument.
+        """
         if self.pre_process and decoder_input is None:
             decoder_input = self.embed(input_ids, pixel_values, image_grid_thw,
                                        pixel_values_videos, video_grid_thw)
         out = self.language_model(input_ids=None, position_ids=position_ids, attention_mask=None,
-                                  decoder_input=decoder_input)
+                                  decoder_input=decoder_input, packed_seq_params=attention_context)
         return self.mask_padded_vocab(out) if self.post_process else out
+
+    def forward_prefix(self, input_ids, position_ids, attention_context, input_tensor=None,
+                       pixel_values=None, image_grid_thw=None, pixel_values_videos=None,
+                       video_grid_thw=None) -> torch.Tensor:
+        """Prefix stage on this pipeline stage: decoder layers only (no logits); returns [S,B,H].
+
+        First stage: embeddings (vision included). Later stages: `input_tensor` from the previous one.
+        """
+        lm = self.language_model
+        if self.pre_process:
+            hidden = self.embed(input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw)
+        else:
+            lm.decoder.set_input_tensor(input_tensor)
+            hidden = None
+        rope = lm.rotary_pos_emb(position_ids, lm.mrope_section)
+        return lm.decoder(hidden_states=hidden, attention_mask=None, rotary_pos_emb=rope,
+                          packed_seq_params=attention_context)
 
 
 def build_model(cfg: ModelConfig, dtype: str | torch.dtype = "float32") -> Qwen25VLModel:

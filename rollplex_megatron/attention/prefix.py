@@ -1,0 +1,162 @@
+"""Shared-prefix attention: packed responses attend to their group's prefix K/V plus their own K/V.
+
+Legend: T = packed query tokens of a micro-batch (B=1), Kp = concatenated prefix K/V of the groups in
+the micro-batch, Ng/Nq = KV groups / query heads per TP rank, D = head dim.
+
+A query token of response r in group g may attend to every prefix position of g (non-causal: the
+prefix precedes the whole response) and to positions 0..own of r (causal). The same rule with no
+prefix is plain block-causal attention over packed sequences (the full-sequence baseline). Prefix
+K/V are never repeated per response and GQA heads are never expanded.
+
+The context travels to megatron's core attention as `packed_seq_params` (megatron passes that
+argument untouched from GPTModel to core attention), so no global state is involved.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from megatron.core.packed_seq_params import PackedSeqParams
+
+
+@dataclass
+class PackedLayout:
+    """Per-token metadata of one packed micro-batch (all int64 tensors on the compute device)."""
+
+    seg_T: torch.Tensor  # response (segment) id of each query token
+    pos_T: torch.Tensor  # position of each query token inside its segment
+    group_T: torch.Tensor  # group id of each query token (-1: no shared prefix)
+    prefix_groups: list[int] = field(default_factory=list)  # groups whose prefix K/V are prepended
+    prefix_lens: list[int] = field(default_factory=list)  # their prefix lengths, same order
+
+    def allowed(self) -> torch.Tensor:
+        """[T, Kp+T] bool: True where the query token may attend to the key."""
+        own = (self.seg_T[:, None] == self.seg_T[None, :]) & (self.pos_T[None, :] <= self.pos_T[:, None])
+        if not self.prefix_groups:
+            return own
+        dev = self.seg_T.device
+        key_group = torch.repeat_interleave(torch.tensor(self.prefix_groups, device=dev),
+                                            torch.tensor(self.prefix_lens, device=dev))
+        return torch.cat([self.group_T[:, None] == key_group[None, :], own], dim=1)
+
+
+@dataclass
+class KVStore:
+    """Per-layer prefix K/V of each group: the autograd leaves and the graph tensors behind them."""
+
+    leaves: dict = field(default_factory=dict)  # (layer, group) -> (k_leaf, v_leaf) [P,1,Ng,D]
+    graph: dict = field(default_factory=dict)  # (layer, group) -> (k, v) graph outputs (actor only)
+
+    def record(self, layer: int, group: int, key, value, keep_graph: bool) -> None:
+        """Store a prefix's K/V; leaves get gradients when the graph is kept."""
+        if keep_graph:
+            self.graph[(layer, group)] = (key, value)
+            self.leaves[(layer, group)] = (key.detach().requires_grad_(), value.detach().requires_grad_())
+        else:
+            self.leaves[(layer, group)] = (key.detach(), value.detach())
+
+    def backward_pairs(self, group: int) -> tuple[list, list]:
+        """Graph tensors of `group` and the gradients accumulated on their leaves (skip untouched)."""
+        outs, grads = [], []
+        for (layer, g), kv in self.graph.items():
+            if g != group:
+                continue
+            for t, leaf in zip(kv, self.leaves[(layer, g)]):
+                if leaf.grad is not None:
+                    outs.append(t)
+                    grads.append(leaf.grad)
+        return outs, grads
+
+    def release(self, group: int) -> None:
+        """Drop a group's K/V and graph once its prefix backward is done."""
+        for key in [k for k in self.leaves if k[1] == group]:
+            self.leaves.pop(key, None)
+            self.graph.pop(key, None)
+
+
+@dataclass
+class PrefixContext(PackedSeqParams):
+    """What core attention needs for one forward: mode, layout and the K/V store.
+
+    mode "record": a prefix forward of `group` (causal over the prefix; K/V stored per layer).
+    mode "use": packed responses read the stored prefix K/V of `layout.prefix_groups`.
+    mode "packed": packed full sequences, block-causal, no shared prefix.
+    """
+
+    mode: str = "packed"
+    layout: PackedLayout | None = None
+    store: KVStore | None = None
+    group: int = -1
+    keep_graph: bool = True
+    backend: str = "auto"  # auto | sdpa | flex
+
+    def __post_init__(self) -> None:
+        self.qkv_format = "sbhd"  # megatron must not treat this as THD packing (rotary, kernels)
+
+    def attend(self, layer: int, query, key, value, scale):
+        """Attention for core attention's inputs: query [T,1,Nq,D], key/value [T,1,Ng,D]."""
+        from rollplex_megatron.attention.core import sdpa_attention
+
+        if self.mode == "record":
+            self.store.record(layer, self.group, key, value, self.keep_graph)
+            return sdpa_attention(query, key, value, None, True, scale)
+        allowed = self.layout.allowed()
+        if self.mode == "use":
+            pk = [self.store.leaves[(layer, g)] for g in self.layout.prefix_groups]
+            key = torch.cat([kv[0] for kv in pk] + [key], dim=0)
+            value = torch.cat([kv[1] for kv in pk] + [value], dim=0)
+        return shared_prefix_attention(query, key, value, allowed, scale, self._backend(query))
+
+    def _backend(self, query) -> str:
+        if self.backend != "auto":
+            return self.backend
+        return "flex" if query.is_cuda else "sdpa"
+
+
+def shared_prefix_attention(query_TBND, key_KBGD, value_KBGD, allowed_TK, scale, backend: str = "sdpa"):
+    """Masked attention in megatron layout; `allowed_TK` True = may attend. Returns [T,1,Nq*D]."""
+    if backend == "sdpa":
+        from rollplex_megatron.attention.core import sdpa_attention
+
+        return sdpa_attention(query_TBND, key_KBGD, value_KBGD, allowed_TK, False, scale)
+    if backend == "flex":
+        return _flex(query_TBND, key_KBGD, value_KBGD, allowed_TK, scale)
+    raise ValueError(f"unknown attention backend {backend!r} (sdpa or flex)")
+
+
+_FLEX_COMPILED = None
+
+
+def _flex(query, key, value, allowed, scale):
+    """FlexAttention with a block mask built from `allowed` (compiled on GPU, eager elsewhere)."""
+    global _FLEX_COMPILED
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+    sq, sk = q.shape[2], k.shape[2]
+
+    def mask_mod(b, h, qi, ki):
+        return allowed[qi, ki]
+
+    block = create_block_mask(mask_mod, None, None, sq, sk, device=q.device)
+    fn = flex_attention
+    if q.is_cuda:
+        if _FLEX_COMPILED is None:
+            _FLEX_COMPILED = torch.compile(flex_attention, dynamic=True)
+        fn = _FLEX_COMPILED
+    out = fn(q, k, v, block_mask=block, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+    b, n, s, d = out.shape
+    return out.permute(2, 0, 1, 3).reshape(s, b, n * d)
+
+
+def dense_reference(query, key, value, allowed, scale):
+    """Plain math (float64) for tests: softmax(QK^T)V with GQA expanded and an explicit mask."""
+    q, k, v = (t.permute(1, 2, 0, 3).double() for t in (query, key, value))
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    s = (q @ k.transpose(-1, -2)) * (scale if scale is not None else q.shape[-1] ** -0.5)
+    s = s.masked_fill(~allowed, float("-inf"))
+    out = F.softmax(s, dim=-1) @ v
+    b, n, t, d = out.shape
+    return out.permute(2, 0, 1, 3).reshape(t, b, n * d).to(query.dtype)

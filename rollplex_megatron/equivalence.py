@@ -1,0 +1,119 @@
+"""`verify-equivalence`: prefix/response execution against full sequences on one random batch.
+
+Both paths run on the same DDP-wrapped model, weights and batch; the gradients compared are the
+DP-reduced ones. Reported errors are relative, ||a - b|| / ||b||, with the full-sequence path as
+the reference, maximised over ranks (and over parameters for gradients).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from rollplex_megatron.config import RunConfig
+
+# DESIGN section 3: fp32 on CPU 1e-5 for all; bf16 loss 1e-3, log-probs and gradients 1e-2.
+TOLERANCES = {"float32": {"logp": 1e-5, "loss": 1e-5, "grad": 1e-5},
+              "bfloat16": {"logp": 1e-2, "loss": 1e-3, "grad": 1e-2}}
+
+
+def random_groups(cfg: RunConfig, dp_rank: int):
+    """This DP rank's groups: prompts with an image and a video, G responses of random lengths."""
+    from rollplex_megatron.parity import synthetic_inputs
+    from rollplex_megatron.prefix.batch import Group, Prompt
+
+    v, m = cfg.verify, cfg.model
+    g = torch.Generator().manual_seed(v.seed * 1000 + dp_rank)
+    text_hi = min(m.vocab_size, m.image_token_id, m.video_token_id, m.vision_start_token_id,
+                  m.vision_end_token_id)
+    groups = []
+    for i in range(v.groups_per_rank):
+        x = synthetic_inputs(m, v.seed * 1000 + dp_rank * 100 + i, 1, tuple(v.image_grid),
+                             tuple(v.video_grid), v.text_tokens + i)
+        prompt = Prompt(x["input_ids"][0], x["pixel_values"], x["image_grid_thw"], x["pixel_values_videos"],
+                        x["video_grid_thw"], x["second_per_grid_ts"])
+        lens = torch.randint(v.min_response_len, v.max_response_len + 1, (cfg.rollout.group_size,), generator=g)
+        responses = [torch.randint(0, text_hi, (int(n),), generator=g) for n in lens]
+        groups.append(Group(prompt, responses, torch.randn(cfg.rollout.group_size, generator=g)))
+    return groups
+
+
+def wrap_ddp(model):
+    """megatron DDP around the model (grad reduction in finalize_model_grads, no overlap)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                            use_distributed_optimizer=False)
+    return DistributedDataParallel(config=model.config, ddp_config=ddp_cfg, module=model)
+
+
+def _grads(ddp) -> dict[str, torch.Tensor]:
+    return {n: p.main_grad.detach().float().clone() for n, p in ddp.module.named_parameters()
+            if p.requires_grad}
+
+
+def _collect(res: list[dict]):
+    if not res:
+        return None, None
+    return torch.cat([r["logp"].float() for r in res]), sum(float(r["loss"]) for r in res)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def run_rank(cfg: RunConfig, hf_dir: str | None = None, position_offset: int = 0) -> dict:
+    """One rank: build, run both paths (actor and reference variants), compare."""
+    from megatron.core import parallel_state as ps
+
+    from rollplex_megatron.dist import init_parallel
+    from rollplex_megatron.models.qwen25vl import build_model
+    from rollplex_megatron.prefix import batch as B
+    from rollplex_megatron.prefix import execution as X
+
+    init_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.seed, cfg.parallel.backend)
+    model = build_model(cfg.model, cfg.dtype)
+    if hf_dir is not None:
+        from rollplex_megatron.checkpoint.hf import HFCheckpoint, load_hf_into_model
+
+        ck = HFCheckpoint(hf_dir)
+        load_hf_into_model(model, ck, cfg.model, ps.get_tensor_model_parallel_rank(), cfg.parallel.tp,
+                           ps.get_pipeline_model_parallel_rank(), cfg.parallel.pp)
+    ddp = wrap_ddp(model)
+    groups = random_groups(cfg, ps.get_data_parallel_rank())
+    B.validate_groups(cfg.model, groups, cfg.rollout.max_response_len)
+    n_tok = torch.tensor(float(sum(r.numel() for g in groups for r in g.responses)))
+    dist.all_reduce(n_tok, group=ps.get_data_parallel_group())
+    per_mb = cfg.verify.responses_per_micro_batch
+    full_mbs = B.full_micro_batches(cfg.model, groups, per_mb, int(n_tok))
+    resp_mbs = B.response_micro_batches(cfg.model, groups, per_mb, int(n_tok), position_offset)
+
+    ddp.zero_grad_buffer()
+    full_logp, full_loss = _collect(X.full_sequence_step(ddp, full_mbs))
+    full_grads = _grads(ddp)
+    ddp.zero_grad_buffer()
+    pre_logp, pre_loss = _collect(X.actor_prefix_step(ddp, groups, resp_mbs))
+    pre_grads = _grads(ddp)
+    ref_logp, _ = _collect(X.reference_prefix_logprobs(ddp, groups, resp_mbs))
+
+    errs = torch.zeros(4, dtype=torch.float64)
+    if full_logp is not None:
+        errs[0] = _rel(pre_logp, full_logp)
+        errs[1] = abs(pre_loss - full_loss) / max(abs(full_loss), 1e-30)
+        errs[3] = _rel(ref_logp, full_logp)
+    grad_errs = {n: _rel(pre_grads[n], full_grads[n]) for n in full_grads}
+    worst = max(grad_errs, key=grad_errs.get)
+    errs[2] = grad_errs[worst]
+    zero_ref = [n for n, gr in full_grads.items() if float(gr.norm()) == 0.0]
+    dist.all_reduce(errs, op=dist.ReduceOp.MAX)
+    loss_t = torch.tensor(full_loss or 0.0, dtype=torch.float64)
+    dist.all_reduce(loss_t, group=ps.get_data_parallel_group())
+    tol = TOLERANCES[cfg.dtype]
+    out = {"max_rel_err_logp": float(errs[0]), "max_rel_err_loss": float(errs[1]),
+           "max_rel_err_grad": float(errs[2]), "max_rel_err_ref_logp": float(errs[3]),
+           "tp": cfg.parallel.tp, "pp": cfg.parallel.pp, "dp": ps.get_data_parallel_world_size(),
+           "group_size": cfg.rollout.group_size, "dtype": cfg.dtype, "tolerance": tol,
+           "worst_grad_param_local": worst, "zero_reference_grads_local": zero_ref,
+           "response_tokens": int(n_tok), "loss": float(loss_t)}
+    out["ok"] = (out["max_rel_err_logp"] <= tol["logp"] and out["max_rel_err_ref_logp"] <= tol["logp"]
+                 and out["max_rel_err_loss"] <= tol["loss"] and out["max_rel_err_grad"] <= tol["grad"])
+    return out

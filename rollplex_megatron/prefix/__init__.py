@@ -1,0 +1,1 @@
+"""Prefix stage / response stage execution around megatron's pipeline schedule."""

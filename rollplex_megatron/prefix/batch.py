@@ -1,0 +1,172 @@
+"""Rollout batches (groups of responses to one prompt) and their packed micro-batches.
+
+Legend: P = prompt tokens, R = response tokens, T = packed tokens of one micro-batch (B=1).
+Prefix = prompt[:-1]. The response stage input of a response is [prompt[-1], response[:-1]] with
+labels `response`; the full-sequence input is [prompt, response[:-1]] with the same labels at its
+last R positions. Both micro-batch kinds carry the same responses in the same order, so their
+per-token log-probs line up one to one.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from rollplex_megatron.attention.prefix import PackedLayout
+from rollplex_megatron.config import ModelConfig
+from rollplex_megatron.models.qwen25vl.positions import mrope_position_ids
+
+
+@dataclass
+class Prompt:
+    """One prompt with its images and videos (the processor's tensors)."""
+
+    input_ids: torch.Tensor  # [P] long
+    pixel_values: torch.Tensor | None = None  # [N_img, C*T*p*p]
+    image_grid_thw: torch.Tensor | None = None  # [n_images, 3]
+    pixel_values_videos: torch.Tensor | None = None  # [N_vid, C*T*p*p]
+    video_grid_thw: torch.Tensor | None = None  # [n_videos, 3]
+    second_per_grid_ts: torch.Tensor | None = None  # [n_videos]
+
+
+@dataclass
+class Group:
+    """A GRPO group: G responses sampled for one prompt, with their advantages."""
+
+    prompt: Prompt
+    responses: list[torch.Tensor]  # G tensors [R_i] long
+    advantages: torch.Tensor  # [G] float
+
+
+@dataclass
+class MicroBatch:
+    """One packed micro-batch (B=1) for megatron's schedule."""
+
+    input_ids: torch.Tensor  # [1, T]
+    position_ids: torch.Tensor  # [3, 1, T]
+    labels: torch.Tensor  # [1, T] (0 where no loss)
+    weight: torch.Tensor  # [1, T] loss weight: advantage / global token count (0 where no loss)
+    label_mask: torch.Tensor  # [1, T] bool, True on response-token predictions
+    layout: PackedLayout
+    vision: dict = field(default_factory=dict)  # pixel inputs (full-sequence micro-batches only)
+    responses: list[tuple[int, int]] = field(default_factory=list)  # (group, response) in order
+
+    def to(self, device) -> "MicroBatch":
+        """A copy on `device` (layout and pixels included)."""
+        mv = lambda t: t.to(device) if torch.is_tensor(t) else t  # noqa: E731
+        lay = self.layout
+        return MicroBatch(mv(self.input_ids), mv(self.position_ids), mv(self.labels), mv(self.weight),
+                          mv(self.label_mask),
+                          PackedLayout(mv(lay.seg_T), mv(lay.pos_T), mv(lay.group_T), lay.prefix_groups,
+                                       lay.prefix_lens),
+                          {k: mv(v) for k, v in self.vision.items()}, self.responses)
+
+
+def prompt_positions(cfg: ModelConfig, prompt: Prompt, extra_text: int = 0) -> torch.Tensor:
+    """M-RoPE positions [3,1,P+extra_text] of the prompt followed by `extra_text` text tokens."""
+    ids = prompt.input_ids
+    if extra_text:
+        ids = torch.cat([ids, torch.zeros(extra_text, dtype=ids.dtype)])
+    pos, _ = mrope_position_ids(ids[None], prompt.image_grid_thw, prompt.video_grid_thw,
+                                prompt.second_per_grid_ts, image_token_id=cfg.image_token_id,
+                                video_token_id=cfg.video_token_id, merge=cfg.vision.spatial_merge_size,
+                                tokens_per_second=cfg.vision.tokens_per_second)
+    return pos
+
+
+def validate_groups(cfg: ModelConfig, groups: list[Group], max_response_len: int) -> None:
+    """Bad input fails here, naming the group and response, before any model work."""
+    vision_ids = {cfg.image_token_id, cfg.video_token_id}
+    for gi, g in enumerate(groups):
+        ids = g.prompt.input_ids
+        if ids.dim() != 1 or ids.numel() < 2:
+            raise ValueError(f"group {gi}: prompt must be a 1-D tensor of at least 2 tokens")
+        if int(ids[-1]) in vision_ids:
+            raise ValueError(f"group {gi}: the prompt's last token is a vision placeholder; prompts end in text")
+        if len(g.advantages) != len(g.responses):
+            raise ValueError(f"group {gi}: {len(g.responses)} responses but {len(g.advantages)} advantages")
+        for ri, r in enumerate(g.responses):
+            if r.numel() == 0:
+                raise ValueError(f"group {gi} response {ri}: empty response (drop it or give it one token)")
+            if r.numel() > max_response_len:
+                raise ValueError(f"group {gi} response {ri}: {r.numel()} tokens exceed "
+                                 f"rollout.max_response_len={max_response_len}")
+            bad = [int(t) for t in r if int(t) in vision_ids]
+            if bad:
+                raise ValueError(f"group {gi} response {ri}: contains vision placeholder token(s) {bad[:3]}")
+
+
+def check_group_prompts(groups: list[Group], group_ids: list[list[int]]) -> None:
+    """Responses declared as one group must share one prompt (same tokens)."""
+    for members in group_ids:
+        first = groups[members[0]].prompt.input_ids
+        for m in members[1:]:
+            if not torch.equal(groups[m].prompt.input_ids, first):
+                raise ValueError(f"samples {members[0]} and {m} are in one group but have different prompts")
+
+
+def _chunks(groups: list[Group], per_mb: int) -> list[list[tuple[int, int]]]:
+    flat = [(gi, ri) for gi, g in enumerate(groups) for ri in range(len(g.responses))]
+    return [flat[i:i + per_mb] for i in range(0, len(flat), per_mb)]
+
+
+def response_micro_batches(cfg: ModelConfig, groups: list[Group], per_mb: int, total_tokens: int,
+                           position_offset: int = 0) -> list[MicroBatch]:
+    """Response-stage micro-batches: [prompt[-1], response[:-1]] packed, positions after the prefix.
+
+    `position_offset` exists only for mutation tests (a wrong offset must be detected).
+    """
+    last_pos = [prompt_positions(cfg, g.prompt)[:, :, -1:] for g in groups]  # [3,1,1]
+    out = []
+    for members in _chunks(groups, per_mb):
+        ids, pos, lab, w, seg, p, grp = [], [], [], [], [], [], []
+        for s, (gi, ri) in enumerate(members):
+            r = groups[gi].responses[ri]
+            n = r.numel()
+            ids.append(torch.cat([groups[gi].prompt.input_ids[-1:], r[:-1]]))
+            pos.append(last_pos[gi] + position_offset + torch.arange(n).view(1, 1, n))
+            lab.append(r)
+            w.append(torch.full((n,), float(groups[gi].advantages[ri]) / total_tokens))
+            seg.append(torch.full((n,), s))
+            p.append(torch.arange(n))
+            grp.append(torch.full((n,), gi))
+        present = sorted({gi for gi, _ in members})
+        layout = PackedLayout(torch.cat(seg), torch.cat(p), torch.cat(grp), present,
+                              [groups[g].prompt.input_ids.numel() - 1 for g in present])
+        t = sum(x.numel() for x in ids)
+        out.append(MicroBatch(torch.cat(ids)[None], torch.cat(pos, dim=2), torch.cat(lab)[None],
+                              torch.cat(w)[None], torch.ones(1, t, dtype=torch.bool), layout,
+                              responses=list(members)))
+    return out
+
+
+def full_micro_batches(cfg: ModelConfig, groups: list[Group], per_mb: int, total_tokens: int) -> list[MicroBatch]:
+    """Full-sequence micro-batches: each response with its whole prompt (the serial baseline)."""
+    out = []
+    for members in _chunks(groups, per_mb):
+        ids, pos, lab, w, msk, seg, p = [], [], [], [], [], [], []
+        vis: dict[str, list] = {}
+        for s, (gi, ri) in enumerate(members):
+            g, r = groups[gi], groups[gi].responses[ri]
+            n_p, n = g.prompt.input_ids.numel(), r.numel()
+            seq = torch.cat([g.prompt.input_ids, r[:-1]])
+            full_pos, _ = mrope_position_ids(
+                seq[None], g.prompt.image_grid_thw, g.prompt.video_grid_thw, g.prompt.second_per_grid_ts,
+                image_token_id=cfg.image_token_id, video_token_id=cfg.video_token_id,
+                merge=cfg.vision.spatial_merge_size, tokens_per_second=cfg.vision.tokens_per_second)
+            ids.append(seq)
+            pos.append(full_pos)
+            lab.append(torch.cat([torch.zeros(n_p - 1, dtype=r.dtype), r]))
+            w.append(torch.cat([torch.zeros(n_p - 1), torch.full((n,), float(g.advantages[ri]) / total_tokens)]))
+            msk.append(torch.cat([torch.zeros(n_p - 1, dtype=torch.bool), torch.ones(n, dtype=torch.bool)]))
+            seg.append(torch.full((seq.numel(),), s))
+            p.append(torch.arange(seq.numel()))
+            for k in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw"):
+                if getattr(g.prompt, k) is not None:
+                    vis.setdefault(k, []).append(getattr(g.prompt, k))
+        t = sum(x.numel() for x in ids)
+        layout = PackedLayout(torch.cat(seg), torch.cat(p), torch.full((t,), -1))
+        out.append(MicroBatch(torch.cat(ids)[None], torch.cat(pos, dim=2), torch.cat(lab)[None],
+                              torch.cat(w)[None], torch.cat(msk)[None], layout,
+                              {k: torch.cat(v) for k, v in vis.items()}, list(members)))
+    return out

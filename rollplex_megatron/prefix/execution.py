@@ -1,0 +1,168 @@
+"""Prefix forward before megatron's schedule, response micro-batches through it, prefix backward after.
+
+Actor step (DESIGN section 2):
+  1. `prefix_forward(keep_graph=True)`: once per group, the vision tower and the LLM run over
+     prompt[:-1] on every pipeline stage; each layer's K/V become autograd leaves (KVStore).
+  2. `run_schedule(response micro-batches)`: megatron's `get_forward_backward_func()` (no
+     pipelining or 1F1B) runs the packed responses, which read the leaves; backward accumulates
+     gK/gV on them. `finalize_model_grads_func` is held back meanwhile.
+  3. `prefix_backward`: per group, the accumulated gK/gV (plus, with PP, the gradient of the
+     stage output received from the next stage) go once through the saved prefix graph; then
+     `finalize_model_grads` (DP reduction, tied-embedding sync) sees every gradient exactly once.
+The reference variant runs step 1 without a graph and step 2 forward-only.
+The full-sequence path (serial baseline) runs packed [prompt, response] sequences through the same
+schedule, model and loss.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from megatron.core import parallel_state as ps
+from megatron.core import tensor_parallel
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
+from megatron.core.utils import get_model_config
+
+from rollplex_megatron.attention.prefix import KVStore, PrefixContext
+from rollplex_megatron.prefix.batch import Group, MicroBatch, prompt_positions
+
+
+def unwrap(model):
+    """The Qwen25VLModel inside DDP / Float16Module wrappers."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+@dataclass
+class PrefixState:
+    """What the prefix backward of one group needs on this stage."""
+
+    length: int  # prefix tokens
+    received: torch.Tensor | None  # stage input from the previous stage (grad flows back to it)
+    output: torch.Tensor  # stage output sent to the next stage
+
+
+def _device():
+    return torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+
+
+def _p2p(model) -> P2PCommunicator:
+    return P2PCommunicator(pp_group=ps.get_pipeline_model_parallel_group(), config=get_model_config(model))
+
+
+def prefix_forward(model, groups: list[Group], store: KVStore, keep_graph: bool) -> list[PrefixState]:
+    """Step 1 on this stage for every group, in group order (the order every stage uses)."""
+    m, p2p = unwrap(model), _p2p(model)
+    first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
+    cfg, dev, states = m.cfg, _device(), []
+    for gi, g in enumerate(groups):
+        n = g.prompt.input_ids.numel() - 1
+        recv = None if first else p2p.recv_forward((n, 1, cfg.hidden_size), first)
+        ctx = PrefixContext(mode="record", store=store, group=gi, keep_graph=keep_graph)
+        pr = g.prompt
+        vis = {k: (getattr(pr, k).to(dev) if getattr(pr, k) is not None else None)
+               for k in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")}
+        if vis["pixel_values"] is not None:
+            vis["pixel_values"] = vis["pixel_values"].to(m.config.params_dtype)
+        if vis["pixel_values_videos"] is not None:
+            vis["pixel_values_videos"] = vis["pixel_values_videos"].to(m.config.params_dtype)
+        with torch.set_grad_enabled(keep_graph):
+            out = m.forward_prefix(pr.input_ids[None, :-1].to(dev), prompt_positions(cfg, pr)[:, :, :-1].to(dev),
+                                   ctx, input_tensor=recv, **vis)
+        if not last:
+            p2p.send_forward(out.detach() if not keep_graph else out, last)
+        states.append(PrefixState(n, recv, out))
+    return states
+
+
+def prefix_backward(model, states: list[PrefixState], store: KVStore) -> None:
+    """Step 3 on this stage: one backward per group through its saved prefix graph."""
+    p2p = _p2p(model)
+    first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
+    hidden = unwrap(model).cfg.hidden_size
+    for gi, st in enumerate(states):
+        outs, grads = store.backward_pairs(gi)
+        if not last:
+            outs.append(st.output)
+            grads.append(p2p.recv_backward((st.length, 1, hidden), last))
+        if outs:
+            torch.autograd.backward(outs, grads)
+        if not first:
+            g = st.received.grad if st.received.grad is not None else torch.zeros_like(st.received)
+            p2p.send_backward(g, first)
+        store.release(gi)
+
+
+def _loss(mb: MicroBatch, logits_BTV: torch.Tensor):
+    logp = -tensor_parallel.vocab_parallel_cross_entropy(logits_BTV.float(), mb.labels)
+    loss = -(logp * mb.weight).sum()
+    n = mb.label_mask.sum().to(torch.int)
+    return loss, n, {"loss": loss.detach(), "logp": logp.detach()[mb.label_mask]}
+
+
+def _step(micro_batches: list[MicroBatch], ctx_for, data_iterator, model):
+    mb = micro_batches[next(data_iterator)]
+    out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, attention_context=ctx_for(mb),
+                **mb.vision)
+    return out, partial(_loss, mb)
+
+
+def run_schedule(model, micro_batches: list[MicroBatch], ctx_for, forward_only: bool) -> list[dict]:
+    """Packed micro-batches through megatron's schedule; returns the last stage's per-micro-batch dicts."""
+    config = get_model_config(model)
+    saved = config.finalize_model_grads_func, config.variable_seq_lengths
+    config.finalize_model_grads_func = None  # prefix gradients must be in before DP reduction
+    config.variable_seq_lengths = True  # packed micro-batches differ in length
+    try:
+        return get_forward_backward_func()(
+            forward_step_func=partial(_step, micro_batches, ctx_for),
+            data_iterator=iter(range(len(micro_batches))), model=[model],
+            num_microbatches=len(micro_batches), seq_length=max(mb.input_ids.shape[1] for mb in micro_batches),
+            micro_batch_size=1, forward_only=forward_only)
+    finally:
+        config.finalize_model_grads_func, config.variable_seq_lengths = saved
+
+
+def finalize(model) -> None:
+    """DP gradient reduction and embedding-group sync, after every backward of the step."""
+    from megatron.core.distributed import finalize_model_grads
+
+    finalize_model_grads([model])
+
+
+def actor_prefix_step(model, groups: list[Group], micro_batches: list[MicroBatch]) -> list[dict]:
+    """Prefix/response forward+backward of the actor; gradients finalised. Returns loss dicts."""
+    dev = _device()
+    mbs = [mb.to(dev) for mb in micro_batches]
+    store = KVStore()
+    states = prefix_forward(model, groups, store, keep_graph=True)
+    res = run_schedule(model, mbs, lambda mb: PrefixContext(mode="use", layout=mb.layout, store=store),
+                       forward_only=False)
+    prefix_backward(model, states, store)
+    finalize(model)
+    return res
+
+
+def reference_prefix_logprobs(model, groups: list[Group], micro_batches: list[MicroBatch]) -> list[dict]:
+    """Reference variant: prefix K/V without a graph, response stage forward-only."""
+    dev = _device()
+    mbs = [mb.to(dev) for mb in micro_batches]
+    store = KVStore()
+    with torch.no_grad():
+        prefix_forward(model, groups, store, keep_graph=False)
+        return run_schedule(model, mbs, lambda mb: PrefixContext(mode="use", layout=mb.layout, store=store),
+                            forward_only=True)
+
+
+def full_sequence_step(model, micro_batches: list[MicroBatch], forward_only: bool = False) -> list[dict]:
+    """The serial baseline: every response with its whole prompt, same schedule, model and loss."""
+    dev = _device()
+    mbs = [mb.to(dev) for mb in micro_batches]
+    res = run_schedule(model, mbs, lambda mb: PrefixContext(mode="packed", layout=mb.layout),
+                       forward_only=forward_only)
+    if not forward_only:
+        finalize(model)
+    return res
