@@ -6,6 +6,8 @@ Commands
                                       megatron model vs transformers on an HF checkpoint
   convert hf-to-mcore --hf-dir DIR --out DIR [--tp N] [--pp N]
   convert mcore-to-hf --mcore-dir DIR --out DIR
+  verify-equivalence [hydra overrides] [--hf-dir DIR] [--json]
+                                      prefix/response execution vs full sequences (exit 0 = exact)
   print-config [hydra overrides]      the resolved config
 Commands that take Hydra overrides accept e.g. `model=qwen2_5_vl_3b parallel.tp=2`.
 Multi-process commands launch their own local processes when not started by torchrun.
@@ -71,6 +73,39 @@ def _cmd_convert(argv: list[str]) -> int:
     return 0
 
 
+def _cmd_verify_equivalence(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="rollplex verify-equivalence",
+                                 description="prefix/response execution vs full sequences on a random batch")
+    ap.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    ap.add_argument("--hf-dir", default=None, help="load weights from this HF checkpoint (default: random init)")
+    a, overrides = ap.parse_known_args(argv)
+    from rollplex_megatron.dist import run_local, under_torchrun
+    from rollplex_megatron.equivalence import run_rank
+    from rollplex_megatron.recipes import load_run_config
+
+    cfg = load_run_config(overrides)
+    if a.hf_dir is not None:  # bad checkpoint directory: fail here, before processes start
+        from rollplex_megatron.checkpoint.hf import HFCheckpoint
+        from rollplex_megatron.config import check_model_parallel
+
+        check_model_parallel(HFCheckpoint(a.hf_dir).model_config(), cfg.parallel)
+    import torch.distributed as dist
+
+    if under_torchrun():
+        res = run_rank(cfg, a.hf_dir)
+        if dist.get_rank() != 0:
+            return 0 if res["ok"] else 1
+    else:
+        res = run_local(run_rank, cfg.parallel.world_size, cfg, a.hf_dir)[0]
+    print(f"prefix/response vs full sequence ({cfg.dtype}, tp={res['tp']} pp={res['pp']} dp={res['dp']} "
+          f"G={res['group_size']}): logp {res['max_rel_err_logp']:.2e}, loss {res['max_rel_err_loss']:.2e}, "
+          f"grad {res['max_rel_err_grad']:.2e}, reference logp {res['max_rel_err_ref_logp']:.2e} "
+          f"(tolerances {res['tolerance']}): {'OK' if res['ok'] else 'MISMATCH'}")
+    if a.json:
+        print(json.dumps(res))
+    return 0 if res["ok"] else 1
+
+
 def _cmd_print_config(argv: list[str]) -> int:
     from rollplex_megatron.recipes import load_run_config, to_yaml
 
@@ -84,7 +119,7 @@ def _cmd_smoke(argv: list[str]) -> int:
     return smoke_main(argv)
 
 
-COMMANDS = {"smoke": _cmd_smoke, "verify-hf": _cmd_verify_hf, "convert": _cmd_convert,
+COMMANDS = {"smoke": _cmd_smoke, "verify-hf": _cmd_verify_hf, "verify-equivalence": _cmd_verify_equivalence, "convert": _cmd_convert,
             "print-config": _cmd_print_config}
 
 

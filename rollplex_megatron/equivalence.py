@@ -70,12 +70,14 @@ def run_rank(cfg: RunConfig, hf_dir: str | None = None, position_offset: int = 0
     from rollplex_megatron.prefix import batch as B
     from rollplex_megatron.prefix import execution as X
 
+    from rollplex_megatron.checkpoint.hf import HFCheckpoint, load_hf_into_model
+
+    ck = HFCheckpoint(hf_dir) if hf_dir is not None else None
+    if ck is not None:
+        cfg.model = ck.model_config()  # the checkpoint defines the shape
     init_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.seed, cfg.parallel.backend)
     model = build_model(cfg.model, cfg.dtype)
-    if hf_dir is not None:
-        from rollplex_megatron.checkpoint.hf import HFCheckpoint, load_hf_into_model
-
-        ck = HFCheckpoint(hf_dir)
+    if ck is not None:
         load_hf_into_model(model, ck, cfg.model, ps.get_tensor_model_parallel_rank(), cfg.parallel.tp,
                            ps.get_pipeline_model_parallel_rank(), cfg.parallel.pp)
     ddp = wrap_ddp(model)
@@ -105,8 +107,10 @@ def run_rank(cfg: RunConfig, hf_dir: str | None = None, position_offset: int = 0
     errs[2] = grad_errs[worst]
     zero_ref = [n for n, gr in full_grads.items() if float(gr.norm()) == 0.0]
     dist.all_reduce(errs, op=dist.ReduceOp.MAX)
-    loss_t = torch.tensor(full_loss or 0.0, dtype=torch.float64)
-    dist.all_reduce(loss_t, group=ps.get_data_parallel_group())
+    # The loss lives on the last stage; count it once per DP rank (TP rank 0), summed over DP.
+    owner = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
+    loss_t = torch.tensor(full_loss if owner else 0.0, dtype=torch.float64)
+    dist.all_reduce(loss_t)
     tol = TOLERANCES[cfg.dtype]
     out = {"max_rel_err_logp": float(errs[0]), "max_rel_err_loss": float(errs[1]),
            "max_rel_err_grad": float(errs[2]), "max_rel_err_ref_logp": float(errs[3]),
