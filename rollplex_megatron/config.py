@@ -211,8 +211,15 @@ class EquivalenceConfig:
     video_grid: list[int] = field(default_factory=lambda: [2, 4, 4])  # video (t, h, w) patches
     text_tokens: int = 9  # prompt text tokens besides vision placeholders
     seed: int = 7  # batch seed (fresh random inputs per seed)
+    advantage_mean: float = 0.0  # advantages ~ N(mean, 1); a nonzero mean keeps the loss away from 0
+    attention_backend: str = "auto"  # shared-prefix attention: auto (flex on GPU, sdpa on CPU), sdpa, flex
+    repeats: int = 1  # run both paths this many times; timings are the median after the first
 
     def __post_init__(self) -> None:
+        if self.attention_backend not in ("auto", "sdpa", "flex"):
+            raise ValueError(f"verify.attention_backend must be auto, sdpa or flex, got {self.attention_backend!r}")
+        if self.repeats < 1:
+            raise ValueError("verify.repeats must be >= 1")
         if not 1 <= self.min_response_len <= self.max_response_len:
             raise ValueError("verify.min_response_len must be >= 1 and <= verify.max_response_len")
         if self.groups_per_rank < 1 or self.responses_per_micro_batch < 1:

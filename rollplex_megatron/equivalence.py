@@ -6,10 +6,13 @@ the reference, maximised over ranks (and over parameters for gradients).
 """
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
 from rollplex_megatron.config import RunConfig
+from rollplex_megatron.flops import group_flops
 
 # DESIGN section 3: fp32 on CPU 1e-5 for all; bf16 loss 1e-3, log-probs and gradients 1e-2.
 TOLERANCES = {"float32": {"logp": 1e-5, "loss": 1e-5, "grad": 1e-5},
@@ -33,7 +36,8 @@ def random_groups(cfg: RunConfig, dp_rank: int):
                         x["video_grid_thw"], x["second_per_grid_ts"])
         lens = torch.randint(v.min_response_len, v.max_response_len + 1, (cfg.rollout.group_size,), generator=g)
         responses = [torch.randint(0, text_hi, (int(n),), generator=g) for n in lens]
-        groups.append(Group(prompt, responses, torch.randn(cfg.rollout.group_size, generator=g)))
+        adv = v.advantage_mean + torch.randn(cfg.rollout.group_size, generator=g)
+        groups.append(Group(prompt, responses, adv))
     return groups
 
 
@@ -55,6 +59,17 @@ def _collect(res: list[dict]):
     if not res:
         return None, None
     return torch.cat([r["logp"].float() for r in res]), sum(float(r["loss"]) for r in res)
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _median_after_first(xs: list[float]) -> float:
+    import statistics
+
+    return statistics.median(xs[1:] if len(xs) > 1 else xs)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -89,13 +104,31 @@ def run_rank(cfg: RunConfig, hf_dir: str | None = None, position_offset: int = 0
     full_mbs = B.full_micro_batches(cfg.model, groups, per_mb, int(n_tok))
     resp_mbs = B.response_micro_batches(cfg.model, groups, per_mb, int(n_tok), position_offset)
 
-    ddp.zero_grad_buffer()
-    full_logp, full_loss = _collect(X.full_sequence_step(ddp, full_mbs))
-    full_grads = _grads(ddp)
-    ddp.zero_grad_buffer()
-    pre_logp, pre_loss = _collect(X.actor_prefix_step(ddp, groups, resp_mbs))
-    pre_grads = _grads(ddp)
-    ref_logp, _ = _collect(X.reference_prefix_logprobs(ddp, groups, resp_mbs))
+    be = cfg.verify.attention_backend
+    times: dict[str, list] = {"full_fwd_bwd_s": [], "prefix_fwd_bwd_s": [], "reference_prefix_fwd_s": []}
+    peaks: dict[str, int] = {}
+
+    def timed(name, fn):
+        _sync()
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        out = fn()
+        _sync()
+        times[name].append(time.perf_counter() - t0)
+        if torch.cuda.is_available():
+            peaks[name] = torch.cuda.max_memory_allocated()
+        return out
+
+    for _ in range(cfg.verify.repeats):
+        ddp.zero_grad_buffer()
+        full_logp, full_loss = _collect(timed("full_fwd_bwd_s", lambda: X.full_sequence_step(ddp, full_mbs, backend=be)))
+        full_grads = _grads(ddp)
+        ddp.zero_grad_buffer()
+        pre_logp, pre_loss = _collect(timed("prefix_fwd_bwd_s", lambda: X.actor_prefix_step(ddp, groups, resp_mbs, be)))
+        pre_grads = _grads(ddp)
+        ref_logp, _ = _collect(timed("reference_prefix_fwd_s",
+                                     lambda: X.reference_prefix_logprobs(ddp, groups, resp_mbs, be)))
 
     errs = torch.zeros(4, dtype=torch.float64)
     if full_logp is not None:
@@ -117,7 +150,12 @@ def run_rank(cfg: RunConfig, hf_dir: str | None = None, position_offset: int = 0
            "tp": cfg.parallel.tp, "pp": cfg.parallel.pp, "dp": ps.get_data_parallel_world_size(),
            "group_size": cfg.rollout.group_size, "dtype": cfg.dtype, "tolerance": tol,
            "worst_grad_param_local": worst, "zero_reference_grads_local": zero_ref,
-           "response_tokens": int(n_tok), "loss": float(loss_t)}
+           "response_tokens": int(n_tok), "loss": float(loss_t),
+           "times_s": {k: _median_after_first(v) for k, v in times.items()}, "times_all_s": times,
+           "peak_mem_bytes": peaks, "micro_batches": len(full_mbs),
+           "flops_local_batch": group_flops(cfg.model, groups),
+           "prompt_lens": [int(g.prompt.input_ids.numel()) for g in groups],
+           "attention_backend": be if be != "auto" else ("flex" if torch.cuda.is_available() else "sdpa")}
     out["ok"] = (out["max_rel_err_logp"] <= tol["logp"] and out["max_rel_err_ref_logp"] <= tol["logp"]
                  and out["max_rel_err_loss"] <= tol["loss"] and out["max_rel_err_grad"] <= tol["grad"])
     return out

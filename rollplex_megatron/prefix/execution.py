@@ -133,35 +133,38 @@ def finalize(model) -> None:
     finalize_model_grads([model])
 
 
-def actor_prefix_step(model, groups: list[Group], micro_batches: list[MicroBatch]) -> list[dict]:
+def actor_prefix_step(model, groups: list[Group], micro_batches: list[MicroBatch],
+                      backend: str = "auto") -> list[dict]:
     """Prefix/response forward+backward of the actor; gradients finalised. Returns loss dicts."""
     dev = _device()
     mbs = [mb.to(dev) for mb in micro_batches]
     store = KVStore()
     states = prefix_forward(model, groups, store, keep_graph=True)
-    res = run_schedule(model, mbs, lambda mb: PrefixContext(mode="use", layout=mb.layout, store=store),
-                       forward_only=False)
+    res = run_schedule(model, mbs, lambda mb: PrefixContext(mode="use", layout=mb.layout, store=store,
+                                                            backend=backend), forward_only=False)
     prefix_backward(model, states, store)
     finalize(model)
     return res
 
 
-def reference_prefix_logprobs(model, groups: list[Group], micro_batches: list[MicroBatch]) -> list[dict]:
+def reference_prefix_logprobs(model, groups: list[Group], micro_batches: list[MicroBatch],
+                              backend: str = "auto") -> list[dict]:
     """Reference variant: prefix K/V without a graph, response stage forward-only."""
     dev = _device()
     mbs = [mb.to(dev) for mb in micro_batches]
     store = KVStore()
     with torch.no_grad():
         prefix_forward(model, groups, store, keep_graph=False)
-        return run_schedule(model, mbs, lambda mb: PrefixContext(mode="use", layout=mb.layout, store=store),
-                            forward_only=True)
+        return run_schedule(model, mbs, lambda mb: PrefixContext(mode="use", layout=mb.layout, store=store,
+                                                                 backend=backend), forward_only=True)
 
 
-def full_sequence_step(model, micro_batches: list[MicroBatch], forward_only: bool = False) -> list[dict]:
+def full_sequence_step(model, micro_batches: list[MicroBatch], forward_only: bool = False,
+                       backend: str = "auto") -> list[dict]:
     """The serial baseline: every response with its whole prompt, same schedule, model and loss."""
     dev = _device()
     mbs = [mb.to(dev) for mb in micro_batches]
-    res = run_schedule(model, mbs, lambda mb: PrefixContext(mode="packed", layout=mb.layout),
+    res = run_schedule(model, mbs, lambda mb: PrefixContext(mode="packed", layout=mb.layout, backend=backend),
                        forward_only=forward_only)
     if not forward_only:
         finalize(model)

@@ -1,0 +1,81 @@
+"""Analytic FLOPs of the full-sequence and prefix/response executions (matmuls and attention).
+
+A multiply-add counts 2 FLOPs; backward costs twice the forward (weights and inputs). Attention
+counts QK^T and AV over the attended (query, key) pairs only. Norms, activations, rotary and the
+softmax are left out (small next to the matmuls).
+"""
+from __future__ import annotations
+
+import torch
+
+from rollplex_megatron.config import ModelConfig
+from rollplex_megatron.models.qwen25vl import positions as P
+
+
+def llm_dense_per_token(cfg: ModelConfig) -> float:
+    """Forward FLOPs per token of all decoder layers' matmuls (no attention scores, no logits)."""
+    h, kv = cfg.hidden_size, cfg.num_query_groups * cfg.head_dim
+    per_layer = 2 * h * (h + 2 * kv) + 2 * h * h + 2 * 3 * h * cfg.ffn_hidden_size
+    return per_layer * cfg.num_layers
+
+
+def llm_attention(cfg: ModelConfig, pairs: float) -> float:
+    """Forward FLOPs of QK^T and AV for `pairs` attended pairs in every layer."""
+    return 4 * pairs * cfg.num_attention_heads * cfg.head_dim * cfg.num_layers
+
+
+def logits(cfg: ModelConfig, tokens: int) -> float:
+    """Forward FLOPs of the output layer on `tokens` tokens."""
+    return 2 * cfg.hidden_size * cfg.vocab_size * tokens
+
+
+def vision(cfg: ModelConfig, grids: torch.Tensor) -> float:
+    """Forward FLOPs of the vision tower (patch embed, blocks, merger) on images/videos `grids`."""
+    v = cfg.vision
+    n = int(grids.prod(-1).sum())
+    vh, vf = v.hidden_size, v.ffn_hidden_size
+    patch = 2 * v.in_channels * v.temporal_patch_size * v.patch_size**2 * vh * n
+    dense = (2 * vh * 3 * vh + 2 * vh * vh + 2 * 3 * vh * vf) * n * v.depth
+    full_pairs = float((P.vision_cu_seqlens(grids).diff() ** 2).sum())
+    _, cu_win = P.vision_window_order(grids, v.spatial_merge_size, v.window_size, v.patch_size)
+    win_pairs = float((cu_win.diff() ** 2).sum())
+    n_full = len(v.fullatt_block_indexes)
+    attn = 4 * vh * (full_pairs * n_full + win_pairs * (v.depth - n_full))
+    m = v.spatial_merge_size**2
+    merger = (2 * (m * vh) ** 2 + 2 * m * vh * cfg.hidden_size) * (n // m)
+    return patch + dense + attn + merger
+
+
+def _causal_pairs(n: int) -> float:
+    return n * (n + 1) / 2
+
+
+def full_sequence_fwd(cfg: ModelConfig, prompt_len: int, grids: torch.Tensor, resp_lens: list[int]) -> float:
+    """Forward FLOPs of one group on the full-sequence path: every response with its whole prompt."""
+    total = 0.0
+    for r in resp_lens:
+        seq = prompt_len + r - 1
+        total += (llm_dense_per_token(cfg) * seq + llm_attention(cfg, _causal_pairs(seq))
+                  + logits(cfg, seq) + vision(cfg, grids))
+    return total
+
+
+def prefix_response_fwd(cfg: ModelConfig, prompt_len: int, grids: torch.Tensor, resp_lens: list[int]) -> float:
+    """Forward FLOPs of one group on the prefix/response path: prefix once, responses on top."""
+    pre = prompt_len - 1
+    total = llm_dense_per_token(cfg) * pre + llm_attention(cfg, _causal_pairs(pre)) + vision(cfg, grids)
+    for r in resp_lens:
+        total += (llm_dense_per_token(cfg) * r + llm_attention(cfg, r * pre + _causal_pairs(r))
+                  + logits(cfg, r))
+    return total
+
+
+def group_flops(cfg: ModelConfig, groups) -> dict:
+    """Forward+backward FLOPs of both paths over `groups` (prefix.batch.Group list)."""
+    full = pref = 0.0
+    for g in groups:
+        grids = torch.cat([t for t in (g.prompt.image_grid_thw, g.prompt.video_grid_thw) if t is not None])
+        lens = [int(r.numel()) for r in g.responses]
+        full += 3 * full_sequence_fwd(cfg, g.prompt.input_ids.numel(), grids, lens)
+        pref += 3 * prefix_response_fwd(cfg, g.prompt.input_ids.numel(), grids, lens)
+    return {"full_fwd_bwd_flops": full, "prefix_fwd_bwd_flops": pref, "flop_ratio_full_over_prefix": full / pref}
