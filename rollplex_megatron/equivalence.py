@@ -98,7 +98,8 @@ def run_rank(cfg: RunConfig, hf_dir: str | None = None, position_offset: int = 0
     ddp = wrap_ddp(model)
     groups = random_groups(cfg, ps.get_data_parallel_rank())
     B.validate_groups(cfg.model, groups, cfg.rollout.max_response_len)
-    n_tok = torch.tensor(float(sum(r.numel() for g in groups for r in g.responses)))
+    dev = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"  # NCCL needs CUDA tensors
+    n_tok = torch.tensor(float(sum(r.numel() for g in groups for r in g.responses)), device=dev)
     dist.all_reduce(n_tok, group=ps.get_data_parallel_group())
     per_mb = cfg.verify.responses_per_micro_batch
     full_mbs = B.full_micro_batches(cfg.model, groups, per_mb, int(n_tok))
@@ -130,7 +131,7 @@ def run_rank(cfg: RunConfig, hf_dir: str | None = None, position_offset: int = 0
         ref_logp, _ = _collect(timed("reference_prefix_fwd_s",
                                      lambda: X.reference_prefix_logprobs(ddp, groups, resp_mbs, be)))
 
-    errs = torch.zeros(4, dtype=torch.float64)
+    errs = torch.zeros(4, dtype=torch.float64, device=dev)
     if full_logp is not None:
         errs[0] = _rel(pre_logp, full_logp)
         errs[1] = abs(pre_loss - full_loss) / max(abs(full_loss), 1e-30)
@@ -142,7 +143,7 @@ def run_rank(cfg: RunConfig, hf_dir: str | None = None, position_offset: int = 0
     dist.all_reduce(errs, op=dist.ReduceOp.MAX)
     # The loss lives on the last stage; count it once per DP rank (TP rank 0), summed over DP.
     owner = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
-    loss_t = torch.tensor(full_loss if owner else 0.0, dtype=torch.float64)
+    loss_t = torch.tensor(full_loss if owner else 0.0, dtype=torch.float64, device=dev)
     dist.all_reduce(loss_t)
     tol = TOLERANCES[cfg.dtype]
     out = {"max_rel_err_logp": float(errs[0]), "max_rel_err_loss": float(errs[1]),
