@@ -14,7 +14,7 @@ args=(model=qwen2_5_vl_3b model.num_layers=4 dtype=bfloat16 rollout.group_size=8
       verify.groups_per_rank=1 verify.min_response_len=256 verify.max_response_len=256
       verify.responses_per_micro_batch=2 "verify.image_grid=[1,64,64]" "verify.video_grid=[8,32,32]"
       verify.text_tokens=1020 verify.advantage_mean=1.0 verify.repeats=${REPEATS:-3}
-      verify.attention_backend=$backend)
+      verify.attention_backend=$backend verify.noise_floor=true)
 set +e
 python3 -m rollplex_megatron verify-equivalence "${args[@]}" --json > /tmp/prefix.log 2> /tmp/prefix.err
 rc=$?
@@ -34,5 +34,5 @@ res["command"] = sys.argv[2]; res["exit_status"] = int(sys.argv[3]); res["enviro
 json.dump(res, open(sys.argv[1], "w"), indent=2)
 print(json.dumps({k: res[k] for k in ("ok", "max_rel_err_logp", "max_rel_err_loss", "max_rel_err_grad",
       "max_rel_err_ref_logp", "times_s", "measured_speedup_full_over_prefix", "flop_ratio_full_over_prefix",
-      "achieved_tflops", "peak_mem_bytes", "attention_backend")}, indent=1))
+      "achieved_tflops", "peak_mem_bytes", "attention_backend", "rel_err_grad_global_local", "top_grad_errs_local", "serial_noise_floor_local")}, indent=1))
 PY

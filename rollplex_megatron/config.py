@@ -214,6 +214,7 @@ class EquivalenceConfig:
     advantage_mean: float = 0.0  # advantages ~ N(mean, 1); a nonzero mean keeps the loss away from 0
     attention_backend: str = "auto"  # shared-prefix attention: auto (flex on GPU, sdpa on CPU), sdpa, flex
     repeats: int = 1  # run both paths this many times; timings are the median after the first
+    noise_floor: bool = False  # also compare the serial path with itself (1 response per micro-batch)
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ("auto", "sdpa", "flex"):

@@ -139,6 +139,19 @@ def run_rank(cfg: RunConfig, hf_dir: str | None = None, position_offset: int = 0
     grad_errs = {n: _rel(pre_grads[n], full_grads[n]) for n in full_grads}
     worst = max(grad_errs, key=grad_errs.get)
     errs[2] = grad_errs[worst]
+    flat = lambda d: torch.cat([d[n].flatten() for n in sorted(d)])  # noqa: E731
+    global_err = _rel(flat(pre_grads), flat(full_grads))
+    floor = None
+    if cfg.verify.noise_floor:
+        # The serial path against itself with one response per micro-batch: how far two serial
+        # executions that differ only in summation order drift apart in this dtype.
+        ddp.zero_grad_buffer()
+        X.full_sequence_step(ddp, B.full_micro_batches(cfg.model, groups, 1, int(n_tok)), backend=be)
+        alt = _grads(ddp)
+        floor_errs = {n: _rel(alt[n], full_grads[n]) for n in full_grads}
+        floor = {"max_rel_err_grad": max(floor_errs.values()), "param": max(floor_errs, key=floor_errs.get),
+                 "rel_err_grad_global": _rel(flat(alt), flat(full_grads)),
+                 "worst_prefix_param_serial_err": floor_errs[worst]}
     zero_ref = [n for n, gr in full_grads.items() if float(gr.norm()) == 0.0]
     dist.all_reduce(errs, op=dist.ReduceOp.MAX)
     # The loss lives on the last stage; count it once per DP rank (TP rank 0), summed over DP.
@@ -150,7 +163,9 @@ def run_rank(cfg: RunConfig, hf_dir: str | None = None, position_offset: int = 0
            "max_rel_err_grad": float(errs[2]), "max_rel_err_ref_logp": float(errs[3]),
            "tp": cfg.parallel.tp, "pp": cfg.parallel.pp, "dp": ps.get_data_parallel_world_size(),
            "group_size": cfg.rollout.group_size, "dtype": cfg.dtype, "tolerance": tol,
-           "worst_grad_param_local": worst, "zero_reference_grads_local": zero_ref,
+           "worst_grad_param_local": worst, "rel_err_grad_global_local": global_err,
+           "top_grad_errs_local": dict(sorted(grad_errs.items(), key=lambda kv: -kv[1])[:6]),
+           "serial_noise_floor_local": floor, "zero_reference_grads_local": zero_ref,
            "response_tokens": int(n_tok), "loss": float(loss_t),
            "times_s": {k: _median_after_first(v) for k, v in times.items()}, "times_all_s": times,
            "peak_mem_bytes": peaks, "micro_batches": len(full_mbs),

@@ -49,12 +49,23 @@ class KVStore:
     graph: dict = field(default_factory=dict)  # (layer, group) -> (k, v) graph outputs (actor only)
 
     def record(self, layer: int, group: int, key, value, keep_graph: bool) -> None:
-        """Store a prefix's K/V; leaves get gradients when the graph is kept."""
+        """Store a prefix's K/V; leaves get gradients when the graph is kept.
+
+        Actor leaves are fp32 masters of the K/V (exact copies), so gK/gV summed over every
+        response and micro-batch accumulate in fp32, as megatron's main_grad does for weights;
+        `kv()` hands attention the K/V in the compute dtype.
+        """
         if keep_graph:
             self.graph[(layer, group)] = (key, value)
-            self.leaves[(layer, group)] = (key.detach().requires_grad_(), value.detach().requires_grad_())
+            self.leaves[(layer, group)] = (key.detach().float().requires_grad_(),
+                                           value.detach().float().requires_grad_())
         else:
             self.leaves[(layer, group)] = (key.detach(), value.detach())
+
+    def kv(self, layer: int, group: int, dtype: torch.dtype):
+        """The prefix K/V of (layer, group) in `dtype` (differentiable back to the leaves)."""
+        k, v = self.leaves[(layer, group)]
+        return k.to(dtype), v.to(dtype)
 
     def backward_pairs(self, group: int) -> tuple[list, list]:
         """Graph tensors of `group` and the gradients accumulated on their leaves (skip untouched)."""
@@ -65,7 +76,7 @@ class KVStore:
             for t, leaf in zip(kv, self.leaves[(layer, g)]):
                 if leaf.grad is not None:
                     outs.append(t)
-                    grads.append(leaf.grad)
+                    grads.append(leaf.grad.to(t.dtype))
         return outs, grads
 
     def release(self, group: int) -> None:
@@ -103,7 +114,7 @@ class PrefixContext(PackedSeqParams):
             return sdpa_attention(query, key, value, None, True, scale)
         allowed = self.layout.allowed()
         if self.mode == "use":
-            pk = [self.store.leaves[(layer, g)] for g in self.layout.prefix_groups]
+            pk = [self.store.kv(layer, g, key.dtype) for g in self.layout.prefix_groups]
             key = torch.cat([kv[0] for kv in pk] + [key], dim=0)
             value = torch.cat([kv[1] for kv in pk] + [value], dim=0)
         return shared_prefix_attention(query, key, value, allowed, scale, self._backend(query))
