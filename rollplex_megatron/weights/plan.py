@@ -1,0 +1,186 @@
+"""Classify every rollout-side tensor against the training shard on the same GPU.
+
+GPU mapping (`mapping="aligned"`, the default): W = max(t, r) GPUs. The side with the larger TP
+degree uses megatron's default order (TP groups of consecutive GPUs, rank g % d); the other side
+uses megatron's "dp-tp" order (strided TP groups, rank g // (W / d)). Then every rollout shard
+nests inside the training shard on its GPU when r > t, and contains it when r < t.
+`mapping="consecutive"` puts both sides in the default order (for comparison). PP=1 on both
+sides (pipeline stages hold whole tensors, so sharing is per stage).
+
+Classes, per tensor and GPU:
+- `view`: the rollout shard is a contiguous slice (dim 0, or all of dim 1) of the local training
+  storage: no bytes.
+- `strided_view`: a column block of the local storage (row-parallel weights): same storage, a
+  strided tensor that GEMMs consume without a copy: no bytes.
+- `local_permute`: every element is on this GPU but in another order (or needs padding): a copy
+  inside the GPU, the shard's bytes.
+- `gather`: needs other training ranks' data: the shard's bytes (or only the remote pieces'
+  bytes when the layer runs as several GEMMs over [local view | received pieces]).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from math import prod
+
+import torch
+
+from rollplex_megatron.checkpoint import layout as CL
+from rollplex_megatron.checkpoint.hf import expected_hf_shapes
+from rollplex_megatron.config import ModelConfig
+from rollplex_megatron.weights import layout as WL
+
+CLASSES = ("view", "strided_view", "local_permute", "gather")
+
+
+@dataclass
+class TensorPlan:
+    """How one rollout tensor is obtained on one GPU."""
+
+    name: str  # megatron parameter name
+    kind: str  # parameter kind (layer index dropped)
+    klass: str  # view | strided_view | local_permute | gather
+    dim: int | None  # sharded dim (None: replicated)
+    positions: torch.Tensor | None  # per rollout element: position in the local training shard,
+    #                                 -1 missing (remote), -2 padding
+    shard_bytes: int  # bytes of the rollout shard (what a second copy costs)
+    alloc_bytes: int  # bytes this plan allocates for it
+    remote_bytes: int  # bytes that must come from other GPUs
+    rule: CL.Rule | None = None  # the checkpoint rule (megatron names, HF sources, layout)
+    hf_shapes: list | None = None  # shapes of the rule's HF tensors
+    need: WL.ShardIndex | None = None  # the rollout shard's canonical indices
+
+
+@dataclass
+class WeightPlan:
+    """Per-GPU plans for (train TP t, rollout TP r, layout)."""
+
+    t: int
+    r: int
+    layout: str
+    gpus: list[list[TensorPlan]] = field(default_factory=list)
+
+    def summary(self) -> dict:
+        """Totals per GPU (the max over GPUs) and per kind, as `plan-weights` reports them."""
+        per_gpu = [{"full_copy_bytes": sum(p.shard_bytes for p in g), "allocated_bytes": sum(p.alloc_bytes for p in g),
+                    "allocated_bytes_split_gemm": sum(p.alloc_bytes if p.klass != "gather" else p.remote_bytes
+                                                      for p in g)} for g in self.gpus]
+        worst = max(per_gpu, key=lambda x: x["allocated_bytes"])
+        by_kind: dict[str, dict] = {}
+        for p in self.gpus[0]:
+            k = by_kind.setdefault(p.kind, {"class": p.klass, "count": 0, "shard_bytes": 0, "alloc_bytes": 0})
+            k["count"] += 1
+            k["shard_bytes"] += p.shard_bytes
+            k["alloc_bytes"] += p.alloc_bytes
+            if k["class"] != p.klass:
+                k["class"] = "mixed"
+        full = worst["full_copy_bytes"]
+        return {"train_tp": self.t, "rollout_tp": self.r, "layout": self.layout, "gpus": len(self.gpus),
+                "full_copy_bytes": full, "allocated_bytes": worst["allocated_bytes"],
+                "allocated_bytes_split_gemm": worst["allocated_bytes_split_gemm"],
+                "saved_fraction": 1 - worst["allocated_bytes"] / full if full else 0.0,
+                "per_gpu": per_gpu, "by_kind": by_kind}
+
+
+def positions_in(have: WL.ShardIndex, need: WL.ShardIndex) -> torch.Tensor:
+    """For each element of the needed shard, its position in the local shard (-1 remote, -2 pad)."""
+    if need.dim is None:
+        return None
+    inv = torch.full((need.canonical,), -1, dtype=torch.long)
+    if have.dim is None:
+        inv = torch.arange(need.canonical)
+    else:
+        ok = have.index >= 0
+        inv[have.index[ok]] = torch.arange(have.index.numel())[ok]
+    pos = torch.where(need.index >= 0, inv[need.index.clamp_min(0)], torch.full_like(need.index, -2))
+    return _match_padding_tail(have, need, pos)
+
+
+def _match_padding_tail(have: WL.ShardIndex, need: WL.ShardIndex, pos: torch.Tensor) -> torch.Tensor:
+    """Map a padding tail of the needed shard onto the padding rows that follow it locally.
+
+    Padding rows are zeros on both sides, so when the local shard already has them right after
+    the last needed real row, they are as good as real rows (the shard stays a view).
+    """
+    if have.dim is None or not (pos == -2).any():
+        return pos
+    n_pad = int((need.index < 0).sum())
+    if not bool((need.index[-n_pad:] < 0).all()) or n_pad == pos.numel():
+        return pos
+    start = int(pos[-n_pad - 1]) + 1
+    if start + n_pad <= have.index.numel() and bool((have.index[start:start + n_pad] < 0).all()):
+        pos = pos.clone()
+        pos[-n_pad:] = torch.arange(start, start + n_pad)
+    return pos
+
+
+def classify(have: WL.ShardIndex, need: WL.ShardIndex, local_extent: int) -> tuple[str, torch.Tensor | None]:
+    """The class of one rollout shard given the local training shard (`local_extent` along dim)."""
+    if need.dim is None:
+        return "view", None
+    pos = positions_in(have, need)
+    if (pos == -1).any():
+        return "gather", pos
+    if (pos == -2).any():
+        return "local_permute", pos
+    if torch.equal(pos, pos[0] + torch.arange(pos.numel())):
+        if need.dim == 0 or pos.numel() == local_extent:
+            return "view", pos
+        return "strided_view", pos
+    return "local_permute", pos
+
+
+MAPPINGS = ("aligned", "consecutive")
+DP_FIRST_ORDER = "dp-tp-cp-ep-pp"  # megatron initialize_model_parallel(order=...): strided TP groups
+DEFAULT_ORDER = "tp-cp-ep-dp-pp"
+
+
+def parallel_orders(t: int, r: int, mapping: str = "aligned") -> tuple[str, str]:
+    """Megatron `order` strings for the training side and the rollout side."""
+    if mapping == "consecutive" or t == r:
+        return DEFAULT_ORDER, DEFAULT_ORDER
+    return (DP_FIRST_ORDER, DEFAULT_ORDER) if r > t else (DEFAULT_ORDER, DP_FIRST_ORDER)
+
+
+def tp_rank_on_gpu(g: int, d: int, world: int, order: str) -> int:
+    """The TP rank that GPU g holds at degree d under a megatron order."""
+    return g // (world // d) if order == DP_FIRST_ORDER else g % d
+
+
+def check_degrees(t: int, r: int, mapping: str) -> None:
+    """Training and rollout TP degrees must nest for a shared layout."""
+    if mapping not in MAPPINGS:
+        raise ValueError(f"unknown GPU mapping {mapping!r}; choose aligned or consecutive")
+    if max(t, r) % min(t, r):
+        raise ValueError(f"train_tp={t} and rollout_tp={r}: one must divide the other")
+
+
+def plan_weights(cfg: ModelConfig, t: int, r: int, layout: str = "megatron", elem_bytes: int = 2,
+                 mapping: str = "aligned") -> WeightPlan:
+    """The plan for every GPU of a W = max(t, r) GPU group (training PP=1, rollout PP=1)."""
+    if layout not in WL.LAYOUTS:
+        raise ValueError(f"unknown rollout layout {layout!r}; choose megatron or sglang")
+    check_degrees(t, r, mapping)
+    world = max(t, r)
+    t_order, r_order = parallel_orders(t, r, mapping)
+    naming = CL.HFNaming()
+    shapes = expected_hf_shapes(cfg, naming)
+    rules = [x for x in CL.model_rules(cfg, t, 1, naming) if x.export]
+    rules_r = {x.mcore: x for x in CL.model_rules(cfg, r, 1, naming)}
+    plan = WeightPlan(t, r, layout)
+    for g in range(world):
+        plans = []
+        tr, rr = tp_rank_on_gpu(g, t, world, t_order), tp_rank_on_gpu(g, r, world, r_order)
+        for rule in rules:
+            sh = [shapes[n] for n in rule.hf]
+            have = WL.megatron_index(rule, sh, t, tr)
+            need = WL.shard_index(layout, rules_r[rule.mcore], sh, r, rr, cfg)
+            other = prod(sh[0]) // sh[0][need.dim] if need.dim is not None else prod(sh[0])
+            extent = have.index.numel() if have.dim is not None else (need.canonical if need.dim is not None else 0)
+            klass, pos = classify(have, need, extent)
+            n = need.index.numel() if need.dim is not None else 1
+            shard = n * other * elem_bytes
+            remote = int((pos == -1).sum()) * other * elem_bytes if pos is not None else 0
+            plans.append(TensorPlan(rule.mcore, WL.kind_of(rule), klass, need.dim, pos, shard,
+                                    0 if klass in ("view", "strided_view") else shard, remote, rule, sh, need))
+        plan.gpus.append(plans)
+    return plan

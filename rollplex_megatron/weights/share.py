@@ -1,0 +1,104 @@
+"""Build the rollout model's weights on the training storage: views where the plan allows,
+rebuilt tensors (local permutation or bucketed all-gather over the training TP group) elsewhere.
+
+No second full copy exists: `view` / `strided_view` parameters alias the training parameters'
+storage (`param.data` is a narrow of the training tensor), so an optimizer step is visible to
+rollout at once; only `local_permute` and `gather` tensors own memory, and `refresh()` rebuilds
+them after each optimizer step.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from rollplex_megatron.config import ModelConfig
+from rollplex_megatron.weights import layout as WL
+from rollplex_megatron.weights.plan import TensorPlan, plan_weights, positions_in
+
+BUCKET_BYTES = 256 << 20
+
+
+def _select(src: torch.Tensor, dim: int, pos: torch.Tensor) -> torch.Tensor:
+    """Elements of `src` at `pos` along `dim`; -2 (padding) gives zeros."""
+    out = src.index_select(dim, pos.clamp_min(0).to(src.device))
+    pad = (pos < 0).to(src.device)
+    if pad.any():
+        shape = [1] * src.dim()
+        shape[dim] = -1
+        out = out.masked_fill(pad.view(shape), 0)
+    return out
+
+
+class SharedRolloutWeights:
+    """Rollout parameters bound to the training parameters on this GPU (megatron rollout layout)."""
+
+    def __init__(self, train_model, rollout_model, cfg: ModelConfig, t: int, r: int, train_tp_group,
+                 gpu: int, mapping: str = "aligned"):
+        elem = next(train_model.parameters()).element_size()
+        full = plan_weights(cfg, t, r, "megatron", elem, mapping)
+        self.plan: list[TensorPlan] = full.gpus[gpu]
+        self.t, self.group = t, train_tp_group
+        gather_any = {p.name for g in full.gpus for p in g if p.klass == "gather"}
+        self.train = dict(train_model.named_parameters())
+        self.roll = dict(rollout_model.named_parameters())
+        self.gathered = [p.name for p in self.plan if p.name in gather_any]  # same order on every rank
+        self.union_pos = {}
+        for p in self.plan:
+            tp, rp = self.train[p.name], self.roll[p.name]
+            if p.klass == "view":
+                rp.data = tp.data if p.dim is None else tp.data.narrow(p.dim, int(p.positions[0]), p.positions.numel())
+            elif p.klass == "strided_view":
+                rp.data = tp.data.narrow(1, int(p.positions[0]), p.positions.numel())
+            else:
+                rp.data = torch.empty_like(rp.data)
+            if p.klass == "gather":
+                union = WL.ShardIndex(p.dim, torch.cat([WL.megatron_index(p.rule, p.hf_shapes, t, k).index
+                                                         for k in range(t)]), 0)
+                need = WL.ShardIndex(p.dim, p.need.index, p.need.canonical)
+                self.union_pos[p.name] = positions_in(union, need)
+        self.refresh()
+
+    def refresh(self) -> float:
+        """Rebuild the non-view tensors from the current training weights; returns seconds."""
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            for p in self.plan:
+                if p.klass == "local_permute":
+                    self.roll[p.name].data.copy_(_select(self.train[p.name].data, p.dim, p.positions))
+            self._gather_all()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    def _gather_all(self) -> None:
+        bucket, size = [], 0
+        for name in self.gathered:
+            bucket.append(name)
+            size += self.train[name].numel() * self.train[name].element_size()
+            if size >= BUCKET_BYTES:
+                self._gather_bucket(bucket)
+                bucket, size = [], 0
+        if bucket:
+            self._gather_bucket(bucket)
+
+    def _gather_bucket(self, names: list[str]) -> None:
+        flat = torch.cat([self.train[n].data.reshape(-1) for n in names])
+        parts = [torch.empty_like(flat) for _ in range(self.t)]
+        dist.all_gather(parts, flat, group=self.group)
+        by_name = {p.name: p for p in self.plan}
+        off = 0
+        for n in names:
+            shard = self.train[n]
+            k = shard.numel()
+            p = by_name[n]
+            union = torch.cat([part[off:off + k].view_as(shard) for part in parts], dim=p.dim)
+            off += k
+            if p.klass == "gather":
+                self.roll[n].data.copy_(_select(union, p.dim, self.union_pos[n]))
+
+    def allocated_bytes(self) -> int:
+        """Bytes the rollout side owns on this GPU (rebuilt tensors only)."""
+        return sum(self.roll[p.name].numel() * self.roll[p.name].element_size() for p in self.plan
+                   if p.klass in ("local_permute", "gather"))
