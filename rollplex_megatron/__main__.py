@@ -8,6 +8,8 @@ Commands
   convert mcore-to-hf --mcore-dir DIR --out DIR
   verify-equivalence [hydra overrides] [--hf-dir DIR] [--json]
                                       prefix/response execution vs full sequences (exit 0 = exact)
+  plan-weights [model=...] train_tp=T rollout_tp=R [layout=megatron|sglang] [--json]
+                                      rollout weights on the training storage: class and bytes per kind
   print-config [hydra overrides]      the resolved config
 Commands that take Hydra overrides accept e.g. `model=qwen2_5_vl_3b parallel.tp=2`.
 Multi-process commands launch their own local processes when not started by torchrun.
@@ -106,6 +108,39 @@ def _cmd_verify_equivalence(argv: list[str]) -> int:
     return 0 if res["ok"] else 1
 
 
+def _cmd_plan_weights(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="rollplex plan-weights",
+                                 description="rollout weights on the training storage: class and bytes per kind")
+    ap.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    a, rest = ap.parse_known_args(argv)
+    own = {"train_tp": "1", "rollout_tp": "1", "layout": "megatron", "mapping": "aligned", "dtype_bytes": "2"}
+    overrides = []
+    for item in rest:
+        key, _, value = item.partition("=")
+        if key in own:
+            own[key] = value
+        else:
+            overrides.append(item)
+    from rollplex_megatron.recipes import load_run_config
+    from rollplex_megatron.weights.plan import plan_weights
+
+    cfg = load_run_config(overrides)
+    s = plan_weights(cfg.model, int(own["train_tp"]), int(own["rollout_tp"]), own["layout"],
+                     int(own["dtype_bytes"]), own["mapping"]).summary()
+    gib = 2**30
+    print(f"model {cfg.model.name}: train TP={s['train_tp']} -> rollout TP={s['rollout_tp']} ({s['layout']} layout, "
+          f"{s['gpus']} GPUs, {own['mapping']} mapping)")
+    print(f"{'kind':48s} {'class':14s} {'tensors':>7s} {'rollout GiB':>11s} {'alloc GiB':>9s}")
+    for kind, k in s["by_kind"].items():
+        print(f"{kind:48s} {k['class']:14s} {k['count']:7d} {k['shard_bytes'] / gib:11.3f} {k['alloc_bytes'] / gib:9.3f}")
+    print(f"per GPU (worst): full second copy {s['full_copy_bytes'] / gib:.3f} GiB, this plan allocates "
+          f"{s['allocated_bytes'] / gib:.3f} GiB ({s['allocated_bytes_split_gemm'] / gib:.3f} GiB with split GEMMs "
+          f"for gathered tensors); saved {100 * s['saved_fraction']:.1f}%")
+    if a.json:
+        print(json.dumps(s))
+    return 0
+
+
 def _cmd_print_config(argv: list[str]) -> int:
     from rollplex_megatron.recipes import load_run_config, to_yaml
 
@@ -120,7 +155,7 @@ def _cmd_smoke(argv: list[str]) -> int:
 
 
 COMMANDS = {"smoke": _cmd_smoke, "verify-hf": _cmd_verify_hf, "verify-equivalence": _cmd_verify_equivalence, "convert": _cmd_convert,
-            "print-config": _cmd_print_config}
+            "print-config": _cmd_print_config, "plan-weights": _cmd_plan_weights}
 
 
 def main(argv: list[str] | None = None) -> int:
