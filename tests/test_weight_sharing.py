@@ -20,6 +20,19 @@ def test_shared_rollout_weights_match_a_full_copy(request, t, r):
             assert res["allocated"] == 0 and res["classes"] == ["view"]
 
 
+@pytest.mark.parametrize("t,r", [(2, 1), (4, 2)])
+def test_split_gemm_over_local_views_and_remote_pieces(request, t, r):
+    """Gathered linears run as several GEMMs over [local views | received pieces]: same logits
+    (up to fp32 summation order), and only the remote pieces are allocated."""
+    hf = request.getfixturevalue("tiny_hf_tp4" if 4 in (t, r) else "tiny_hf")
+    full = run_local(shared_vs_full, max(t, r), hf, t, r)
+    split = run_local(shared_vs_full, max(t, r), hf, t, r, False, True)
+    for a, b in zip(full, split):
+        assert b["before"] <= 1e-4 and b["after"] <= 1e-4, (b["before"], b["after"])
+        assert b["allocated"] < 0.7 * a["allocated"]
+        assert all(ok for _, ok in b["aliasing"].values())
+
+
 def test_stale_rebuilt_weights_are_detected(tiny_hf):
     """Mutation: skip the refresh after the optimizer step; rebuilt tensors go stale."""
     res = run_local(shared_vs_full, 2, tiny_hf, 2, 1, True)

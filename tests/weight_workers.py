@@ -46,7 +46,7 @@ def _export_training(train, cfg, t, group, naming, src_dir):
     return HFCheckpoint(out)
 
 
-def shared_vs_full(hf_dir: str, t: int, r: int, skip_refresh: bool = False) -> dict:
+def shared_vs_full(hf_dir: str, t: int, r: int, skip_refresh: bool = False, split_gemm: bool = False) -> dict:
     """Rollout logits on shared weights vs a full copy, before and after an optimizer step."""
     from megatron.core import parallel_state as ps
 
@@ -70,12 +70,15 @@ def shared_vs_full(hf_dir: str, t: int, r: int, skip_refresh: bool = False) -> d
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(tensor_model_parallel_size=r, order=r_order)
     rollout = build_model(cfg)  # random init: every parameter must be rebound
-    shared = SharedRolloutWeights(train, rollout, cfg, t, r, train_group, gpu=g)
+    shared = SharedRolloutWeights(train, rollout, cfg, t, r, train_group, gpu=g, split_gemm=split_gemm)
     before = (_logits(rollout, cfg) - _logits(_reference(cfg, ck, r), cfg)).abs().max().item()
 
     tparams, rparams = dict(train.named_parameters()), dict(rollout.named_parameters())
     aliasing = {}
     for p in shared.plan:
+        if p.name in shared.remote:
+            aliasing[p.name] = (p.klass, rparams[p.name].numel() == 0)  # weight lives in views + remote buffer
+            continue
         a, b = rparams[p.name], tparams[p.name]
         same = a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
         if p.klass in ("view", "strided_view"):

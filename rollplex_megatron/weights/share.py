@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from rollplex_megatron.config import ModelConfig
 from rollplex_megatron.weights import layout as WL
+from rollplex_megatron.weights import split
 from rollplex_megatron.weights.plan import TensorPlan, plan_weights, positions_in
 
 BUCKET_BYTES = 256 << 20
@@ -35,7 +36,7 @@ class SharedRolloutWeights:
     """Rollout parameters bound to the training parameters on this GPU (megatron rollout layout)."""
 
     def __init__(self, train_model, rollout_model, cfg: ModelConfig, t: int, r: int, train_tp_group,
-                 gpu: int, mapping: str = "aligned"):
+                 gpu: int, mapping: str = "aligned", split_gemm: bool = False):
         elem = next(train_model.parameters()).element_size()
         full = plan_weights(cfg, t, r, "megatron", elem, mapping)
         self.plan: list[TensorPlan] = full.gpus[gpu]
@@ -45,19 +46,31 @@ class SharedRolloutWeights:
         self.roll = dict(rollout_model.named_parameters())
         self.gathered = [p.name for p in self.plan if p.name in gather_any]  # same order on every rank
         self.union_pos = {}
+        self.remote: dict[str, torch.Tensor] = {}  # split-GEMM layers: only the remote stretches
+        modules = dict(rollout_model.named_modules())
         for p in self.plan:
             tp, rp = self.train[p.name], self.roll[p.name]
             if p.klass == "view":
                 rp.data = tp.data if p.dim is None else tp.data.narrow(p.dim, int(p.positions[0]), p.positions.numel())
             elif p.klass == "strided_view":
                 rp.data = tp.data.narrow(1, int(p.positions[0]), p.positions.numel())
-            else:
-                rp.data = torch.empty_like(rp.data)
             if p.klass == "gather":
                 union = WL.ShardIndex(p.dim, torch.cat([WL.megatron_index(p.rule, p.hf_shapes, t, k).index
                                                          for k in range(t)]), 0)
                 need = WL.ShardIndex(p.dim, p.need.index, p.need.canonical)
                 self.union_pos[p.name] = positions_in(union, need)
+                mod = modules[p.name.rsplit(".", 1)[0]]
+                if split_gemm and p.name.endswith(".weight") and split.supports(mod):
+                    shape = list(rp.shape)
+                    remote = p.positions < 0
+                    shape[p.dim] = int(remote.sum())
+                    self.remote[p.name] = torch.empty(shape, dtype=rp.dtype, device=rp.device)
+                    self.union_pos[p.name] = self.union_pos[p.name][remote]
+                    split.install(mod, tp.data, self.remote[p.name], split.runs(p.positions), p.dim)
+                    rp.data = torch.empty(0, dtype=rp.dtype, device=rp.device)  # never read again
+                    continue
+            if p.klass in ("local_permute", "gather"):
+                rp.data = torch.empty_like(rp.data)
         self.refresh()
 
     def refresh(self) -> float:
@@ -95,10 +108,13 @@ class SharedRolloutWeights:
             p = by_name[n]
             union = torch.cat([part[off:off + k].view_as(shard) for part in parts], dim=p.dim)
             off += k
-            if p.klass == "gather":
+            if n in self.remote:
+                self.remote[n].copy_(_select(union, p.dim, self.union_pos[n]))
+            elif p.klass == "gather":
                 self.roll[n].data.copy_(_select(union, p.dim, self.union_pos[n]))
 
     def allocated_bytes(self) -> int:
-        """Bytes the rollout side owns on this GPU (rebuilt tensors only)."""
-        return sum(self.roll[p.name].numel() * self.roll[p.name].element_size() for p in self.plan
-                   if p.klass in ("local_permute", "gather"))
+        """Bytes the rollout side owns on this GPU (rebuilt tensors and remote stretches only)."""
+        own = sum(self.roll[p.name].numel() * self.roll[p.name].element_size() for p in self.plan
+                  if p.klass in ("local_permute", "gather"))
+        return own + sum(b.numel() * b.element_size() for b in self.remote.values())
