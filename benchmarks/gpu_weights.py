@@ -2,7 +2,7 @@
 
 Run under torchrun with 2 processes, e.g.
   torchrun --standalone --nproc_per_node 2 benchmarks/gpu_weights.py OUT_JSON
-For (t, r) in {(2, 1), (1, 2)}: build the training model at TP=t, switch megatron's groups to
+For (t, r) in {(2, 1), (2, 1) with split GEMMs, (1, 2)}: build the training model at TP=t, switch megatron's groups to
 TP=r, build the rollout model, bind it with SharedRolloutWeights, and record the plan's bytes,
 the measured allocator bytes (a full rollout copy vs the bound rollout side), the refresh time
 after an in-place weight update (median of 5), and whether rollout logits stay finite.
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 
-def run(t, r, cfg):
+def run(t, r, cfg, split_gemm=False):
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -39,7 +39,7 @@ def run(t, r, cfg):
     torch.cuda.synchronize()
     m1 = torch.cuda.memory_allocated()
     t0 = time.perf_counter()
-    shared = SharedRolloutWeights(train, rollout, cfg, t, r, group, gpu=dist.get_rank())
+    shared = SharedRolloutWeights(train, rollout, cfg, t, r, group, gpu=dist.get_rank(), split_gemm=split_gemm)
     torch.cuda.synchronize()
     bind_s = time.perf_counter() - t0
     import gc
@@ -59,7 +59,7 @@ def run(t, r, cfg):
                       pixel_values_videos=x["pixel_values_videos"].cuda(), video_grid_thw=x["video_grid_thw"])
         finite = bool(torch.isfinite(gather_vocab_logits(out, cfg.vocab_size)).all())
     s = plan_weights(cfg, t, r).summary()
-    res = {"train_tp": t, "rollout_tp": r, "rank": dist.get_rank(),
+    res = {"train_tp": t, "rollout_tp": r, "split_gemm": split_gemm, "rank": dist.get_rank(),
            "plan_full_copy_bytes_worst_gpu": s["full_copy_bytes"], "plan_allocated_bytes_worst_gpu": s["allocated_bytes"],
            "plan_allocated_bytes_split_gemm_worst_gpu": s["allocated_bytes_split_gemm"],
            "plan_per_gpu": s["per_gpu"], "plan_saved_fraction": s["saved_fraction"],
@@ -84,8 +84,8 @@ def main():
     ps.destroy_model_parallel()
     cfg = load_run_config(["model=qwen2_5_vl_3b"]).model
     results = []
-    for t, r in ((2, 1), (1, 2)):
-        mine = run(t, r, cfg)
+    for t, r, split in ((2, 1, False), (2, 1, True), (1, 2, False)):
+        mine = run(t, r, cfg, split)
         every = [None] * dist.get_world_size()
         dist.all_gather_object(every, mine)
         results.append(every)
@@ -95,7 +95,7 @@ def main():
         json.dump(out, open(sys.argv[1], "w"), indent=2)
         for every in results:
             for x in every:
-                print({k: x[k] for k in ("train_tp", "rollout_tp", "rank", "plan_full_copy_bytes_worst_gpu",
+                print({k: x[k] for k in ("train_tp", "rollout_tp", "split_gemm", "rank", "plan_full_copy_bytes_worst_gpu",
                                          "plan_allocated_bytes_this_gpu", "measured_full_rollout_copy_bytes",
                                          "measured_bound_rollout_bytes", "refresh_s_median", "logits_finite")})
     dist.destroy_process_group()
