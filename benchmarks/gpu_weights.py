@@ -25,6 +25,10 @@ def run(t, r, cfg, split_gemm=False):
     from rollplex_megatron.weights.plan import parallel_orders, plan_weights
     from rollplex_megatron.weights.share import SharedRolloutWeights
 
+    import gc
+
+    gc.collect()  # free the previous configuration's models before any memory reading
+    torch.cuda.empty_cache()
     t_order, r_order = parallel_orders(t, r)
     ps.initialize_model_parallel(tensor_model_parallel_size=t, order=t_order)
     model_parallel_cuda_manual_seed(1)
@@ -42,7 +46,6 @@ def run(t, r, cfg, split_gemm=False):
     shared = SharedRolloutWeights(train, rollout, cfg, t, r, group, gpu=dist.get_rank(), split_gemm=split_gemm)
     torch.cuda.synchronize()
     bind_s = time.perf_counter() - t0
-    import gc
     gc.collect()
     torch.cuda.synchronize()
     m2 = torch.cuda.memory_allocated()
