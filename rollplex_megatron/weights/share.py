@@ -73,17 +73,38 @@ class SharedRolloutWeights:
                 rp.data = torch.empty_like(rp.data)
         self.refresh()
 
-    def refresh(self) -> float:
-        """Rebuild the non-view tensors from the current training weights; returns seconds."""
+    def refresh(self, blocking: bool = True) -> float:
+        """Rebuild the non-view tensors from the current training weights; returns seconds.
+
+        On GPU the rebuild runs on a side stream after everything queued so far (the optimizer
+        step); `blocking=False` returns at once and `wait()` makes the current stream wait for it.
+        """
         t0 = time.perf_counter()
+        if torch.cuda.is_available():
+            if not hasattr(self, "_stream"):
+                self._stream, self._ready = torch.cuda.Stream(), torch.cuda.Event()
+            self._stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self._stream):
+                self._rebuild()
+                self._ready.record(self._stream)
+            if not blocking:
+                return 0.0
+            self._ready.synchronize()
+        else:
+            self._rebuild()
+        return time.perf_counter() - t0
+
+    def wait(self) -> None:
+        """Make the current stream wait for the last non-blocking refresh."""
+        if torch.cuda.is_available() and hasattr(self, "_ready"):
+            torch.cuda.current_stream().wait_event(self._ready)
+
+    def _rebuild(self) -> None:
         with torch.no_grad():
             for p in self.plan:
-                if p.klass == "local_permute":
+                if p.klass == "local_permute" and p.name not in self.remote:
                     self.roll[p.name].data.copy_(_select(self.train[p.name].data, p.dim, p.positions))
             self._gather_all()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        return time.perf_counter() - t0
 
     def _gather_all(self) -> None:
         bucket, size = [], 0
