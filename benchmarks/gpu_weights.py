@@ -55,6 +55,18 @@ def run(t, r, cfg, split_gemm=False):
             for p in train.parameters():
                 p.mul_(0.999)  # stand-in for an optimizer step: every training weight changes in place
         times.append(shared.refresh())
+    # The side-stream rebuild (non-blocking, then wait) must equal a rebuild on the current stream.
+    with torch.no_grad():
+        for p in train.parameters():
+            p.mul_(1.001)
+    shared.refresh(blocking=False)
+    shared.wait()
+    owned = {**{p.name: shared.roll[p.name].data for p in shared.plan
+                if p.klass in ("local_permute", "gather") and p.name not in shared.remote}, **shared.remote}
+    snap = {n: v.clone() for n, v in owned.items()}
+    shared._rebuild()
+    torch.cuda.synchronize()
+    consistent = all(torch.equal(snap[n], owned[n]) for n in snap)
     x = sample_inputs(cfg, seed=0)
     with torch.no_grad():
         out = rollout(input_ids=x["input_ids"].cuda(), position_ids=position_ids_for(cfg, x).cuda(),
@@ -69,7 +81,7 @@ def run(t, r, cfg, split_gemm=False):
            "measured_full_rollout_copy_bytes": m1 - m0, "measured_bound_rollout_bytes": m2 - m0,
            "plan_allocated_bytes_this_gpu": shared.allocated_bytes(),
            "bind_s": bind_s, "refresh_s_median": statistics.median(times[1:]), "refresh_s_all": times,
-           "logits_finite": finite, "classes_this_gpu": sorted({p.klass for p in shared.plan})}
+           "logits_finite": finite, "side_stream_consistent": consistent, "classes_this_gpu": sorted({p.klass for p in shared.plan})}
     ps.destroy_model_parallel()
     del train, rollout, shared
     torch.cuda.empty_cache()
@@ -100,7 +112,8 @@ def main():
             for x in every:
                 print({k: x[k] for k in ("train_tp", "rollout_tp", "split_gemm", "rank", "plan_full_copy_bytes_worst_gpu",
                                          "plan_allocated_bytes_this_gpu", "measured_full_rollout_copy_bytes",
-                                         "measured_bound_rollout_bytes", "refresh_s_median", "logits_finite")})
+                                         "measured_bound_rollout_bytes", "refresh_s_median", "logits_finite",
+                                         "side_stream_consistent")})
     dist.destroy_process_group()
 
 
