@@ -22,8 +22,12 @@ def _cfg(tp, pp, dp, g, seed=7):
                             f"rollout.group_size={g}", f"verify.seed={seed}"])
 
 
+def _run_all(worker, cfg, hf):
+    return run_local(worker, cfg.parallel.world_size, cfg, hf)
+
+
 def _run(worker, cfg, hf):
-    return run_local(worker, cfg.parallel.world_size, cfg, hf)[0]
+    return _run_all(worker, cfg, hf)[0]
 
 
 @pytest.mark.parametrize("tp,pp,dp,g,seed", [
@@ -31,7 +35,9 @@ def _run(worker, cfg, hf):
     (2, 1, 2, 1, 12), (1, 2, 2, 1, 13),
 ])
 def test_prefix_response_matches_full_sequence(tiny_hf, tp, pp, dp, g, seed):
-    r = _run(W.exact, _cfg(tp, pp, dp, g, seed), tiny_hf)
+    ranks = _run_all(W.exact, _cfg(tp, pp, dp, g, seed), tiny_hf)
+    assert all(x["zero_reference_grads_local"] == [] for x in ranks), [x["zero_reference_grads_local"] for x in ranks]
+    r = ranks[0]
     assert (r["tp"], r["pp"], r["dp"]) == (tp, pp, dp)
     assert r["max_rel_err_logp"] <= TOL and r["max_rel_err_ref_logp"] <= TOL, r
     assert r["max_rel_err_loss"] <= TOL and r["max_rel_err_grad"] <= TOL, r

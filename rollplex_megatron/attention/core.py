@@ -32,11 +32,12 @@ def sdpa_attention(
     """
     q, k, v = (t.permute(1, 2, 0, 3) for t in (query_SBND, key_KBGD, value_KBGD))
     sq, sk = q.shape[2], k.shape[2]
-    if causal:
+    plain_causal = causal and allowed is None and sq == sk  # lets SDPA pick its flash kernel
+    if causal and not plain_causal:
         tri = causal_allowed(sq, sk, q.device)
         allowed = tri if allowed is None else (allowed & tri)
     out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=allowed, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
+        q, k, v, attn_mask=allowed, is_causal=plain_causal, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
     )
     b, n, s, d = out.shape
     return out.permute(2, 0, 1, 3).reshape(s, b, n * d)

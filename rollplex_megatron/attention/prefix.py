@@ -104,6 +104,8 @@ class PrefixContext(PackedSeqParams):
 
     def __post_init__(self) -> None:
         self.qkv_format = "sbhd"  # megatron must not treat this as THD packing (rotary, kernels)
+        self._allowed = None  # [T, Kp+T] mask, built once per micro-batch and shared by all layers
+        self._block = None  # FlexAttention block mask, likewise
 
     def attend(self, layer: int, query, key, value, scale):
         """Attention for core attention's inputs: query [T,1,Nq,D], key/value [T,1,Ng,D]."""
@@ -112,12 +114,19 @@ class PrefixContext(PackedSeqParams):
         if self.mode == "record":
             self.store.record(layer, self.group, key, value, self.keep_graph)
             return sdpa_attention(query, key, value, None, True, scale)
-        allowed = self.layout.allowed()
+        if self._allowed is None:
+            self._allowed = self.layout.allowed()
+        allowed = self._allowed
         if self.mode == "use":
             pk = [self.store.kv(layer, g, key.dtype) for g in self.layout.prefix_groups]
             key = torch.cat([kv[0] for kv in pk] + [key], dim=0)
             value = torch.cat([kv[1] for kv in pk] + [value], dim=0)
-        return shared_prefix_attention(query, key, value, allowed, scale, self._backend(query))
+        backend = self._backend(query)
+        if backend == "flex":
+            if self._block is None:
+                self._block = _block_mask(allowed, query.shape[0], key.shape[0], query.device)
+            return _flex(query, key, value, allowed, scale, self._block)
+        return shared_prefix_attention(query, key, value, allowed, scale, backend)
 
     def _backend(self, query) -> str:
         if self.backend != "auto":
@@ -139,18 +148,23 @@ def shared_prefix_attention(query_TBND, key_KBGD, value_KBGD, allowed_TK, scale,
 _FLEX_COMPILED = None
 
 
-def _flex(query, key, value, allowed, scale):
-    """FlexAttention with a block mask built from `allowed` (compiled on GPU, eager elsewhere)."""
-    global _FLEX_COMPILED
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-    q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-    sq, sk = q.shape[2], k.shape[2]
+def _block_mask(allowed, sq: int, sk: int, device):
+    """FlexAttention block mask of a dense `allowed` [S, K] mask."""
+    from torch.nn.attention.flex_attention import create_block_mask
 
     def mask_mod(b, h, qi, ki):
         return allowed[qi, ki]
 
-    block = create_block_mask(mask_mod, None, None, sq, sk, device=q.device)
+    return create_block_mask(mask_mod, None, None, sq, sk, device=device)
+
+
+def _flex(query, key, value, allowed, scale, block=None):
+    """FlexAttention with a block mask built from `allowed` (compiled on GPU, eager elsewhere)."""
+    global _FLEX_COMPILED
+    from torch.nn.attention.flex_attention import flex_attention
+
+    q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+    block = block if block is not None else _block_mask(allowed, q.shape[2], k.shape[2], q.device)
     fn = flex_attention
     if q.is_cuda:
         if _FLEX_COMPILED is None:

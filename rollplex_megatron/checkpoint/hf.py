@@ -201,30 +201,40 @@ def export_hf_tensors(rank_states, cfg: ModelConfig, tp: int, pp: int, naming: L
 
 
 def write_safetensors(tensors, out_dir: str | os.PathLike, max_shard_bytes: int = 4 << 30) -> list[str]:
-    """Write (name, tensor) pairs as size-capped shards plus an index; each file written atomically."""
+    """Write (name, tensor) pairs as size-capped shards plus an index, each file atomically.
+
+    A shard is written as soon as it is full, so at most one shard is held in memory; shards get
+    their final `-of-N` names once N is known.
+    """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    shards, cur, size = [], {}, 0
+    written: list[tuple[str, list[str]]] = []
+    cur: dict[str, torch.Tensor] = {}
+    size = 0
+
+    def flush() -> None:
+        nonlocal cur, size
+        tmp = f".shard-{len(written):05d}.safetensors"
+        atomic_save(lambda p, s=cur: save_file(s, p, metadata={"format": "pt"}), out / tmp)
+        written.append((tmp, list(cur)))
+        cur, size = {}, 0
+
     for name, t in tensors:
         nbytes = t.numel() * t.element_size()
         if cur and size + nbytes > max_shard_bytes:
-            shards.append(cur)
-            cur, size = {}, 0
+            flush()
         cur[name] = t
         size += nbytes
-        if size >= max_shard_bytes:
-            shards.append(cur)
-            cur, size = {}, 0
-    if cur or not shards:
-        shards.append(cur)
+    if cur or not written:
+        flush()
+    n = len(written)
     files, wmap = [], {}
-    for i, shard in enumerate(shards):
-        fname = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        atomic_save(lambda p, s=shard: save_file(s, p, metadata={"format": "pt"}), out / fname)
+    for i, (tmp, names) in enumerate(written):
+        fname = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        os.replace(out / tmp, out / fname)
         files.append(fname)
-        wmap.update({k: fname for k in shard})
-        shard.clear()
-    if len(shards) > 1:
+        wmap.update({k: fname for k in names})
+    if n > 1:
         atomic_write_text(out / INDEX, json.dumps({"metadata": {}, "weight_map": wmap}, indent=2))
     return files
 

@@ -60,25 +60,44 @@ class WeightPlan:
     gpus: list[list[TensorPlan]] = field(default_factory=list)
 
     def summary(self) -> dict:
-        """Totals per GPU (the max over GPUs) and per kind, as `plan-weights` reports them."""
+        """Totals per GPU (the max over GPUs) and per kind (bytes: the GPU that needs the most)."""
         per_gpu = [{"full_copy_bytes": sum(p.shard_bytes for p in g), "allocated_bytes": sum(p.alloc_bytes for p in g),
-                    "allocated_bytes_split_gemm": sum(p.alloc_bytes if p.klass != "gather" else p.remote_bytes
-                                                      for p in g)} for g in self.gpus]
+                    "allocated_bytes_split_gemm": sum(p.remote_bytes if p.klass == "gather" and split_capable(p.name)
+                                                      else p.alloc_bytes for p in g)} for g in self.gpus]
         worst = max(per_gpu, key=lambda x: x["allocated_bytes"])
         by_kind: dict[str, dict] = {}
-        for p in self.gpus[0]:
-            k = by_kind.setdefault(p.kind, {"class": p.klass, "count": 0, "shard_bytes": 0, "alloc_bytes": 0})
-            k["count"] += 1
-            k["shard_bytes"] += p.shard_bytes
-            k["alloc_bytes"] += p.alloc_bytes
-            if k["class"] != p.klass:
-                k["class"] = "mixed"
+        for gi, g in enumerate(self.gpus):
+            per: dict[str, dict] = {}
+            for p in g:
+                k = per.setdefault(p.kind, {"classes": set(), "count": 0, "shard_bytes": 0, "alloc_bytes": 0})
+                k["classes"].add(p.klass)
+                k["count"] += 1
+                k["shard_bytes"] += p.shard_bytes
+                k["alloc_bytes"] += p.alloc_bytes
+            for kind, k in per.items():
+                agg = by_kind.setdefault(kind, {"classes": set(), "count": k["count"], "shard_bytes": 0,
+                                                "alloc_bytes": 0})
+                agg["classes"] |= k["classes"]
+                agg["shard_bytes"] = max(agg["shard_bytes"], k["shard_bytes"])
+                agg["alloc_bytes"] = max(agg["alloc_bytes"], k["alloc_bytes"])
+        for k in by_kind.values():
+            classes = k.pop("classes")
+            k["class"] = classes.pop() if len(classes) == 1 else "mixed"
         full = worst["full_copy_bytes"]
         return {"train_tp": self.t, "rollout_tp": self.r, "layout": self.layout, "gpus": len(self.gpus),
                 "full_copy_bytes": full, "allocated_bytes": worst["allocated_bytes"],
                 "allocated_bytes_split_gemm": worst["allocated_bytes_split_gemm"],
                 "saved_fraction": 1 - worst["allocated_bytes"] / full if full else 0.0,
                 "per_gpu": per_gpu, "by_kind": by_kind}
+
+
+SPLIT_CAPABLE = ("linear_qkv.weight", "linear_proj.weight", "linear_fc1.weight", "linear_fc2.weight",
+                 "merger.fc1.weight", "merger.fc2.weight", "output_layer.weight")
+
+
+def split_capable(name: str) -> bool:
+    """Weights of megatron's tensor-parallel linears: the split-GEMM executor can run them."""
+    return name.endswith(SPLIT_CAPABLE)
 
 
 def positions_in(have: WL.ShardIndex, need: WL.ShardIndex) -> torch.Tensor:

@@ -71,7 +71,19 @@ class SharedRolloutWeights:
                     continue
             if p.klass in ("local_permute", "gather"):
                 rp.data = torch.empty_like(rp.data)
+        self._bound_storage = {p.name: self.train[p.name].untyped_storage().data_ptr() for p in self.plan}
         self.refresh()
+
+    def check_bound(self) -> None:
+        """Fail if a training parameter was re-allocated after binding (views would go stale).
+
+        Bind after every wrapper that moves parameters (`.cuda()`, Float16Module, DDP with the
+        distributed optimizer, which points `param.data` into its own buffer).
+        """
+        for name, ptr in self._bound_storage.items():
+            if self.train[name].untyped_storage().data_ptr() != ptr:
+                raise RuntimeError(f"training parameter {name} was re-allocated after the rollout weights were "
+                                   f"bound to it; build SharedRolloutWeights after wrapping the training model")
 
     def refresh(self, blocking: bool = True) -> float:
         """Rebuild the non-view tensors from the current training weights; returns seconds.
@@ -79,6 +91,7 @@ class SharedRolloutWeights:
         On GPU the rebuild runs on a side stream after everything queued so far (the optimizer
         step); `blocking=False` returns at once and `wait()` makes the current stream wait for it.
         """
+        self.check_bound()
         t0 = time.perf_counter()
         if torch.cuda.is_available():
             if not hasattr(self, "_stream"):
