@@ -53,3 +53,21 @@ def test_unknown_backend_is_rejected():
     q, k = torch.randn(9, 1, 2, 8), torch.randn(17, 1, 2, 8)
     with pytest.raises(ValueError, match="unknown attention backend 'fast'"):
         shared_prefix_attention(q, k, k, lay.allowed(), None, "fast")
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_segment_attention_matches_block_diagonal_mask(seed):
+    """Vision attention by equal-length segment batches equals the dense block-diagonal mask."""
+    from rollplex_megatron.attention.prefix import SegmentContext
+    from rollplex_megatron.models.qwen25vl.positions import block_diagonal_mask
+
+    g = torch.Generator().manual_seed(seed)
+    cu = torch.tensor([0, 16, 32, 40, 56, 60, 76])  # lengths 16, 16, 8, 16, 4, 16
+    n = int(cu[-1])
+    q, k, v = (torch.randn(n, 1, 2, 8, generator=g) * s for s in (2.0, 0.5, 30.0))
+    out = SegmentContext(cu=cu).attend(1, q, k, v, None)
+    allowed = ~block_diagonal_mask(cu)[0, 0]
+    ref = dense_reference(q, k, v, allowed, None)
+    assert ((out - ref).norm() / ref.norm()) < 1e-6
+    wrong = SegmentContext(cu=torch.tensor([0, 16, 33, 40, 56, 60, 76])).attend(1, q, k, v, None)
+    assert ((wrong - ref).norm() / ref.norm()) > 1e-3  # a shifted boundary is detected

@@ -81,9 +81,9 @@ class SDPACoreAttention(MegatronModule):
         packed_seq_params=None,
     ):
         """Megatron layout in, `[S,B,Nq*D]` out."""
-        from rollplex_megatron.attention.prefix import PrefixContext
+        from rollplex_megatron.attention.prefix import PrefixContext, SegmentContext
 
-        if isinstance(packed_seq_params, PrefixContext):
+        if isinstance(packed_seq_params, (PrefixContext, SegmentContext)):
             return packed_seq_params.attend(self.layer_number, query, key, value, self.softmax_scale)
         if packed_seq_params is not None:
             raise NotImplementedError("SDPACoreAttention: packed_seq_params (THD) is not supported")

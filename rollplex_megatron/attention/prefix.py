@@ -185,3 +185,35 @@ def dense_reference(query, key, value, allowed, scale):
     out = F.softmax(s, dim=-1) @ v
     b, n, t, d = out.shape
     return out.permute(2, 0, 1, 3).reshape(t, b, n * d).to(query.dtype)
+
+
+@dataclass
+class SegmentContext(PackedSeqParams):
+    """Non-causal attention inside segments given by `cu_seqlens` (vision windows / frames).
+
+    Segments of equal length run as one batched SDPA call, so no [N, N] mask is built and SDPA
+    can use its fused kernels; the result equals attention with the block-diagonal mask.
+    """
+
+    cu: torch.Tensor | None = None  # [n_seg + 1] cumulative segment lengths (CPU, long)
+
+    def __post_init__(self) -> None:
+        self.qkv_format = "sbhd"
+        lengths = self.cu.diff()
+        starts = self.cu[:-1]
+        self._groups = []  # (length, token index [n, L]) per distinct segment length
+        for length in torch.unique(lengths).tolist():
+            st = starts[lengths == length]
+            self._groups.append((length, (st[:, None] + torch.arange(length)[None, :])))
+
+    def attend(self, layer: int, query, key, value, scale):
+        """query/key/value [N,1,H,D] -> [N,1,H*D], attention within each segment."""
+        n, _, h, d = query.shape
+        out = query.new_empty(n, h, d)
+        q2, k2, v2 = query[:, 0], key[:, 0], value[:, 0]
+        for _, idx in self._groups:
+            i = idx.to(query.device)
+            q, k, v = (t[i].transpose(1, 2) for t in (q2, k2, v2))  # [n_seg, H, L, D]
+            o = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+            out[i.reshape(-1)] = o.transpose(1, 2).reshape(-1, h, d)
+        return out.reshape(n, 1, h * d)

@@ -22,6 +22,7 @@ from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from rollplex_megatron.attention import SDPACoreAttention
+from rollplex_megatron.attention.prefix import SegmentContext
 from rollplex_megatron.config import ModelConfig
 from rollplex_megatron.models.qwen25vl import positions as P
 
@@ -107,11 +108,11 @@ class VisionBlocks(TransformerBlock):
                          post_process=False)
         self.fullatt = set(fullatt_block_indexes)
 
-    def forward(self, hidden_NBH, full_mask, window_mask, rotary_NB1D):  # noqa: D102
+    def forward(self, hidden_NBH, full_ctx, window_ctx, rotary_NB1D):  # noqa: D102
         for idx, layer in enumerate(self.layers):
-            mask = full_mask if idx in self.fullatt else window_mask
-            hidden_NBH, _ = layer(hidden_states=hidden_NBH, attention_mask=mask,
-                                  rotary_pos_emb=rotary_NB1D)
+            ctx = full_ctx if idx in self.fullatt else window_ctx
+            hidden_NBH, _ = layer(hidden_states=hidden_NBH, attention_mask=None,
+                                  rotary_pos_emb=rotary_NB1D, packed_seq_params=ctx)
         return hidden_NBH
 
 
@@ -167,11 +168,10 @@ class VisionTower(MegatronModule):
         rot = P.vision_rotary_freqs(P.vision_patch_positions(grid_thw, v.spatial_merge_size),
                                     v.hidden_size // v.num_heads, v.rope_theta)
         # Windows never cross frames and keep frame order, so per-frame full attention is also
-        # block-diagonal in window order.
-        full = P.block_diagonal_mask(P.vision_cu_seqlens(grid_thw))
-        window = P.block_diagonal_mask(cu_window)
-        x = self.blocks(x[order_N][:, None], full.to(x.device), window.to(x.device),
-                        rot[order_N.cpu()].to(x.device))
+        # attention within contiguous segments in window order; no [N, N] mask is built.
+        full = SegmentContext(cu=P.vision_cu_seqlens(grid_thw).long())
+        window = SegmentContext(cu=cu_window.long())
+        x = self.blocks(x[order_N][:, None], full, window, rot[order_N.cpu()].to(x.device))
         merged = self.merger(x[:, 0])
         return merged[torch.argsort(order_U).to(merged.device)]
 
