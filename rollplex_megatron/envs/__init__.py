@@ -1,0 +1,1 @@
+"""Embodied tasks with verifiable rewards (rendered frames + instruction -> answer token)."""

@@ -1,0 +1,1 @@
+"""GRPO pieces: group advantages, clipped ratio loss, KL to the reference, entropy."""

@@ -1,0 +1,71 @@
+"""GRPO as pure tensor functions (legend: N prompts, G samples per prompt, T response tokens).
+
+The trainer (not yet written) combines them per token on the last pipeline stage; every function
+here takes tensors and returns tensors, so it tests on the CPU.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def group_advantages(rewards_NG: torch.Tensor, normalize_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
+    """Group-normalised advantages: reward minus the group mean, divided by the group std (unbiased=False).
+
+    A group whose rewards are all equal gets zero advantages (no signal), never NaN.
+    """
+    if rewards_NG.dim() != 2:
+        raise ValueError(f"rewards must be [prompts, group_size], got shape {tuple(rewards_NG.shape)}")
+    centred = rewards_NG - rewards_NG.mean(dim=1, keepdim=True)
+    if not normalize_std:
+        return centred
+    return centred / (rewards_NG.std(dim=1, unbiased=False, keepdim=True) + eps)
+
+
+def clipped_ratio_loss(logp_T: torch.Tensor, old_logp_T: torch.Tensor, adv_T: torch.Tensor,
+                       clip_low: float = 0.2, clip_high: float = 0.2) -> torch.Tensor:
+    """Per-token PPO/GRPO surrogate: -min(r A, clip(r, 1-low, 1+high) A), r = exp(logp - old_logp)."""
+    ratio = torch.exp(logp_T - old_logp_T)
+    clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    return -torch.minimum(ratio * adv_T, clipped * adv_T)
+
+
+def kl_k3(logp_T: torch.Tensor, ref_logp_T: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimator of KL(policy || reference): exp(d) - d - 1 with d = ref_logp - logp (>= 0)."""
+    d = ref_logp_T - logp_T
+    return torch.exp(d) - d - 1.0
+
+
+def token_mean(values_T: torch.Tensor, mask_T: torch.Tensor, total_tokens: float | None = None) -> torch.Tensor:
+    """Token-mean aggregation over masked tokens; `total_tokens` is the global count (across micro-batches and DP)."""
+    denom = float(mask_T.sum()) if total_tokens is None else float(total_tokens)
+    return (values_T * mask_T).sum() / max(denom, 1.0)
+
+
+def grpo_token_loss(logp_T, old_logp_T, ref_logp_T, adv_T, kl_coef: float, clip_low: float = 0.2,
+                    clip_high: float = 0.2) -> torch.Tensor:
+    """Per-token GRPO loss: clipped surrogate plus `kl_coef` times the k3 KL to the reference."""
+    loss = clipped_ratio_loss(logp_T, old_logp_T, adv_T, clip_low, clip_high)
+    if kl_coef:
+        loss = loss + kl_coef * kl_k3(logp_T, ref_logp_T)
+    return loss
+
+
+def vocab_parallel_entropy(logits_local: torch.Tensor, group=None) -> torch.Tensor:
+    """Entropy of softmax(logits) when the vocabulary is split over a TP group (no full gather).
+
+    H = log Z + m - sum(e^(l - m) l) / Z with m the global max and Z the global sum of e^(l - m).
+    Masked (dtype-minimum) padding columns contribute nothing.
+    """
+    import torch.distributed as dist
+
+    x = logits_local.float()
+    m = x.max(dim=-1, keepdim=True).values
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+    e = torch.exp(x - m)
+    z = e.sum(dim=-1, keepdim=True)
+    ex = (e * torch.where(e > 0, x, torch.zeros_like(x))).sum(dim=-1, keepdim=True)
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(z, group=group)
+        dist.all_reduce(ex, group=group)
+    return (torch.log(z) + m - ex / z).squeeze(-1)
