@@ -89,3 +89,27 @@ def test_prompt_runs_through_the_tiny_model_positions():
 def test_bad_task_settings(kw, match):
     with pytest.raises(ValueError, match=match):
         motion.MotionTaskConfig(**kw)
+
+
+def _episode_logits(frames):
+    from rollplex_megatron.dist import init_parallel
+    from rollplex_megatron.models.qwen25vl import build_model
+    from rollplex_megatron.prefix.batch import prompt_positions
+
+    init_parallel()
+    model = load_run_config([]).model
+    net = build_model(model)
+    pr = motion.episode_prompt(motion.make_episode(motion.MotionTaskConfig(frames=frames), 5), model, motion.TaskVocab())
+    with torch.no_grad():
+        out = net(input_ids=pr.input_ids[None], position_ids=prompt_positions(model, pr),
+                  pixel_values=pr.pixel_values, image_grid_thw=pr.image_grid_thw,
+                  pixel_values_videos=pr.pixel_values_videos, video_grid_thw=pr.video_grid_thw)
+    return out.shape, bool(torch.isfinite(out[..., :model.vocab_size]).all())
+
+
+@pytest.mark.parametrize("frames", [4, 1])
+def test_episode_prompt_runs_through_the_model(frames):
+    from rollplex_megatron.dist import run_local
+
+    shape, finite = run_local(_episode_logits, 1, frames)[0]
+    assert shape[0] == 1 and finite
