@@ -50,7 +50,6 @@ def test_token_mean_uses_global_count():
 
 
 def _entropy_worker(seed):
-    import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     from rollplex_megatron.dist import init_parallel

@@ -4,7 +4,6 @@ Same checkpoint, same batches; loss within 1e-5 relative and every parameter's g
 back to HF names) within 1e-5 relative (||diff|| / ||reference||), fp32 on CPU.
 """
 import pytest
-import torch
 
 from rollplex_megatron.dist import run_local
 from tests.parallel_workers import fwd_bwd, hf_named_grads

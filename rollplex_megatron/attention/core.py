@@ -12,6 +12,8 @@ import torch.nn.functional as F
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
+from rollplex_megatron.attention.prefix import PrefixContext, SegmentContext
+
 
 def causal_allowed(sq: int, sk: int, device=None) -> torch.Tensor:
     """[S,K] bool, True where query i may see key j; queries are the last `sq` positions of `sk`."""
@@ -81,8 +83,6 @@ class SDPACoreAttention(MegatronModule):
         packed_seq_params=None,
     ):
         """Megatron layout in, `[S,B,Nq*D]` out."""
-        from rollplex_megatron.attention.prefix import PrefixContext, SegmentContext
-
         if isinstance(packed_seq_params, (PrefixContext, SegmentContext)):
             return packed_seq_params.attend(self.layer_number, query, key, value, self.softmax_scale)
         if packed_seq_params is not None:

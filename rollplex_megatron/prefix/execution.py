@@ -65,10 +65,6 @@ def prefix_forward(model, groups: list[Group], store: KVStore, keep_graph: bool)
         pr = g.prompt
         vis = {k: (getattr(pr, k).to(dev) if getattr(pr, k) is not None else None)
                for k in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")}
-        if vis["pixel_values"] is not None:
-            vis["pixel_values"] = vis["pixel_values"].to(m.config.params_dtype)
-        if vis["pixel_values_videos"] is not None:
-            vis["pixel_values_videos"] = vis["pixel_values_videos"].to(m.config.params_dtype)
         with torch.set_grad_enabled(keep_graph):
             out = m.forward_prefix(pr.input_ids[None, :-1].to(dev), prompt_positions(cfg, pr)[:, :, :-1].to(dev),
                                    ctx, input_tensor=recv, **vis)

@@ -29,8 +29,6 @@ from rollplex_megatron.checkpoint.hf import expected_hf_shapes
 from rollplex_megatron.config import ModelConfig
 from rollplex_megatron.weights import layout as WL
 
-CLASSES = ("view", "strided_view", "local_permute", "gather")
-
 
 @dataclass
 class TensorPlan:

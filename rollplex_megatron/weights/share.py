@@ -115,7 +115,7 @@ class SharedRolloutWeights:
     def _rebuild(self) -> None:
         with torch.no_grad():
             for p in self.plan:
-                if p.klass == "local_permute" and p.name not in self.remote:
+                if p.klass == "local_permute":
                     self.roll[p.name].data.copy_(_select(self.train[p.name].data, p.dim, p.positions))
             self._gather_all()
 
