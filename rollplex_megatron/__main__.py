@@ -1,6 +1,9 @@
 """Command line: `python -m rollplex_megatron <command> ...` (also installed as `rollplex`).
 
 Commands
+  train [hydra overrides] [--modes serial,prefix_shared,rollplex]
+                                      GRPO training (default: tiny preset on CPU, rollplex mode);
+                                      writes metrics.jsonl and report.png; last line = run directory
   smoke [hydra overrides]             forward+backward of the model on a random image and video
   verify-hf --hf-dir DIR [--tp N] [--json]
                                       megatron model vs transformers on an HF checkpoint
@@ -148,13 +151,24 @@ def _cmd_print_config(argv: list[str]) -> int:
     return 0
 
 
+def _cmd_train(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="rollplex train", description="synchronous GRPO training")
+    ap.add_argument("--modes", default=None,
+                    help="comma-separated modes to run one after another from the same seed, each into "
+                         "<run dir>/<mode> (default: mode.name of the config)")
+    a, overrides = ap.parse_known_args(argv)
+    from rollplex_megatron.train_cli import main as train_main
+
+    return train_main(overrides, a.modes.split(",") if a.modes else None)
+
+
 def _cmd_smoke(argv: list[str]) -> int:
     from rollplex_megatron.smoke import main as smoke_main
 
     return smoke_main(argv)
 
 
-COMMANDS = {"smoke": _cmd_smoke, "verify-hf": _cmd_verify_hf, "verify-equivalence": _cmd_verify_equivalence, "convert": _cmd_convert,
+COMMANDS = {"train": _cmd_train, "smoke": _cmd_smoke, "verify-hf": _cmd_verify_hf, "verify-equivalence": _cmd_verify_equivalence, "convert": _cmd_convert,
             "print-config": _cmd_print_config, "plan-weights": _cmd_plan_weights}
 
 

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 from hydra.core.config_store import ConfigStore
 
+from rollplex_megatron.envs.motion import MotionTaskConfig
+
 # Megatron-LM pads the vocabulary to a multiple of this times TP (--make-vocab-size-divisible-by).
 VOCAB_DIVISIBLE_BY = 128
 
@@ -187,16 +189,117 @@ class SmokeConfig:
 
 @dataclass(kw_only=True)
 class RolloutConfig:
-    """Rollout shape: GRPO group size and response length limit."""
+    """Rollout shape and sampling: GRPO group size, length limits, sampling parameters."""
 
     group_size: int = 4  # G: responses sampled per prompt
     max_response_len: int = 256  # longest response accepted (tokens)
+    max_prompt_len: int = 8192  # longest prompt the rollout KV cache accepts (tokens)
+    temperature: float = 1.0  # sampling temperature (> 0)
+    top_p: float = 1.0  # nucleus sampling mass in (0, 1]
+    top_k: int = 0  # keep the k most likely tokens (0: all)
 
     def __post_init__(self) -> None:
         if self.group_size < 1:
             raise ValueError(f"rollout.group_size must be >= 1, got {self.group_size}")
         if self.max_response_len < 1:
             raise ValueError(f"rollout.max_response_len must be >= 1, got {self.max_response_len}")
+        if self.max_prompt_len < 2:
+            raise ValueError(f"rollout.max_prompt_len must be >= 2, got {self.max_prompt_len}")
+        if not self.temperature > 0:
+            raise ValueError(f"rollout.temperature must be > 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"rollout.top_k must be >= 0 (0 keeps all tokens), got {self.top_k}")
+
+
+@dataclass(kw_only=True)
+class WorkloadConfig:
+    """Batch shape of one RL step."""
+
+    rollout_batch: int = 64  # responses per step over all data-parallel ranks (prompts x group size)
+    responses_per_micro_batch: int = 8  # packed responses per training micro-batch
+
+    def __post_init__(self) -> None:
+        if self.rollout_batch < 1 or self.responses_per_micro_batch < 1:
+            raise ValueError("workload.rollout_batch and workload.responses_per_micro_batch must be >= 1")
+
+
+MODES = ("serial", "prefix_shared", "rollplex")
+WINDOW_MECHANISMS = ("interleave",)
+
+
+@dataclass(kw_only=True)
+class ModeConfig:
+    """How the step executes (DESIGN section 2); every mode computes the same update."""
+
+    name: str = "rollplex"  # serial | prefix_shared | rollplex
+    window: str = "interleave"  # decode-window mechanism for prefix work (rollplex)
+    window_items_per_step: int = 1  # queued prefix work items run after each decode step
+
+    def __post_init__(self) -> None:
+        if self.name not in MODES:
+            raise ValueError(f"mode.name must be one of {MODES}, got {self.name!r}")
+        if self.window not in WINDOW_MECHANISMS:
+            raise ValueError(f"mode.window must be one of {WINDOW_MECHANISMS} (stream/green/tail are not "
+                             f"implemented yet), got {self.window!r}")
+        if self.window_items_per_step < 1:
+            raise ValueError(f"mode.window_items_per_step must be >= 1, got {self.window_items_per_step}")
+
+
+@dataclass(kw_only=True)
+class MemoryConfig:
+    """Memory budgets."""
+
+    kv_cache_gib: float = 8.0  # rollout KV cache budget per GPU; more groups than fit wait (queue)
+
+    def __post_init__(self) -> None:
+        if not self.kv_cache_gib > 0:
+            raise ValueError(f"memory.kv_cache_gib must be > 0, got {self.kv_cache_gib}")
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    """megatron-core optimizer (Adam) settings."""
+
+    lr: float = 1e-3  # learning rate (constant)
+    weight_decay: float = 0.0  # decoupled weight decay
+    adam_beta1: float = 0.9  # Adam beta1
+    adam_beta2: float = 0.999  # Adam beta2
+    adam_eps: float = 1e-8  # Adam epsilon
+    clip_grad: float = 1.0  # global gradient-norm clip (0: off)
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"optim.lr must be > 0, got {self.lr}")
+        if self.clip_grad < 0:
+            raise ValueError(f"optim.clip_grad must be >= 0, got {self.clip_grad}")
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """The GRPO loop: steps, loss, logging and checkpoints."""
+
+    steps: int = 60  # RL steps (one optimizer step each)
+    kl_coef: float = 0.0  # coefficient of the k3 KL to the reference
+    clip_low: float = 0.2  # PPO ratio clip below 1
+    clip_high: float = 0.2  # PPO ratio clip above 1
+    normalize_std: bool = True  # divide group-centred rewards by the group std
+    save_every: int = 0  # checkpoint every k steps (0: only at the end)
+    resume: bool = False  # continue from the run directory's latest checkpoint
+    out: str = ""  # run directory (empty: a new one under run_dir)
+    init_hf: str = ""  # start actor and reference from this HF checkpoint (its config replaces model)
+    progress: bool = True  # progress bar on rank 0
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ValueError(f"train.steps must be >= 1, got {self.steps}")
+        if self.kl_coef < 0 or self.clip_low < 0 or self.clip_high < 0:
+            raise ValueError("train.kl_coef, train.clip_low and train.clip_high must be >= 0")
+        if self.save_every < 0:
+            raise ValueError(f"train.save_every must be >= 0, got {self.save_every}")
+        if self.resume and not self.out:
+            raise ValueError("train.resume=true needs train.out=<run directory> to resume from")
 
 
 @dataclass(kw_only=True)
@@ -236,6 +339,12 @@ class RunConfig:
     smoke: SmokeConfig = field(default_factory=SmokeConfig)  # `smoke` command workload
     rollout: RolloutConfig = field(default_factory=RolloutConfig)  # rollout shape
     verify: EquivalenceConfig = field(default_factory=EquivalenceConfig)  # verify-equivalence batch
+    task: MotionTaskConfig = field(default_factory=MotionTaskConfig)  # RL task (recipes/task/*.yaml)
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)  # step batch shape
+    mode: ModeConfig = field(default_factory=ModeConfig)  # execution mode (recipes/mode/*.yaml)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)  # memory budgets
+    optim: OptimConfig = field(default_factory=OptimConfig)  # optimizer
+    train: TrainConfig = field(default_factory=TrainConfig)  # GRPO loop
     seed: int = 1234  # global seed
     dtype: str = "float32"  # compute dtype: float32 or bfloat16
     run_dir: str = "runs"  # where runs write their outputs
@@ -247,6 +356,7 @@ class RunConfig:
         if self.verify.max_response_len > self.rollout.max_response_len:
             raise ValueError(f"verify.max_response_len ({self.verify.max_response_len}) exceeds "
                              f"rollout.max_response_len ({self.rollout.max_response_len})")
+        self._check_workload()
         m = self.model.vision.spatial_merge_size
         for key, owner in (("image_grid", self.smoke), ("video_grid", self.smoke),
                            ("image_grid", self.verify), ("video_grid", self.verify)):
@@ -256,9 +366,27 @@ class RunConfig:
                                  f"model.vision.spatial_merge_size ({m}), got {h}x{w}")
 
 
+    def _check_workload(self) -> None:
+        g, n, dp = self.rollout.group_size, self.workload.rollout_batch, self.parallel.dp
+        if n % g:
+            raise ValueError(f"rollout.group_size ({g}) must divide workload.rollout_batch ({n})")
+        if (n // g) % dp:
+            raise ValueError(f"workload.rollout_batch/rollout.group_size = {n // g} prompts must be divisible "
+                             f"by parallel.dp ({dp})")
+
+    @property
+    def prompts_per_rank(self) -> int:
+        """Prompts (groups) each data-parallel rank samples per step."""
+        return self.workload.rollout_batch // self.rollout.group_size // self.parallel.dp
+
+
 def register_configs() -> None:
     """Register the schemas with Hydra's ConfigStore (idempotent)."""
     cs = ConfigStore.instance()
     cs.store(name="run_schema", node=RunConfig)
     cs.store(group="model", name="model_schema", node=ModelConfig)
     cs.store(group="parallel", name="parallel_schema", node=ParallelConfig)
+    cs.store(group="task", name="task_schema", node=MotionTaskConfig)
+    cs.store(group="mode", name="mode_schema", node=ModeConfig)
+    cs.store(group="workload", name="workload_schema", node=WorkloadConfig)
+    cs.store(group="memory", name="memory_schema", node=MemoryConfig)

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
-from rollplex_megatron.attention.prefix import PrefixContext, SegmentContext
+from rollplex_megatron.attention.prefix import AttentionContext
 
 
 def causal_allowed(sq: int, sk: int, device=None) -> torch.Tensor:
@@ -83,7 +83,7 @@ class SDPACoreAttention(MegatronModule):
         packed_seq_params=None,
     ):
         """Megatron layout in, `[S,B,Nq*D]` out."""
-        if isinstance(packed_seq_params, (PrefixContext, SegmentContext)):
+        if isinstance(packed_seq_params, AttentionContext):
             return packed_seq_params.attend(self.layer_number, query, key, value, self.softmax_scale)
         if packed_seq_params is not None:
             raise NotImplementedError("SDPACoreAttention: packed_seq_params (THD) is not supported")

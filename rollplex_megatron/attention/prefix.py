@@ -20,6 +20,18 @@ import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 
 
+class AttentionContext(PackedSeqParams):
+    """Contract for attention contexts: megatron's core attention calls `attend` for every layer.
+
+    `attend(layer_number, query [S,B,Nq,D], key/value [S,B,Ng,D], scale) -> [S,B,Nq*D]`, with
+    post-RoPE inputs and GQA not expanded. Contexts reach core attention as `packed_seq_params`.
+    """
+
+    def attend(self, layer: int, query, key, value, scale):  # pragma: no cover - contract
+        """Attention output for one layer."""
+        raise NotImplementedError
+
+
 @dataclass
 class PackedLayout:
     """Per-token metadata of one packed micro-batch (all int64 tensors on the compute device)."""
@@ -87,7 +99,7 @@ class KVStore:
 
 
 @dataclass
-class PrefixContext(PackedSeqParams):
+class PrefixContext(AttentionContext):
     """What core attention needs for one forward: mode, layout and the K/V store.
 
     mode "record": a prefix forward of `group` (causal over the prefix; K/V stored per layer).
@@ -188,7 +200,7 @@ def dense_reference(query, key, value, allowed, scale):
 
 
 @dataclass
-class SegmentContext(PackedSeqParams):
+class SegmentContext(AttentionContext):
     """Non-causal attention inside segments given by `cu_seqlens` (vision windows / frames).
 
     Segments of equal length run as one batched SDPA call, so no [N, N] mask is built and SDPA

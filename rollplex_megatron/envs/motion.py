@@ -31,6 +31,8 @@ class MotionTaskConfig:
     object_px: int = 8  # square side in pixels
     step_px: int = 4  # target motion per frame in pixels
     jitter_px: int = 0  # random distractor motion per frame (harder when > 0)
+    max_answer_tokens: int = 4  # longest response; a response ends at its first direction token
+    format_reward: float = 0.0  # added when the response names any direction (0: correctness only)
 
     def __post_init__(self) -> None:
         if self.image_size % 28:
@@ -39,6 +41,8 @@ class MotionTaskConfig:
             raise ValueError(f"task.frames ({self.frames}) must be 1 (image) or even (temporal patch 2)")
         if not 1 <= self.num_objects <= len(COLORS):
             raise ValueError(f"task.num_objects must be in 1..{len(COLORS)}, got {self.num_objects}")
+        if self.max_answer_tokens < 1:
+            raise ValueError(f"task.max_answer_tokens must be >= 1, got {self.max_answer_tokens}")
         travel = self.step_px * max(self.frames - 1, 2)
         if self.object_px + 2 * travel >= self.image_size:
             raise ValueError(f"task.step_px={self.step_px} over {self.frames} frames leaves the "
@@ -136,3 +140,41 @@ def episode_prompt(episode: Episode, model_cfg, vocab: TaskVocab):
         return Prompt(ids, pixel_values_videos=pixels, video_grid_thw=grid_t,
                       second_per_grid_ts=torch.tensor([1.0]))
     return Prompt(ids, pixel_values=pixels, image_grid_thw=grid_t)
+
+
+class MotionEnv:
+    """The task as the trainer sees it: seeds -> prompts, responses -> rewards (chance = 1/4)."""
+
+    chance = 1.0 / len(DIRECTIONS)
+
+    def __init__(self, cfg: MotionTaskConfig, model_cfg):
+        self.cfg, self.model_cfg, self.vocab = cfg, model_cfg, TaskVocab()
+        ids = sorted(self.vocab.ids.values())
+        special = {model_cfg.image_token_id, model_cfg.video_token_id, model_cfg.vision_start_token_id,
+                   model_cfg.vision_end_token_id}
+        if ids[-1] >= model_cfg.vocab_size or special & set(ids):
+            raise ValueError(f"the task vocabulary uses token ids {ids[0]}..{ids[-1]}, which must lie inside "
+                             f"model.vocab_size ({model_cfg.vocab_size}) and avoid the vision special tokens")
+        self.stop_token_ids = tuple(self.vocab.answer_ids())
+
+    def episode(self, seed: int) -> Episode:
+        """The deterministic episode of `seed`."""
+        return make_episode(self.cfg, seed)
+
+    def prompt(self, episode: Episode):
+        """The episode's prompt (prefix.batch.Prompt)."""
+        return episode_prompt(episode, self.model_cfg, self.vocab)
+
+    def answer(self, tokens: torch.Tensor) -> str | None:
+        """The first direction named in a response, if any."""
+        for t in tokens.tolist():
+            word = self.vocab.words.get(int(t))
+            if word in DIRECTIONS:
+                return word
+        return None
+
+    def reward(self, episode: Episode, tokens: torch.Tensor) -> float:
+        """Correctness (1/0) plus `format_reward` for naming any direction."""
+        said = self.answer(tokens)
+        fmt = self.cfg.format_reward if said is not None else 0.0
+        return reward(episode, said) + fmt if said is not None else 0.0

@@ -50,6 +50,7 @@ class MicroBatch:
     layout: PackedLayout
     vision: dict = field(default_factory=dict)  # pixel inputs (full-sequence micro-batches only)
     responses: list[tuple[int, int]] = field(default_factory=list)  # (group, response) in order
+    token_data: dict = field(default_factory=dict)  # per-token [1, T] tensors for losses (see attach_token_data)
 
     def to(self, device) -> "MicroBatch":
         """A copy on `device` (layout and pixels included)."""
@@ -59,7 +60,8 @@ class MicroBatch:
                           mv(self.label_mask),
                           PackedLayout(mv(lay.seg_T), mv(lay.pos_T), mv(lay.group_T), lay.prefix_groups,
                                        lay.prefix_lens),
-                          {k: mv(v) for k, v in self.vision.items()}, self.responses)
+                          {k: mv(v) for k, v in self.vision.items()}, self.responses,
+                          {k: mv(v) for k, v in self.token_data.items()})
 
 
 def prompt_positions(cfg: ModelConfig, prompt: Prompt, extra_text: int = 0) -> torch.Tensor:
@@ -169,4 +171,23 @@ def full_micro_batches(cfg: ModelConfig, groups: list[Group], per_mb: int, total
         out.append(MicroBatch(torch.cat(ids)[None], torch.cat(pos, dim=2), torch.cat(lab)[None],
                               torch.cat(w)[None], torch.cat(msk)[None], layout,
                               {k: torch.cat(v) for k, v in vis.items()}, list(members)))
+    return out
+
+
+def attach_token_data(mbs: list[MicroBatch], name: str, per_response: dict) -> None:
+    """Lay per-response values ({(group, response): [R]}) on each micro-batch's loss positions."""
+    for mb in mbs:
+        vals = torch.cat([per_response[key].float().cpu() for key in mb.responses])
+        out = torch.zeros(mb.label_mask.shape, dtype=torch.float32)
+        out[mb.label_mask] = vals
+        mb.token_data[name] = out
+
+
+def split_token_values(results: list[dict], mbs: list[MicroBatch], groups: list[Group], key: str = "logp") -> dict:
+    """Per-response tensors {(group, response): [R]} from per-micro-batch flat loss-position values."""
+    out = {}
+    for res, mb in zip(results, mbs):
+        lens = [groups[g].responses[r].numel() for g, r in mb.responses]
+        for k, part in zip(mb.responses, torch.split(res[key].float().cpu(), lens)):
+            out[k] = part
     return out

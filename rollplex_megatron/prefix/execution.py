@@ -40,6 +40,7 @@ def unwrap(model):
 class PrefixState:
     """What the prefix backward of one group needs on this stage."""
 
+    group: int  # group id in the K/V store
     length: int  # prefix tokens
     received: torch.Tensor | None  # stage input from the previous stage (grad flows back to it)
     output: torch.Tensor  # stage output sent to the next stage
@@ -53,12 +54,17 @@ def _p2p(model) -> P2PCommunicator:
     return P2PCommunicator(pp_group=ps.get_pipeline_model_parallel_group(), config=get_model_config(model))
 
 
-def prefix_forward(model, groups: list[Group], store: KVStore, keep_graph: bool) -> list[PrefixState]:
-    """Step 1 on this stage for every group, in group order (the order every stage uses)."""
+def prefix_forward(model, groups: list[Group], store: KVStore, keep_graph: bool,
+                   group_ids: list[int] | None = None) -> list[PrefixState]:
+    """Step 1 on this stage for every group, in group order (the order every stage uses).
+
+    `group_ids` name the groups in the store (default 0..n-1), e.g. when a rollout prefills in waves.
+    """
     m, p2p = unwrap(model), _p2p(model)
     first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
     cfg, dev, states = m.cfg, _device(), []
-    for gi, g in enumerate(groups):
+    ids = list(range(len(groups))) if group_ids is None else list(group_ids)
+    for gi, g in zip(ids, groups):
         n = g.prompt.input_ids.numel() - 1
         recv = None if first else p2p.recv_forward((n, 1, cfg.hidden_size), first)
         ctx = PrefixContext(mode="record", store=store, group=gi, keep_graph=keep_graph)
@@ -70,7 +76,7 @@ def prefix_forward(model, groups: list[Group], store: KVStore, keep_graph: bool)
                                    ctx, input_tensor=recv, **vis)
         if not last:
             p2p.send_forward(out.detach() if not keep_graph else out, last)
-        states.append(PrefixState(n, recv, out))
+        states.append(PrefixState(gi, n, recv, out))
     return states
 
 
@@ -79,8 +85,8 @@ def prefix_backward(model, states: list[PrefixState], store: KVStore) -> None:
     p2p = _p2p(model)
     first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
     hidden = unwrap(model).cfg.hidden_size
-    for gi, st in enumerate(states):
-        outs, grads = store.backward_pairs(gi)
+    for st in states:
+        outs, grads = store.backward_pairs(st.group)
         if not last:
             outs.append(st.output)
             grads.append(p2p.recv_backward((st.length, 1, hidden), last))
@@ -89,7 +95,7 @@ def prefix_backward(model, states: list[PrefixState], store: KVStore) -> None:
         if not first:
             g = st.received.grad if st.received.grad is not None else torch.zeros_like(st.received)
             p2p.send_backward(g, first)
-        store.release(gi)
+        store.release(st.group)
 
 
 def _loss(mb: MicroBatch, logits_BTV: torch.Tensor):
@@ -99,22 +105,26 @@ def _loss(mb: MicroBatch, logits_BTV: torch.Tensor):
     return loss, n, {"loss": loss.detach(), "logp": logp.detach()[mb.label_mask]}
 
 
-def _step(micro_batches: list[MicroBatch], ctx_for, data_iterator, model):
+def _step(micro_batches: list[MicroBatch], ctx_for, loss_fn, data_iterator, model):
     mb = micro_batches[next(data_iterator)]
     out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, attention_context=ctx_for(mb),
                 **mb.vision)
-    return out, partial(_loss, mb)
+    return out, partial(loss_fn, mb)
 
 
-def run_schedule(model, micro_batches: list[MicroBatch], ctx_for, forward_only: bool) -> list[dict]:
-    """Packed micro-batches through megatron's schedule; returns the last stage's per-micro-batch dicts."""
+def run_schedule(model, micro_batches: list[MicroBatch], ctx_for, forward_only: bool, loss_fn=None) -> list[dict]:
+    """Packed micro-batches through megatron's schedule; returns the last stage's per-micro-batch dicts.
+
+    `loss_fn(mb, logits) -> (loss, tokens, dict)` (megatron's per-token-loss contract); the default
+    is the advantage-weighted log-likelihood of `mb.weight`. Dicts hold at least "loss" and "logp".
+    """
     config = get_model_config(model)
     saved = config.finalize_model_grads_func, config.variable_seq_lengths
     config.finalize_model_grads_func = None  # prefix gradients must be in before DP reduction
     config.variable_seq_lengths = True  # packed micro-batches differ in length
     try:
         return get_forward_backward_func()(
-            forward_step_func=partial(_step, micro_batches, ctx_for),
+            forward_step_func=partial(_step, micro_batches, ctx_for, loss_fn or _loss),
             data_iterator=iter(range(len(micro_batches))), model=[model],
             num_microbatches=len(micro_batches), seq_length=max(mb.input_ids.shape[1] for mb in micro_batches),
             micro_batch_size=1, forward_only=forward_only)
@@ -130,21 +140,21 @@ def finalize(model) -> None:
 
 
 def actor_prefix_step(model, groups: list[Group], micro_batches: list[MicroBatch],
-                      backend: str = "auto") -> list[dict]:
+                      backend: str = "auto", loss_fn=None) -> list[dict]:
     """Prefix/response forward+backward of the actor; gradients finalised. Returns loss dicts."""
     dev = _device()
     mbs = [mb.to(dev) for mb in micro_batches]
     store = KVStore()
     states = prefix_forward(model, groups, store, keep_graph=True)
     res = run_schedule(model, mbs, lambda mb: PrefixContext(mode="use", layout=mb.layout, store=store,
-                                                            backend=backend), forward_only=False)
+                                                            backend=backend), forward_only=False, loss_fn=loss_fn)
     prefix_backward(model, states, store)
     finalize(model)
     return res
 
 
 def reference_prefix_logprobs(model, groups: list[Group], micro_batches: list[MicroBatch],
-                              backend: str = "auto") -> list[dict]:
+                              backend: str = "auto", loss_fn=None) -> list[dict]:
     """Reference variant: prefix K/V without a graph, response stage forward-only."""
     dev = _device()
     mbs = [mb.to(dev) for mb in micro_batches]
@@ -152,16 +162,17 @@ def reference_prefix_logprobs(model, groups: list[Group], micro_batches: list[Mi
     with torch.no_grad():
         prefix_forward(model, groups, store, keep_graph=False)
         return run_schedule(model, mbs, lambda mb: PrefixContext(mode="use", layout=mb.layout, store=store,
-                                                                 backend=backend), forward_only=True)
+                                                                 backend=backend), forward_only=True,
+                            loss_fn=loss_fn)
 
 
 def full_sequence_step(model, micro_batches: list[MicroBatch], forward_only: bool = False,
-                       backend: str = "auto") -> list[dict]:
+                       backend: str = "auto", loss_fn=None) -> list[dict]:
     """The serial baseline: every response with its whole prompt, same schedule, model and loss."""
     dev = _device()
     mbs = [mb.to(dev) for mb in micro_batches]
     res = run_schedule(model, mbs, lambda mb: PrefixContext(mode="packed", layout=mb.layout, backend=backend),
-                       forward_only=forward_only)
+                       forward_only=forward_only, loss_fn=loss_fn)
     if not forward_only:
         finalize(model)
     return res

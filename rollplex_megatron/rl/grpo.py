@@ -69,3 +69,38 @@ def vocab_parallel_entropy(logits_local: torch.Tensor, group=None) -> torch.Tens
         dist.all_reduce(z, group=group)
         dist.all_reduce(ex, group=group)
     return (torch.log(z) + m - ex / z).squeeze(-1)
+
+
+class GRPOLoss:
+    """Megatron loss function of one packed micro-batch (per-token-loss contract).
+
+    Reads `mb.token_data`: "adv" (always), "ref_logp" (when kl_coef > 0) and "old_logp" (absent on
+    the single on-policy update that takes old log-probs from its own forward: then old = detached
+    current log-probs, ratio 1). The loss is pre-normalised by the global response-token count.
+    """
+
+    def __init__(self, kl_coef: float, clip_low: float, clip_high: float, total_tokens: int, tp_group=None):
+        self.kl_coef, self.clip_low, self.clip_high = kl_coef, clip_low, clip_high
+        self.total_tokens, self.tp_group = total_tokens, tp_group
+
+    def __call__(self, mb, logits_BTV: torch.Tensor):
+        """(loss, tokens, {"loss", "logp", "kl", "entropy", "clipfrac"}) for megatron's schedule."""
+        from megatron.core import tensor_parallel
+
+        logits = logits_BTV.float()
+        mask = mb.label_mask
+        with torch.no_grad():  # before the cross-entropy, which overwrites its input in place
+            entropy = vocab_parallel_entropy(logits[mask], self.tp_group)
+        logp = -tensor_parallel.vocab_parallel_cross_entropy(logits, mb.labels)
+        old = mb.token_data["old_logp"] if "old_logp" in mb.token_data else logp.detach()
+        ref = mb.token_data.get("ref_logp", logp.detach())
+        per_token = grpo_token_loss(logp, old, ref, mb.token_data["adv"], self.kl_coef, self.clip_low, self.clip_high)
+        w = mask.float() / self.total_tokens
+        loss = (per_token * w).sum()
+        with torch.no_grad():
+            ratio = torch.exp(logp - old)
+            clipped = ((ratio < 1 - self.clip_low) | (ratio > 1 + self.clip_high)).float()
+            stats = {"loss": loss.detach(), "logp": logp.detach()[mask],
+                     "kl": (kl_k3(logp, ref) * w).sum(), "clipfrac": (clipped * w).sum(),
+                     "entropy": (entropy * w[mask]).sum()}
+        return loss, mask.sum().to(torch.int), stats

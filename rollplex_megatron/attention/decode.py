@@ -1,0 +1,60 @@
+"""Decode attention over a shared prefix: each group's prefix K/V is read once for all its samples.
+
+Legend: B = active samples, Gr = groups, P = padded prefix length, R = padded response length,
+Ng/Nq = KV groups / query heads per TP rank (rep = Nq/Ng query heads per KV group), D = head dim.
+
+A decode query of sample b (group g_b) attends to the prefix of g_b (all P_g positions) and to its
+own response keys 0..len_b-1 (the current token's K/V included). The two parts are computed
+separately and merged by their log-sum-exp, which is the same softmax over the concatenated keys.
+The prefix part stacks the queries of a group's samples, so one matmul per KV head reads the
+group's prefix K/V once, not once per sample (the bytes a decode step moves shrink by ~G).
+"""
+from __future__ import annotations
+
+import torch
+
+
+def _partial(scores, values, valid):
+    """Masked softmax pieces: row max, sum of exponentials and unnormalised output (fp32)."""
+    scores = scores.masked_fill(~valid, float("-inf"))
+    m = scores.amax(dim=-1, keepdim=True).clamp_min(-1e30)  # empty rows stay finite
+    e = torch.exp(scores - m)
+    return m, e.sum(dim=-1, keepdim=True), e @ values
+
+
+def group_slots(group_B: torch.Tensor, n_groups: int) -> tuple[torch.Tensor, int]:
+    """Rank of each active sample among the active samples of its group, and the largest count."""
+    onehot = torch.nn.functional.one_hot(group_B, n_groups)  # [B, Gr]
+    slot = ((onehot.cumsum(0) - 1) * onehot).sum(-1)
+    return slot, int(onehot.sum(0).max()) if group_B.numel() else 0
+
+
+def shared_prefix_decode_attention(q_BND, prefix_k_GrPND, prefix_v_GrPND, prefix_len_Gr, group_B,
+                                   resp_k_BRND, resp_v_BRND, resp_len_B, scale: float | None) -> torch.Tensor:
+    """One decode step's attention; returns [B, Nq*D] in the query dtype (scale None: 1/sqrt(D))."""
+    b, nq, d = q_BND.shape
+    scale = d ** -0.5 if scale is None else scale
+    n_groups, p, ng = prefix_k_GrPND.shape[0], prefix_k_GrPND.shape[1], prefix_k_GrPND.shape[2]
+    rep = nq // ng
+    q = q_BND.float() * scale
+    # prefix part: queries of one group stacked -> [Gr, Ng, S*rep, D] against [Gr, Ng, P, D]
+    slot, s_max = group_slots(group_B, n_groups)
+    qg = q.new_zeros(n_groups, s_max, ng, rep, d)
+    qg[group_B, slot] = q.view(b, ng, rep, d)
+    qg = qg.permute(0, 2, 1, 3, 4).reshape(n_groups, ng, s_max * rep, d)
+    pk = prefix_k_GrPND.float().permute(0, 2, 3, 1)  # [Gr, Ng, D, P]
+    pv = prefix_v_GrPND.float().permute(0, 2, 1, 3)  # [Gr, Ng, P, D]
+    valid_p = (torch.arange(p, device=q.device)[None, :] < prefix_len_Gr[:, None])[:, None, None, :]
+    m1, l1, o1 = _partial(qg @ pk, pv, valid_p)  # [Gr, Ng, S*rep, 1 | D]
+    unstack = lambda t: t.view(n_groups, ng, s_max, rep, -1).permute(0, 2, 1, 3, 4)[group_B, slot]  # noqa: E731
+    m1, l1, o1 = unstack(m1), unstack(l1), unstack(o1)  # [B, Ng, rep, 1 | D]
+    # own part: [B, Ng, rep, D] against the sample's response keys [B, Ng, R, D]
+    r = resp_k_BRND.shape[1]
+    rk = resp_k_BRND.float().permute(0, 2, 3, 1)
+    rv = resp_v_BRND.float().permute(0, 2, 1, 3)
+    valid_r = (torch.arange(r, device=q.device)[None, :] < resp_len_B[:, None])[:, None, None, :]
+    m2, l2, o2 = _partial(q.view(b, ng, rep, d) @ rk, rv, valid_r)
+    m = torch.maximum(m1, m2)
+    a1, a2 = torch.exp(m1 - m), torch.exp(m2 - m)
+    out = (o1 * a1 + o2 * a2) / (l1 * a1 + l2 * a2)
+    return out.reshape(b, nq * d).to(q_BND.dtype)

@@ -1,0 +1,220 @@
+"""Atomic training checkpoints: one file per global rank, published by one directory rename.
+
+Layout under `<run_dir>/checkpoints/`:
+  step_<NNNNNN>/rank<RRRRR>.pt  this rank's actor and reference shard, optimizer state, RNG states
+  step_<NNNNNN>/meta.json       step, world size, tp/pp/dp and the resolved config (YAML)
+  latest                        name of the newest published step directory
+Every rank writes into `step_<N>.tmp-<uuid>/` (name chosen by rank 0 and broadcast), each file
+through a temporary file and `os.replace`. Only when every rank reports success does rank 0 rename
+the directory to `step_<N>` and then rewrite `latest`, both atomically. A crash at any earlier point
+leaves the previous checkpoint and `latest` untouched; leftover `*.tmp-*` directories are ignored. A
+crash between the two renames leaves a complete `step_<N>` that `latest` does not name; `latest`
+still names the previous one, and saving step N again sets the orphan aside.
+Checkpoints are per layout: loading needs the same tp, pp and dp (no resharding).
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import uuid
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+CHECKPOINTS = "checkpoints"
+LATEST = "latest"
+META = "meta.json"
+FORMAT = 1
+
+
+def step_dir_name(step: int) -> str:
+    """Directory name of the checkpoint after `step` optimizer steps."""
+    return f"step_{step:06d}"
+
+
+def rank_file_name(rank: int) -> str:
+    """File name of one global rank's state."""
+    return f"rank{rank:05d}.pt"
+
+
+def _module(model):
+    # Callers pass megatron's DistributedDataParallel; its state_dict keys carry a `module.` prefix.
+    return getattr(model, "module", model)
+
+
+def _layout() -> dict:
+    from megatron.core import parallel_state as ps
+
+    return {"world_size": dist.get_world_size(), "tp": ps.get_tensor_model_parallel_world_size(),
+            "pp": ps.get_pipeline_model_parallel_world_size(), "dp": ps.get_data_parallel_world_size()}
+
+
+def rng_states() -> dict:
+    """Python, numpy, torch CPU, CUDA (if present) and megatron tracker RNG states of this process."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+            "tracker": {k: v.clone() for k, v in get_cuda_rng_tracker().get_states().items()}}
+
+
+def set_rng_states(states: dict) -> None:
+    """Restore what `rng_states` returned."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])
+    torch.set_rng_state(states["torch"])
+    if states["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+    get_cuda_rng_tracker().set_states(states["tracker"])
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: Path, write) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex}")
+    with open(tmp, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _agree(ok: bool, what: str) -> None:
+    """Every rank learns whether all ranks succeeded; a rank that did not re-raises its own error."""
+    dev = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=dev)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    if ok and not int(flag):
+        raise RuntimeError(f"{what} failed on another rank; nothing was published")
+
+
+def _collective(fn, what: str, ranks_run: bool = True):
+    """Run `fn` (on this rank if `ranks_run`), then agree across ranks on success."""
+    try:
+        out = fn() if ranks_run else None
+    except BaseException:
+        _agree(False, what)
+        raise
+    _agree(True, what)
+    return out
+
+
+def _set_aside_orphan(root: Path, final: Path) -> None:
+    """Rank 0: a `step_<N>` that `latest` does not name (a crash came between the two renames) is
+    renamed to a temporary name so that step N can be written again; the one `latest` names is kept."""
+    if not final.exists():
+        return
+    pointer = root / LATEST
+    if pointer.is_file() and pointer.read_text().strip() == final.name:
+        raise FileExistsError(f"checkpoint {final} is the latest one; refusing to overwrite it")
+    os.replace(final, root / f"{final.name}.tmp-orphan-{uuid.uuid4().hex}")
+
+
+def _shared_tmp_dir(root: Path, step: int) -> Path:
+    """Rank 0 creates `step_<N>.tmp-<uuid>` and broadcasts its name (or its error) to all ranks."""
+    msg = [None]
+    if dist.get_rank() == 0:
+        final = root / step_dir_name(step)
+        tmp = root / f"{final.name}.tmp-{uuid.uuid4().hex}"
+        try:
+            _set_aside_orphan(root, final)
+            tmp.mkdir(parents=True)
+            msg[0] = ("ok", tmp.name)
+        except OSError as e:  # every rank must leave the broadcast, then all raise
+            msg[0] = ("error", f"{type(e).__name__}: {e}")
+    dist.broadcast_object_list(msg, src=0)
+    kind, value = msg[0]
+    if kind == "error":
+        raise OSError(f"cannot start checkpoint step {step}: {value}")
+    return root / value
+
+
+def _publish(root: Path, tmp: Path, step: int, meta: dict) -> Path:
+    """Rank 0: meta.json, fsync, rename the directory into place, then point `latest` at it."""
+    _write_atomic(tmp / META, lambda f: f.write(json.dumps(meta, indent=1).encode()))
+    _fsync_dir(tmp)
+    final = root / step_dir_name(step)
+    os.replace(tmp, final)
+    _fsync_dir(root)
+    _write_atomic(root / LATEST, lambda f: f.write(f"{final.name}\n".encode()))
+    _fsync_dir(root)
+    return final
+
+
+def save_checkpoint(run_dir, step: int, model, reference, optimizer, extra: dict | None = None,
+                    config_yaml: str = "") -> Path:
+    """Collective: write this rank's state and publish `step_<N>` atomically; returns its path."""
+    root = Path(run_dir) / CHECKPOINTS
+    tmp = _shared_tmp_dir(root, step)
+    state = {"model": _module(model).state_dict(),
+             "reference": None if reference is None else _module(reference).state_dict(),
+             "optimizer": optimizer.state_dict(), "step": int(step), "rng": rng_states(),
+             "extra": dict(extra or {})}
+    rank = dist.get_rank()
+    _collective(lambda: _write_atomic(tmp / rank_file_name(rank), lambda f: torch.save(state, f)),
+                f"writing checkpoint step {step}")
+    meta = {"format": FORMAT, "step": int(step), **_layout(), "config": config_yaml}
+    final = _collective(lambda: _publish(root, tmp, step, meta), f"publishing checkpoint step {step}",
+                        ranks_run=rank == 0)
+    return final if final is not None else root / step_dir_name(step)
+
+
+def latest_checkpoint(run_dir) -> Path | None:
+    """The step directory `latest` points at, or None when the run has no checkpoint yet."""
+    root = Path(run_dir) / CHECKPOINTS
+    pointer = root / LATEST
+    if not pointer.is_file():
+        return None
+    path = root / pointer.read_text().strip()
+    if not (path / META).is_file():
+        raise FileNotFoundError(f"{pointer} points at {path.name}, which has no {META}; the run directory "
+                                f"was modified outside training")
+    return path
+
+
+def read_meta(path) -> dict:
+    """meta.json of a published checkpoint directory."""
+    return json.loads((Path(path) / META).read_text())
+
+
+def check_layout(meta: dict, path) -> None:
+    """Fail, naming the setting, when this run's parallel layout differs from the checkpoint's."""
+    here = _layout()
+    for key, setting in (("tp", "parallel.tp"), ("pp", "parallel.pp"), ("dp", "parallel.dp"),
+                         ("world_size", "world size")):
+        if meta[key] != here[key]:
+            raise ValueError(f"checkpoint {path} was written with {setting}={meta[key]} but this run has "
+                             f"{setting}={here[key]}; resume with the checkpoint's layout (tp={meta['tp']}, "
+                             f"pp={meta['pp']}, dp={meta['dp']}); training checkpoints are not resharded")
+
+
+def _load_reference(reference, saved, path) -> None:
+    if (reference is None) != (saved is None):
+        raise ValueError(f"checkpoint {path} {'has no' if saved is None else 'has a'} reference model state "
+                         f"but this run {'has' if reference is not None else 'has no'} separate reference model")
+    if reference is not None:
+        _module(reference).load_state_dict(saved)
+
+
+def load_checkpoint(path, model, reference, optimizer) -> tuple[int, dict]:
+    """Restore this rank's model, reference, optimizer and RNG states; returns (step, extra)."""
+    path = Path(path)
+    meta = read_meta(path)
+    check_layout(meta, path)
+    state = torch.load(path / rank_file_name(dist.get_rank()), map_location="cpu", weights_only=False)
+    _module(model).load_state_dict(state["model"])
+    _load_reference(reference, state["reference"], path)
+    optimizer.load_state_dict(state["optimizer"])
+    set_rng_states(state["rng"])
+    return state["step"], state["extra"]

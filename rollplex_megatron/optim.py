@@ -1,0 +1,31 @@
+"""megatron-core's own optimizer (Adam, global-norm clipping) around the DDP-wrapped actor.
+
+No distributed optimizer: every DP rank holds the full optimizer state of its TP/PP shard, so a
+training checkpoint is one plain `optimizer.state_dict()` per rank. With bf16 parameters megatron's
+Float16 optimizer keeps fp32 main weights; with fp32 parameters its FP32 optimizer steps them in
+place. The learning rate is constant (no scheduler).
+"""
+from __future__ import annotations
+
+import torch
+
+from rollplex_megatron.config import OptimConfig
+
+
+def build_optimizer(ddp_model, cfg: OptimConfig, bf16: bool):
+    """megatron-core Adam over `ddp_model` (a megatron DistributedDataParallel)."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    ocfg = OptimizerConfig(optimizer="adam", lr=cfg.lr, weight_decay=cfg.weight_decay,
+                           adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps,
+                           clip_grad=cfg.clip_grad, bf16=bf16,
+                           params_dtype=torch.bfloat16 if bf16 else torch.float32,
+                           use_distributed_optimizer=False)
+    return get_megatron_optimizer(ocfg, [ddp_model])
+
+
+def optimizer_step(optimizer) -> dict:
+    """One optimizer step on the finalised (DP-reduced) main grads; megatron's step statistics."""
+    update_successful, grad_norm, num_zeros = optimizer.step()
+    return {"grad_norm": None if grad_norm is None else float(grad_norm),
+            "update_successful": bool(update_successful), "num_zeros": num_zeros}

@@ -1,0 +1,1 @@
+"""Rollout: the RolloutEngine protocol, the embedded engine and the decode-window work queue."""

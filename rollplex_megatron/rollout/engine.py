@@ -1,0 +1,66 @@
+"""The RolloutEngine contract: what the trainer asks of any rollout engine (embedded, SGLang).
+
+Legend: G = samples per request (a GRPO group), R = generated tokens of one sample.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from rollplex_megatron.prefix.batch import Prompt
+from rollplex_megatron.rollout.sampling import SamplingParams
+
+
+@dataclass
+class RolloutRequest:
+    """One prompt to sample `n` responses for."""
+
+    prompt: Prompt
+    n: int  # G samples sharing this prompt
+    max_new_tokens: int  # per-request length limit
+    stop_token_ids: tuple[int, ...] = ()  # a sample ends after emitting one of these (kept in its tokens)
+    seed: int = 0  # sampling seed of this request (same seed, same tokens)
+
+
+@dataclass
+class RolloutResult:
+    """The `n` samples of one request."""
+
+    tokens: list[torch.Tensor]  # G tensors [R] long (CPU)
+    logprobs: list[torch.Tensor]  # G tensors [R] float32: log-probs of the temperature-scaled logits
+    finish_reasons: list[str]  # "stop" (stop token) or "length" (max_new_tokens reached)
+
+
+@dataclass
+class RolloutOutput:
+    """What `generate` returns: results in request order, plus what the trainer may reuse."""
+
+    results: list[RolloutResult]
+    prefix_states: list = field(default_factory=list)  # actor prefix states when prefill recorded them
+    stats: dict = field(default_factory=dict)  # decode steps, waves, seconds per part
+
+
+class DecodeHooks(Protocol):
+    """Callbacks of the decode loop (the decode window plugs in here)."""
+
+    def on_decode_step(self, step: int, active: int) -> None:
+        """Called after every decode step with the number of still-active samples."""
+
+    def on_idle(self) -> None:
+        """Called once when decoding is over (drain whatever is left)."""
+
+
+class RolloutEngine(Protocol):
+    """Generate G samples per request. The trainer depends on this contract only.
+
+    `actor_prefix`, when given (a `KVStore`), asks the engine to run its prefill as the actor's
+    prefix stage: with autograd recording, storing the K/V leaves under the request index, and
+    returning the prefix states for the later prefix backward. Engines that cannot (external
+    ones) raise NotImplementedError, and the trainer schedules the actor prefix stage itself.
+    """
+
+    def generate(self, requests: list[RolloutRequest], params: SamplingParams,
+                 hooks: DecodeHooks | None = None, actor_prefix=None) -> RolloutOutput:
+        """Sample every request; results in request order."""

@@ -1,0 +1,156 @@
+"""Worker functions for the rollout tests (importable for spawn): engine vs a plain recompute loop."""
+from __future__ import annotations
+
+import torch
+
+
+def _setup(cfg, hf_dir):
+    from megatron.core import parallel_state as ps
+
+    from rollplex_megatron.checkpoint.hf import HFCheckpoint, load_hf_into_model
+    from rollplex_megatron.dist import init_parallel
+    from rollplex_megatron.models.qwen25vl import build_model
+
+    ck = HFCheckpoint(hf_dir)
+    cfg.model = ck.model_config()
+    init_parallel(cfg.parallel.tp, 1, cfg.seed)
+    model = build_model(cfg.model)
+    load_hf_into_model(model, ck, cfg.model, ps.get_tensor_model_parallel_rank(), cfg.parallel.tp, 0, 1)
+    return model
+
+
+def requests(cfg, n_req: int = 3, seed: int = 5):
+    """Requests with image and video prompts of different lengths, G and limits; stop tokens included."""
+    from rollplex_megatron.equivalence import random_groups
+    from rollplex_megatron.rollout.engine import RolloutRequest
+
+    cfg.verify.groups_per_rank = n_req
+    cfg.verify.seed = seed
+    groups = random_groups(cfg, 0)
+    stops = tuple(range(20, 60))  # about an eighth of the tiny vocabulary: some samples stop early
+    return [RolloutRequest(g.prompt, n=2 + i, max_new_tokens=3 + 2 * i, stop_token_ids=stops, seed=100 + i)
+            for i, g in enumerate(groups)]
+
+
+def recompute_generate(model, cfg, reqs, params):
+    """The plain loop: every step re-runs each sample's whole sequence (vision included), no cache."""
+    from rollplex_megatron.models.qwen25vl.model import gather_vocab_logits
+    from rollplex_megatron.models.qwen25vl.positions import mrope_position_ids
+    from rollplex_megatron.rollout.sampling import request_generator, sample_tokens
+
+    m, out = cfg.model, []
+    banned = [m.image_token_id, m.video_token_id, m.vision_start_token_id, m.vision_end_token_id]
+    for r in reqs:
+        gen, p = request_generator(r.seed, "cpu"), r.prompt
+        toks, lps, fin = [[] for _ in range(r.n)], [[] for _ in range(r.n)], [None] * r.n
+        while any(f is None for f in fin):
+            u = torch.rand(r.n, m.vocab_size, generator=gen)
+            active = [j for j in range(r.n) if fin[j] is None]
+            rows = []
+            for j in active:
+                seq = torch.cat([p.input_ids, torch.tensor(toks[j], dtype=torch.long)])
+                pos, _ = mrope_position_ids(seq[None], p.image_grid_thw, p.video_grid_thw, p.second_per_grid_ts,
+                                            image_token_id=m.image_token_id, video_token_id=m.video_token_id,
+                                            merge=m.vision.spatial_merge_size,
+                                            tokens_per_second=m.vision.tokens_per_second)
+                with torch.no_grad():
+                    logits = model(input_ids=seq[None], position_ids=pos, pixel_values=p.pixel_values,
+                                   image_grid_thw=p.image_grid_thw, pixel_values_videos=p.pixel_values_videos,
+                                   video_grid_thw=p.video_grid_thw)
+                rows.append(gather_vocab_logits(logits[:, -1:], m.vocab_size)[:, 0])
+            full = torch.cat(rows)
+            full[:, banned] = float("-inf")
+            tok, lp = sample_tokens(full, params, u[active])
+            for b, j in enumerate(active):
+                toks[j].append(int(tok[b]))
+                lps[j].append(float(lp[b]))
+                if int(tok[b]) in r.stop_token_ids:
+                    fin[j] = "stop"
+                elif len(toks[j]) >= r.max_new_tokens:
+                    fin[j] = "length"
+        out.append((toks, lps, fin))
+    return out
+
+
+def _as_lists(results):
+    return [([t.tolist() for t in r.tokens], [lp.tolist() for lp in r.logprobs], r.finish_reasons)
+            for r in results]
+
+
+def engine_vs_recompute(cfg, hf_dir, params, kv_cache_gib: float):
+    """Engine results and the recompute loop's, on the same weights and requests."""
+    from rollplex_megatron.rollout.embedded import EmbeddedEngine
+
+    model = _setup(cfg, hf_dir)
+    reqs = requests(cfg)
+    engine = EmbeddedEngine(model, cfg.model, 4096, 64, kv_cache_gib)
+    with torch.no_grad():
+        out = engine.generate(reqs, params)
+    return {"engine": _as_lists(out.results), "reference": recompute_generate(model, cfg, reqs, params),
+            "waves": out.stats["waves"]}
+
+
+def engine_only(cfg, hf_dir, params):
+    """Engine results at this TP degree (for TP=2 vs TP=1)."""
+    from rollplex_megatron.rollout.embedded import EmbeddedEngine
+
+    model = _setup(cfg, hf_dir)
+    out = EmbeddedEngine(model, cfg.model, 4096, 64, 1.0).generate(requests(cfg), params)
+    return _as_lists(out.results)
+
+
+def window_items_match(cfg, hf_dir, params):
+    """Reference prefix K/V computed as decode-window items equal the same work run directly."""
+    from rollplex_megatron.attention.prefix import KVStore
+    from rollplex_megatron.rollout.embedded import EmbeddedEngine
+    from rollplex_megatron.rollout.window import DecodeWindow
+    from rollplex_megatron.trainer import _reference_prefix
+
+    model = _setup(cfg, hf_dir)
+    ref = _setup_reference(cfg, hf_dir)
+    reqs = requests(cfg)
+    in_window, direct = KVStore(), KVStore()
+    window = DecodeWindow("interleave", 1)
+    for i, r in enumerate(reqs):
+        window.submit(f"ref[{i}]", lambda r=r, i=i: _reference_prefix(ref, r.prompt, in_window, i))
+    EmbeddedEngine(model, cfg.model, 4096, 64, 1.0).generate(reqs, params, hooks=window)
+    for i, r in enumerate(reqs):
+        _reference_prefix(ref, r.prompt, direct, i)
+    diffs = [float((in_window.leaves[k][j] - direct.leaves[k][j]).abs().max()) for k in direct.leaves for j in (0, 1)]
+    return {"stats": window.stats(), "max_abs_diff": max(diffs), "same_keys": set(in_window.leaves) == set(direct.leaves)}
+
+
+def _setup_reference(cfg, hf_dir):
+    """A second model (the reference) with the same weights, built under the same parallel state."""
+    from megatron.core import parallel_state as ps
+
+    from rollplex_megatron.checkpoint.hf import HFCheckpoint, load_hf_into_model
+    from rollplex_megatron.models.qwen25vl import build_model
+
+    ref = build_model(cfg.model)
+    load_hf_into_model(ref, HFCheckpoint(hf_dir), cfg.model, ps.get_tensor_model_parallel_rank(), cfg.parallel.tp, 0, 1)
+    return ref
+
+
+def engine_bad_input(cfg, hf_dir, what: str):
+    """Each kind of bad request must fail before decoding, naming the setting."""
+    import dataclasses
+
+    from rollplex_megatron.rollout.embedded import EmbeddedEngine
+
+    model = _setup(cfg, hf_dir)
+    reqs = requests(cfg)
+    max_prompt, budget = 4096, 1.0
+    if what == "prompt":
+        max_prompt = reqs[0].prompt.input_ids.numel() - 1
+    elif what == "budget":
+        budget = 1e-9
+    elif what == "length":
+        reqs[1] = dataclasses.replace(reqs[1], max_new_tokens=65)
+    EmbeddedEngine(model, cfg.model, max_prompt, 64, budget).generate(reqs, SamplingParams_default())
+
+
+def SamplingParams_default():  # noqa: N802 - a factory, kept next to its only use
+    from rollplex_megatron.rollout.sampling import SamplingParams
+
+    return SamplingParams()

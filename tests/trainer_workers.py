@@ -1,0 +1,35 @@
+"""Worker functions for the trainer tests (importable for spawn)."""
+from __future__ import annotations
+
+import torch
+
+
+def run_steps(cfg, steps: int, mutant: str = ""):
+    """`steps` RL steps of cfg.mode; per-step rollout tokens and records, initial and final weights."""
+    from megatron.core import parallel_state as ps
+
+    from rollplex_megatron import trainer as T
+
+    if mutant == "skip_prefix_backward":
+        from rollplex_megatron.prefix import execution
+
+        execution.prefix_backward = lambda model, states, store: None
+    if mutant == "stale_reference":  # the reference drifts with the actor (is not the initial policy)
+        T.Runtime.optimizer_step_orig = T.Runtime.optimizer_step
+
+        def drift(self):
+            out = T.Runtime.optimizer_step_orig(self)
+            self.ref.load_state_dict(self.ddp.module.state_dict())
+            return out
+
+        T.Runtime.optimizer_step = drift
+    rt = T.Runtime(cfg)
+    mode = T.MODES[cfg.mode.name]()
+    first = {n: p.detach().float().clone() for n, p in rt.ddp.module.named_parameters()}
+    tokens, records = [], []
+    for step in range(steps):
+        records.append(T.run_step(rt, mode, step))
+        tokens.append([[t.tolist() for t in g.responses] for g in rt.last_batch.groups])
+    last = {n: p.detach().float().clone() for n, p in rt.ddp.module.named_parameters()}
+    keep = ps.get_tensor_model_parallel_world_size() == 1
+    return {"tokens": tokens, "records": records, "first": first if keep else None, "last": last if keep else None}
