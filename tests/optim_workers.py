@@ -151,7 +151,8 @@ def _snapshot(run_dir: str) -> dict:
 
     root = os.path.join(run_dir, T.CHECKPOINTS)
     return {"listing": sorted(os.listdir(root)), "latest": T.latest_checkpoint(run_dir).name,
-            "tmp_files": sorted(f for d in os.listdir(root) if ".tmp-" in d for f in os.listdir(os.path.join(root, d)))}
+            "tmp_files": sorted(f for d in os.listdir(root) if d.startswith("step_") and ".tmp-" in d
+                                for f in os.listdir(os.path.join(root, d)))}
 
 
 def atomic_failures(cfg, run_dir: str) -> dict:

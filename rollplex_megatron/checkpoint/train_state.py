@@ -157,13 +157,16 @@ def save_checkpoint(run_dir, step: int, model, reference, optimizer, extra: dict
     """Collective: write this rank's state and publish `step_<N>` atomically; returns its path."""
     root = Path(run_dir) / CHECKPOINTS
     tmp = _shared_tmp_dir(root, step)
-    state = {"model": _module(model).state_dict(),
-             "reference": None if reference is None else _module(reference).state_dict(),
-             "optimizer": optimizer.state_dict(), "step": int(step), "rng": rng_states(),
-             "extra": dict(extra or {})}
     rank = dist.get_rank()
-    _collective(lambda: _write_atomic(tmp / rank_file_name(rank), lambda f: torch.save(state, f)),
-                f"writing checkpoint step {step}")
+
+    def write_rank():
+        state = {"model": _module(model).state_dict(),
+                 "reference": None if reference is None else _module(reference).state_dict(),
+                 "optimizer": optimizer.state_dict(), "step": int(step), "rng": rng_states(),
+                 "extra": dict(extra or {})}
+        _write_atomic(tmp / rank_file_name(rank), lambda f: torch.save(state, f))
+
+    _collective(write_rank, f"writing checkpoint step {step}")
     meta = {"format": FORMAT, "step": int(step), **_layout(), "config": config_yaml}
     final = _collective(lambda: _publish(root, tmp, step, meta), f"publishing checkpoint step {step}",
                         ranks_run=rank == 0)
