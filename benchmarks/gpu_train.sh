@@ -13,7 +13,8 @@ export PYTHONPATH=/tmp/site:$PWD CUDA_DEVICE_MAX_CONNECTIONS=1 PYTORCH_CUDA_ALLO
 args=(model=qwen2_5_vl_3b dtype=bfloat16 task=motion_long workload=vlm_gpu memory=h200 rollout.group_size=8
       train.steps=$steps train.progress=false train.out=/tmp/gpu_train)
 cmd="python -m rollplex_megatron train --modes serial,prefix_shared,rollplex ${args[*]}"
-python3 -m rollplex_megatron train --modes serial,prefix_shared,rollplex "${args[@]}" 2>&1 | grep -v -i warn | tail -30
+python3 -m rollplex_megatron train --modes serial,prefix_shared,rollplex "${args[@]}" 2>&1 > /tmp/train.log 2>&1 || { grep -v -i warn /tmp/train.log | tail -25; exit 1; }
+grep -v -i warn /tmp/train.log | grep -v "^step" | tail -8
 for m in serial prefix_shared rollplex; do cp /tmp/gpu_train/$m/metrics.jsonl "$out/train_3b_$m.metrics.jsonl"; done
 cp /tmp/gpu_train/report.png "$out/train_3b_report.png"
 python3 - "$out/train_3b_summary.json" "$cmd" <<'PY'

@@ -236,8 +236,13 @@ class ModeConfig:
     name: str = "rollplex"  # serial | prefix_shared | rollplex
     window: str = "interleave"  # decode-window mechanism for prefix work (rollplex)
     window_items_per_step: int = 1  # queued prefix work items run after each decode step
+    # Shared-prefix attention of the scoring and update phases: sdpa (explicit mask) or flex. Flex is
+    # not the default: torch 2.11's inductor rejected some training-step shapes (NoValidChoicesError).
+    attention_backend: str = "sdpa"
 
     def __post_init__(self) -> None:
+        if self.attention_backend not in ("sdpa", "flex"):
+            raise ValueError(f"mode.attention_backend must be sdpa or flex, got {self.attention_backend!r}")
         if self.name not in MODES:
             raise ValueError(f"mode.name must be one of {MODES}, got {self.name!r}")
         if self.window not in WINDOW_MECHANISMS:

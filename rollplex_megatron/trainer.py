@@ -99,6 +99,7 @@ class Runtime:
                                      cfg.memory.kv_cache_gib)
         r = cfg.rollout
         self.sampling = SamplingParams(r.temperature, r.top_p, r.top_k)
+        self.backend = cfg.mode.attention_backend
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         self.dp_group, self.tp_group = ps.get_data_parallel_group(), ps.get_tensor_model_parallel_group()
         self.dev = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
@@ -197,13 +198,15 @@ class Serial(Mode):
         batch, out = self.rollout(rt, step, t)
         mbs = rt.micro_batches(batch, "full")
         with t("old_logp"), torch.no_grad():
-            old = _per_response(full_sequence_step(rt.ddp, mbs, forward_only=True), mbs, batch.groups)
+            old = _per_response(full_sequence_step(rt.ddp, mbs, forward_only=True, backend=rt.backend), mbs,
+                                batch.groups)
         with t("ref_logp"), torch.no_grad():
-            ref = _per_response(full_sequence_step(rt.ref, mbs, forward_only=True), mbs, batch.groups)
+            ref = _per_response(full_sequence_step(rt.ref, mbs, forward_only=True, backend=rt.backend), mbs,
+                                batch.groups)
         B.attach_token_data(mbs, "old_logp", old)
         B.attach_token_data(mbs, "ref_logp", ref)
         with t("update"):
-            res = full_sequence_step(rt.ddp, mbs, loss_fn=rt.loss(batch))
+            res = full_sequence_step(rt.ddp, mbs, loss_fn=rt.loss(batch), backend=rt.backend)
         return batch, res, out.stats
 
 
@@ -219,13 +222,13 @@ class PrefixShared(Mode):
         batch, out = self.rollout(rt, step, t)
         mbs = rt.micro_batches(batch, "response")
         with t("old_logp"):
-            old = _per_response(reference_prefix_logprobs(rt.ddp, batch.groups, mbs), mbs, batch.groups)
+            old = _per_response(reference_prefix_logprobs(rt.ddp, batch.groups, mbs, rt.backend), mbs, batch.groups)
         with t("ref_logp"):
-            ref = _per_response(reference_prefix_logprobs(rt.ref, batch.groups, mbs), mbs, batch.groups)
+            ref = _per_response(reference_prefix_logprobs(rt.ref, batch.groups, mbs, rt.backend), mbs, batch.groups)
         B.attach_token_data(mbs, "old_logp", old)
         B.attach_token_data(mbs, "ref_logp", ref)
         with t("update"):
-            res = actor_prefix_step(rt.ddp, batch.groups, mbs, loss_fn=rt.loss(batch))
+            res = actor_prefix_step(rt.ddp, batch.groups, mbs, rt.backend, loss_fn=rt.loss(batch))
         return batch, res, out.stats
 
 
@@ -256,7 +259,8 @@ class Rollplex(Mode):
             window.submit(f"reference_prefix[{i}]", partial(_reference_prefix, rt.ref, r.prompt, ref_kv, i))
         batch, out = self.rollout(rt, step, t, hooks=window, actor_prefix=actor_kv)
         mbs = rt.micro_batches(batch, "response")
-        use = lambda kv: lambda mb: PrefixContext(mode="use", layout=mb.layout, store=kv)  # noqa: E731
+        use = lambda kv: lambda mb: PrefixContext(mode="use", layout=mb.layout, store=kv,  # noqa: E731
+                                                  backend=rt.backend)
         dev_mbs = [mb.to(rt.dev) for mb in mbs]
         with t("ref_logp"), torch.no_grad():
             ref = _per_response(run_schedule(rt.ref, dev_mbs, use(ref_kv), forward_only=True), mbs, batch.groups)
