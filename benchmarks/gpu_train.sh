@@ -11,7 +11,7 @@ mkdir -p "$out" /tmp/site
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD CUDA_DEVICE_MAX_CONNECTIONS=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 args=(model=qwen2_5_vl_3b dtype=bfloat16 task=motion_long workload=vlm_gpu memory=h200 rollout.group_size=8
-      train.steps=$steps train.progress=false train.out=/tmp/gpu_train)
+      train.steps=$steps train.save_final=false train.progress=false train.out=/tmp/gpu_train)
 cmd="python -m rollplex_megatron train --modes serial,prefix_shared,rollplex ${args[*]}"
 python3 -m rollplex_megatron train --modes serial,prefix_shared,rollplex "${args[@]}" 2>&1 > /tmp/train.log 2>&1 || { grep -v -i warn /tmp/train.log | tail -25; exit 1; }
 grep -v -i warn /tmp/train.log | grep -v "^step" | tail -8

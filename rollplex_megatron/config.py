@@ -291,6 +291,7 @@ class TrainConfig:
     clip_high: float = 0.2  # PPO ratio clip above 1
     normalize_std: bool = True  # divide group-centred rewards by the group std
     save_every: int = 0  # checkpoint every k steps (0: only at the end)
+    save_final: bool = True  # checkpoint after the last step (benchmark runs turn it off)
     resume: bool = False  # continue from the run directory's latest checkpoint
     out: str = ""  # run directory (empty: a new one under run_dir)
     init_hf: str = ""  # start actor and reference from this HF checkpoint (its config replaces model)

@@ -355,7 +355,7 @@ def train_rank(cfg: RunConfig) -> dict:
             with metrics_path.open("a") as f:
                 f.write(json.dumps(rec) + "\n")
             _show(bar, rec)
-        done = step + 1 == cfg.train.steps
+        done = step + 1 == cfg.train.steps and cfg.train.save_final
         if done or (cfg.train.save_every and (step + 1) % cfg.train.save_every == 0):
             train_state.save_checkpoint(run, step + 1, rt.ddp.module, rt.ref, rt.optimizer, {}, to_yaml(cfg))
     if bar is not None:
