@@ -52,9 +52,10 @@ def main(overrides: list[str], modes: list[str] | None = None) -> int:
         mcfg = dataclasses.replace(cfg, mode=dataclasses.replace(cfg.mode, name=name),
                                    train=dataclasses.replace(cfg.train, out=str(out)))
         res = _launch(mcfg)
-        if dist.is_initialized() and dist.get_rank() != 0:
-            return 0
-        runs[name] = res["records"]
+        if not (dist.is_initialized() and dist.get_rank() != 0):
+            runs[name] = res["records"]
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return 0  # rank 0 writes the report
     summary = {name: summarize(recs) for name, recs in runs.items()}
     png = plot_runs(runs, str(root / "report.png"), chance=MotionEnv.chance)
     (root / "summary.json").write_text(json.dumps({"chance": MotionEnv.chance, "modes": summary}, indent=1))

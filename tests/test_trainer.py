@@ -92,3 +92,58 @@ def test_rollplex_tp2_and_dp2_match_single_process(tiny_hf):
     _records_close(dp2[0]["records"], one["records"])
     err, name = _param_err(dp2[0], one)
     assert err <= TOL, (name, err)
+
+
+SMALL = ["workload.rollout_batch=8", "workload.responses_per_micro_batch=4", "rollout.group_size=4",
+         "train.progress=false"]
+
+
+def _cli(*args, timeout=600):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "rollplex_megatron", "train", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_train_cli_writes_metrics_report_and_resumes(tmp_path):
+    import json
+
+    out = tmp_path / "run"
+    p = _cli(*SMALL, "train.steps=2", "train.save_every=1", f"train.out={out}")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.strip().splitlines()[-1] == str(out)
+    assert (out / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    p = _cli(*SMALL, "train.steps=3", "train.resume=true", f"train.out={out}")
+    assert p.returncode == 0, p.stderr[-3000:]
+    recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == [1, 2, 3]  # resumed at step 3, the log kept
+    need = {"step", "reward_mean", "kl", "loss", "step_time_s", "phase_times", "peak_mem_bytes"}
+    assert need <= set(recs[-1]) and {"rollout", "ref_logp", "update", "optimizer"} <= set(recs[-1]["phase_times"])
+    assert (out / "checkpoints" / "latest").read_text().strip().endswith("3")
+
+
+def test_torchrun_two_processes_dp2(tmp_path):
+    import subprocess
+
+    from rollplex_megatron.recipes import RECIPES_DIR
+
+    script = RECIPES_DIR.parent / "scripts" / "train.sh"
+    import sys
+
+    import os
+
+    env = {**os.environ, "PYTHON_BIN": sys.executable}
+    p = subprocess.run(["bash", str(script), "2", "parallel.dp=2", *SMALL, "train.steps=1", "train.save_final=false",
+                        f"train.out={tmp_path / 'dp2'}"], capture_output=True, text=True, timeout=600, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert (tmp_path / "dp2" / "metrics.jsonl").read_text().count("\n") == 1
+
+
+def test_bad_training_config_fails_before_processes_start():
+    p = _cli("workload.rollout_batch=10", "rollout.group_size=4")
+    assert p.returncode != 0 and "rollout.group_size (4) must divide workload.rollout_batch (10)" in p.stderr
+    p = _cli("model=qwen2_5_vl_3b", "parallel.tp=3")
+    assert p.returncode != 0 and "parallel.tp" in p.stderr
+    p = _cli("mode.name=fast")
+    assert p.returncode != 0 and "mode.name" in p.stderr
