@@ -56,12 +56,20 @@ def main(overrides: list[str], modes: list[str] | None = None) -> int:
             runs[name] = res["records"]
     if dist.is_initialized() and dist.get_rank() != 0:
         return 0  # rank 0 writes the report
+    # Reward of a policy that always names a direction, uniformly at random: correct 1/4 of the time.
+    chance = MotionEnv.chance + cfg.task.format_reward
     summary = {name: summarize(recs) for name, recs in runs.items()}
-    png = plot_runs(runs, str(root / "report.png"), chance=MotionEnv.chance)
-    (root / "summary.json").write_text(json.dumps({"chance": MotionEnv.chance, "modes": summary}, indent=1))
+    for name, recs in runs.items():
+        k = max(1, len(recs) // 5)
+        summary[name]["accuracy_first20"] = sum(r["accuracy"] for r in recs[:k]) / k
+        summary[name]["accuracy_last20"] = sum(r["accuracy"] for r in recs[-k:]) / k
+    png = plot_runs(runs, str(root / "report.png"), chance=chance)
+    (root / "summary.json").write_text(json.dumps({"chance_reward": chance, "chance_accuracy": MotionEnv.chance,
+                                                   "modes": summary}, indent=1))
     for name, s in summary.items():
-        print(f"{name}: reward {s['reward_first20']:.3f} (first 20% of steps) -> {s['reward_last20']:.3f} "
-              f"(last 20%), chance {MotionEnv.chance:.2f}; {s['step_time_s']:.2f} s/step")
+        print(f"{name}: reward {s['reward_first20']:.3f} -> {s['reward_last20']:.3f} (first -> last 20% of steps; "
+              f"random-direction policy {chance:.2f}), accuracy {s['accuracy_first20']:.3f} -> "
+              f"{s['accuracy_last20']:.3f} (chance {MotionEnv.chance:.2f}); {s['step_time_s']:.2f} s/step")
     print(f"report: {png}")
     print(root)
     return 0
