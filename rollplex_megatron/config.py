@@ -362,7 +362,6 @@ class RunConfig:
         if self.verify.max_response_len > self.rollout.max_response_len:
             raise ValueError(f"verify.max_response_len ({self.verify.max_response_len}) exceeds "
                              f"rollout.max_response_len ({self.rollout.max_response_len})")
-        self._check_workload()
         m = self.model.vision.spatial_merge_size
         for key, owner in (("image_grid", self.smoke), ("video_grid", self.smoke),
                            ("image_grid", self.verify), ("video_grid", self.verify)):
@@ -372,7 +371,8 @@ class RunConfig:
                                  f"model.vision.spatial_merge_size ({m}), got {h}x{w}")
 
 
-    def _check_workload(self) -> None:
+    def check_training(self) -> None:
+        """Checks that only training needs (verify/smoke runs use other batch shapes)."""
         g, n, dp = self.rollout.group_size, self.workload.rollout_batch, self.parallel.dp
         if n % g:
             raise ValueError(f"rollout.group_size ({g}) must divide workload.rollout_batch ({n})")

@@ -35,6 +35,7 @@ def main(overrides: list[str], modes: list[str] | None = None) -> int:
     from rollplex_megatron.report import plot_runs, summarize
 
     cfg = load_run_config(overrides)  # every config error surfaces here, before processes start
+    cfg.check_training()
     if cfg.train.init_hf:
         from rollplex_megatron.checkpoint.hf import HFCheckpoint
         from rollplex_megatron.config import check_model_parallel

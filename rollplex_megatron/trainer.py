@@ -82,6 +82,7 @@ class Runtime:
         from rollplex_megatron.rollout.sampling import SamplingParams
 
         self.cfg = cfg
+        cfg.check_training()
         init_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.seed, cfg.parallel.backend)
         self.env = MotionEnv(cfg.task, cfg.model)  # bad task/model pairing fails before building models
         actor = build_model(cfg.model, cfg.dtype)
