@@ -370,7 +370,6 @@ class RunConfig:
                 raise ValueError(f"{'smoke' if owner is self.smoke else 'verify'}.{key} h and w must be multiples of "
                                  f"model.vision.spatial_merge_size ({m}), got {h}x{w}")
 
-
     def check_training(self) -> None:
         """Checks that only training needs (verify/smoke runs use other batch shapes)."""
         g, n, dp = self.rollout.group_size, self.workload.rollout_batch, self.parallel.dp
