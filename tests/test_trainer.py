@@ -7,7 +7,7 @@ from rollplex_megatron.recipes import load_run_config
 from tests import trainer_workers as W
 
 TOL = 1e-5  # DESIGN section 3, fp32 on CPU
-BASE = ["model=tiny", "workload.rollout_batch=32", "workload.responses_per_micro_batch=5", "rollout.group_size=4",
+BASE = ["model=tiny", "task=motion", "workload.rollout_batch=32", "workload.responses_per_micro_batch=5", "rollout.group_size=4",
         "train.kl_coef=0.1", "task.format_reward=0.5", "task.max_answer_tokens=6", "optim.lr=3e-3"]
 
 
