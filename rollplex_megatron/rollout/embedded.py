@@ -159,22 +159,31 @@ class EmbeddedEngine:
         return waves + [cur] if cur else waves
 
     def _decode(self, reqs, ids, cache: DecodeCache, params, hooks, results) -> int:
-        """Batched decode of one wave; fills `results[ids[k]]`. Returns the number of steps."""
-        dev, vocab, m = self.dev, self.cfg.vocab_size, unwrap(self.model)
-        rows_of = [list(range(s - r.n, s)) for r, s in zip(reqs, torch.tensor([r.n for r in reqs]).cumsum(0).tolist())]
-        req_of_row = torch.tensor([k for k, r in enumerate(reqs) for _ in range(r.n)])
-        last_pos = torch.stack([prompt_positions(self.cfg, r.prompt)[:, 0, -1] for r in reqs]).to(dev)  # [Gr, 3]
-        tok = torch.cat([r.prompt.input_ids[-1:].expand(r.n) for r in reqs]).to(dev)
-        gens = [request_generator(r.seed, dev) for r in reqs]
-        out_tok = [[] for _ in range(len(req_of_row))]
-        out_lp = [[] for _ in range(len(req_of_row))]
-        finish = [None] * len(req_of_row)
-        active = torch.arange(len(req_of_row), device=dev)
-        stops = [torch.tensor(r.stop_token_ids, dtype=torch.long, device=dev) for r in reqs]
-        c = self.cfg
+        """Batched decode of one wave; fills `results[ids[k]]`. Returns the number of steps.
+
+        Per-row state lives in device tensors, so a step costs one host sync (the active rows,
+        which pick each live request's uniforms), not one per row.
+        """
+        dev, vocab, m, c = self.dev, self.cfg.vocab_size, unwrap(self.model), self.cfg
+        counts = torch.tensor([r.n for r in reqs])
+        first_row = counts.cumsum(0) - counts
+        req_of_row = torch.repeat_interleave(torch.arange(len(reqs)), counts)
+        req_of_row_dev = req_of_row.to(dev)
+        n_rows, max_new = int(counts.sum()), max(r.max_new_tokens for r in reqs)
+        last_pos = torch.stack([prompt_positions(c, r.prompt)[:, 0, -1] for r in reqs]).to(dev)  # [Gr, 3]
+        limit = torch.tensor([r.max_new_tokens for r in reqs], device=dev)[req_of_row_dev]
+        n_stop = max([len(r.stop_token_ids) for r in reqs] + [1])
+        stop_ids = torch.tensor([list(r.stop_token_ids) + [-1] * (n_stop - len(r.stop_token_ids)) for r in reqs],
+                                device=dev)[req_of_row_dev]  # [rows, S], -1 pads
         banned = torch.tensor([c.image_token_id, c.video_token_id, c.vision_start_token_id, c.vision_end_token_id],
                               device=dev)
-        step = 0
+        tok = torch.cat([r.prompt.input_ids[-1:].expand(r.n) for r in reqs]).to(dev)
+        out_tok = torch.zeros(n_rows, max_new, dtype=torch.long, device=dev)
+        out_lp = torch.zeros(n_rows, max_new, dtype=torch.float32, device=dev)
+        length = torch.zeros(n_rows, dtype=torch.long, device=dev)
+        stopped = torch.zeros(n_rows, dtype=torch.bool, device=dev)
+        gens = [request_generator(r.seed, dev) for r in reqs]
+        active, step = torch.arange(n_rows, device=dev), 0
         while active.numel():
             pos = (last_pos[cache.group_of_row[active]] + step).T[:, :, None]  # [3, B, 1]
             logits = m(input_ids=tok[active][:, None], position_ids=pos,
@@ -186,25 +195,19 @@ class EmbeddedEngine:
             for k in torch.unique(req_of_row[act_cpu]).tolist():  # one draw per live request per step
                 u = torch.rand(reqs[k].n, vocab, generator=gens[k], device=dev)
                 sel = (req_of_row[act_cpu] == k).nonzero()[:, 0]
-                uniform[sel.to(dev)] = u[act_cpu[sel] - rows_of[k][0]]
+                uniform[sel.to(dev)] = u[(act_cpu[sel] - first_row[k]).to(dev)]
             new, lp = sample_tokens(full, params, uniform)
-            tok[active] = new
-            keep = torch.ones_like(active, dtype=torch.bool)
-            for b, row in enumerate(act_cpu.tolist()):
-                r = reqs[int(req_of_row[row])]
-                out_tok[row].append(new[b])
-                out_lp[row].append(lp[b])
-                if bool((stops[int(req_of_row[row])] == new[b]).any()):
-                    finish[row], keep[b] = "stop", False
-                elif len(out_tok[row]) >= r.max_new_tokens:
-                    finish[row], keep[b] = "length", False
-            active = active[keep]
+            tok[active], out_tok[active, step], out_lp[active, step] = new, new, lp
+            length[active] = step + 1
+            hit = (stop_ids[active] == new[:, None]).any(1)
+            stopped[active[hit]] = True
+            active = active[~(hit | (step + 1 >= limit[active]))]
             step += 1
             if hooks is not None:
                 hooks.on_decode_step(step, int(active.numel()))
+        out_tok, out_lp, length, stopped = out_tok.cpu(), out_lp.cpu(), length.cpu(), stopped.cpu()
         for k, r in enumerate(reqs):
-            rows = rows_of[k]
-            results[ids[k]] = RolloutResult([torch.stack(out_tok[i]).cpu() for i in rows],
-                                            [torch.stack(out_lp[i]).float().cpu() for i in rows],
-                                            [finish[i] for i in rows])
+            rows = range(int(first_row[k]), int(first_row[k]) + r.n)
+            results[ids[k]] = RolloutResult([out_tok[i, :length[i]] for i in rows], [out_lp[i, :length[i]] for i in rows],
+                                            ["stop" if stopped[i] else "length" for i in rows])
         return step
