@@ -121,9 +121,8 @@ class Runtime:
         from rollplex_megatron.prefix.batch import Group, validate_groups
         from rollplex_megatron.rl.grpo import group_advantages
 
-        rewards = torch.tensor([[self.env.reward(e, t) for t in res.tokens]
-                                for e, res in zip(episodes, rollout.results)], dtype=torch.float32)
         said = [[self.env.answer(t) for t in res.tokens] for res in rollout.results]
+        rewards = torch.tensor([[self.env.answer_reward(e, a) for a in row] for e, row in zip(episodes, said)])
         correct = torch.tensor([[float(a == e.answer) for a in row] for e, row in zip(episodes, said)])
         answered = torch.tensor([[float(a is not None) for a in row] for row in said])
         adv = group_advantages(rewards, self.cfg.train.normalize_std)
@@ -177,9 +176,8 @@ class Mode(ABC):
         """Run one step; returns the batch, the update's loss dicts and mode-specific stats."""
 
     @staticmethod
-    def rollout(rt: Runtime, step: int, t: PhaseTimer, **kw):
+    def rollout(rt: Runtime, episodes, reqs, t: PhaseTimer, **kw):
         """Rollout and scoring, shared by every mode."""
-        episodes, reqs = rt.requests(step)
         with t("rollout"):
             out = rt.engine.generate(reqs, rt.sampling, **kw)
         with t("reward"):
@@ -196,7 +194,7 @@ class Serial(Mode):
         from rollplex_megatron.prefix import batch as B
         from rollplex_megatron.prefix.execution import full_sequence_step
 
-        batch, out = self.rollout(rt, step, t)
+        batch, out = self.rollout(rt, *rt.requests(step), t)
         mbs = rt.micro_batches(batch, "full")
         with t("old_logp"), torch.no_grad():
             old = _per_response(full_sequence_step(rt.ddp, mbs, forward_only=True, backend=rt.backend), mbs,
@@ -220,7 +218,7 @@ class PrefixShared(Mode):
         from rollplex_megatron.prefix import batch as B
         from rollplex_megatron.prefix.execution import actor_prefix_step, reference_prefix_logprobs
 
-        batch, out = self.rollout(rt, step, t)
+        batch, out = self.rollout(rt, *rt.requests(step), t)
         mbs = rt.micro_batches(batch, "response")
         with t("old_logp"):
             old = _per_response(reference_prefix_logprobs(rt.ddp, batch.groups, mbs, rt.backend), mbs, batch.groups)
@@ -255,10 +253,10 @@ class Rollplex(Mode):
 
         actor_kv, ref_kv = KVStore(), KVStore()
         window = DecodeWindow(rt.cfg.mode.window, rt.cfg.mode.window_items_per_step)
-        _, reqs = rt.requests(step)
+        episodes, reqs = rt.requests(step)
         for i, r in enumerate(reqs):
             window.submit(f"reference_prefix[{i}]", partial(_reference_prefix, rt.ref, r.prompt, ref_kv, i))
-        batch, out = self.rollout(rt, step, t, hooks=window, actor_prefix=actor_kv)
+        batch, out = self.rollout(rt, episodes, reqs, t, hooks=window, actor_prefix=actor_kv)
         mbs = rt.micro_batches(batch, "response")
         use = lambda kv: lambda mb: PrefixContext(mode="use", layout=mb.layout, store=kv,  # noqa: E731
                                                   backend=rt.backend)

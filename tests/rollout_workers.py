@@ -137,6 +137,7 @@ def engine_bad_input(cfg, hf_dir, what: str):
     import dataclasses
 
     from rollplex_megatron.rollout.embedded import EmbeddedEngine
+    from rollplex_megatron.rollout.sampling import SamplingParams
 
     model = _setup(cfg, hf_dir)
     reqs = requests(cfg)
@@ -147,10 +148,4 @@ def engine_bad_input(cfg, hf_dir, what: str):
         budget = 1e-9
     elif what == "length":
         reqs[1] = dataclasses.replace(reqs[1], max_new_tokens=65)
-    EmbeddedEngine(model, cfg.model, max_prompt, 64, budget).generate(reqs, SamplingParams_default())
-
-
-def SamplingParams_default():  # noqa: N802 - a factory, kept next to its only use
-    from rollplex_megatron.rollout.sampling import SamplingParams
-
-    return SamplingParams()
+    EmbeddedEngine(model, cfg.model, max_prompt, 64, budget).generate(reqs, SamplingParams())

@@ -173,8 +173,10 @@ class MotionEnv:
                 return word
         return None
 
+    def answer_reward(self, episode: Episode, said: str | None) -> float:
+        """Correctness (1/0) plus `format_reward` when a direction was named at all."""
+        return 0.0 if said is None else reward(episode, said) + self.cfg.format_reward
+
     def reward(self, episode: Episode, tokens: torch.Tensor) -> float:
-        """Correctness (1/0) plus `format_reward` for naming any direction."""
-        said = self.answer(tokens)
-        fmt = self.cfg.format_reward if said is not None else 0.0
-        return reward(episode, said) + fmt if said is not None else 0.0
+        """The reward of a response's tokens."""
+        return self.answer_reward(episode, self.answer(tokens))

@@ -35,8 +35,10 @@ class DecodeWindow:
     finished: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        if self.mechanism != "interleave":
-            raise ValueError(f"decode-window mechanism {self.mechanism!r} is not implemented (interleave)")
+        from rollplex_megatron.config import WINDOW_MECHANISMS
+
+        if self.mechanism not in WINDOW_MECHANISMS:
+            raise ValueError(f"decode-window mechanism {self.mechanism!r} is not implemented {WINDOW_MECHANISMS}")
 
     def submit(self, name: str, fn: Callable[[], Any]) -> WorkItem:
         """Queue `fn`; its result lands on the returned item."""
