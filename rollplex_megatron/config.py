@@ -324,6 +324,7 @@ class EquivalenceConfig:
     attention_backend: str = "auto"  # shared-prefix attention: auto (flex on GPU, sdpa on CPU), sdpa, flex
     repeats: int = 1  # run both paths this many times; timings are the median after the first
     noise_floor: bool = False  # also compare the serial path with itself (1 response per micro-batch)
+    fp32_reference: bool = True  # bf16: also run the serial step in fp32 on the same weights; both paths vs it
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ("auto", "sdpa", "flex"):

@@ -70,3 +70,21 @@ def test_verify_equivalence_cli():
     res = json.loads(p.stdout.strip().splitlines()[-1])
     assert {"max_rel_err_logp", "max_rel_err_loss", "max_rel_err_grad", "tp", "pp", "dp"} <= set(res)
     assert (res["tp"], res["pp"], res["dp"]) == (2, 2, 1) and res["ok"]
+
+
+def _bf16_cfg():
+    return load_run_config(["dtype=bfloat16", "rollout.group_size=4", "verify.seed=21"])
+
+
+def test_bf16_gradient_rule_is_against_fp32():
+    """bf16: the prefix path may add at most 1e-2 to the serial path's own error against fp32."""
+    r = _run(W.exact, _bf16_cfg(), None)
+    ref = r["fp32_reference_local"]
+    assert r["grad_rule"].startswith("excess") and r["ok"], r
+    assert 0 < ref["rel_err_grad_global_serial"] < 0.05 and 0 < ref["rel_err_grad_global_prefix"] < 0.05, ref
+    assert r["max_grad_excess_over_serial"] <= 1e-2, r
+
+
+def test_bf16_gradient_rule_detects_dropped_gkv():
+    r = _run(W.dropped_gkv, _bf16_cfg(), None)
+    assert r["max_grad_excess_over_serial"] > 0.1 and not r["ok"], r
