@@ -1,12 +1,17 @@
-"""A small embodied task with a verifiable reward: which way did the named object move?
+"""A small embodied task with a verifiable reward, asked about a short video of coloured squares.
 
-The observation is a short video of a scene with coloured squares; one of them (the target,
-named by colour in the instruction) moves a fixed number of pixels per frame in one of four
-directions, the others stay put or jitter. The model answers with one direction token; the
-environment checks it (reward 1 or 0; chance level 1/4). The image variant shows one frame with an
-arrow trail and asks the same question. Seeds make every episode deterministic; difficulty comes
-from the number of distractors, the step size, the jitter and the frame count, so the same task
-serves as a long-prefix benchmark workload (more frames, larger frames).
+Two questions share the scene, the vocabulary and the reward (1 for the right direction, else 0;
+chance level 1/4):
+- `motion`: which way did the named object move? The target (named by colour) moves a fixed number
+  of pixels per frame in one of four directions; the others stay put or jitter. The image variant
+  shows one frame with a fading trail.
+- `reach`: which way should the agent go to reach the named object? The agent (a grey marker) sits
+  at the centre; the target lies left of, right of, above or below it, off-axis by less than its
+  distance, so exactly one action is right. Distractors stand elsewhere and jitter across frames.
+The model answers with one direction token; the environment checks it. Seeds make every episode
+deterministic; difficulty comes from the number of distractors, the step size, the jitter and the
+frame count, so the same task serves as a long-prefix benchmark workload (more frames, larger
+frames).
 """
 from __future__ import annotations
 
@@ -19,12 +24,15 @@ DIRECTIONS = ("left", "right", "up", "down")
 COLORS = {"red": (220, 40, 40), "green": (40, 180, 60), "blue": (50, 80, 220), "yellow": (230, 200, 40),
           "purple": (150, 60, 180), "cyan": (40, 200, 200), "white": (235, 235, 235), "orange": (240, 130, 30)}
 _STEP = {"left": (0, -1), "right": (0, 1), "up": (-1, 0), "down": (1, 0)}
+QUESTIONS = ("motion", "reach")
+AGENT_RGB = (128, 128, 128)  # the reach question's agent marker (no object colour is grey)
 
 
 @dataclass(kw_only=True)
 class MotionTaskConfig:
     """Task shape and difficulty."""
 
+    question: str = "motion"  # motion (which way did it move?) | reach (which way to go to reach it?)
     image_size: int = 56  # square frame side in pixels (multiple of 28)
     frames: int = 4  # video frames (even); 1 renders the image variant
     num_objects: int = 3  # target plus distractors (<= 8)
@@ -35,6 +43,8 @@ class MotionTaskConfig:
     format_reward: float = 0.0  # added when the response names any direction (0: correctness only)
 
     def __post_init__(self) -> None:
+        if self.question not in QUESTIONS:
+            raise ValueError(f"task.question must be one of {QUESTIONS}, got {self.question!r}")
         if self.image_size % 28:
             raise ValueError(f"task.image_size ({self.image_size}) must be a multiple of 28 (patch 14 x merge 2)")
         if self.frames != 1 and self.frames % 2:
@@ -43,6 +53,11 @@ class MotionTaskConfig:
             raise ValueError(f"task.num_objects must be in 1..{len(COLORS)}, got {self.num_objects}")
         if self.max_answer_tokens < 1:
             raise ValueError(f"task.max_answer_tokens must be >= 1, got {self.max_answer_tokens}")
+        if self.question == "reach":
+            if self.object_px + (self.object_px + 1) // 2 > self.image_size // 2:
+                raise ValueError(f"task.question=reach needs task.object_px ({self.object_px}) <= "
+                                 f"image_size/3 ({self.image_size // 3}) so targets fit beside the agent")
+            return
         travel = self.step_px * max(self.frames - 1, 2)
         if self.object_px + 2 * travel >= self.image_size:
             raise ValueError(f"task.step_px={self.step_px} over {self.frames} frames leaves the "
@@ -63,8 +78,36 @@ def _draw(canvas: np.ndarray, y: int, x: int, size: int, rgb) -> None:
     canvas[:, y:y + size, x:x + size] = np.array(rgb, dtype=np.uint8)[:, None, None]
 
 
+def _reach_episode(cfg: MotionTaskConfig, seed: int) -> Episode:
+    rng = np.random.default_rng(seed)
+    colors = list(rng.choice(list(COLORS), size=cfg.num_objects, replace=False))
+    answer = DIRECTIONS[int(rng.integers(4))]
+    size, obj, half = cfg.image_size, cfg.object_px, cfg.image_size // 2
+    dist = int(rng.integers(obj, half - obj // 2 - obj % 2 + 1))  # centre-to-centre along the answer axis
+    off = int(rng.integers(-(dist // 2), dist // 2 + 1))  # across it, strictly smaller than dist
+    dy, dx = _STEP[answer]
+    centre = np.array([half + dy * dist + (off if dx else 0), half + dx * dist + (off if dy else 0)])
+    clip = lambda p: np.clip(p, 0, size - obj)  # noqa: E731
+    target = clip(centre - obj // 2)
+    others = [rng.integers(0, size - obj + 1, size=2) for _ in colors[1:]]
+    agent = half - obj // 4
+    frames = []
+    for _ in range(max(cfg.frames, 1)):
+        canvas = np.full((3, size, size), 20, dtype=np.uint8)
+        for name, p in zip(colors[1:], others):
+            j = rng.integers(-cfg.jitter_px, cfg.jitter_px + 1, size=2) if cfg.jitter_px else (0, 0)
+            y, x = clip(p + np.asarray(j))
+            _draw(canvas, int(y), int(x), obj, COLORS[name])
+        _draw(canvas, int(target[0]), int(target[1]), obj, COLORS[colors[0]])
+        _draw(canvas, agent, agent, max(obj // 2, 1), AGENT_RGB)
+        frames.append(canvas)
+    return Episode(seed, torch.from_numpy(np.stack(frames)), colors[0], answer)
+
+
 def make_episode(cfg: MotionTaskConfig, seed: int) -> Episode:
     """Render the episode for `seed` (same seed, same pixels and answer)."""
+    if cfg.question == "reach":
+        return _reach_episode(cfg, seed)
     rng = np.random.default_rng(seed)
     colors = list(rng.choice(list(COLORS), size=cfg.num_objects, replace=False))
     answer = DIRECTIONS[int(rng.integers(4))]
@@ -102,7 +145,7 @@ class TaskVocab:
     """A fixed word <-> token-id table for instructions and answers (ids start at `offset`)."""
 
     WORDS = ("which", "way", "did", "the", "object", "move", "?", "answer", ":", "look", "at", "video",
-             "image", "trail") + tuple(COLORS) + DIRECTIONS
+             "image", "trail") + tuple(COLORS) + DIRECTIONS + ("go", "to", "reach")
 
     def __init__(self, offset: int = 10):
         self.ids = {w: offset + i for i, w in enumerate(self.WORDS)}
@@ -120,7 +163,7 @@ class TaskVocab:
         return [self.ids[d] for d in DIRECTIONS]
 
 
-def episode_prompt(episode: Episode, model_cfg, vocab: TaskVocab):
+def episode_prompt(episode: Episode, model_cfg, vocab: TaskVocab, question: str = "motion"):
     """The episode as a Qwen2.5-VL prompt (prefix.batch.Prompt): text, vision span, question."""
     from rollplex_megatron.envs.vision import normalize, patchify
     from rollplex_megatron.prefix.batch import Prompt
@@ -132,7 +175,8 @@ def episode_prompt(episode: Episode, model_cfg, vocab: TaskVocab):
     is_video = episode.frames.shape[0] > 1
     pad = model_cfg.video_token_id if is_video else model_cfg.image_token_id
     head = vocab.encode(f"look at the {'video' if is_video else 'image trail'}")
-    question = vocab.encode(f"which way did the {episode.color} object move ? answer :")
+    question = vocab.encode(f"which way did the {episode.color} object move ? answer :" if question == "motion"
+                            else f"which way to go to reach the {episode.color} object ? answer :")
     ids = torch.tensor(head + [model_cfg.vision_start_token_id] + [pad] * n_tokens
                        + [model_cfg.vision_end_token_id] + question)
     grid_t = torch.tensor([list(grid)])
@@ -163,7 +207,7 @@ class MotionEnv:
 
     def prompt(self, episode: Episode):
         """The episode's prompt (prefix.batch.Prompt)."""
-        return episode_prompt(episode, self.model_cfg, self.vocab)
+        return episode_prompt(episode, self.model_cfg, self.vocab, self.cfg.question)
 
     def answer(self, tokens: torch.Tensor) -> str | None:
         """The first direction named in a response, if any."""
