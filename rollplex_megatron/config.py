@@ -287,6 +287,7 @@ class TrainConfig:
 
     steps: int = 60  # RL steps (one optimizer step each)
     kl_coef: float = 0.0  # coefficient of the k3 KL to the reference
+    entropy_coef: float = 0.0  # entropy bonus (token mean of the policy entropy) subtracted from the loss
     clip_low: float = 0.2  # PPO ratio clip below 1
     clip_high: float = 0.2  # PPO ratio clip above 1
     normalize_std: bool = True  # divide group-centred rewards by the group std
@@ -300,8 +301,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.steps < 1:
             raise ValueError(f"train.steps must be >= 1, got {self.steps}")
-        if self.kl_coef < 0 or self.clip_low < 0 or self.clip_high < 0:
-            raise ValueError("train.kl_coef, train.clip_low and train.clip_high must be >= 0")
+        if min(self.kl_coef, self.entropy_coef, self.clip_low, self.clip_high) < 0:
+            raise ValueError("train.kl_coef, train.entropy_coef, train.clip_low and train.clip_high must be >= 0")
         if self.save_every < 0:
             raise ValueError(f"train.save_every must be >= 0, got {self.save_every}")
         if self.resume and not self.out:

@@ -148,7 +148,7 @@ class Runtime:
         from rollplex_megatron.rl.grpo import GRPOLoss
 
         t = self.cfg.train
-        return GRPOLoss(t.kl_coef, t.clip_low, t.clip_high, batch.total_tokens, self.tp_group)
+        return GRPOLoss(t.kl_coef, t.clip_low, t.clip_high, batch.total_tokens, self.tp_group, t.entropy_coef)
 
     def optimizer_step(self) -> dict:
         """megatron optimizer step (clipping included); gradients are zeroed for the next step."""

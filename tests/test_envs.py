@@ -84,8 +84,49 @@ def test_prompt_runs_through_the_tiny_model_positions():
     assert len(set(vocab.answer_ids())) == 4
 
 
+def _centre(frame, rgb):
+    ys, xs = torch.nonzero((frame == torch.tensor(rgb, dtype=torch.uint8)[:, None, None]).all(0), as_tuple=True)
+    return ys.float().mean().item(), xs.float().mean().item(), ys.numel()
+
+
+@pytest.mark.parametrize("size,objects,jitter", [(56, 1, 0), (84, 4, 3)])
+def test_reach_target_lies_on_the_answer_side_of_the_agent(size, objects, jitter):
+    cfg = motion.MotionTaskConfig(question="reach", image_size=size, frames=2, num_objects=objects,
+                                  object_px=12, jitter_px=jitter)
+    counts = {d: 0 for d in motion.DIRECTIONS}
+    for seed in range(200):
+        ep = motion.make_episode(cfg, seed)
+        assert torch.equal(ep.frames, motion.make_episode(cfg, seed).frames)
+        counts[ep.answer] += 1
+        for f in ep.frames:
+            ay, ax, n_agent = _centre(f, motion.AGENT_RGB)
+            ty, tx, n_target = _centre(f, motion.COLORS[ep.color])
+            assert n_agent == 36 and abs(ay - (size // 2 - 0.5)) <= 1 and abs(ax - (size // 2 - 0.5)) <= 1
+            assert n_target > 0
+            dy, dx = ty - ay, tx - ax
+            seen = ("down" if dy > 0 else "up") if abs(dy) > abs(dx) else ("right" if dx > 0 else "left")
+            assert seen == ep.answer, (seed, dy, dx, ep.answer)
+    assert all(30 < c < 70 for c in counts.values()), counts
+
+
+def test_reach_prompt_asks_the_reach_question():
+    model = load_run_config([]).model
+    vocab = motion.TaskVocab()
+    cfg = motion.MotionTaskConfig(question="reach", frames=2, num_objects=1, object_px=12)
+    env = motion.MotionEnv(cfg, model)
+    ep = env.episode(4)
+    words = [vocab.words[i] for i in env.prompt(ep).input_ids.tolist() if i in vocab.words]
+    question = f"which way to go to reach the {ep.color} object ? answer :".split()
+    assert words[-len(question):] == question
+    wrong = next(d for d in motion.DIRECTIONS if d != ep.answer)
+    assert env.reward(ep, torch.tensor([vocab.ids[ep.answer]])) == 1.0 + cfg.format_reward
+    assert env.reward(ep, torch.tensor([vocab.ids[wrong]])) == cfg.format_reward
+
+
 @pytest.mark.parametrize("kw,match", [({"image_size": 50}, "multiple of 28"), ({"frames": 3}, "even"),
-                                      ({"num_objects": 9}, "num_objects"), ({"step_px": 20}, "leaves")])
+                                      ({"num_objects": 9}, "num_objects"), ({"step_px": 20}, "leaves"),
+                                      ({"question": "reach", "object_px": 20}, "object_px"),
+                                      ({"question": "where"}, "task.question")])
 def test_bad_task_settings(kw, match):
     with pytest.raises(ValueError, match=match):
         motion.MotionTaskConfig(**kw)

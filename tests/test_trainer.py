@@ -7,7 +7,10 @@ from rollplex_megatron.recipes import load_run_config
 from tests import trainer_workers as W
 
 TOL = 1e-5  # DESIGN section 3, fp32 on CPU
-BASE = ["model=tiny", "task=motion", "workload.rollout_batch=32", "workload.responses_per_micro_batch=5", "rollout.group_size=4",
+# Adam's epsilon is raised from 1e-8 to 1e-6 here: parameters whose gradient is almost zero (the
+# attention key biases) otherwise get full-size steps out of fp32 rounding noise, which differs
+# between execution orders, and a drift of 1e-5 after 3 steps says nothing about the modes.
+BASE = ["model=tiny", "optim.adam_eps=1e-6", "workload.rollout_batch=32", "workload.responses_per_micro_batch=5", "rollout.group_size=4",
         "train.kl_coef=0.1", "task.format_reward=0.5", "task.max_answer_tokens=6", "optim.lr=3e-3"]
 
 
@@ -27,28 +30,11 @@ def _rel(a, b):
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def _function_part(name, t):
-    """The parameter without the key bias (qkv bias layout: [groups, (rep + 2) * hn]; tiny model:
-    LLM 4 heads in 2 KV groups, vision 2 heads MHA, head dim 16 in both).
-
-    Adding a constant to every key of a query's softmax leaves it unchanged, so the key bias has a
-    zero gradient and no effect on the function; Adam turns its rounding-noise gradient into
-    full-size steps that differ between execution orders."""
-    if not name.endswith("self_attention.linear_qkv.bias"):
-        return t
-    heads, groups, head_dim = (2, 2, 16) if name.startswith("vision") else (4, 2, 16)
-    rep = heads // groups
-    g = t.view(groups, (rep + 2) * head_dim)
-    return torch.cat([g[:, :rep * head_dim], g[:, (rep + 1) * head_dim:]], dim=1)
-
-
 def _param_err(run, ref):
     """Largest per-parameter relative difference of the trained weights (DESIGN: parameters after the
-    steps stay within the bound). Updates themselves are not compared element-wise: Adam normalises
-    gradients whose true value is zero (the key bias: softmax is shift-invariant) from rounding noise
-    to full-size steps, differently on every execution order."""
+    steps stay within the bound)."""
     assert any(float((ref["last"][n] - ref["first"][n]).norm()) > 0 for n in ref["last"])  # it trained
-    errs = {n: _rel(_function_part(n, run["last"][n]), _function_part(n, ref["last"][n])) for n in ref["last"]}
+    errs = {n: _rel(run["last"][n], ref["last"][n]) for n in ref["last"]}
     return max(errs.values()), max(errs, key=errs.get)
 
 
@@ -81,14 +67,18 @@ def test_mode_equivalence_detects_breakage(tiny_hf, serial_run, mutant):
 
 
 def test_rollplex_tp2_and_dp2_match_single_process(tiny_hf):
-    one = run_local(W.run_steps, 1, _cfg("rollplex", hf=tiny_hf), 2)[0]
-    tp2 = run_local(W.run_steps, 2, _cfg("rollplex", "parallel.tp=2", hf=tiny_hf), 2)
-    dp2 = run_local(W.run_steps, 2, _cfg("rollplex", "parallel.dp=2", hf=tiny_hf), 2)
+    """Two steps at TP=2 and at DP=2 against one process. lr 3e-4 here: at 3e-3 one Adam step takes
+    the tiny policy to KL 1.3 from the reference, where the k3 term's exponential turns the
+    rounding difference of TP's split reductions into 4e-5 on the second step's loss (measured);
+    at 3e-4 the policy still moves (KL 0.6) and both layouts agree within 2e-6."""
+    lr = "optim.lr=3e-4"
+    one = run_local(W.run_steps, 1, _cfg("rollplex", lr, hf=tiny_hf), 2)[0]
+    tp2 = run_local(W.run_steps, 2, _cfg("rollplex", lr, "parallel.tp=2", hf=tiny_hf), 2)
+    dp2 = run_local(W.run_steps, 2, _cfg("rollplex", lr, "parallel.dp=2", hf=tiny_hf), 2)
     assert tp2[0]["tokens"] == tp2[1]["tokens"]  # every TP rank samples the same tokens
-    # TP=2 vs TP=1 is compared on the first step (same weights); after an update the rollouts of
-    # the two layouts were seen to differ at step 2 (open: see the session note).
-    assert tp2[0]["tokens"][0] == one["tokens"][0]
-    _records_close(tp2[0]["records"][:1], one["records"][:1])
+    assert tp2[0]["tokens"] == one["tokens"]  # TP ranks hold shards: compared by rollouts and metrics
+    _records_close(tp2[0]["records"], one["records"])
+    assert one["records"][1]["kl"] > 0.1  # the first update moved the policy
     assert dp2[0]["tokens"] + dp2[1]["tokens"] != []  # each DP rank rolled out its own half
     merged = [a + b for a, b in zip(dp2[0]["tokens"], dp2[1]["tokens"])]
     assert merged == one["tokens"]

@@ -54,18 +54,25 @@ def vocab_parallel_entropy(logits_local: torch.Tensor, group=None) -> torch.Tens
     """Entropy of softmax(logits) when the vocabulary is split over a TP group (no full gather).
 
     H = log Z + m - sum(e^(l - m) l) / Z with m the global max and Z the global sum of e^(l - m).
-    Masked (dtype-minimum) padding columns contribute nothing.
+    Masked (dtype-minimum) padding columns contribute nothing. Differentiable when the logits
+    require grad: the sums are reduced with megatron's reduce-from-TP-region (forward all-reduce,
+    backward identity: each TP rank's loss copy is the same), and m is a constant shift.
     """
     import torch.distributed as dist
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
     x = logits_local.float()
-    m = x.max(dim=-1, keepdim=True).values
-    if group is not None and dist.get_world_size(group) > 1:
+    m = x.detach().max(dim=-1, keepdim=True).values
+    split = group is not None and dist.get_world_size(group) > 1
+    if split:
         dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
     e = torch.exp(x - m)
     z = e.sum(dim=-1, keepdim=True)
     ex = (e * torch.where(e > 0, x, torch.zeros_like(x))).sum(dim=-1, keepdim=True)
-    if group is not None and dist.get_world_size(group) > 1:
+    if split and torch.is_grad_enabled() and x.requires_grad:
+        z = reduce_from_tensor_model_parallel_region(z, group)
+        ex = reduce_from_tensor_model_parallel_region(ex, group)
+    elif split:
         dist.all_reduce(z, group=group)
         dist.all_reduce(ex, group=group)
     return (torch.log(z) + m - ex / z).squeeze(-1)
@@ -79,9 +86,10 @@ class GRPOLoss:
     current log-probs, ratio 1). The loss is pre-normalised by the global response-token count.
     """
 
-    def __init__(self, kl_coef: float, clip_low: float, clip_high: float, total_tokens: int, tp_group=None):
+    def __init__(self, kl_coef: float, clip_low: float, clip_high: float, total_tokens: int, tp_group=None,
+                 entropy_coef: float = 0.0):
         self.kl_coef, self.clip_low, self.clip_high = kl_coef, clip_low, clip_high
-        self.total_tokens, self.tp_group = total_tokens, tp_group
+        self.total_tokens, self.tp_group, self.entropy_coef = total_tokens, tp_group, entropy_coef
 
     def __call__(self, mb, logits_BTV: torch.Tensor):
         """(loss, tokens, {"loss", "logp", "kl", "entropy", "clipfrac"}) for megatron's schedule."""
@@ -89,7 +97,8 @@ class GRPOLoss:
 
         logits = logits_BTV.float()
         mask = mb.label_mask
-        with torch.no_grad():  # before the cross-entropy, which overwrites its input in place
+        # Before the cross-entropy, which overwrites its input in place (logits[mask] is a copy).
+        with torch.set_grad_enabled(torch.is_grad_enabled() and self.entropy_coef > 0):
             entropy = vocab_parallel_entropy(logits[mask], self.tp_group)
         logp = -tensor_parallel.vocab_parallel_cross_entropy(logits, mb.labels)
         old = mb.token_data["old_logp"] if "old_logp" in mb.token_data else logp.detach()
@@ -97,6 +106,9 @@ class GRPOLoss:
         per_token = grpo_token_loss(logp, old, ref, mb.token_data["adv"], self.kl_coef, self.clip_low, self.clip_high)
         w = mask.float() / self.total_tokens
         loss = (per_token * w).sum()
+        if self.entropy_coef > 0:  # entropy bonus (token mean), against the policy collapsing
+            loss = loss - self.entropy_coef * (entropy * w[mask]).sum()
+        entropy = entropy.detach()
         with torch.no_grad():
             ratio = torch.exp(logp - old)
             clipped = ((ratio < 1 - self.clip_low) | (ratio > 1 + self.clip_high)).float()
