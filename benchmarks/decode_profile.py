@@ -1,0 +1,87 @@
+"""Where an embedded-engine decode step spends its time: host work against GPU kernel time.
+
+Builds the preset with random weights, generates `groups` x G samples of `new_tokens` tokens (no stop
+token), and profiles the decode steps of a second generate call with torch.profiler. Reports per
+decode step: wall time, summed GPU kernel time, kernel launches, and the CPU operators with the
+most self time. GPU busy far below wall time means the step is bound by the host (launches).
+
+    python -m torch.distributed.run --nproc_per_node 1 benchmarks/decode_profile.py --out prof.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="qwen2_5_vl_3b")
+    ap.add_argument("--groups", type=int, default=8)
+    ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--grid", default="2,16,16")
+    ap.add_argument("--text-tokens", type=int, default=896)
+    ap.add_argument("--out", default="")
+    a = ap.parse_args()
+
+    sys.path.insert(0, "benchmarks")
+    from decode_vs_hf import prompts
+    from torch.profiler import ProfilerActivity, profile
+
+    from rollplex_megatron.dist import init_parallel
+    from rollplex_megatron.models.qwen25vl import build_model
+    from rollplex_megatron.recipes import load_run_config
+    from rollplex_megatron.rollout.embedded import EmbeddedEngine
+    from rollplex_megatron.rollout.engine import RolloutRequest
+    from rollplex_megatron.rollout.sampling import SamplingParams
+    from rollplex_megatron.smoke import environment_record
+
+    gpu = torch.cuda.is_available()
+    init_parallel(1, 1, 0, "nccl" if gpu else "gloo")
+    cfg = load_run_config([f"model={a.preset}"]).model
+    model = build_model(cfg, "bfloat16" if gpu else "float32").eval()
+    ps = prompts(cfg, a.groups, tuple(int(x) for x in a.grid.split(",")), a.text_tokens)
+    eng = EmbeddedEngine(model, cfg, ps[0].input_ids.numel(), a.new_tokens, kv_cache_gib=40.0)
+    reqs = [RolloutRequest(p, a.group_size, a.new_tokens, (), seed=i) for i, p in enumerate(ps)]
+    params = SamplingParams(1.0, 1.0, 0)
+    eng.generate(reqs, params)  # warm-up
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
+
+    def profiled(n_new: int):
+        rs = [RolloutRequest(r.prompt, r.n, n_new, (), seed=r.seed) for r in reqs]
+        with profile(activities=acts) as prof:
+            out = eng.generate(rs, params)
+            if gpu:
+                torch.cuda.synchronize()
+        events = prof.key_averages()
+        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+        return out, events, sum(e.self_device_time_total for e in kernels), sum(e.count for e in kernels)
+
+    one, _, gpu_one, launches_one = profiled(1)  # prefill + one step: subtracted below
+    out, events, gpu_all, launches_all = profiled(a.new_tokens)
+    steps = out.stats["decode_steps"] - one.stats["decode_steps"]
+    decode_s = out.stats["decode_s"] - one.stats["decode_s"]
+    cpu_top = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CPU),
+                     key=lambda e: -e.self_cpu_time_total)[:15]
+    res = {"command": "python " + " ".join(sys.argv), "preset": a.preset, "batch": a.groups * a.group_size,
+           "prompt_tokens": int(ps[0].input_ids.numel()), "decode_steps_compared": steps,
+           "decode_step_wall_ms": 1e3 * decode_s / steps,
+           "decode_step_gpu_kernel_ms": (gpu_all - gpu_one) / 1e3 / steps,
+           "kernel_launches_per_decode_step": (launches_all - launches_one) / steps,
+           "top_cpu_ops_self_ms_whole_call": {e.key: round(e.self_cpu_time_total / 1e3, 2) for e in cpu_top},
+           "note": ("both calls run under torch.profiler, whose overhead inflates wall time; per-step numbers "
+                    "are (call with new_tokens) minus (call with 1 new token), divided by the extra steps"),
+           "environment": environment_record()}
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+    print(json.dumps({k: res[k] for k in ("batch", "decode_steps_compared", "decode_step_wall_ms",
+                                          "decode_step_gpu_kernel_ms", "kernel_launches_per_decode_step")}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
