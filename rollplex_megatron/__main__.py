@@ -13,6 +13,9 @@ Commands
                                       prefix/response execution vs full sequences (exit 0 = exact)
   plan-weights [model=...] train_tp=T rollout_tp=R [layout=megatron|sglang] [--json]
                                       rollout weights on the training storage: class and bytes per kind
+  plan-memory [hydra overrides] [--json]
+                                      analytic HBM per GPU and phase: serial colocation vs the Rollplex
+                                      plan (model=qwen2_5_vl_32b alone: the paper's 32-GPU setting)
   print-config [hydra overrides]      the resolved config
 Commands that take Hydra overrides accept e.g. `model=qwen2_5_vl_3b parallel.tp=2`.
 Multi-process commands launch their own local processes when not started by torchrun.
@@ -144,6 +147,42 @@ def _cmd_plan_weights(argv: list[str]) -> int:
     return 0
 
 
+def _cmd_plan_memory(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="rollplex plan-memory", description="analytic HBM plan per GPU and phase")
+    ap.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    a, overrides = ap.parse_known_args(argv)
+    from rollplex_megatron.memory.planner import check_budget, plan_memory
+    from rollplex_megatron.recipes import RECIPES_DIR, load_run_config
+
+    model = next((o.split("=", 1)[1] for o in overrides if o.startswith("model=")), None)
+    if model and not any(o.lstrip("+").startswith("plan_preset=") for o in overrides) \
+            and (RECIPES_DIR / "plan_preset" / f"{model}.yaml").is_file():
+        overrides = [f"+plan_preset={model}"] + overrides  # the model's reference setting; overrides win
+    cfg = load_run_config(overrides)
+    res = plan_memory(cfg)
+    w = res["workload"]
+    print(f"model {res['model']} on {res['gpus']} GPUs (TP={res['tp']} PP={res['pp']} DP={res['dp']}); per DP rank "
+          f"{w['prompts']} prompts x G={res['workload']['group_size']}, prefix {w['P']} tokens, response {w['R']}")
+    for mode in ("serial", "rollplex"):
+        s = res[mode]
+        print(f"{mode}: peak {s['peak_gib']:.1f} GiB per GPU in phase {s['peak_phase']}")
+        for ph, classes in s["by_phase_gib"].items():
+            parts = ", ".join(f"{k} {v:.1f}" for k, v in sorted(classes.items(), key=lambda kv: -kv[1]))
+            print(f"  {ph:10s} {s['phase_gib'][ph]:7.1f} GiB: {parts}")
+    budget = cfg.memory.budget_gib
+    if budget > 0:
+        print(f"budget {budget:g} GiB: serial {'fits' if res['serial_peak_gib'] <= budget else 'does not fit'}, "
+              f"rollplex {'fits' if res['rollplex_fits'] else 'does not fit'}")
+    if a.json:
+        print(json.dumps(res))
+    try:
+        check_budget(res["rollplex"], budget, "rollplex")
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def _cmd_print_config(argv: list[str]) -> int:
     from rollplex_megatron.recipes import load_run_config, to_yaml
 
@@ -169,7 +208,7 @@ def _cmd_smoke(argv: list[str]) -> int:
 
 
 COMMANDS = {"train": _cmd_train, "smoke": _cmd_smoke, "verify-hf": _cmd_verify_hf, "verify-equivalence": _cmd_verify_equivalence, "convert": _cmd_convert,
-            "print-config": _cmd_print_config, "plan-weights": _cmd_plan_weights}
+            "print-config": _cmd_print_config, "plan-weights": _cmd_plan_weights, "plan-memory": _cmd_plan_memory}
 
 
 def main(argv: list[str] | None = None) -> int:

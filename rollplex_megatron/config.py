@@ -257,10 +257,32 @@ class MemoryConfig:
     """Memory budgets."""
 
     kv_cache_gib: float = 8.0  # rollout KV cache budget per GPU; more groups than fit wait (queue)
+    budget_gib: float = 0.0  # HBM per GPU a plan must fit (plan-memory); 0: no budget
 
     def __post_init__(self) -> None:
         if not self.kv_cache_gib > 0:
             raise ValueError(f"memory.kv_cache_gib must be > 0, got {self.kv_cache_gib}")
+        if self.budget_gib < 0:
+            raise ValueError(f"memory.budget_gib must be >= 0 (0: no budget), got {self.budget_gib}")
+
+
+@dataclass(kw_only=True)
+class PlanConfig:
+    """Workload shape of `plan-memory` beyond workload/rollout: sequence lengths and optimizer layout."""
+
+    prefix_tokens: int = 1040  # LLM tokens of one prompt (text + vision tokens)
+    vision_patches: int = 4096  # vision-tower patches of one prompt (vision tokens x merge^2)
+    response_tokens: int = 256  # tokens of one response
+    distributed_optimizer: bool = False  # shard fp32 main weights and Adam states over DP
+    sequence_parallel: bool = True  # activations split over the TP ranks
+    rollout_tp: int = 0  # rollout engine TP degree for the serial baseline's weight copy (0: training TP)
+
+    def __post_init__(self) -> None:
+        for key in ("prefix_tokens", "vision_patches", "response_tokens"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"plan.{key} must be >= 1, got {getattr(self, key)}")
+        if self.rollout_tp < 0:
+            raise ValueError(f"plan.rollout_tp must be >= 0 (0: the training TP), got {self.rollout_tp}")
 
 
 @dataclass(kw_only=True)
@@ -351,6 +373,7 @@ class RunConfig:
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)  # step batch shape
     mode: ModeConfig = field(default_factory=ModeConfig)  # execution mode (recipes/mode/*.yaml)
     memory: MemoryConfig = field(default_factory=MemoryConfig)  # memory budgets
+    plan: PlanConfig = field(default_factory=PlanConfig)  # plan-memory workload shape
     optim: OptimConfig = field(default_factory=OptimConfig)  # optimizer
     train: TrainConfig = field(default_factory=TrainConfig)  # GRPO loop
     seed: int = 1234  # global seed

@@ -1,0 +1,1 @@
+"""Phase-aware memory: the analytic planner (`plan-memory`)."""
