@@ -205,12 +205,9 @@ class RolloutConfig:
             raise ValueError(f"rollout.max_response_len must be >= 1, got {self.max_response_len}")
         if self.max_prompt_len < 2:
             raise ValueError(f"rollout.max_prompt_len must be >= 2, got {self.max_prompt_len}")
-        if not self.temperature > 0:
-            raise ValueError(f"rollout.temperature must be > 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"rollout.top_k must be >= 0 (0 keeps all tokens), got {self.top_k}")
+        from rollplex_megatron.rollout.sampling import check_sampling
+
+        check_sampling(self.temperature, self.top_p, self.top_k, "rollout.")
 
 
 @dataclass(kw_only=True)

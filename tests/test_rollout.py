@@ -74,6 +74,9 @@ def test_sampling_is_reproducible_and_validates():
     for bad in ({"temperature": 0.0}, {"top_p": 0.0}, {"top_p": 1.5}, {"top_k": -1}):
         with pytest.raises(ValueError, match=list(bad)[0]):
             SamplingParams(**bad)
+        key, value = next(iter(bad.items()))
+        with pytest.raises(Exception, match=f"rollout.{key} must be"):  # the config names its own setting
+            load_run_config([f"rollout.{key}={value}"])
 
 
 def _cfg(tp=1):
