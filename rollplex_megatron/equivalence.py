@@ -74,6 +74,11 @@ def _median_after_first(xs: list[float]) -> float:
     return statistics.median(xs[1:] if len(xs) > 1 else xs)
 
 
+def _flat(grads: dict[str, torch.Tensor]) -> torch.Tensor:
+    """All gradients as one vector, in name order."""
+    return torch.cat([grads[n].flatten() for n in sorted(grads)])
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
@@ -103,13 +108,12 @@ def _against_fp32(cfg: RunConfig, model, full_mbs, backend: str, serial: dict, p
     e_prefix = {n: _rel(prefix[n], ref[n]) for n in ref}
     ratio = {n: e_prefix[n] / max(e_serial[n], 1e-30) for n in ref}
     excess = {n: e_prefix[n] - e_serial[n] for n in ref}
-    flat = lambda d: torch.cat([d[n].flatten() for n in sorted(d)])  # noqa: E731
     top = max(e_prefix, key=e_prefix.get)
     return {"max_rel_err_grad_prefix": e_prefix[top], "param_prefix": top,
             "max_rel_err_grad_serial": max(e_serial.values()), "param_serial": max(e_serial, key=e_serial.get),
             "serial_err_at_param_prefix": e_serial[top],
-            "rel_err_grad_global_prefix": _rel(flat(prefix), flat(ref)),
-            "rel_err_grad_global_serial": _rel(flat(serial), flat(ref)),
+            "rel_err_grad_global_prefix": _rel(_flat(prefix), _flat(ref)),
+            "rel_err_grad_global_serial": _rel(_flat(serial), _flat(ref)),
             "max_excess_over_serial": max(excess.values()), "param_max_excess": max(excess, key=excess.get),
             "max_ratio_prefix_over_serial": max(ratio.values()), "param_max_ratio": max(ratio, key=ratio.get),
             "worst_pair_param": worst, "worst_pair_errs": [e_prefix[worst], e_serial[worst]]}
@@ -178,8 +182,7 @@ def run_rank(cfg: RunConfig, hf_dir: str | None = None, position_offset: int = 0
     grad_errs = {n: _rel(pre_grads[n], full_grads[n]) for n in full_grads}
     worst = max(grad_errs, key=grad_errs.get)
     errs[2] = grad_errs[worst]
-    flat = lambda d: torch.cat([d[n].flatten() for n in sorted(d)])  # noqa: E731
-    global_err = _rel(flat(pre_grads), flat(full_grads))
+    global_err = _rel(_flat(pre_grads), _flat(full_grads))
     floor = None
     if cfg.verify.noise_floor:
         # The serial path against itself with one response per micro-batch: how far two serial
@@ -189,7 +192,7 @@ def run_rank(cfg: RunConfig, hf_dir: str | None = None, position_offset: int = 0
         alt = _grads(ddp)
         floor_errs = {n: _rel(alt[n], full_grads[n]) for n in full_grads}
         floor = {"max_rel_err_grad": max(floor_errs.values()), "param": max(floor_errs, key=floor_errs.get),
-                 "rel_err_grad_global": _rel(flat(alt), flat(full_grads)),
+                 "rel_err_grad_global": _rel(_flat(alt), _flat(full_grads)),
                  "worst_prefix_param_serial_err": floor_errs[worst]}
     fp32_ref = None
     if cfg.verify.fp32_reference and cfg.dtype != "float32":

@@ -37,8 +37,8 @@ def test_kv_and_class_bytes_by_hand():
     cfg = load_run_config(["workload.rollout_batch=32", "rollout.group_size=4", "workload.responses_per_micro_batch=2",
                            "plan.prefix_tokens=100", "plan.response_tokens=10", "plan.vision_patches=64"])
     m = cfg.model  # tiny: 4 layers, 2 KV groups of head dim 16
-    assert M.kv_bytes_per_token(m, 1, 1) == 2 * 4 * 2 * 16 * 2
-    assert M.kv_bytes_per_token(m, 4, 1) == 2 * 4 * 1 * 16 * 2  # KV heads replicate past TP=2
+    assert M.kv_bytes_per_token(m, 1, m.num_layers) == 2 * 4 * 2 * 16 * 2
+    assert M.kv_bytes_per_token(m, 4, m.num_layers) == 2 * 4 * 1 * 16 * 2  # KV heads replicate past TP=2
     serial = {c.name: c for c in M.serial_plan(cfg)}
     assert serial["rollout_kv"].bytes == 32 * 110 * 512  # 8 prompts x G=4 samples, prompt + response each
     n = M.params_per_gpu(m, 1, 1)

@@ -65,10 +65,10 @@ def params_per_gpu(cfg: ModelConfig, tp: int, pp: int) -> int:
     return max(first, (layers + c["final_norm"] + out) // tp)
 
 
-def kv_bytes_per_token(cfg: ModelConfig, tp: int, pp: int, elem: int = 2) -> int:
-    """K and V of one token over one pipeline stage's layers, on one GPU (KV heads replicate past TP)."""
+def kv_bytes_per_token(cfg: ModelConfig, tp: int, layers: int, elem: int = 2) -> int:
+    """K and V of one token over `layers` layers, on one GPU (KV heads replicate past TP)."""
     heads = max(cfg.num_query_groups // tp, 1)
-    return 2 * (cfg.num_layers // pp) * heads * cfg.head_dim * elem
+    return 2 * layers * heads * cfg.head_dim * elem
 
 
 def layer_activation_bytes(cfg: ModelConfig, tp: int, sp: bool) -> int:
@@ -88,7 +88,7 @@ def block_activation_bytes(cfg: ModelConfig, tp: int, sp: bool) -> int:
 
 def _shape(cfg: RunConfig) -> dict[str, int]:
     p = cfg.plan
-    prompts = cfg.workload.rollout_batch // cfg.rollout.group_size // cfg.parallel.dp
+    prompts = cfg.prompts_per_rank
     return {"prompts": prompts, "samples": prompts * cfg.rollout.group_size, "P": p.prefix_tokens,
             "R": p.response_tokens, "patches": p.vision_patches, "mb": cfg.workload.responses_per_micro_batch}
 
@@ -118,7 +118,7 @@ def serial_plan(cfg: RunConfig) -> list[TensorClass]:
     allp = PHASES["serial"]
     mb_tokens = s["mb"] * (s["P"] + s["R"])
     out = [TensorClass(k, v, allp, "keep") for k, v in w.items()]
-    out.append(TensorClass("rollout_kv", s["samples"] * (s["P"] + s["R"]) * kv_bytes_per_token(m, rtp, 1), allp,
+    out.append(TensorClass("rollout_kv", s["samples"] * (s["P"] + s["R"]) * kv_bytes_per_token(m, rtp, m.num_layers), allp,
                            "keep", "every sample holds its prompt and response K/V"))
     out.append(TensorClass("full_activations", _activations(cfg, mb_tokens, s["mb"] * s["patches"]), allp, "keep",
                            "one update micro-batch: whole sequences, vision tower included"))
@@ -128,7 +128,7 @@ def serial_plan(cfg: RunConfig) -> list[TensorClass]:
 def rollplex_plan(cfg: RunConfig) -> list[TensorClass]:
     """The phase-aware plan (module docstring)."""
     s, w, m, par = _shape(cfg), _weights(cfg), cfg.model, cfg.parallel
-    kv = kv_bytes_per_token(m, par.tp, par.pp)
+    kv = kv_bytes_per_token(m, par.tp, m.num_layers // par.pp)
     sp = cfg.plan.sequence_parallel
     inputs = (s["P"] * (m.num_layers // par.pp) * 2 * m.hidden_size
               + s["patches"] * m.vision.depth * 2 * m.vision.hidden_size) // (par.tp if sp else 1)

@@ -20,6 +20,7 @@ from megatron.core import parallel_state as ps
 from rollplex_megatron.attention.decode import shared_prefix_decode_attention
 from rollplex_megatron.attention.prefix import AttentionContext, KVStore
 from rollplex_megatron.config import ModelConfig
+from rollplex_megatron.memory.planner import kv_bytes_per_token
 from rollplex_megatron.models.qwen25vl.model import gather_vocab_logits
 from rollplex_megatron.prefix.batch import Group, prompt_positions
 from rollplex_megatron.prefix.execution import prefix_forward, unwrap
@@ -51,8 +52,7 @@ class DecodeCache:
     @staticmethod
     def nbytes(cfg: ModelConfig, tp: int, layers: int, prefix_len: int, rows: int, max_new: int, elt: int) -> int:
         """Bytes one group occupies: K and V of its prefix once plus `rows` response slots."""
-        ng = cfg.num_query_groups // tp
-        return 2 * layers * ng * cfg.head_dim * elt * (prefix_len + rows * max_new)
+        return kv_bytes_per_token(cfg, tp, layers, elt) * (prefix_len + rows * max_new)
 
     def attend(self, layer: int, rows, step: int, query, key, value, scale):
         """Write this step's K/V of `rows`, then shared-prefix attention; [1,B,Nq*D]."""
