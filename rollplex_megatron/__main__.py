@@ -162,7 +162,7 @@ def _cmd_plan_memory(argv: list[str]) -> int:
     res = plan_memory(cfg)
     w = res["workload"]
     print(f"model {res['model']} on {res['gpus']} GPUs (TP={res['tp']} PP={res['pp']} DP={res['dp']}); per DP rank "
-          f"{w['prompts']} prompts x G={res['workload']['group_size']}, prefix {w['P']} tokens, response {w['R']}")
+          f"{w['prompts']} prompts x G={w['group']}, prefix {w['P']} tokens, response {w['R']}")
     for mode in ("serial", "rollplex"):
         s = res[mode]
         print(f"{mode}: peak {s['peak_gib']:.1f} GiB per GPU in phase {s['peak_phase']}")

@@ -254,9 +254,15 @@ class MemoryConfig:
     """Memory budgets."""
 
     kv_cache_gib: float = 8.0  # rollout KV cache budget per GPU; more groups than fit wait (queue)
-    budget_gib: float = 0.0  # HBM per GPU a plan must fit (plan-memory); 0: no budget
+    budget_gib: float = 0.0  # HBM per GPU the run's plan must fit, checked before models are built; 0: none
+    # Residency plan (memory/manager.py): keep = everything stays on the device (naive colocation);
+    # phase = main weights and Adam states offloaded outside the optimizer step, gradients freed
+    # outside the update, the reference offloaded where unused, the actor prefix recomputed.
+    plan: str = "phase"
 
     def __post_init__(self) -> None:
+        if self.plan not in ("keep", "phase"):
+            raise ValueError(f"memory.plan must be keep or phase, got {self.plan!r}")
         if not self.kv_cache_gib > 0:
             raise ValueError(f"memory.kv_cache_gib must be > 0, got {self.kv_cache_gib}")
         if self.budget_gib < 0:
@@ -273,6 +279,8 @@ class PlanConfig:
     distributed_optimizer: bool = False  # shard fp32 main weights and Adam states over DP
     sequence_parallel: bool = True  # activations split over the TP ranks
     rollout_tp: int = 0  # rollout engine TP degree for the serial baseline's weight copy (0: training TP)
+    serial_engine: str = "separate"  # serial baseline's engine: separate (own weights, K/V per sample) | embedded
+    fused_adam: bool = False  # Adam without a workspace (TE/apex FusedAdam); false: torch Adam (foreach)
 
     def __post_init__(self) -> None:
         for key in ("prefix_tokens", "vision_patches", "response_tokens"):
@@ -280,6 +288,8 @@ class PlanConfig:
                 raise ValueError(f"plan.{key} must be >= 1, got {getattr(self, key)}")
         if self.rollout_tp < 0:
             raise ValueError(f"plan.rollout_tp must be >= 0 (0: the training TP), got {self.rollout_tp}")
+        if self.serial_engine not in ("separate", "embedded"):
+            raise ValueError(f"plan.serial_engine must be separate or embedded, got {self.serial_engine!r}")
 
 
 @dataclass(kw_only=True)

@@ -34,9 +34,11 @@ def _sync() -> None:
 
 
 class PhaseTimer:
-    """Wall seconds (device-synchronised) and allocator peaks per named phase of one step."""
+    """Per named phase of one step: wall seconds (device-synchronised), the allocator's peak, and the
+    memory manager's residency actions on entry (their copies count in the phase's time)."""
 
-    def __init__(self):
+    def __init__(self, memory=None):
+        self.memory = memory
         self.times: dict[str, float] = {}
         self.peaks: dict[str, int] = {}
 
@@ -44,9 +46,11 @@ class PhaseTimer:
     def __call__(self, name: str):
         """Time the enclosed phase under `name` (accumulates when a phase repeats)."""
         _sync()
-        if torch.cuda.is_available():
-            torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
+        if self.memory is not None:
+            self.memory.enter(name)
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()  # after the releases, so the peak is this phase's
         yield
         _sync()
         self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
@@ -67,6 +71,20 @@ class StepBatch:
     total_tokens: int  # response tokens over all DP ranks (the token-mean denominator)
 
 
+def memory_plan(cfg: RunConfig, env) -> dict:
+    """The planner's phases for this run (mode, `memory.plan`, the task's real prompt shape); raises
+    when the peak exceeds `memory.budget_gib`, naming the class and what would make it fit."""
+    from rollplex_megatron.memory.planner import check_budget, runtime_plan, summarize, workload_shape
+
+    prompts = [env.prompt(env.episode(i)) for i in range(4)]
+    patches = max(sum(getattr(p, k).shape[0] for k in ("pixel_values", "pixel_values_videos")
+                      if getattr(p, k) is not None) for p in prompts)
+    shape = workload_shape(cfg, max(p.input_ids.numel() - 1 for p in prompts), patches, cfg.task.max_answer_tokens)
+    summary = summarize(runtime_plan(cfg, shape), cfg.mode.name)
+    check_budget(summary, cfg.memory.budget_gib, f"{cfg.mode.name} (memory.plan={cfg.memory.plan})")
+    return {**summary, "shape": vars(shape)}
+
+
 class Runtime:
     """What every mode uses: actor (DDP), reference, optimizer, rollout engine, task, loss."""
 
@@ -76,6 +94,7 @@ class Runtime:
         from rollplex_megatron.dist import init_parallel
         from rollplex_megatron.envs.motion import MotionEnv
         from rollplex_megatron.equivalence import wrap_ddp
+        from rollplex_megatron.memory.manager import MemoryManager
         from rollplex_megatron.models.qwen25vl import build_model
         from rollplex_megatron.optim import build_optimizer
         from rollplex_megatron.rollout.embedded import EmbeddedEngine
@@ -85,6 +104,7 @@ class Runtime:
         cfg.check_training()
         init_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.seed, cfg.parallel.backend)
         self.env = MotionEnv(cfg.task, cfg.model)  # bad task/model pairing fails before building models
+        self.plan = memory_plan(cfg, self.env)  # over memory.budget_gib: fails here, before any model
         actor = build_model(cfg.model, cfg.dtype)
         if cfg.train.init_hf:
             from rollplex_megatron.checkpoint.hf import HFCheckpoint, load_hf_into_model
@@ -96,6 +116,8 @@ class Runtime:
         self.ref.requires_grad_(False)
         self.ddp = wrap_ddp(actor)
         self.optimizer = build_optimizer(self.ddp, cfg.optim, bf16=cfg.dtype == "bfloat16")
+        self.memory = MemoryManager(cfg.memory.plan, cfg.mode.name, self.ddp, self.optimizer, self.ref)
+        self.recompute = cfg.memory.plan == "phase"  # the actor prefix keeps no graph
         self.engine = EmbeddedEngine(self.ddp, cfg.model, cfg.rollout.max_prompt_len, cfg.rollout.max_response_len,
                                      cfg.memory.kv_cache_gib)
         r = cfg.rollout
@@ -227,7 +249,8 @@ class PrefixShared(Mode):
         B.attach_token_data(mbs, "old_logp", old)
         B.attach_token_data(mbs, "ref_logp", ref)
         with t("update"):
-            res = actor_prefix_step(rt.ddp, batch.groups, mbs, rt.backend, loss_fn=rt.loss(batch))
+            res = actor_prefix_step(rt.ddp, batch.groups, mbs, rt.backend, loss_fn=rt.loss(batch),
+                                    recompute=rt.recompute)
         return batch, res, out.stats
 
 
@@ -256,7 +279,8 @@ class Rollplex(Mode):
         episodes, reqs = rt.requests(step)
         for i, r in enumerate(reqs):
             window.submit(f"reference_prefix[{i}]", partial(_reference_prefix, rt.ref, r.prompt, ref_kv, i))
-        batch, out = self.rollout(rt, episodes, reqs, t, hooks=window, actor_prefix=actor_kv)
+        batch, out = self.rollout(rt, episodes, reqs, t, hooks=window, actor_prefix=actor_kv,
+                                  recompute_prefix=rt.recompute)
         mbs = rt.micro_batches(batch, "response")
         use = lambda kv: lambda mb: PrefixContext(mode="use", layout=mb.layout, store=kv,  # noqa: E731
                                                   backend=rt.backend)
@@ -264,12 +288,15 @@ class Rollplex(Mode):
         with t("ref_logp"), torch.no_grad():
             ref = _per_response(run_schedule(rt.ref, dev_mbs, use(ref_kv), forward_only=True), mbs, batch.groups)
         B.attach_token_data(mbs, "ref_logp", ref)
+        ref_kv.leaves.clear()  # the reference prefix K/V's last consumer is done
         dev_mbs = [mb.to(rt.dev) for mb in mbs]
         with t("update"):
             res = run_schedule(rt.ddp, dev_mbs, use(actor_kv), forward_only=False, loss_fn=rt.loss(batch))
+            kv_bytes, kv_grad_bytes = actor_kv.nbytes()
             prefix_backward(rt.ddp, out.prefix_states, actor_kv)
             finalize(rt.ddp)
-        return batch, res, {**out.stats, **window.stats()}
+        return batch, res, {**out.stats, **window.stats(), "actor_prefix_kv_bytes": kv_bytes,
+                            "prefix_kv_grad_bytes": kv_grad_bytes, "prefix_recompute_drift": actor_kv.recompute_drift}
 
 
 MODES = {m.name: m for m in (Serial, PrefixShared, Rollplex)}
@@ -300,7 +327,8 @@ def _reduce_metrics(rt: Runtime, batch: StepBatch, res: list[dict]) -> dict:
 
 def run_step(rt: Runtime, mode: Mode, step: int) -> dict:
     """One RL step; returns its metrics record."""
-    t = PhaseTimer()
+    rt.memory.new_step()
+    t = PhaseTimer(rt.memory)
     t0 = time.perf_counter()
     batch, res, stats = mode.step(rt, step, t)
     rt.last_batch = batch  # kept for inspection (tests compare rollouts across modes)
@@ -311,7 +339,8 @@ def run_step(rt: Runtime, mode: Mode, step: int) -> dict:
     return {"step": step + 1, "mode": mode.name, **_reduce_metrics(rt, batch, res),
             "grad_norm": opt["grad_norm"], "step_time_s": time.perf_counter() - t0,
             "phase_times": t.times, "phase_peak_bytes": t.peaks, "peak_mem_bytes": peak, "peak_mem_source": src,
-            "rollout": stats}
+            "memory_plan": rt.cfg.memory.plan, "phase_managed_bytes": dict(rt.memory.phase_bytes),
+            "offload_bytes": dict(rt.memory.copy_bytes), "rollout": stats}
 
 
 def _run_dir(cfg: RunConfig) -> Path:
@@ -342,6 +371,7 @@ def train_rank(cfg: RunConfig) -> dict:
         start, _ = train_state.load_checkpoint(latest, rt.ddp.module, rt.ref, rt.optimizer)
     if rank0:
         (run / "config.yaml").write_text(to_yaml(cfg))
+        (run / "memory_plan.json").write_text(json.dumps(rt.plan, indent=1))
     metrics_path = run / "metrics.jsonl"
     if rank0 and start == 0 and metrics_path.exists():
         metrics_path.unlink()  # a fresh run in a reused directory starts a fresh log
@@ -356,6 +386,7 @@ def train_rank(cfg: RunConfig) -> dict:
             _show(bar, rec)
         done = step + 1 == cfg.train.steps and cfg.train.save_final
         if done or (cfg.train.save_every and (step + 1) % cfg.train.save_every == 0):
+            rt.memory.restore_all()  # offloaded classes come back before their state is written
             train_state.save_checkpoint(run, step + 1, rt.ddp.module, rt.ref, rt.optimizer, {}, to_yaml(cfg))
     if bar is not None:
         bar.close()

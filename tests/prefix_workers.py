@@ -18,7 +18,7 @@ def dropped_gkv(cfg, hf_dir):
     """Mutation: the prefix backward ignores the gK/gV accumulated on the K/V leaves."""
     from rollplex_megatron.attention.prefix import KVStore
 
-    KVStore.backward_pairs = lambda self, group: ([], [])
+    KVStore.backward_pairs = lambda self, group, graph=None: ([], [])
     return run_rank(cfg, hf_dir)
 
 

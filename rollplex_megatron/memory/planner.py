@@ -1,28 +1,29 @@
 """Analytic HBM per GPU and phase, for serial colocation and for the Rollplex plan (DESIGN section 1).
 
-Each tensor class has a size (bytes on one GPU) and the phases of one step in which it is resident.
-A phase's bytes are the sum of its resident classes; the plan's peak is the largest phase.
-- serial: naive colocation, the paper's baseline. Everything the step allocates stays resident for
-  the whole step: actor, fp32 main weights, gradients, Adam states, reference, a separate
-  rollout-engine weight copy, the rollout KV pool (one prompt + response per sample), and the
-  full-sequence activations of one update micro-batch.
-- rollplex: residency follows producer-consumer lifetimes. The rollout runs on the actor's weights
-  (no copy). Main weights and Adam states are offloaded from the rollout to the optimizer step.
-  Gradients exist from the update on. The reference is offloaded after its last use. The prefix
-  K/V is held once per group. The actor prefix keeps only layer inputs; one group's layers are
-  recomputed at a time in the prefix backward.
-Activations are bf16 with flash-style attention (no score matrix), counted per token and layer
-from the tensors a layer saves for backward. Sequence parallelism divides them by TP. Logits are
-fp32 for the loss, plus their gradient.
+Each tensor class has a size (bytes on the fullest GPU) and the phases of one step in which it is
+resident. A phase's bytes are the sum of its resident classes; the plan's peak is the largest phase.
+One function, `plan(cfg, mode, residency, engine)`, models every combination:
+- the paper's baseline (`serial_plan`): serial phases, everything resident (`keep`), a separate
+  inference engine with its own weight copy and a K/V pool where every sample holds its prompt;
+- the Rollplex plan (`rollplex_plan`): rollplex phases, residency following producer-consumer
+  lifetimes (`phase`, what memory/manager.py does at run time), the embedded engine on the actor's
+  weights with one prefix K/V per group, and the actor prefix recomputed one group at a time;
+- the trainer's own runs (`runtime_plan`): mode and `memory.plan` of the run, embedded engine, and
+  the shape of the task's real prompts (checked against `memory.budget_gib` before the models are
+  built, and against the allocator's per-phase peaks on the GPU).
+Activations are what megatron-core's local layers save for backward in bf16, counted tensor by
+tensor (the count is tested exactly against autograd's saved tensors); phase workspaces (the loss's
+logits, torch Adam's sqrt buffer) are classes of their one phase.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from rollplex_megatron.config import ModelConfig, RunConfig
 
 GIB = 2**30
 PHASES = {"serial": ("rollout", "old_logp", "ref_logp", "update", "optimizer"),
+          "prefix_shared": ("rollout", "old_logp", "ref_logp", "update", "optimizer"),
           "rollplex": ("rollout", "ref_logp", "update", "optimizer")}
 
 
@@ -72,107 +73,222 @@ def kv_bytes_per_token(cfg: ModelConfig, tp: int, layers: int, elem: int = 2) ->
 
 
 def layer_activation_bytes(cfg: ModelConfig, tp: int, sp: bool) -> int:
-    """bf16 bytes one decoder layer saves for backward per token: norms' inputs, QKV, attention
-    output, MLP input, gate/up and SwiGLU output."""
-    h, f, kvd = cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_query_groups * cfg.head_dim
-    replicated = 4 * h // (tp if sp else 1)
-    return 2 * (replicated + (h + 2 * kvd) // tp + h // tp + 3 * f // tp)
+    """Bytes one decoder layer saves for backward per token in bf16 (megatron-core's local spec).
+
+    Counted from the tensors autograd saves (tests/test_memory_plan.py checks the count exactly):
+    each RMSNorm keeps an fp32 input, its fp32 normalised output and an fp32 rsqrt (8h + 4, twice);
+    QKV and fc1 keep their bf16 inputs (2h each); rotary keeps cos/sin of q and k (8D); attention
+    keeps q and k after rotary, the fused QKV buffer (v is a view of it), its output and an fp32
+    log-sum-exp per head; linear_proj's input is that output; fc1's output (2f wide), the SwiGLU
+    halves and fc2's input cost 10f. Sequence parallelism splits the h-wide terms over TP."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    q = cfg.num_attention_heads * d // tp
+    kv = max(cfg.num_query_groups // tp, 1) * d
+    heads = cfg.num_attention_heads // tp
+    replicated = (20 * h + 8) // (tp if sp else 1)
+    return replicated + 8 * d + 2 * q + 2 * kv + 2 * (q + 2 * kv) + 4 * heads + 2 * q + 10 * cfg.ffn_hidden_size // tp
 
 
-def block_activation_bytes(cfg: ModelConfig, tp: int, sp: bool) -> int:
-    """The same for one vision block, per patch."""
+def block_activation_bytes(cfg: ModelConfig, tp: int) -> int:
+    """The same for one vision block, per patch: norms and QKV/fc1 inputs replicated, windowed
+    attention's gathered q/k/v and scattered output, linear_proj input, SwiGLU MLP."""
     v = cfg.vision
-    return 2 * (4 * v.hidden_size // (tp if sp else 1) + 3 * v.hidden_size // tp + v.hidden_size // tp
-                + 3 * v.ffn_hidden_size // tp)
+    vh = v.hidden_size
+    d, heads = vh // v.num_heads, v.num_heads // tp
+    return 20 * vh + 8 + 8 * d + (10 * vh) // tp + 4 * heads + 10 * cfg.padded_vision_ffn(tp) // tp
 
 
-def _shape(cfg: RunConfig) -> dict[str, int]:
+def vision_base_bytes(cfg: ModelConfig, tp: int) -> int:
+    """Per patch outside the blocks: the patch embedding's input and the merger (norm, MLP)."""
+    v = cfg.vision
+    pixels = 2 * v.in_channels * v.temporal_patch_size * v.patch_size**2
+    return pixels + 8 * v.hidden_size + 4 + 2 * v.hidden_size + 4 * v.hidden_size // tp
+
+
+def prefix_graph_bytes(cfg: ModelConfig, tp: int, pp: int, sp: bool, tokens: int, patches: int) -> int:
+    """What one prefix forward with a graph saves on the fullest stage (vision on the first)."""
+    h = cfg.hidden_size
+    llm = tokens * (cfg.num_layers // pp) * layer_activation_bytes(cfg, tp, sp)
+    final_norm = tokens * (8 * h + 4) // (tp if sp else 1) if pp == 1 else 0
+    vis = patches * (cfg.vision.depth * block_activation_bytes(cfg, tp) + vision_base_bytes(cfg, tp))
+    return llm + final_norm + vis
+
+
+def logits_bytes(cfg: ModelConfig, tp: int, tokens: int) -> int:
+    """Loss workspace at the end of a forward: bf16 logits, their fp32 copy and the max-shifted fp32
+    logits of megatron's vocab-parallel cross entropy (10 bytes per token and vocabulary entry)."""
+    return tokens * (cfg.vocab_size // tp) * 10
+
+
+def training_forward_bytes(cfg: ModelConfig, tp: int, pp: int, sp: bool, tokens: int, patches: int) -> int:
+    """A micro-batch's saved activations plus the loss workspace (the update's peak moment)."""
+    out_in = tokens * 2 * cfg.hidden_size // (tp if sp else 1)  # the output layer's input
+    return prefix_graph_bytes(cfg, tp, pp, sp, tokens, patches) + out_in + logits_bytes(cfg, tp, tokens)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Per DP rank: prompts, samples, prefix/response tokens, patches, responses per micro-batch."""
+
+    prompts: int
+    group: int
+    P: int
+    R: int
+    patches: int
+    mb: int
+
+    @property
+    def samples(self) -> int:
+        """Sampled responses per DP rank."""
+        return self.prompts * self.group
+
+
+def workload_shape(cfg: RunConfig, prefix_tokens: int | None = None, patches: int | None = None,
+                   response_tokens: int | None = None) -> Shape:
+    """The step's shape from `cfg.plan` (plan-memory) or from a task's real prompt (the trainer)."""
     p = cfg.plan
-    prompts = cfg.prompts_per_rank
-    return {"prompts": prompts, "samples": prompts * cfg.rollout.group_size, "P": p.prefix_tokens,
-            "R": p.response_tokens, "patches": p.vision_patches, "mb": cfg.workload.responses_per_micro_batch}
-
-
-def _activations(cfg: RunConfig, tokens: int, patches: int) -> int:
-    m, tp, pp, sp = cfg.model, cfg.parallel.tp, cfg.parallel.pp, cfg.plan.sequence_parallel
-    llm = tokens * (m.num_layers // pp) * layer_activation_bytes(m, tp, sp)
-    vis = patches * m.vision.depth * block_activation_bytes(m, tp, sp)
-    logits = tokens * (m.vocab_size // tp) * 8  # fp32 logits and their gradient
-    return llm + vis + logits
+    return Shape(cfg.prompts_per_rank, cfg.rollout.group_size, prefix_tokens or p.prefix_tokens,
+                 response_tokens or p.response_tokens, patches or p.vision_patches,
+                 cfg.workload.responses_per_micro_batch)
 
 
 def _weights(cfg: RunConfig) -> dict[str, int]:
     m, par = cfg.model, cfg.parallel
     n = params_per_gpu(m, par.tp, par.pp)
+    e = 2 if cfg.dtype == "bfloat16" else 4
     shard = par.dp if cfg.plan.distributed_optimizer else 1
-    rtp = cfg.plan.rollout_tp or par.tp
-    return {"actor_weights": 2 * n, "main_weights": 4 * n // shard, "grads": 4 * n,
-            "optimizer_states": 8 * n // shard, "reference_weights": 2 * n,
-            "rollout_weights": 2 * params_per_gpu(m, rtp, 1)}
-
-
-def serial_plan(cfg: RunConfig) -> list[TensorClass]:
-    """Naive colocation: every class resident in every phase."""
-    s, w, m, par = _shape(cfg), _weights(cfg), cfg.model, cfg.parallel
-    rtp = cfg.plan.rollout_tp or par.tp
-    allp = PHASES["serial"]
-    mb_tokens = s["mb"] * (s["P"] + s["R"])
-    out = [TensorClass(k, v, allp, "keep") for k, v in w.items()]
-    out.append(TensorClass("rollout_kv", s["samples"] * (s["P"] + s["R"]) * kv_bytes_per_token(m, rtp, m.num_layers), allp,
-                           "keep", "every sample holds its prompt and response K/V"))
-    out.append(TensorClass("full_activations", _activations(cfg, mb_tokens, s["mb"] * s["patches"]), allp, "keep",
-                           "one update micro-batch: whole sequences, vision tower included"))
+    out = {"actor_weights": e * n, "main_weights": 4 * n // shard if e == 2 else 0, "grads": 4 * n,
+           "optimizer_states": 8 * n // shard, "reference_weights": e * n}
     return out
 
 
-def rollplex_plan(cfg: RunConfig) -> list[TensorClass]:
-    """The phase-aware plan (module docstring)."""
-    s, w, m, par = _shape(cfg), _weights(cfg), cfg.model, cfg.parallel
-    kv = kv_bytes_per_token(m, par.tp, m.num_layers // par.pp)
-    sp = cfg.plan.sequence_parallel
-    inputs = (s["P"] * (m.num_layers // par.pp) * 2 * m.hidden_size
-              + s["patches"] * m.vision.depth * 2 * m.vision.hidden_size) // (par.tp if sp else 1)
-    return [
-        TensorClass("actor_weights", w["actor_weights"], PHASES["rollplex"], "keep", "rollout decodes on them in place"),
-        TensorClass("main_weights", w["main_weights"], ("optimizer",), "offload", "pinned host memory until the step"),
-        TensorClass("optimizer_states", w["optimizer_states"], ("optimizer",), "offload", "as main_weights"),
-        TensorClass("grads", w["grads"], ("update", "optimizer"), "free", "allocated when the update starts"),
-        TensorClass("reference_weights", w["reference_weights"], ("rollout", "ref_logp"), "offload",
-                    "used by the window's reference prefixes and the reference response stage"),
-        TensorClass("rollout_kv", s["samples"] * s["R"] * kv, ("rollout",), "free",
-                    "response K/V only; decode reads the group's prefix K/V"),
-        TensorClass("actor_prefix_kv", s["prompts"] * s["P"] * kv * 2, ("rollout", "ref_logp", "update"), "free",
-                    "fp32 leaves, one per group (the decode reads them)"),
-        TensorClass("prefix_kv_grads", s["prompts"] * s["P"] * kv * 2, ("update",), "free", "fp32 gK/gV"),
-        TensorClass("reference_prefix_kv", s["prompts"] * s["P"] * kv, ("rollout", "ref_logp"), "free"),
-        TensorClass("prefix_layer_inputs", s["prompts"] * inputs, ("rollout", "ref_logp", "update"), "recompute",
-                    "the actor prefix graph keeps layer inputs only"),
-        TensorClass("prefix_recompute", _activations(cfg, s["P"], s["patches"]) - s["P"] * (m.vocab_size // par.tp) * 8,
-                    ("update",), "free", "one group's prefix layers, recomputed at its prefix backward"),
-        TensorClass("response_activations", _activations(cfg, s["mb"] * s["R"], 0), ("update",), "free",
-                    "one response micro-batch"),
+def _largest_wave(cfg: RunConfig, s: Shape, kv_tok: int) -> int:
+    """Bytes of the embedded engine's largest wave: groups fill `memory.kv_cache_gib` in order."""
+    per_group = kv_tok * (s.P + s.group * s.R)
+    fit = max(1, min(s.prompts, int(cfg.memory.kv_cache_gib * GIB) // per_group))
+    return fit * per_group
+
+
+def plan(cfg: RunConfig, mode: str, residency: str, engine: str, s: Shape | None = None) -> list[TensorClass]:
+    """Tensor classes of one step on the fullest GPU.
+
+    mode: serial | prefix_shared | rollplex (where prefix K/V and graphs live, DESIGN section 2).
+    residency: keep (everything stays) | phase (the plan of memory/manager.py: main weights and Adam
+    states on the device only for the optimizer step, gradients from the update on, the reference
+    only where it is read, the actor prefix recomputed one group at a time instead of kept).
+    engine: embedded (rollout on the actor's weights, one prefix K/V per group) | separate (naive
+    colocation of an inference engine: its own weight copy at plan.rollout_tp, and every sample
+    holds its prompt's K/V).
+    Phase workspaces (loss, Adam, the micro-batch's activations) are classes of their one phase.
+    """
+    s = s or workload_shape(cfg)
+    m, par, sp = cfg.model, cfg.parallel, cfg.plan.sequence_parallel
+    e = 2 if cfg.dtype == "bfloat16" else 4
+    allp = PHASES[mode]
+    w = _weights(cfg)
+    keep = residency == "keep"
+    kv_tok = kv_bytes_per_token(m, par.tp, m.num_layers // par.pp, e)
+    kv32 = kv_bytes_per_token(m, par.tp, m.num_layers // par.pp, 4)
+    ref_phases = ("rollout", "ref_logp") if mode == "rollplex" else ("ref_logp",)
+    out = [
+        TensorClass("actor_weights", w["actor_weights"], allp, "keep", "the rollout runs on them"
+                    if engine == "embedded" else ""),
+        TensorClass("main_weights", w["main_weights"], allp if keep else ("optimizer",), "keep" if keep else "offload",
+                    "fp32 masters of megatron's Float16 optimizer"),
+        TensorClass("optimizer_states", w["optimizer_states"], allp if keep else ("optimizer",),
+                    "keep" if keep else "offload", "Adam exp_avg and exp_avg_sq"),
+        TensorClass("grads", w["grads"], allp if keep else ("update", "optimizer"), "keep" if keep else "free",
+                    "megatron DDP's fp32 grad buffers"),
+        TensorClass("reference_weights", w["reference_weights"], allp if keep else ref_phases,
+                    "keep" if keep else "offload"),
     ]
+    if engine == "separate":
+        rtp = cfg.plan.rollout_tp or par.tp
+        out.append(TensorClass("rollout_weights", e * params_per_gpu(m, rtp, 1), allp, "keep",
+                               "the inference engine's own weight copy"))
+        out.append(TensorClass("rollout_kv", s.samples * (s.P + s.R) * kv_bytes_per_token(m, rtp, m.num_layers, e),
+                               allp, "keep", "every sample holds its prompt and response K/V (no prefix sharing)"))
+    else:
+        out.append(TensorClass("rollout_kv", _largest_wave(cfg, s, kv_tok), ("rollout",), "free",
+                               "the engine's cache: one prefix per group plus G response slots, largest wave"))
+    prefix_kv = s.prompts * s.P * kv32
+    graph = prefix_graph_bytes(m, par.tp, par.pp, sp, s.P, s.patches)
+    if mode == "rollplex":
+        out.append(TensorClass("actor_prefix_kv", prefix_kv, ("rollout", "ref_logp", "update"), "free",
+                               "fp32 K/V leaves of every group, from the prefill (decode reads them)"))
+        out.append(TensorClass("reference_prefix_kv", s.prompts * s.P * kv_tok, ("rollout", "ref_logp"), "free",
+                               "computed in the decode window"))
+    elif mode == "prefix_shared":
+        out.append(TensorClass("scoring_prefix_kv", s.prompts * s.P * kv_tok, ("old_logp", "ref_logp"), "free",
+                               "each scoring phase's prefix K/V, one group each"))
+        out.append(TensorClass("actor_prefix_kv", prefix_kv, ("update",), "free", "fp32 K/V leaves"))
+    if mode != "serial":
+        out.append(TensorClass("prefix_kv_grads", prefix_kv, ("update",), "free", "fp32 gK/gV"))
+        if keep:
+            live = ("rollout", "ref_logp", "update") if mode == "rollplex" else ("update",)
+            out.append(TensorClass("actor_prefix_graph", s.prompts * graph, live, "keep",
+                                   "every group's saved prefix activations"))
+    v = m.vocab_size // par.tp
+    out.append(TensorClass("decode_workspace", s.samples * v * 10, ("rollout",), "free",
+                           "one decode step's logits and sampling uniforms"))
+    for ph in (("old_logp", "ref_logp") if mode != "rollplex" else ("ref_logp",)):
+        tokens = s.mb * (s.P + s.R) if mode == "serial" else s.mb * s.R
+        out.append(TensorClass(f"{ph}_workspace", logits_bytes(m, par.tp, tokens), (ph,), "free",
+                               "one micro-batch's loss workspace (forward only)"))
+    if mode == "serial":
+        act = training_forward_bytes(m, par.tp, par.pp, sp, s.mb * (s.P + s.R), s.mb * s.patches)
+        note = "one micro-batch's whole sequences, vision tower included"
+    else:
+        act = training_forward_bytes(m, par.tp, par.pp, sp, s.mb * s.R, 0)
+        note = "one response micro-batch"
+        if not keep:
+            act, note = max(act, graph), note + ", or one group's recomputed prefix graph (the larger)"
+    out.append(TensorClass("update_activations", act, ("update",), "free", note))
+    adam = 0 if cfg.plan.fused_adam else w["optimizer_states"] // 2
+    out.append(TensorClass("optimizer_workspace", adam, ("optimizer",), "free",
+                           "torch Adam (foreach) holds sqrt(exp_avg_sq) for every parameter; fused Adam: 0"))
+    return out
 
 
-def summarize(plan: list[TensorClass], mode: str) -> dict:
+def serial_plan(cfg: RunConfig, s: Shape | None = None) -> list[TensorClass]:
+    """The paper's baseline: serial phases, everything resident, the engine as `plan.serial_engine`."""
+    return plan(cfg, "serial", "keep", cfg.plan.serial_engine, s)
+
+
+def rollplex_plan(cfg: RunConfig, s: Shape | None = None) -> list[TensorClass]:
+    """Rollplex: rollplex phases, phase-aware residency, the embedded engine."""
+    return plan(cfg, "rollplex", "phase", "embedded", s)
+
+
+def runtime_plan(cfg: RunConfig, s: Shape) -> list[TensorClass]:
+    """What the trainer's run of `cfg` holds: its mode and `memory.plan`, the embedded engine."""
+    return plan(cfg, cfg.mode.name, cfg.memory.plan, "embedded", s)
+
+
+def summarize(classes: list[TensorClass], mode: str) -> dict:
     """Per-phase bytes by class (GiB) and the peak phase."""
-    by_phase = {ph: {c.name: c.bytes / GIB for c in plan if ph in c.resident} for ph in PHASES[mode]}
+    by_phase = {ph: {c.name: c.bytes / GIB for c in classes if ph in c.resident and c.bytes}
+                for ph in PHASES[mode]}
     totals = {ph: sum(v.values()) for ph, v in by_phase.items()}
     peak = max(totals, key=totals.get)
     return {"peak_gib": totals[peak], "peak_phase": peak, "phase_gib": totals, "by_phase_gib": by_phase,
             "classes": {c.name: {"gib": c.bytes / GIB, "resident": list(c.resident), "action": c.action,
-                                 "note": c.note} for c in plan}}
+                                 "note": c.note} for c in classes}}
 
 
 FIXES = {  # what shrinks each class, in the config's terms
-    "optimizer_states": "plan.distributed_optimizer=true (shard over DP) or a larger parallel.tp/pp",
-    "main_weights": "plan.distributed_optimizer=true (shard over DP) or a larger parallel.tp/pp",
-    "grads": "a larger parallel.tp/pp",
-    "rollout_kv": "fewer prompts per DP rank (workload.rollout_batch, parallel.dp) or a larger parallel.tp",
-    "prefix_layer_inputs": "plan.sequence_parallel=true, a larger parallel.tp, or fewer prompts per DP rank",
-    "actor_prefix_kv": "fewer prompts per DP rank or shorter prompts (plan.prefix_tokens)",
-    "full_activations": "fewer workload.responses_per_micro_batch or plan.sequence_parallel=true",
-    "response_activations": "fewer workload.responses_per_micro_batch",
+    "optimizer_states": "memory.plan=phase (offloaded until the optimizer step), plan.distributed_optimizer=true "
+                        "(shard over DP) or a larger parallel.tp/pp",
+    "main_weights": "memory.plan=phase, plan.distributed_optimizer=true or a larger parallel.tp/pp",
+    "optimizer_workspace": "a fused Adam (plan.fused_adam=true where transformer-engine or apex is installed) or "
+                           "a larger parallel.tp/pp",
+    "grads": "memory.plan=phase (freed outside the update) or a larger parallel.tp/pp",
+    "reference_weights": "memory.plan=phase or a larger parallel.tp/pp",
+    "rollout_kv": "a smaller memory.kv_cache_gib (more waves), fewer prompts per DP rank or a larger parallel.tp",
+    "actor_prefix_graph": "memory.plan=phase (recompute the prefix at its backward)",
+    "actor_prefix_kv": "fewer prompts per DP rank or shorter prompts",
+    "update_activations": "fewer workload.responses_per_micro_batch, plan.sequence_parallel=true or a larger "
+                          "parallel.tp",
 }
 
 
@@ -191,12 +307,13 @@ def plan_memory(cfg: RunConfig) -> dict:
     """Both plans for `cfg` (the `plan-memory` command's result)."""
     cfg.check_training()
     serial, rollplex = summarize(serial_plan(cfg), "serial"), summarize(rollplex_plan(cfg), "rollplex")
+    serial["engine"] = cfg.plan.serial_engine
     par = cfg.parallel
     return {"serial_peak_gib": serial["peak_gib"], "rollplex_peak_gib": rollplex["peak_gib"],
             "budget_gib": cfg.memory.budget_gib,
             "rollplex_fits": cfg.memory.budget_gib <= 0 or rollplex["peak_gib"] <= cfg.memory.budget_gib,
             "model": cfg.model.name, "gpus": par.world_size, "tp": par.tp, "pp": par.pp, "dp": par.dp,
-            "workload": {**_shape(cfg), "group_size": cfg.rollout.group_size,
+            "workload": {**asdict(workload_shape(cfg)),
                          "prompts_per_step": cfg.workload.rollout_batch // cfg.rollout.group_size,
                          "distributed_optimizer": cfg.plan.distributed_optimizer,
                          "sequence_parallel": cfg.plan.sequence_parallel},

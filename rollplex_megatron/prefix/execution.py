@@ -43,7 +43,8 @@ class PrefixState:
     group: int  # group id in the K/V store
     length: int  # prefix tokens
     received: torch.Tensor | None  # stage input from the previous stage (grad flows back to it)
-    output: torch.Tensor  # stage output sent to the next stage
+    output: torch.Tensor | None  # stage output sent to the next stage (None until recomputed)
+    prompt: Group | None = None  # recompute plan: the group whose prefix forward runs again at backward
 
 
 def _device():
@@ -54,39 +55,73 @@ def _p2p(model) -> P2PCommunicator:
     return P2PCommunicator(pp_group=ps.get_pipeline_model_parallel_group(), config=get_model_config(model))
 
 
+def _forward_group(m, g: Group, ctx: PrefixContext, recv) -> torch.Tensor:
+    """The prefix stage of one group on this stage: prompt[:-1] (or the received stage input)."""
+    dev, pr = _device(), g.prompt
+    vis = {k: (getattr(pr, k).to(dev) if getattr(pr, k) is not None else None)
+           for k in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")}
+    return m.forward_prefix(pr.input_ids[None, :-1].to(dev), prompt_positions(m.cfg, pr)[:, :, :-1].to(dev),
+                            ctx, input_tensor=recv, **vis)
+
+
 def prefix_forward(model, groups: list[Group], store: KVStore, keep_graph: bool,
-                   group_ids: list[int] | None = None) -> list[PrefixState]:
+                   group_ids: list[int] | None = None, recompute: bool = False) -> list[PrefixState]:
     """Step 1 on this stage for every group, in group order (the order every stage uses).
 
     `group_ids` name the groups in the store (default 0..n-1), e.g. when a rollout prefills in waves.
+    `recompute` (actor, instead of `keep_graph`): no graph is saved; the store gets trainable K/V
+    leaves, and `prefix_backward` re-runs one group's prefix forward at a time from its stage
+    input (the prompt on the first stage, the received hidden states on later ones).
     """
     m, p2p = unwrap(model), _p2p(model)
     first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
-    cfg, dev, states = m.cfg, _device(), []
+    if keep_graph and recompute:
+        raise ValueError("prefix_forward: keep_graph and recompute exclude each other")
+    states = []
     ids = list(range(len(groups))) if group_ids is None else list(group_ids)
     for gi, g in zip(ids, groups):
         n = g.prompt.input_ids.numel() - 1
-        recv = None if first else p2p.recv_forward((n, 1, cfg.hidden_size), first)
-        ctx = PrefixContext(mode="record", store=store, group=gi, keep_graph=keep_graph)
-        pr = g.prompt
-        vis = {k: (getattr(pr, k).to(dev) if getattr(pr, k) is not None else None)
-               for k in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")}
+        recv = None if first else p2p.recv_forward((n, 1, m.cfg.hidden_size), first)
+        ctx = PrefixContext(mode="record", store=store, group=gi, keep_graph=keep_graph, trainable=recompute)
         with torch.set_grad_enabled(keep_graph):
-            out = m.forward_prefix(pr.input_ids[None, :-1].to(dev), prompt_positions(cfg, pr)[:, :, :-1].to(dev),
-                                   ctx, input_tensor=recv, **vis)
+            out = _forward_group(m, g, ctx, recv)
         if not last:
             p2p.send_forward(out.detach() if not keep_graph else out, last)
-        states.append(PrefixState(gi, n, recv, out))
+        if recompute:
+            states.append(PrefixState(gi, n, None if recv is None else recv.detach(), None, g))
+        else:
+            states.append(PrefixState(gi, n, recv, out))
     return states
 
 
+def _recompute(m, st: PrefixState, store: KVStore) -> tuple[PrefixState, dict]:
+    """Re-run one group's prefix forward with a graph; its K/V must equal the stored leaves."""
+    graph = KVStore(graph_only=True)
+    recv = None if st.received is None else st.received.detach().requires_grad_()
+    ctx = PrefixContext(mode="record", store=graph, group=st.group, keep_graph=True)
+    with torch.enable_grad():
+        out = _forward_group(m, st.prompt, ctx, recv)
+    drift = 0.0
+    for key, kv in graph.graph.items():
+        for t, leaf in zip(kv, store.leaves[key]):
+            drift = max(drift, float((t.detach().float() - leaf.detach()).abs().max()))
+    store.recompute_drift = max(store.recompute_drift, drift)
+    return PrefixState(st.group, st.length, recv, out), graph.graph
+
+
 def prefix_backward(model, states: list[PrefixState], store: KVStore) -> None:
-    """Step 3 on this stage: one backward per group through its saved prefix graph."""
-    p2p = _p2p(model)
+    """Step 3 on this stage: one backward per group through its prefix graph (saved or recomputed).
+
+    Recomputed groups hold one group's graph at a time; `store.recompute_drift` records the largest
+    difference between recomputed and stored K/V (0 when the forward is deterministic)."""
+    m, p2p = unwrap(model), _p2p(model)
     first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
-    hidden = unwrap(model).cfg.hidden_size
+    hidden = m.cfg.hidden_size
     for st in states:
-        outs, grads = store.backward_pairs(st.group)
+        graph = None
+        if st.prompt is not None:
+            st, graph = _recompute(m, st, store)
+        outs, grads = store.backward_pairs(st.group, graph)
         if not last:
             outs.append(st.output)
             grads.append(p2p.recv_backward((st.length, 1, hidden), last))
@@ -140,12 +175,14 @@ def finalize(model) -> None:
 
 
 def actor_prefix_step(model, groups: list[Group], micro_batches: list[MicroBatch],
-                      backend: str = "auto", loss_fn=None) -> list[dict]:
-    """Prefix/response forward+backward of the actor; gradients finalised. Returns loss dicts."""
+                      backend: str = "auto", loss_fn=None, recompute: bool = False) -> list[dict]:
+    """Prefix/response forward+backward of the actor; gradients finalised. Returns loss dicts.
+
+    `recompute`: keep no prefix graph; each group's prefix is recomputed at its prefix backward."""
     dev = _device()
     mbs = [mb.to(dev) for mb in micro_batches]
     store = KVStore()
-    states = prefix_forward(model, groups, store, keep_graph=True)
+    states = prefix_forward(model, groups, store, keep_graph=not recompute, recompute=recompute)
     res = run_schedule(model, mbs, lambda mb: PrefixContext(mode="use", layout=mb.layout, store=store,
                                                             backend=backend), forward_only=False, loss_fn=loss_fn)
     prefix_backward(model, states, store)

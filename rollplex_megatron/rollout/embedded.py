@@ -94,8 +94,13 @@ class EmbeddedEngine:
         self.dev = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
 
     def generate(self, requests: list[RolloutRequest], params: SamplingParams,
-                 hooks: DecodeHooks | None = None, actor_prefix: KVStore | None = None) -> RolloutOutput:
-        """Sample every request (see RolloutEngine); waves when the cache budget is exceeded."""
+                 hooks: DecodeHooks | None = None, actor_prefix: KVStore | None = None,
+                 recompute_prefix: bool = False) -> RolloutOutput:
+        """Sample every request (see RolloutEngine); waves when the cache budget is exceeded.
+
+        `actor_prefix`: the prefill is the actor prefix stage; its K/V leaves land in this store and
+        the returned `prefix_states` drive the prefix backward. With `recompute_prefix` the prefill
+        keeps no graph (the prefix backward recomputes it one group at a time)."""
         self._validate(requests)
         results: list[RolloutResult | None] = [None] * len(requests)
         states, stats = [], {"decode_steps": 0, "waves": 0, "prefill_s": 0.0, "decode_s": 0.0}
@@ -103,9 +108,10 @@ class EmbeddedEngine:
             t0 = time.perf_counter()
             store = actor_prefix if actor_prefix is not None else KVStore()
             groups = [Group(requests[i].prompt, [], torch.zeros(0)) for i in wave]
-            with torch.set_grad_enabled(actor_prefix is not None):
-                states += prefix_forward(self.model, groups, store, keep_graph=actor_prefix is not None,
-                                         group_ids=wave)
+            graph = actor_prefix is not None and not recompute_prefix
+            with torch.set_grad_enabled(graph):
+                states += prefix_forward(self.model, groups, store, keep_graph=graph, group_ids=wave,
+                                         recompute=actor_prefix is not None and recompute_prefix)
             cache = DecodeCache(store, wave, [requests[i].n for i in wave],
                                 max(requests[i].max_new_tokens for i in wave), unwrap(self.model).config.params_dtype)
             if actor_prefix is None:

@@ -57,10 +57,13 @@ class RolloutEngine(Protocol):
 
     `actor_prefix`, when given (a `KVStore`), asks the engine to run its prefill as the actor's
     prefix stage: with autograd recording, storing the K/V leaves under the request index, and
-    returning the prefix states for the later prefix backward. Engines that cannot (external
-    ones) raise NotImplementedError, and the trainer schedules the actor prefix stage itself.
+    returning the prefix states for the later prefix backward. With `recompute_prefix` the prefill
+    keeps no graph, only trainable K/V leaves, and the prefix backward recomputes the graph.
+    Engines that cannot (external ones) raise NotImplementedError, and the trainer schedules the
+    actor prefix stage itself.
     """
 
     def generate(self, requests: list[RolloutRequest], params: SamplingParams,
-                 hooks: DecodeHooks | None = None, actor_prefix=None) -> RolloutOutput:
+                 hooks: DecodeHooks | None = None, actor_prefix=None,
+                 recompute_prefix: bool = False) -> RolloutOutput:
         """Sample every request; results in request order."""

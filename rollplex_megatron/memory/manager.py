@@ -1,0 +1,203 @@
+"""Phase-aware residency at run time (DESIGN section 1): a plan's actions on the runtime's tensors.
+
+The trainer enters every phase of the step through `MemoryManager.enter(phase)`. Managed classes:
+
+  class              tensors                                          outside its phases
+  main_weights       fp32 master weights of megatron's Float16 optimizer   offload
+  optimizer_states   Adam's exp_avg / exp_avg_sq                            offload
+  reference_weights  the frozen reference model                             offload (copied once: it never changes)
+  grads              megatron DDP's grad buffers                            free (reallocated zeroed)
+
+The prefix classes follow their producers' lifetimes in code rather than here: the rollout KV cache
+is freed when the rollout returns, the reference prefix K/V after the reference response stage, the
+actor prefix K/V and gK/gV after each group's prefix backward, and under the `phase` plan the actor
+prefix keeps no graph (it is recomputed one group at a time, `prefix.execution`).
+
+Offload: the device-to-host copy runs on a copy stream into persistent pinned host buffers, then
+the device storage is released (`resize_(0)`, so every view, optimizer reference and DDP bucket
+stays valid). The storage is marked as used by the copy stream, so the caching allocator does not
+hand it out before the copy has finished. Prefetch: the storage is re-allocated on the compute
+stream, the host-to-device copy runs on the copy stream, and the compute stream waits on an event:
+no host synchronisation on the hot path. Without CUDA the same steps run synchronously on CPU
+buffers (the tests' bit-exactness of the round trip and of the update holds there too).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+# Plan `phase`: the phases (of every mode) in which each class must be resident. Between its first
+# and last phase a class stays where it is.
+PHASE_PLAN = {
+    "main_weights": ("optimizer",),
+    "optimizer_states": ("optimizer",),
+    "grads": ("update", "optimizer"),
+    "reference_weights": {"rollplex": ("rollout", "reward", "ref_logp"),  # the window's reference prefixes
+                          "serial": ("ref_logp",), "prefix_shared": ("ref_logp",)},
+}
+READ_ONLY = {"reference_weights"}  # the host copy stays valid after the first offload
+PLANS = ("keep", "phase")
+
+
+def _storages(tensors) -> list[torch.UntypedStorage]:
+    """Unique storages behind `tensors` (views of one buffer count once)."""
+    seen, out = set(), []
+    for t in tensors:
+        s = t.untyped_storage()
+        key = (s.data_ptr(), s.nbytes()) if s.nbytes() else id(t)
+        if key not in seen:
+            seen.add(key)
+            out.append(s)
+    return out
+
+
+def _bytes(storage: torch.UntypedStorage, device) -> torch.Tensor:
+    """A flat uint8 tensor over a whole storage."""
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+
+
+@dataclass
+class OffloadClass:
+    """Tensors offloaded as one unit into persistent host buffers."""
+
+    name: str
+    tensors: Callable[[], list[torch.Tensor]]  # re-read at every action (Adam's states appear lazily)
+    read_only: bool = False
+    resident: bool = True
+    host: list = field(default_factory=list)  # one buffer per storage, in `tensors()` order
+    sizes: list = field(default_factory=list)  # device bytes per storage while offloaded
+    host_valid: bool = False  # host buffers hold the current values
+    event: object = None  # last copy's completion (CUDA)
+
+    def nbytes(self) -> int:
+        """Device bytes this class holds now."""
+        return sum(s.nbytes() for s in _storages(self.tensors()))
+
+
+class MemoryManager:
+    """Runs a residency plan (`keep` or `phase`) over the runtime's managed classes."""
+
+    def __init__(self, plan: str, mode: str, ddp, optimizer, reference):
+        if plan not in PLANS:
+            raise ValueError(f"memory.plan must be one of {PLANS}, got {plan!r}")
+        self.plan, self.mode, self.ddp = plan, mode, ddp
+        self.cuda = torch.cuda.is_available()
+        self.device = torch.cuda.current_device() if self.cuda else "cpu"
+        self.copy_stream = torch.cuda.Stream() if self.cuda else None
+        self.classes = {
+            "main_weights": OffloadClass("main_weights", lambda: _main_weights(optimizer)),
+            "optimizer_states": OffloadClass("optimizer_states", lambda: _optimizer_states(optimizer)),
+            "reference_weights": OffloadClass("reference_weights", lambda: list(reference.parameters()),
+                                              read_only=True),
+        }
+        self.grads_resident = True
+        self.phase_bytes: dict[str, dict[str, int]] = {}  # managed bytes per class at each phase's entry
+        self.copy_bytes = {"d2h": 0, "h2d": 0}
+
+    def new_step(self) -> None:
+        """Start a step's records (bytes per phase, bytes copied)."""
+        self.phase_bytes, self.copy_bytes = {}, {"d2h": 0, "h2d": 0}
+
+    def resident_in(self, name: str, phase: str) -> bool:
+        """Whether the plan wants class `name` on the device during `phase`."""
+        if self.plan == "keep":
+            return True
+        want = PHASE_PLAN[name]
+        want = want[self.mode] if isinstance(want, dict) else want
+        return phase in want
+
+    def enter(self, phase: str) -> None:
+        """Release what `phase` does not need, then bring back what it does (in that order)."""
+        for name, c in self.classes.items():
+            if c.resident and not self.resident_in(name, phase):
+                self._offload(c)
+        if self.grads_resident and not self.resident_in("grads", phase):
+            self.ddp.offload_grad_buffers(synchronize=False, empty_cache=False)
+            self.grads_resident = False
+        if not self.grads_resident and self.resident_in("grads", phase):
+            self.ddp.restore_grad_buffers(synchronize=False)  # zeroed, as after zero_grad_buffer
+            self.grads_resident = True
+        for name, c in self.classes.items():
+            if not c.resident and self.resident_in(name, phase):
+                self._prefetch(c)
+        if self.cuda:
+            for c in self.classes.values():
+                if c.resident and c.event is not None:
+                    torch.cuda.current_stream().wait_event(c.event)
+                    c.event = None
+        self.phase_bytes[phase] = self.resident_bytes()
+
+    def restore_all(self) -> None:
+        """Every class back on the device (before a checkpoint is written)."""
+        for c in self.classes.values():
+            if not c.resident:
+                self._prefetch(c)
+        if not self.grads_resident:
+            self.ddp.restore_grad_buffers(synchronize=False)
+            self.grads_resident = True
+        if self.cuda:
+            torch.cuda.current_stream().synchronize()
+
+    def resident_bytes(self) -> dict[str, int]:
+        """Device bytes of every managed class now."""
+        out = {name: c.nbytes() for name, c in self.classes.items()}
+        out["grads"] = sum(b.grad_data.untyped_storage().nbytes() for b in self.ddp.buffers + self.ddp.expert_parallel_buffers)
+        return out
+
+    def _offload(self, c: OffloadClass) -> None:
+        storages = _storages(self.tensors(c))
+        if not (c.read_only and c.host_valid and len(c.host) == len(storages)):
+            if [h.numel() for h in c.host] != [s.nbytes() for s in storages]:
+                c.host = [torch.empty(s.nbytes(), dtype=torch.uint8, pin_memory=self.cuda) for s in storages]
+            self._copy(c, [_bytes(s, self.device) for s in storages], c.host, "d2h")
+            c.host_valid = True
+        c.sizes = [s.nbytes() for s in storages]
+        for s in storages:
+            if self.cuda:
+                _bytes(s, self.device).record_stream(self.copy_stream)  # no reuse before the copy ends
+            s.resize_(0)
+        c.resident = False
+
+    def _prefetch(self, c: OffloadClass) -> None:
+        storages = _storages(self.tensors(c))
+        for s, n in zip(storages, c.sizes):
+            s.resize_(n)
+        self._copy(c, c.host, [_bytes(s, self.device) for s in storages], "h2d")
+        c.resident = True
+        if not c.read_only:
+            c.host_valid = False  # the device copy is the live one again
+
+    def tensors(self, c: OffloadClass) -> list[torch.Tensor]:
+        """The class's tensors (hook for tests)."""
+        return c.tensors()
+
+    def _copy(self, c: OffloadClass, src: list, dst: list, kind: str) -> None:
+        if not self.cuda:
+            for s, d in zip(src, dst):
+                d.copy_(s)
+        else:
+            self.copy_stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.copy_stream):
+                for s, d in zip(src, dst):
+                    d.copy_(s, non_blocking=True)
+                c.event = torch.cuda.Event()
+                c.event.record(self.copy_stream)
+        self.copy_bytes[kind] += sum(int(s.numel()) for s in src)
+
+
+def _main_weights(optimizer) -> list[torch.Tensor]:
+    out = []
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for group in getattr(opt, "fp32_from_float16_groups", []):
+            out += list(group)
+    return out
+
+
+def _optimizer_states(optimizer) -> list[torch.Tensor]:
+    out = []
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for state in opt.optimizer.state.values():
+            out += [v for k, v in state.items() if torch.is_tensor(v) and k != "step" and v.numel() > 1]
+    return out
