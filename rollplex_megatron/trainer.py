@@ -74,14 +74,20 @@ class StepBatch:
 def memory_plan(cfg: RunConfig, env) -> dict:
     """The planner's phases for this run (mode, `memory.plan`, the task's real prompt shape); raises
     when the peak exceeds `memory.budget_gib`, naming the class and what would make it fit."""
-    from rollplex_megatron.memory.planner import check_budget, runtime_plan, summarize, workload_shape
+    from rollplex_megatron.memory.planner import check_budget, plan, runtime_plan, summarize, workload_shape
 
     prompts = [env.prompt(env.episode(i)) for i in range(4)]
     patches = max(sum(getattr(p, k).shape[0] for k in ("pixel_values", "pixel_values_videos")
                       if getattr(p, k) is not None) for p in prompts)
     shape = workload_shape(cfg, max(p.input_ids.numel() - 1 for p in prompts), patches, cfg.task.max_answer_tokens)
     summary = summarize(runtime_plan(cfg, shape), cfg.mode.name)
-    check_budget(summary, cfg.memory.budget_gib, f"{cfg.mode.name} (memory.plan={cfg.memory.plan})")
+    try:
+        check_budget(summary, cfg.memory.budget_gib, f"{cfg.mode.name} (memory.plan={cfg.memory.plan})")
+    except ValueError as e:
+        if cfg.memory.plan == "phase":
+            raise
+        alt = summarize(plan(cfg, cfg.mode.name, "phase", "embedded", shape), cfg.mode.name)["peak_gib"]
+        raise ValueError(f"{e}; memory.plan=phase would need {alt:.1f} GiB") from None
     return {**summary, "shape": vars(shape)}
 
 

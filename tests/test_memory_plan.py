@@ -34,23 +34,42 @@ def test_parameter_count_at_tp2_within_replicated_norms():
 
 
 def test_kv_and_class_bytes_by_hand():
-    cfg = load_run_config(["workload.rollout_batch=32", "rollout.group_size=4", "workload.responses_per_micro_batch=2",
-                           "plan.prefix_tokens=100", "plan.response_tokens=10", "plan.vision_patches=64"])
-    m = cfg.model  # tiny: 4 layers, 2 KV groups of head dim 16
+    cfg = load_run_config(["dtype=bfloat16", "workload.rollout_batch=32", "rollout.group_size=4",
+                           "workload.responses_per_micro_batch=2", "plan.prefix_tokens=100",
+                           "plan.response_tokens=10", "plan.vision_patches=64"])
+    m = cfg.model  # tiny: 4 layers, h 64, 4 heads and 2 KV groups of head dim 16, ffn 128
     assert M.kv_bytes_per_token(m, 1, m.num_layers) == 2 * 4 * 2 * 16 * 2
     assert M.kv_bytes_per_token(m, 4, m.num_layers) == 2 * 4 * 1 * 16 * 2  # KV heads replicate past TP=2
+    # norms 2 x (8h + 4), QKV and fc1 inputs 2h each, rotary 8D, q and k after rotary, the QKV buffer,
+    # attention output and linear_proj input, log-sum-exp per head, MLP 10f
+    assert M.layer_activation_bytes(m, 1, False) == (20 * 64 + 8) + 8 * 16 + 2 * 64 + 2 * 32 + 2 * 128 + 4 * 4 \
+        + 2 * 64 + 10 * 128
     serial = {c.name: c for c in M.serial_plan(cfg)}
     assert serial["rollout_kv"].bytes == 32 * 110 * 512  # 8 prompts x G=4 samples, prompt + response each
     n = M.params_per_gpu(m, 1, 1)
-    assert [serial[k].bytes for k in ("actor_weights", "main_weights", "grads", "optimizer_states")] == \
-        [2 * n, 4 * n, 4 * n, 8 * n]
+    assert [serial[k].bytes for k in ("actor_weights", "main_weights", "grads", "optimizer_states",
+                                      "rollout_weights")] == [2 * n, 4 * n, 4 * n, 8 * n, 2 * n]
     s = M.summarize(M.serial_plan(cfg), "serial")
-    assert s["peak_gib"] * M.GIB == pytest.approx(sum(c.bytes for c in serial.values()))
+    assert s["peak_phase"] == "update"
+    assert s["peak_gib"] * M.GIB == pytest.approx(sum(c.bytes for c in serial.values() if "update" in c.resident))
+    assert serial["optimizer_workspace"].bytes == 4 * n  # torch Adam's sqrt(exp_avg_sq), fp32 per parameter
     r = M.summarize(M.rollplex_plan(cfg), "rollplex")
     assert {"main_weights", "optimizer_states", "grads"}.isdisjoint(r["by_phase_gib"]["rollout"])
     assert {"main_weights", "optimizer_states", "grads", "actor_weights"} <= set(r["by_phase_gib"]["optimizer"])
-    assert r["classes"]["rollout_kv"]["gib"] * M.GIB == 32 * 10 * 512  # responses only: prefixes are per group
+    assert "reference_weights" not in r["by_phase_gib"]["update"]
+    assert r["classes"]["rollout_kv"]["gib"] * M.GIB == 8 * (100 + 4 * 10) * 512  # one prefix per group
     assert r["classes"]["actor_prefix_kv"]["gib"] * M.GIB == 8 * 100 * 512 * 2  # fp32 leaves, one per group
+    graph = M.prefix_graph_bytes(m, 1, 1, True, 100, 64)
+    assert r["classes"]["update_activations"]["gib"] * M.GIB == max(graph, M.training_forward_bytes(m, 1, 1, True, 20, 0))
+    keep = {c.name: c for c in M.plan(cfg, "rollplex", "keep", "embedded")}
+    assert keep["actor_prefix_graph"].bytes == 8 * graph  # every group's graph, kept from the prefill
+
+
+def test_small_kv_budget_plans_the_largest_wave():
+    cfg = load_run_config(["dtype=bfloat16", "workload.rollout_batch=32", "rollout.group_size=4",
+                           "plan.prefix_tokens=100", "plan.response_tokens=10", f"memory.kv_cache_gib={3 * 140 * 512 / 2**30}"])
+    r = {c.name: c for c in M.rollplex_plan(cfg)}
+    assert r["rollout_kv"].bytes == 3 * 140 * 512  # 3 of the 8 groups per wave, as the engine's waves
 
 
 def test_plan_memory_32b_reproduces_the_paper_setting():
@@ -60,6 +79,7 @@ def test_plan_memory_32b_reproduces_the_paper_setting():
     res = json.loads(p.stdout.strip().splitlines()[-1])
     assert res["gpus"] == 32 and (res["tp"], res["dp"]) == (8, 4)
     assert 160 <= res["serial_peak_gib"] <= 170 and res["rollplex_peak_gib"] <= 80 and res["rollplex_fits"]
+    assert res["serial"]["engine"] == "separate" and "rollout_weights" in res["serial"]["classes"]
     assert set(res["serial"]["by_phase_gib"]) == {"rollout", "old_logp", "ref_logp", "update", "optimizer"}
 
 
@@ -67,4 +87,6 @@ def test_over_budget_names_the_class_and_the_fix():
     p = subprocess.run([sys.executable, "-m", "rollplex_megatron", "plan-memory", "model=qwen2_5_vl_32b",
                         "memory.budget_gib=40"], capture_output=True, text=True, timeout=300)
     assert p.returncode == 1
-    assert "rollout_kv" in p.stderr and "memory.budget_gib=40" in p.stderr and "parallel.tp" in p.stderr
+    # the Rollplex plan's peak is the optimizer step, where Adam's states are the largest class
+    assert "optimizer_states" in p.stderr and "memory.budget_gib=40" in p.stderr
+    assert "plan.distributed_optimizer=true" in p.stderr

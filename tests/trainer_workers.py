@@ -19,6 +19,7 @@ def run_steps(cfg, steps: int, mutant: str = ""):
 
         def drift(self):
             out = T.Runtime.optimizer_step_orig(self)
+            self.memory.restore_all()  # under memory.plan=phase the reference may be offloaded here
             self.ref.load_state_dict(self.ddp.module.state_dict())
             return out
 

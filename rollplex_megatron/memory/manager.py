@@ -5,7 +5,7 @@ The trainer enters every phase of the step through `MemoryManager.enter(phase)`.
   class              tensors                                          outside its phases
   main_weights       fp32 master weights of megatron's Float16 optimizer   offload
   optimizer_states   Adam's exp_avg / exp_avg_sq                            offload
-  reference_weights  the frozen reference model                             offload (copied once: it never changes)
+  reference_weights  the frozen reference model                             offload (copied again only if written)
   grads              megatron DDP's grad buffers                            free (reallocated zeroed)
 
 The prefix classes follow their producers' lifetimes in code rather than here: the rollout KV cache
@@ -15,7 +15,8 @@ prefix keeps no graph (it is recomputed one group at a time, `prefix.execution`)
 
 Offload: the device-to-host copy runs on a copy stream into persistent pinned host buffers, then
 the device storage is released (`resize_(0)`, so every view, optimizer reference and DDP bucket
-stays valid). The storage is marked as used by the copy stream, so the caching allocator does not
+stays valid; reading a tensor of an offloaded class is invalid until it is back, so code outside
+the step calls `restore_all()` first, as the checkpoint writer does). The storage is marked as used by the copy stream, so the caching allocator does not
 hand it out before the copy has finished. Prefetch: the storage is re-allocated on the compute
 stream, the host-to-device copy runs on the copy stream, and the compute stream waits on an event:
 no host synchronisation on the hot path. Without CUDA the same steps run synchronously on CPU
@@ -69,6 +70,7 @@ class OffloadClass:
     host: list = field(default_factory=list)  # one buffer per storage, in `tensors()` order
     sizes: list = field(default_factory=list)  # device bytes per storage while offloaded
     host_valid: bool = False  # host buffers hold the current values
+    versions: tuple = ()  # the tensors' autograd version counters when the host copy was made
     event: object = None  # last copy's completion (CUDA)
 
     def nbytes(self) -> int:
@@ -147,12 +149,14 @@ class MemoryManager:
         return out
 
     def _offload(self, c: OffloadClass) -> None:
-        storages = _storages(self.tensors(c))
-        if not (c.read_only and c.host_valid and len(c.host) == len(storages)):
+        tensors = self.tensors(c)
+        storages = _storages(tensors)
+        versions = tuple(t._version for t in tensors)  # in-place writes (e.g. load_state_dict) bump these
+        if not (c.read_only and c.host_valid and c.versions == versions and len(c.host) == len(storages)):
             if [h.numel() for h in c.host] != [s.nbytes() for s in storages]:
                 c.host = [torch.empty(s.nbytes(), dtype=torch.uint8, pin_memory=self.cuda) for s in storages]
             self._copy(c, [_bytes(s, self.device) for s in storages], c.host, "d2h")
-            c.host_valid = True
+            c.host_valid, c.versions = True, versions
         c.sizes = [s.nbytes() for s in storages]
         for s in storages:
             if self.cuda:

@@ -277,19 +277,19 @@ def summarize(classes: list[TensorClass], mode: str) -> dict:
 
 
 FIXES = {  # what shrinks each class, in the config's terms
-    "optimizer_states": "memory.plan=phase (offloaded until the optimizer step), plan.distributed_optimizer=true "
-                        "(shard over DP) or a larger parallel.tp/pp",
-    "main_weights": "memory.plan=phase, plan.distributed_optimizer=true or a larger parallel.tp/pp",
+    "optimizer_states": "plan.distributed_optimizer=true (shard over DP) or a larger parallel.tp/pp",
+    "main_weights": "plan.distributed_optimizer=true (shard over DP) or a larger parallel.tp/pp",
     "optimizer_workspace": "a fused Adam (plan.fused_adam=true where transformer-engine or apex is installed) or "
                            "a larger parallel.tp/pp",
-    "grads": "memory.plan=phase (freed outside the update) or a larger parallel.tp/pp",
-    "reference_weights": "memory.plan=phase or a larger parallel.tp/pp",
+    "grads": "a larger parallel.tp/pp",
+    "reference_weights": "a larger parallel.tp/pp",
     "rollout_kv": "a smaller memory.kv_cache_gib (more waves), fewer prompts per DP rank or a larger parallel.tp",
-    "actor_prefix_graph": "memory.plan=phase (recompute the prefix at its backward)",
+    "actor_prefix_graph": "fewer prompts per DP rank",
     "actor_prefix_kv": "fewer prompts per DP rank or shorter prompts",
     "update_activations": "fewer workload.responses_per_micro_batch, plan.sequence_parallel=true or a larger "
                           "parallel.tp",
 }
+RELEASED_BY_PHASE_PLAN = {"main_weights", "optimizer_states", "grads", "reference_weights", "actor_prefix_graph"}
 
 
 def check_budget(summary: dict, budget_gib: float, mode: str) -> None:
@@ -299,6 +299,8 @@ def check_budget(summary: dict, budget_gib: float, mode: str) -> None:
     phase = summary["peak_phase"]
     top = max(summary["by_phase_gib"][phase].items(), key=lambda kv: kv[1])
     fix = FIXES.get(top[0], "a larger parallel.tp/pp or a smaller workload")
+    if top[0] in RELEASED_BY_PHASE_PLAN and summary["classes"][top[0]]["action"] == "keep":
+        fix = f"memory.plan=phase (releases it outside its phases), or {fix}"
     raise ValueError(f"{mode} plan needs {summary['peak_gib']:.1f} GiB in phase {phase!r}, over memory.budget_gib="
                      f"{budget_gib:g}; the largest class there is {top[0]} ({top[1]:.1f} GiB); to fit: {fix}")
 

@@ -1,0 +1,90 @@
+"""Worker functions for the memory-manager tests (importable for spawn)."""
+from __future__ import annotations
+
+import torch
+
+
+def round_trip(cfg):
+    """Offload every managed class, check the device storage is gone, bring it back: bytes equal?"""
+    from rollplex_megatron import trainer as T
+
+    rt = T.Runtime(cfg)
+    mode = T.MODES[cfg.mode.name]()
+    T.run_step(rt, mode, 0)  # Adam's states exist from the first optimizer step on
+    mm = rt.memory
+    mm.restore_all()  # after the step the reference is offloaded (rollplex); reading it needs it back
+    for p in rt.ddp.module.parameters():  # nonzero gradients, to see them freed and come back zeroed
+        p.main_grad.add_(1.0)
+    names = ("main_weights", "optimizer_states", "reference_weights")
+    before = {n: [t.detach().clone() for t in mm.classes[n].tensors()] for n in names}
+    out = {"counts": {n: len(v) for n, v in before.items()}}
+    mm.enter("update")  # reference offloaded (rollplex), main weights and states offloaded
+    out["released_update"] = {n: sum(t.untyped_storage().nbytes() for t in mm.classes[n].tensors())
+                              for n in ("main_weights", "optimizer_states", "reference_weights")}
+    mm.enter("rollout")  # gradients freed, reference back
+    out["grads_rollout"] = mm.resident_bytes()["grads"]
+    same = lambda n: all(a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))  # noqa: E731
+                         for a, b in zip(before[n], mm.classes[n].tensors()))
+    out["bit_exact"] = {"reference_weights": same("reference_weights")}  # back for the rollout
+    mm.enter("optimizer")  # main weights and Adam states back (the reference is offloaded again)
+    out["bit_exact"].update({n: same(n) for n in ("main_weights", "optimizer_states")})
+    out["grads_zero_after_restore"] = all(float(p.main_grad.abs().max()) == 0 for p in rt.ddp.module.parameters())
+    out["managed"] = mm.phase_bytes
+    return out
+
+
+def plan_steps(cfg, steps: int, mutant: str = ""):
+    """`steps` steps of cfg.mode under cfg.memory.plan; tokens, records and final weights."""
+    from rollplex_megatron.memory import manager as M
+    from tests.trainer_workers import run_steps
+
+    if mutant == "copy_once":  # the offload copies each class to the host only the first time
+        orig = M.MemoryManager._copy
+
+        def copy_once(self, c, src, dst, kind):
+            if kind == "d2h" and getattr(c, "copied", False):
+                return
+            c.copied = bool(src)
+            orig(self, c, src, dst, kind)
+
+        M.MemoryManager._copy = copy_once
+    return run_steps(cfg, steps)
+
+
+def recompute_vs_saved(cfg, hf_dir, mutant: str = ""):
+    """actor_prefix_step with the prefix recomputed at backward against the saved graph (any TP/PP)."""
+    from rollplex_megatron.prefix import execution
+
+    if mutant == "empty_recompute":  # the recomputed graph never reaches the backward
+        orig = execution._recompute
+        execution._recompute = lambda m, st, store: (orig(m, st, store)[0], {})
+    from megatron.core import parallel_state as ps
+
+    from rollplex_megatron.checkpoint.hf import HFCheckpoint, load_hf_into_model
+    from rollplex_megatron.dist import init_parallel
+    from rollplex_megatron.equivalence import _grads, random_groups, wrap_ddp
+    from rollplex_megatron.models.qwen25vl import build_model
+    from rollplex_megatron.prefix import batch as B
+    from rollplex_megatron.prefix import execution as X
+
+    ck = HFCheckpoint(hf_dir)
+    cfg.model = ck.model_config()
+    init_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.seed, cfg.parallel.backend)
+    model = build_model(cfg.model, cfg.dtype)
+    load_hf_into_model(model, ck, cfg.model, ps.get_tensor_model_parallel_rank(), cfg.parallel.tp,
+                       ps.get_pipeline_model_parallel_rank(), cfg.parallel.pp)
+    ddp = wrap_ddp(model)
+    groups = random_groups(cfg, ps.get_data_parallel_rank())
+    n_tok = sum(r.numel() for g in groups for r in g.responses)
+    mbs = B.response_micro_batches(cfg.model, groups, cfg.verify.responses_per_micro_batch, n_tok)
+    out = {}
+    for recompute in (False, True):
+        ddp.zero_grad_buffer()
+        res = X.actor_prefix_step(ddp, groups, mbs, "sdpa", recompute=recompute)
+        out[recompute] = (_grads(ddp), [r["logp"] for r in res])
+    g0, g1 = out[False][0], out[True][0]
+    err = max(float((g1[n] - g0[n]).norm() / g0[n].norm().clamp_min(1e-30)) for n in g0)
+    moved = sum(float(g0[n].norm()) for n in g0)
+    same_logp = all(torch.equal(a, b) for a, b in zip(out[False][1], out[True][1]))
+    return {"err": err, "grad_norm_sum": moved, "same_logp": same_logp,
+            "vision_grads": any(n.startswith("vision") or "visual" in n for n in g0)}

@@ -1,0 +1,133 @@
+"""The memory manager at run time: bit-exact offload round trips, the same update with the phase plan
+as with everything resident, prefix recompute against the saved graph, the budget check, and the
+planner's activation count against autograd's saved tensors."""
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from rollplex_megatron.dist import run_local
+from rollplex_megatron.recipes import load_run_config
+from tests import memory_workers as W
+from tests.test_trainer import BASE, TOL, _param_err
+
+STEPS = ["workload.rollout_batch=16", "rollout.group_size=4", "workload.responses_per_micro_batch=4",
+         "task.max_answer_tokens=4"]
+
+
+def test_offload_round_trip_is_bit_exact_and_frees_the_device_storage():
+    cfg = load_run_config(["model=tiny", "dtype=bfloat16", "mode.name=rollplex", "memory.plan=phase"] + STEPS)
+    out = run_local(W.round_trip, 1, cfg)[0]
+    assert all(n > 0 for n in out["counts"].values()), out["counts"]  # bf16: main weights and Adam states exist
+    assert out["released_update"] == {"main_weights": 0, "optimizer_states": 0, "reference_weights": 0}
+    assert out["grads_rollout"] == 0
+    assert out["bit_exact"] == {"main_weights": True, "optimizer_states": True, "reference_weights": True}
+    assert out["grads_zero_after_restore"]
+    managed = out["managed"]
+    assert managed["optimizer"]["optimizer_states"] > 0 and managed["rollout"]["optimizer_states"] == 0
+
+
+@pytest.fixture(scope="module")
+def keep_run(tiny_hf):
+    return _plan_run(tiny_hf, "keep")
+
+
+def _plan_run(hf, plan, *extra, mutant=""):
+    from tests.test_trainer import _cfg
+
+    return run_local(W.plan_steps, 1, _cfg("rollplex", f"memory.plan={plan}", *extra, hf=hf), 3, mutant)[0]
+
+
+def test_phase_plan_gives_the_same_update_as_keeping_everything(tiny_hf, keep_run):
+    """Offloaded Adam states and reference, freed gradients and the recomputed prefix: same 3 steps."""
+    run = _plan_run(tiny_hf, "phase")
+    assert run["tokens"] == keep_run["tokens"]
+    err, name = _param_err(run, keep_run)
+    assert err <= TOL, (name, err)
+    rec = run["records"][-1]
+    assert rec["offload_bytes"]["d2h"] > 0 and rec["offload_bytes"]["h2d"] > 0  # the plan did move tensors
+    assert rec["phase_managed_bytes"]["rollout"]["optimizer_states"] == 0
+    assert rec["phase_managed_bytes"]["optimizer"]["optimizer_states"] > 0
+    assert rec["rollout"]["prefix_recompute_drift"] == 0.0  # recomputed K/V equal the prefill's
+    assert keep_run["records"][-1]["offload_bytes"] == {"d2h": 0, "h2d": 0}
+
+
+def test_stale_offload_is_detected(tiny_hf, keep_run):
+    """Mutation: the offload copies each class to the host only once, so Adam's states come back stale."""
+    run = _plan_run(tiny_hf, "phase", mutant="copy_once")
+    err, _ = _param_err(run, keep_run)
+    assert err > 10 * TOL
+
+
+@pytest.mark.parametrize("tp,pp", [(1, 1), (1, 2), (2, 1)])
+def test_prefix_recompute_equals_the_saved_graph(tiny_hf, tp, pp):
+    cfg = load_run_config([f"parallel.tp={tp}", f"parallel.pp={pp}", "rollout.group_size=3", "verify.seed=21"])
+    outs = run_local(W.recompute_vs_saved, tp * pp, cfg, tiny_hf)
+    for o in outs:
+        assert o["grad_norm_sum"] > 0 and o["same_logp"]
+        assert o["err"] <= 1e-6, o["err"]  # same ops on the same inputs: equal up to reduction order
+
+
+def test_prefix_recompute_mutation_is_detected(tiny_hf):
+    cfg = load_run_config(["rollout.group_size=3", "verify.seed=21"])
+    o = run_local(W.recompute_vs_saved, 1, cfg, tiny_hf, "empty_recompute")[0]
+    assert o["err"] > 1e-2
+
+
+def test_budget_error_names_the_class_and_fires_before_models_are_built():
+    from rollplex_megatron.envs.motion import MotionEnv
+    from rollplex_megatron.trainer import memory_plan
+
+    cfg = load_run_config(["model=qwen2_5_vl_3b", "dtype=bfloat16", "task=motion_long", "workload=vlm_gpu",
+                           "mode.name=serial", "memory.plan=keep", "memory.budget_gib=80"])
+    with pytest.raises(ValueError) as e:
+        memory_plan(cfg, MotionEnv(cfg.task, cfg.model))  # the planner only: no model, no device
+    msg = str(e.value)
+    assert "memory.budget_gib=80" in msg and "'update'" in msg and "update_activations" in msg and "to fit:" in msg
+    assert "memory.plan=phase would need 76.9 GiB" in msg
+    cfg.memory.plan = "phase"
+    assert memory_plan(cfg, MotionEnv(cfg.task, cfg.model))["peak_gib"] <= 80  # the phase plan fits
+    p = subprocess.run([sys.executable, "-m", "rollplex_megatron", "train", "memory.budget_gib=0.0001",
+                        "train.steps=1"], capture_output=True, text=True, timeout=300)
+    assert p.returncode != 0 and "over memory.budget_gib=0.0001" in p.stderr and "to fit:" in p.stderr
+
+
+def _saved_bytes(overrides):
+    """Bytes autograd saves in one prefix forward with a graph (parameters excluded)."""
+    from rollplex_megatron.attention.prefix import KVStore
+    from rollplex_megatron.dist import init_parallel
+    from rollplex_megatron.envs.motion import MotionEnv
+    from rollplex_megatron.memory.planner import prefix_graph_bytes
+    from rollplex_megatron.models.qwen25vl import build_model
+    from rollplex_megatron.prefix.batch import Group
+    from rollplex_megatron.prefix.execution import prefix_forward
+
+    cfg = load_run_config(["dtype=bfloat16", "task=motion_long"] + overrides)
+    init_parallel(1, 1)
+    model = build_model(cfg.model, "bfloat16")
+    env = MotionEnv(cfg.task, cfg.model)
+    prompt = env.prompt(env.episode(0))
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in params:
+            seen[(s.data_ptr(), s.nbytes())] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        prefix_forward(model, [Group(prompt, [], torch.zeros(0))], KVStore(), keep_graph=True)
+    n, patches = prompt.input_ids.numel() - 1, prompt.pixel_values_videos.shape[0]
+    return sum(seen.values()), prefix_graph_bytes(cfg.model, 1, 1, False, n, patches)
+
+
+@pytest.mark.parametrize("overrides", [
+    ["model=tiny"],
+    ["model=qwen2_5_vl_3b", "model.num_layers=1", "model.vision.depth=2", "model.vision.fullatt_block_indexes=[1]"],
+])
+def test_activation_count_matches_autograds_saved_tensors(overrides):
+    """The planner's per-token/per-patch bytes against what a bf16 prefix forward really saves."""
+    measured, predicted = run_local(_saved_bytes, 1, overrides)[0]
+    assert abs(measured - predicted) / measured < 0.01, (measured, predicted)
