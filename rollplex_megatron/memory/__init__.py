@@ -1,1 +1,1 @@
-"""Phase-aware memory: the analytic planner (`plan-memory`)."""
+"""Phase-aware memory: the planner (`plan-memory`, the trainer's budget check) and the run-time manager."""
