@@ -197,6 +197,7 @@ class RolloutConfig:
     temperature: float = 1.0  # sampling temperature (> 0)
     top_p: float = 1.0  # nucleus sampling mass in (0, 1]
     top_k: int = 0  # keep the k most likely tokens (0: all)
+    cuda_graphs: bool = True  # GPU: replay each decode step as a CUDA graph (per batch-size bucket)
 
     def __post_init__(self) -> None:
         if self.group_size < 1:
@@ -223,7 +224,7 @@ class WorkloadConfig:
 
 
 MODES = ("serial", "prefix_shared", "rollplex")
-WINDOW_MECHANISMS = ("interleave",)
+WINDOW_MECHANISMS = ("interleave", "stream", "tail", "green", "auto")
 
 
 @dataclass(kw_only=True)
@@ -233,6 +234,8 @@ class ModeConfig:
     name: str = "rollplex"  # serial | prefix_shared | rollplex
     window: str = "interleave"  # decode-window mechanism for prefix work (rollplex)
     window_items_per_step: int = 1  # queued prefix work items run after each decode step
+    window_tail_fraction: float = 0.25  # tail: side work starts when active samples <= this fraction
+    window_green_sms: int = 32  # green: SMs of the side work's green-context partition
     # Shared-prefix attention of the scoring and update phases: sdpa (explicit mask) or flex. Flex is
     # not the default: torch 2.11's inductor rejected some training-step shapes (NoValidChoicesError).
     attention_backend: str = "sdpa"
@@ -243,8 +246,11 @@ class ModeConfig:
         if self.name not in MODES:
             raise ValueError(f"mode.name must be one of {MODES}, got {self.name!r}")
         if self.window not in WINDOW_MECHANISMS:
-            raise ValueError(f"mode.window must be one of {WINDOW_MECHANISMS} (stream/green/tail are not "
-                             f"implemented yet), got {self.window!r}")
+            raise ValueError(f"mode.window must be one of {WINDOW_MECHANISMS}, got {self.window!r}")
+        if not 0 < self.window_tail_fraction <= 1:
+            raise ValueError(f"mode.window_tail_fraction must be in (0, 1], got {self.window_tail_fraction}")
+        if self.window_green_sms < 1:
+            raise ValueError(f"mode.window_green_sms must be >= 1, got {self.window_green_sms}")
         if self.window_items_per_step < 1:
             raise ValueError(f"mode.window_items_per_step must be >= 1, got {self.window_items_per_step}")
 

@@ -125,7 +125,7 @@ class Runtime:
         self.memory = MemoryManager(cfg.memory.plan, cfg.mode.name, self.ddp, self.optimizer, self.ref)
         self.recompute = cfg.memory.plan == "phase"  # the actor prefix keeps no graph
         self.engine = EmbeddedEngine(self.ddp, cfg.model, cfg.rollout.max_prompt_len, cfg.rollout.max_response_len,
-                                     cfg.memory.kv_cache_gib)
+                                     cfg.memory.kv_cache_gib, cfg.rollout.cuda_graphs)
         r = cfg.rollout
         self.sampling = SamplingParams(r.temperature, r.top_p, r.top_k)
         self.backend = cfg.mode.attention_backend
@@ -281,7 +281,8 @@ class Rollplex(Mode):
         from rollplex_megatron.rollout.window import DecodeWindow
 
         actor_kv, ref_kv = KVStore(), KVStore()
-        window = DecodeWindow(rt.cfg.mode.window, rt.cfg.mode.window_items_per_step)
+        mc = rt.cfg.mode
+        window = DecodeWindow(mc.window, mc.window_items_per_step, mc.window_tail_fraction, mc.window_green_sms)
         episodes, reqs = rt.requests(step)
         for i, r in enumerate(reqs):
             window.submit(f"reference_prefix[{i}]", partial(_reference_prefix, rt.ref, r.prompt, ref_kv, i))

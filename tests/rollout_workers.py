@@ -36,15 +36,16 @@ def recompute_generate(model, cfg, reqs, params):
     """The plain loop: every step re-runs each sample's whole sequence (vision included), no cache."""
     from rollplex_megatron.models.qwen25vl.model import gather_vocab_logits
     from rollplex_megatron.models.qwen25vl.positions import mrope_position_ids
-    from rollplex_megatron.rollout.sampling import request_generator, sample_tokens
+    from rollplex_megatron.rollout.sampling import request_uniforms, sample_tokens
 
     m, out = cfg.model, []
     banned = [m.image_token_id, m.video_token_id, m.vision_start_token_id, m.vision_end_token_id]
     for r in reqs:
-        gen, p = request_generator(r.seed, "cpu"), r.prompt
+        p, step = r.prompt, 0
         toks, lps, fin = [[] for _ in range(r.n)], [[] for _ in range(r.n)], [None] * r.n
         while any(f is None for f in fin):
-            u = torch.rand(r.n, m.vocab_size, generator=gen)
+            u = request_uniforms(r.seed, r.n, step, m.vocab_size)
+            step += 1
             active = [j for j in range(r.n) if fin[j] is None]
             rows = []
             for j in active:

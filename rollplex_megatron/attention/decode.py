@@ -22,23 +22,31 @@ def _partial(scores, values, valid):
     return m, e.sum(dim=-1, keepdim=True), e @ values
 
 
-def group_slots(group_B: torch.Tensor, n_groups: int) -> tuple[torch.Tensor, int]:
-    """Rank of each active sample among the active samples of its group, and the largest count."""
+def group_slots(group_B: torch.Tensor, n_groups: int, s_max: int | None = None) -> tuple[torch.Tensor, int]:
+    """Rank of each sample among the samples of its group, and the largest count.
+
+    With `s_max` given (a bound the caller knows) nothing is read back to the host, so the step
+    can be captured in a CUDA graph."""
     onehot = torch.nn.functional.one_hot(group_B, n_groups)  # [B, Gr]
     slot = ((onehot.cumsum(0) - 1) * onehot).sum(-1)
-    return slot, int(onehot.sum(0).max()) if group_B.numel() else 0
+    if s_max is None:
+        s_max = int(onehot.sum(0).max()) if group_B.numel() else 0
+    return slot, s_max
 
 
 def shared_prefix_decode_attention(q_BND, prefix_k_GrPND, prefix_v_GrPND, prefix_len_Gr, group_B,
-                                   resp_k_BRND, resp_v_BRND, resp_len_B, scale: float | None) -> torch.Tensor:
-    """One decode step's attention; returns [B, Nq*D] in the query dtype (scale None: 1/sqrt(D))."""
+                                   resp_k_BRND, resp_v_BRND, resp_len_B, scale: float | None,
+                                   s_max: int | None = None) -> torch.Tensor:
+    """One decode step's attention; returns [B, Nq*D] in the query dtype (scale None: 1/sqrt(D)).
+
+    `s_max`: an upper bound of samples per group in the batch (static shapes, no host sync)."""
     b, nq, d = q_BND.shape
     scale = d ** -0.5 if scale is None else scale
     n_groups, p, ng = prefix_k_GrPND.shape[0], prefix_k_GrPND.shape[1], prefix_k_GrPND.shape[2]
     rep = nq // ng
     q = q_BND.float() * scale
     # prefix part: queries of one group stacked -> [Gr, Ng, S*rep, D] against [Gr, Ng, P, D]
-    slot, s_max = group_slots(group_B, n_groups)
+    slot, s_max = group_slots(group_B, n_groups, s_max)
     qg = q.new_zeros(n_groups, s_max, ng, rep, d)
     qg[group_B, slot] = q.view(b, ng, rep, d)
     qg = qg.permute(0, 2, 1, 3, 4).reshape(n_groups, ng, s_max * rep, d)

@@ -12,6 +12,7 @@ cache is sized per wave from `memory.kv_cache_gib`; requests that do not fit wai
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +26,7 @@ from rollplex_megatron.models.qwen25vl.model import gather_vocab_logits
 from rollplex_megatron.prefix.batch import Group, prompt_positions
 from rollplex_megatron.prefix.execution import prefix_forward, unwrap
 from rollplex_megatron.rollout.engine import DecodeHooks, RolloutOutput, RolloutRequest, RolloutResult
-from rollplex_megatron.rollout.sampling import SamplingParams, request_generator, sample_tokens
+from rollplex_megatron.rollout.sampling import SamplingParams, row_uniforms, sample_tokens
 
 
 class DecodeCache:
@@ -38,8 +39,6 @@ class DecodeCache:
         lens = [store.leaves[(layers[0], g)][0].shape[0] for g in store_ids]
         p_max, n_rows = max(lens), sum(rows_per_group)
         self.prefix_len = torch.tensor(lens, device=dev)
-        self.group_of_row = torch.repeat_interleave(torch.arange(len(store_ids), device=dev),
-                                                    torch.tensor(rows_per_group, device=dev))
         self.prefix, self.resp = {}, {}
         for layer in layers:
             pk = torch.zeros(2, len(store_ids), p_max, ng, d, dtype=dtype, device=dev)
@@ -54,14 +53,18 @@ class DecodeCache:
         """Bytes one group occupies: K and V of its prefix once plus `rows` response slots."""
         return kv_bytes_per_token(cfg, tp, layers, elt) * (prefix_len + rows * max_new)
 
-    def attend(self, layer: int, rows, step: int, query, key, value, scale):
-        """Write this step's K/V of `rows`, then shared-prefix attention; [1,B,Nq*D]."""
-        r = self.resp[layer]
-        r[0, rows, step], r[1, rows, step] = key[0], value[0]
+    def attend(self, layer: int, ctx: "DecodeContext", query, key, value, scale):
+        """Write this step's K/V of slots [0, n), then shared-prefix attention; [1,n,Nq*D].
+
+        Static shapes only (slot count, response window, samples-per-group bound come from the
+        context; the step is a device tensor), so the step can be captured in a CUDA graph."""
+        r, n = self.resp[layer], ctx.n
+        r[0, :n].index_copy_(1, ctx.step, key[0][:, None])
+        r[1, :n].index_copy_(1, ctx.step, value[0][:, None])
         p = self.prefix[layer]
-        n = torch.full((rows.numel(),), step + 1, device=rows.device)
-        out = shared_prefix_decode_attention(query[0], p[0], p[1], self.prefix_len, self.group_of_row[rows],
-                                             r[0, rows, :step + 1], r[1, rows, :step + 1], n, scale)
+        length = (ctx.step + 1).expand(n)
+        out = shared_prefix_decode_attention(query[0], p[0], p[1], self.prefix_len, ctx.group,
+                                             r[0, :n, :ctx.window], r[1, :n, :ctx.window], length, scale, ctx.s_max)
         return out[None]
 
 
@@ -70,21 +73,42 @@ class DecodeContext(AttentionContext):
     """Attention context of one decode step (reaches core attention as `packed_seq_params`)."""
 
     cache: DecodeCache | None = None
-    rows: torch.Tensor | None = None  # active cache rows, in batch order
-    step: int = 0
+    n: int = 0  # slots in the step (a batch-size bucket)
+    group: torch.Tensor | None = None  # [n] group of each slot
+    step: torch.Tensor | None = None  # [1] long: the step (the response position written)
+    s_max: int = 0  # bound on slots per group
+    window: int = 0  # response positions attended (>= step + 1)
 
     def __post_init__(self) -> None:
         self.qkv_format = "sbhd"
 
     def attend(self, layer: int, query, key, value, scale):
-        """Decode attention for this step's queries [1,B,Nq,D]."""
-        return self.cache.attend(layer, self.rows, self.step, query, key, value, scale)
+        """Decode attention for this step's queries [1,n,Nq,D]."""
+        return self.cache.attend(layer, self, query, key, value, scale)
+
+
+def _buckets(n: int) -> list[int]:
+    """Batch-size buckets of a wave of `n` samples: n itself and the powers of two below it."""
+    out, b = {n}, 1
+    while b < n:
+        out.add(b)
+        b *= 2
+    return sorted(out)
+
+
+def _window(step: int, max_new: int) -> int:
+    """Response positions a step attends: a power of two >= step + 1 (at least 64), capped."""
+    w = 64
+    while w < step + 1:
+        w *= 2
+    return min(w, max_new)
 
 
 class EmbeddedEngine:
     """RolloutEngine on the actor's Megatron modules (no weight copy), pipeline size 1."""
 
-    def __init__(self, model, cfg: ModelConfig, max_prompt_len: int, max_response_len: int, kv_cache_gib: float):
+    def __init__(self, model, cfg: ModelConfig, max_prompt_len: int, max_response_len: int, kv_cache_gib: float,
+                 cuda_graphs: bool = True):
         if ps.get_pipeline_model_parallel_world_size() != 1:
             raise ValueError("the embedded rollout engine runs at parallel.pp=1; use parallel.pp=1 for training "
                              "runs (prefix/response execution itself supports pp>1)")
@@ -92,6 +116,8 @@ class EmbeddedEngine:
         self.max_prompt_len, self.max_response_len = max_prompt_len, max_response_len
         self.budget = int(kv_cache_gib * 2**30)
         self.dev = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+        self.cuda_graphs = cuda_graphs and torch.cuda.is_available()
+        self.graph_error = ""  # why CUDA-graph decode was turned off, if it was
 
     def generate(self, requests: list[RolloutRequest], params: SamplingParams,
                  hooks: DecodeHooks | None = None, actor_prefix: KVStore | None = None,
@@ -103,7 +129,8 @@ class EmbeddedEngine:
         keeps no graph (the prefix backward recomputes it one group at a time)."""
         self._validate(requests)
         results: list[RolloutResult | None] = [None] * len(requests)
-        states, stats = [], {"decode_steps": 0, "waves": 0, "prefill_s": 0.0, "decode_s": 0.0}
+        states, stats = [], {"decode_steps": 0, "waves": 0, "prefill_s": 0.0, "decode_s": 0.0, "graphs_captured": 0,
+                             "graph_replays": 0, "eager_steps": 0, "capture_s": 0.0}
         for wave in self._waves(requests):
             t0 = time.perf_counter()
             store = actor_prefix if actor_prefix is not None else KVStore()
@@ -119,7 +146,19 @@ class EmbeddedEngine:
                     store.release(i)
             t1 = time.perf_counter()
             with torch.no_grad():
-                stats["decode_steps"] += self._decode([requests[i] for i in wave], wave, cache, params, hooks, results)
+                dec = _WaveDecoder(self, [requests[i] for i in wave], cache, params)
+                if hooks is not None and hasattr(hooks, "on_wave"):
+                    hooks.on_wave(dec.n_rows)
+                stream = hooks.decode_stream() if hooks is not None and hasattr(hooks, "decode_stream") else None
+                if stream is not None:
+                    stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream) if stream is not None else nullcontext():
+                    stats["decode_steps"] += dec.run(hooks, wave, results)
+                if stream is not None:
+                    torch.cuda.current_stream().wait_stream(stream)
+                for k in ("graphs_captured", "graph_replays", "eager_steps", "capture_s"):
+                    stats[k] += dec.stats[k]
+                del dec, cache
             stats["prefill_s"] += t1 - t0
             stats["decode_s"] += time.perf_counter() - t1
             stats["waves"] += 1
@@ -164,56 +203,146 @@ class EmbeddedEngine:
             used += need
         return waves + [cur] if cur else waves
 
-    def _decode(self, reqs, ids, cache: DecodeCache, params, hooks, results) -> int:
-        """Batched decode of one wave; fills `results[ids[k]]`. Returns the number of steps.
 
-        Per-row state lives in device tensors, so a step costs one host sync (the active rows,
-        which pick each live request's uniforms), not one per row.
-        """
-        dev, vocab, m, c = self.dev, self.cfg.vocab_size, unwrap(self.model), self.cfg
+class _WaveDecoder:
+    """Batched decode of one wave in slot order: slots [0, live) hold the live samples.
+
+    A step runs the actor on the slots of a batch-size bucket (>= live), writes their K/V, samples
+    from counter-based uniforms (`row_uniforms`: request seed, sample index, step), all with static
+    shapes: on GPU one CUDA graph per (bucket, samples-per-group bound, response window) replays
+    it. Outside the step: the results are written in row order, finished samples are marked, and
+    the one host read per step counts the live samples. When they fit a smaller bucket, the live
+    slots are compacted to the front (their state and response K/V move), so finished sequences
+    leave the batch.
+    """
+
+    def __init__(self, engine: "EmbeddedEngine", reqs, cache: DecodeCache, params: SamplingParams):
+        dev, c = engine.dev, engine.cfg
+        self.engine, self.cache, self.params, self.reqs = engine, cache, params, reqs
+        self.m, self.vocab = unwrap(engine.model), c.vocab_size
         counts = torch.tensor([r.n for r in reqs])
-        first_row = counts.cumsum(0) - counts
+        self.first_row = counts.cumsum(0) - counts
         req_of_row = torch.repeat_interleave(torch.arange(len(reqs)), counts)
-        req_of_row_dev = req_of_row.to(dev)
-        n_rows, max_new = int(counts.sum()), max(r.max_new_tokens for r in reqs)
-        last_pos = torch.stack([prompt_positions(c, r.prompt)[:, 0, -1] for r in reqs]).to(dev)  # [Gr, 3]
-        limit = torch.tensor([r.max_new_tokens for r in reqs], device=dev)[req_of_row_dev]
+        self.n_rows, self.max_new = int(counts.sum()), max(r.max_new_tokens for r in reqs)
+        self.n_groups = len(reqs)
+        self.last_pos = torch.stack([prompt_positions(c, r.prompt)[:, 0, -1] for r in reqs]).to(dev)  # [Gr, 3]
         n_stop = max([len(r.stop_token_ids) for r in reqs] + [1])
-        stop_ids = torch.tensor([list(r.stop_token_ids) + [-1] * (n_stop - len(r.stop_token_ids)) for r in reqs],
-                                device=dev)[req_of_row_dev]  # [rows, S], -1 pads
-        banned = torch.tensor([c.image_token_id, c.video_token_id, c.vision_start_token_id, c.vision_end_token_id],
-                              device=dev)
-        tok = torch.cat([r.prompt.input_ids[-1:].expand(r.n) for r in reqs]).to(dev)
-        out_tok = torch.zeros(n_rows, max_new, dtype=torch.long, device=dev)
-        out_lp = torch.zeros(n_rows, max_new, dtype=torch.float32, device=dev)
-        length = torch.zeros(n_rows, dtype=torch.long, device=dev)
-        stopped = torch.zeros(n_rows, dtype=torch.bool, device=dev)
-        gens = [request_generator(r.seed, dev) for r in reqs]
-        active, step = torch.arange(n_rows, device=dev), 0
-        while active.numel():
-            pos = (last_pos[cache.group_of_row[active]] + step).T[:, :, None]  # [3, B, 1]
-            logits = m(input_ids=tok[active][:, None], position_ids=pos,
-                       attention_context=DecodeContext(cache=cache, rows=active, step=step))
-            full = gather_vocab_logits(logits, vocab)[:, 0]  # [B, V]
-            full[:, banned] = float("-inf")  # vision placeholders are never text the model may emit
-            act_cpu = active.cpu()
-            uniform = torch.empty_like(full, dtype=torch.float32)
-            for k in torch.unique(req_of_row[act_cpu]).tolist():  # one draw per live request per step
-                u = torch.rand(reqs[k].n, vocab, generator=gens[k], device=dev)
-                sel = (req_of_row[act_cpu] == k).nonzero()[:, 0]
-                uniform[sel.to(dev)] = u[(act_cpu[sel] - first_row[k]).to(dev)]
-            new, lp = sample_tokens(full, params, uniform)
-            tok[active], out_tok[active, step], out_lp[active, step] = new, new, lp
-            length[active] = step + 1
-            hit = (stop_ids[active] == new[:, None]).any(1)
-            stopped[active[hit]] = True
-            active = active[~(hit | (step + 1 >= limit[active]))]
+        stops = torch.tensor([list(r.stop_token_ids) + [-1] * (n_stop - len(r.stop_token_ids)) for r in reqs])
+        # per-slot state (slot i holds row owner[i]); compaction permutes every one of these
+        self.slot = {
+            "owner": torch.arange(self.n_rows),
+            "group": req_of_row.clone(),
+            "seed": torch.tensor([reqs[k].seed for k in req_of_row.tolist()]),
+            "sample": torch.arange(self.n_rows) - self.first_row[req_of_row],
+            "limit": torch.tensor([reqs[k].max_new_tokens for k in req_of_row.tolist()]),
+            "stop": stops[req_of_row],
+            "tok": torch.cat([r.prompt.input_ids[-1:].expand(r.n) for r in reqs]),
+            "alive": torch.ones(self.n_rows, dtype=torch.bool),
+        }
+        self.slot = {k: v.to(dev) for k, v in self.slot.items()}
+        self.step_t = torch.zeros(1, dtype=torch.long, device=dev)
+        self.new_tok = torch.zeros(self.n_rows, dtype=torch.long, device=dev)
+        self.new_lp = torch.zeros(self.n_rows, dtype=torch.float32, device=dev)
+        # results in row order, plus a scratch row (n_rows) that slots past the live ones write to
+        self.out_tok = torch.zeros(self.n_rows + 1, self.max_new, dtype=torch.long, device=dev)
+        self.out_lp = torch.zeros(self.n_rows + 1, self.max_new, dtype=torch.float32, device=dev)
+        self.length = torch.zeros(self.n_rows + 1, dtype=torch.long, device=dev)
+        self.stopped = torch.zeros(self.n_rows + 1, dtype=torch.bool, device=dev)
+        self.banned = torch.tensor([c.image_token_id, c.video_token_id, c.vision_start_token_id,
+                                    c.vision_end_token_id], device=dev)
+        self.graphs, self.pool = {}, None
+        self.stats = {"graphs_captured": 0, "graph_replays": 0, "eager_steps": 0, "capture_s": 0.0}
+
+    def _forward(self, n: int, s_max: int, window: int) -> None:
+        """The static-shape step on slots [0, n): logits, sampling; writes new_tok/new_lp[:n]."""
+        st = self.slot
+        group = st["group"][:n]
+        pos = (self.last_pos[group] + self.step_t).T[:, :, None]  # [3, n, 1]
+        ctx = DecodeContext(cache=self.cache, n=n, group=group, step=self.step_t, s_max=s_max, window=window)
+        logits = self.m(input_ids=st["tok"][:n, None], position_ids=pos, attention_context=ctx)
+        full = gather_vocab_logits(logits, self.vocab)[:, 0]  # [n, V]
+        full = full.index_fill(1, self.banned, float("-inf"))  # vision placeholders are never emitted
+        uniform = row_uniforms(st["seed"][:n], st["sample"][:n], self.step_t, self.vocab)
+        new, lp = sample_tokens(full, self.params, uniform)
+        self.new_tok[:n].copy_(new)
+        self.new_lp[:n].copy_(lp)
+
+    def _run_step(self, n: int, s_max: int, window: int) -> None:
+        key = (n, s_max, window)
+        if not self.engine.cuda_graphs:
+            self._forward(*key)
+            self.stats["eager_steps"] += 1
+            return
+        g = self.graphs.get(key)
+        if g is None:
+            t0 = time.perf_counter()
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self._forward(*key)  # warm-up (lazy init, workspaces); same result as the replay
+            torch.cuda.current_stream().wait_stream(side)
+            self.pool = self.pool or torch.cuda.graph_pool_handle()
+            g = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(g, pool=self.pool):
+                    self._forward(*key)
+            except Exception as e:  # a step that cannot be captured runs eagerly, and says why
+                self.engine.cuda_graphs = False
+                self.engine.graph_error = f"{type(e).__name__}: {e}"[:500]
+                torch.cuda.synchronize()
+                self._forward(*key)
+                self.stats["eager_steps"] += 1
+                return
+            self.graphs[key] = g
+            self.stats["graphs_captured"] += 1
+            torch.cuda.synchronize()  # capture is rare (a new bucket or window); its time is reported apart
+            self.stats["capture_s"] += time.perf_counter() - t0
+        g.replay()
+        self.stats["graph_replays"] += 1
+
+    def _s_max(self, n: int) -> int:
+        return int(torch.bincount(self.slot["group"][:n], minlength=self.n_groups).max())
+
+    def _compact(self, n: int, live: int) -> None:
+        """Move the live slots among [0, n) to [0, live), with their response K/V."""
+        idx = self.slot["alive"][:n].nonzero()[:, 0]
+        for v in self.slot.values():
+            v[:live] = v[idx]
+        self.slot["alive"][live:n] = False  # the slots behind the live ones are dead copies
+        self.slot["owner"][live:n] = self.n_rows  # and write to the scratch row
+        for r in self.cache.resp.values():
+            r[:, :live] = r[:, idx]
+
+    def run(self, hooks, ids, results) -> int:
+        """Decode until every sample stopped; fills `results[ids[k]]`; returns the step count."""
+        st, buckets = self.slot, _buckets(self.n_rows)
+        n, step = self.n_rows, 0
+        s_max = self._s_max(n)
+        while True:
+            self._run_step(n, s_max, _window(step, self.max_new))
+            new, lp, alive, owner = self.new_tok[:n], self.new_lp[:n], st["alive"][:n], st["owner"][:n]
+            self.out_tok[owner, step] = new  # finished rows get garbage past their length, never read
+            self.out_lp[owner, step] = lp
+            self.length[owner] += alive.long()
+            hit = (st["stop"][:n] == new[:, None]).any(1) & alive
+            self.stopped[owner] |= hit
+            alive &= ~hit & (step + 1 < st["limit"][:n])
+            st["tok"][:n] = new
+            self.step_t += 1
             step += 1
+            live = int(alive.sum())  # the step's one host read
             if hooks is not None:
-                hooks.on_decode_step(step, int(active.numel()))
-        out_tok, out_lp, length, stopped = out_tok.cpu(), out_lp.cpu(), length.cpu(), stopped.cpu()
-        for k, r in enumerate(reqs):
-            rows = range(int(first_row[k]), int(first_row[k]) + r.n)
-            results[ids[k]] = RolloutResult([out_tok[i, :length[i]] for i in rows], [out_lp[i, :length[i]] for i in rows],
+                hooks.on_decode_step(step, live)
+            if live == 0:
+                break
+            smaller = min(b for b in buckets if b >= live)
+            if smaller < n:
+                self._compact(n, live)
+                n = smaller
+                s_max = self._s_max(n)
+        tok, lp, length, stopped = self.out_tok.cpu(), self.out_lp.cpu(), self.length.cpu(), self.stopped.cpu()
+        for k, r in enumerate(self.reqs):
+            rows = range(int(self.first_row[k]), int(self.first_row[k]) + r.n)
+            results[ids[k]] = RolloutResult([tok[i, :length[i]] for i in rows], [lp[i, :length[i]] for i in rows],
                                             ["stop" if stopped[i] else "length" for i in rows])
         return step

@@ -51,6 +51,9 @@ class DecodeHooks(Protocol):
     def on_idle(self) -> None:
         """Called once when decoding is over (drain whatever is left)."""
 
+    # Optional: `on_wave(samples)` when a wave starts decoding; `decode_stream()` -> the CUDA stream
+    # to decode on (None: the current one).
+
 
 class RolloutEngine(Protocol):
     """Generate G samples per request. The trainer depends on this contract only.

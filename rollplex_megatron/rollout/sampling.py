@@ -1,9 +1,10 @@
 """Token sampling from explicit generators: temperature, top-k, top-p (pure tensor code).
 
 Legend: B = rows (samples), V = vocabulary. Sampling is the Gumbel-max trick on the filtered,
-temperature-scaled logits with uniforms drawn from a per-request generator, so a sample's tokens
-depend only on its request's seed and the model's logits, not on which other requests share the
-batch or when they finish.
+temperature-scaled logits. The uniforms are a counter-based hash of (request seed, sample index,
+step, token id), so a sample's tokens depend only on its request's seed and the model's logits,
+not on which other requests share the batch, when they finish, or the device; and a decode step
+draws them inside a CUDA graph with no generator state.
 """
 from __future__ import annotations
 
@@ -59,6 +60,43 @@ def sample_tokens(logits_BV: torch.Tensor, params: SamplingParams, uniform_BV: t
     return tokens, logp
 
 
-def request_generator(seed: int, device) -> torch.Generator:
-    """The generator of one request (same seed, same uniforms on the same device type)."""
-    return torch.Generator(device=device).manual_seed(seed)
+_M64 = (1 << 64) - 1
+
+
+def _i64(x: int) -> int:
+    """An unsigned 64-bit constant as the int64 with the same bits."""
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+_GOLDEN, _MIX1, _MIX2 = _i64(0x9E3779B97F4A7C15), _i64(0xBF58476D1CE4E5B9), _i64(0x94D049BB133111EB)
+
+
+def _shr(x: torch.Tensor, n: int) -> torch.Tensor:
+    """Logical right shift of int64 bits (torch's >> is arithmetic)."""
+    return (x >> n) & ((1 << (64 - n)) - 1)
+
+
+def _splitmix(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser on int64 bits (multiplication wraps modulo 2^64)."""
+    x = (x ^ _shr(x, 30)) * _MIX1
+    x = (x ^ _shr(x, 27)) * _MIX2
+    return x ^ _shr(x, 31)
+
+
+def row_uniforms(seed_B: torch.Tensor, sample_B: torch.Tensor, step, vocab: int) -> torch.Tensor:
+    """Uniforms in (0, 1) [B, V] for sample `sample_B` of the request seeded `seed_B` at `step`.
+
+    `step` is an int or a 0-d/1-element int64 tensor (a CUDA graph's step counter). Pure integer
+    arithmetic: the same numbers on every device and batch layout.
+    """
+    step = step.reshape(()) if torch.is_tensor(step) else torch.tensor(step, dtype=torch.long, device=seed_B.device)
+    key = _splitmix(seed_B.long() * _GOLDEN + sample_B.long())
+    key = _splitmix(key + (step + 1) * _GOLDEN)  # [B]
+    ids = torch.arange(vocab, device=seed_B.device, dtype=torch.long)
+    bits = _splitmix(key[:, None] + ids[None, :] * _GOLDEN)
+    return (_shr(bits, 40).float() + 0.5) * (1.0 / (1 << 24))
+
+
+def request_uniforms(seed: int, n: int, step: int, vocab: int, device="cpu") -> torch.Tensor:
+    """The uniforms of a request's `n` samples at `step` (what the engine draws for them)."""
+    return row_uniforms(torch.full((n,), seed, device=device), torch.arange(n, device=device), step, vocab)

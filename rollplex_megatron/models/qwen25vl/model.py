@@ -223,7 +223,8 @@ class Qwen25VLModel(MegatronModule):
                                      (pixel_values_videos, video_grid_thw, self.cfg.video_token_id, "video")):
             mask_BS = input_ids == tok
             if pix is None:
-                if mask_BS.any():
+                # checked eagerly; a CUDA-graph capture (decode, after an eager warm-up) cannot read back
+                if not _capturing() and mask_BS.any():
                     raise ValueError(f"input_ids hold {what} tokens but no {what} pixels were given")
                 continue
             feats = self.vision(pix, grid).to(emb_BSH.dtype)
@@ -273,6 +274,10 @@ class Qwen25VLModel(MegatronModule):
         rope = lm.rotary_pos_emb(position_ids, lm.mrope_section)
         return lm.decoder(hidden_states=hidden, attention_mask=None, rotary_pos_emb=rope,
                           packed_seq_params=attention_context)
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def build_model(cfg: ModelConfig, dtype: str | torch.dtype = "float32") -> Qwen25VLModel:
