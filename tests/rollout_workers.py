@@ -100,7 +100,7 @@ def engine_only(cfg, hf_dir, params):
     return _as_lists(out.results)
 
 
-def window_items_match(cfg, hf_dir, params):
+def window_items_match(cfg, hf_dir, params, mechanism: str = "interleave"):
     """Reference prefix K/V computed as decode-window items equal the same work run directly."""
     from rollplex_megatron.attention.prefix import KVStore
     from rollplex_megatron.rollout.embedded import EmbeddedEngine
@@ -111,14 +111,18 @@ def window_items_match(cfg, hf_dir, params):
     ref = _setup_reference(cfg, hf_dir)
     reqs = requests(cfg)
     in_window, direct = KVStore(), KVStore()
-    window = DecodeWindow("interleave", 1)
+    window = DecodeWindow(mechanism, 1, tail_fraction=0.5)
+    actives = []
+    orig = window.on_decode_step
+    window.on_decode_step = lambda step, active: (actives.append((active, len(window.finished))), orig(step, active))
     for i, r in enumerate(reqs):
         window.submit(f"ref[{i}]", lambda r=r, i=i: _reference_prefix(ref, r.prompt, in_window, i))
     EmbeddedEngine(model, cfg.model, 4096, 64, 1.0).generate(reqs, params, hooks=window)
     for i, r in enumerate(reqs):
         _reference_prefix(ref, r.prompt, direct, i)
     diffs = [float((in_window.leaves[k][j] - direct.leaves[k][j]).abs().max()) for k in direct.leaves for j in (0, 1)]
-    return {"stats": window.stats(), "max_abs_diff": max(diffs), "same_keys": set(in_window.leaves) == set(direct.leaves)}
+    return {"stats": window.stats(), "max_abs_diff": max(diffs), "same_keys": set(in_window.leaves) == set(direct.leaves),
+            "actives": actives, "wave_start": window._wave_start}
 
 
 def _setup_reference(cfg, hf_dir):

@@ -106,10 +106,41 @@ def test_engine_tp2_equals_tp1(tiny_hf):
     _same(two[0], one)
 
 
-def test_window_items_equal_direct_work(tiny_hf):
-    res = run_local(W.window_items_match, 1, _cfg(), str(tiny_hf), SamplingParams())[0]
+@pytest.mark.parametrize("mechanism", ["interleave", "stream", "tail", "auto"])
+def test_window_items_equal_direct_work(tiny_hf, mechanism):
+    """Items run inside the window (on CPU every mechanism runs them on the host thread) give the
+    same K/V as direct work; `tail` starts them only once the active batch has halved."""
+    res = run_local(W.window_items_match, 1, _cfg(), str(tiny_hf), SamplingParams(), mechanism)[0]
     assert res["same_keys"] and res["max_abs_diff"] == 0.0
-    assert res["stats"]["items_in_window"] >= 1
+    st = res["stats"]
+    assert st["items_in_window"] + st["items_after"] == 3
+    assert st["window_mechanism"] == ("interleave" if mechanism == "auto" else mechanism)  # the table: no winner
+    if mechanism == "tail":  # (active samples, items finished before the step's hook) per step
+        half = 0.5 * res["wave_start"]
+        assert all(done == 0 for active, done in res["actives"] if active > half)  # nothing ran early
+        late = [active for active, _ in res["actives"] if 0 < active <= half]
+        assert st["items_in_window"] == min(3, len(late))  # one item per step once the batch halved
+    else:
+        assert st["items_in_window"] >= 1
+
+
+def test_window_policy_reads_the_measured_table(tmp_path):
+    import json
+
+    from rollplex_megatron.rollout.window import POLICY_PATH, policy_mechanism
+
+    shipped = json.loads(POLICY_PATH.read_text())
+    assert shipped["source"].startswith("benchmarks/results/") and "winners" in shipped
+    t = tmp_path / "table.json"
+    t.write_text(json.dumps({"winners": [{"batch": 16, "mechanism": "tail"}, {"batch": 128, "mechanism": "stream"}]}))
+    assert policy_mechanism(20, t) == "tail" and policy_mechanism(100, t) == "stream"
+    t.write_text(json.dumps({"winners": []}))
+    assert policy_mechanism(64, t) == "interleave"  # nothing won: the no-overlap reference
+    assert policy_mechanism(64, tmp_path / "missing.json") == "interleave"
+    with pytest.raises(Exception, match="mode.window must be one of"):
+        load_run_config(["mode.window=fast"])
+    with pytest.raises(Exception, match="mode.window_tail_fraction"):
+        load_run_config(["mode.window_tail_fraction=0"])
 
 
 def test_engine_bad_input(tiny_hf):
