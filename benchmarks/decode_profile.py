@@ -24,6 +24,8 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--grid", default="2,16,16")
     ap.add_argument("--text-tokens", type=int, default=896)
+    ap.add_argument("--unshared", action="store_true", help="every sample its own request (G=1 groups)")
+    ap.add_argument("--cuda-graphs", action="store_true", help="profile graph replays (default: eager steps)")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
 
@@ -44,8 +46,13 @@ def main() -> int:
     cfg = load_run_config([f"model={a.preset}"]).model
     model = build_model(cfg, "bfloat16" if gpu else "float32").eval()
     ps = prompts(cfg, a.groups, tuple(int(x) for x in a.grid.split(",")), a.text_tokens)
-    eng = EmbeddedEngine(model, cfg, ps[0].input_ids.numel(), a.new_tokens, kv_cache_gib=40.0)
-    reqs = [RolloutRequest(p, a.group_size, a.new_tokens, (), seed=i) for i, p in enumerate(ps)]
+    eng = EmbeddedEngine(model, cfg, ps[0].input_ids.numel(), a.new_tokens, kv_cache_gib=40.0,
+                         cuda_graphs=a.cuda_graphs)
+    if a.unshared:
+        reqs = [RolloutRequest(p, 1, a.new_tokens, (), seed=i * a.group_size + j)
+                for i, p in enumerate(ps) for j in range(a.group_size)]
+    else:
+        reqs = [RolloutRequest(p, a.group_size, a.new_tokens, (), seed=i) for i, p in enumerate(ps)]
     params = SamplingParams(1.0, 1.0, 0)
     eng.generate(reqs, params)  # warm-up
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
@@ -58,10 +65,11 @@ def main() -> int:
                 torch.cuda.synchronize()
         events = prof.key_averages()
         kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
-        return out, events, sum(e.self_device_time_total for e in kernels), sum(e.count for e in kernels)
+        per_kernel = {e.key: (e.self_device_time_total, e.count) for e in kernels}
+        return out, events, sum(e.self_device_time_total for e in kernels), sum(e.count for e in kernels), per_kernel
 
-    one, _, gpu_one, launches_one = profiled(1)  # prefill + one step: subtracted below
-    out, events, gpu_all, launches_all = profiled(a.new_tokens)
+    one, _, gpu_one, launches_one, k_one = profiled(1)  # prefill + one step: subtracted below
+    out, events, gpu_all, launches_all, k_all = profiled(a.new_tokens)
     steps = out.stats["decode_steps"] - one.stats["decode_steps"]
     decode_s = out.stats["decode_s"] - one.stats["decode_s"]
     cpu_top = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CPU),
@@ -72,6 +80,10 @@ def main() -> int:
            "decode_step_gpu_kernel_ms": (gpu_all - gpu_one) / 1e3 / steps,
            "kernel_launches_per_decode_step": (launches_all - launches_one) / steps,
            "top_cpu_ops_self_ms_whole_call": {e.key: round(e.self_cpu_time_total / 1e3, 2) for e in cpu_top},
+           "unshared": a.unshared, "cuda_graphs": eng.cuda_graphs,
+           "top_kernels_ms_per_decode_step": dict(sorted(
+               ((k[:120], round((t - k_one.get(k, (0, 0))[0]) / 1e3 / steps, 3)) for k, (t, _) in k_all.items()),
+               key=lambda kv: -kv[1])[:25]),
            "note": ("both calls run under torch.profiler, whose overhead inflates wall time; per-step numbers "
                     "are (call with new_tokens) minus (call with 1 new token), divided by the extra steps"),
            "environment": environment_record()}

@@ -44,6 +44,7 @@ def main() -> int:
     ap.add_argument("--tail-batch", type=int, default=64)
     ap.add_argument("--mechanisms", default="interleave,stream,tail,green:32,green:64")
     ap.add_argument("--repeats", type=int, default=2, help="runs per measurement (the fastest counts)")
+    ap.add_argument("--profile-item", action="store_true", help="only profile one reference prefix item")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
 
@@ -96,6 +97,8 @@ def main() -> int:
                 "prefill_s": st["prefill_s"], "graphs_captured": st["graphs_captured"], "capture_s": st["capture_s"],
                 **(window.stats() if window is not None else {})}
 
+    if a.profile_item:
+        return profile_item(a, env, ref, requests(G, [a.new_tokens]), _reference_prefix, KVStore, environment_record)
     cases = [(f"uniform_b{b}", b, [a.new_tokens] * (b // G)) for b in (int(x) for x in a.batches.split(","))]
     g = torch.Generator().manual_seed(0)
     n_tail = a.tail_batch // G
@@ -138,6 +141,39 @@ def main() -> int:
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1)
     print(json.dumps({"winners": winners}))
+    return 0
+
+
+def profile_item(a, env, ref, reqs, item_fn, KVStore, environment_record) -> int:
+    """One reference prefix item under torch.profiler: host time to issue it against GPU kernel time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    prompt = reqs[0].prompt
+    for _ in range(2):
+        item_fn(ref, prompt, KVStore(), 0)  # warm-up
+    _sync()
+    t0 = time.perf_counter()
+    item_fn(ref, prompt, KVStore(), 0)
+    issue = time.perf_counter() - t0  # returns once the host has issued every kernel
+    _sync()
+    total = time.perf_counter() - t0
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        item_fn(ref, prompt, KVStore(), 0)
+        _sync()
+    ev = prof.key_averages()
+    kernels = [e for e in ev if e.device_type == torch.autograd.DeviceType.CUDA]
+    res = {"command": "python " + " ".join(sys.argv), "item": "reference prefix stage of one group",
+           "prefix_tokens": int(prompt.input_ids.numel() - 1),
+           "host_issue_s": issue, "item_wall_s": total,
+           "gpu_kernel_s": sum(e.self_device_time_total for e in kernels) / 1e6,
+           "kernel_launches": sum(e.count for e in kernels),
+           "note": "host_issue_s: time until the call returns without a device sync (the host has issued "
+                   "every kernel); when it is close to item_wall_s the host, not the GPU, paces the item",
+           "environment": environment_record()}
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+    print(json.dumps({k: v for k, v in res.items() if k != "environment"}))
     return 0
 
 
