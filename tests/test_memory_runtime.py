@@ -131,3 +131,20 @@ def test_activation_count_matches_autograds_saved_tensors(overrides):
     """The planner's per-token/per-patch bytes against what a bf16 prefix forward really saves."""
     measured, predicted = run_local(_saved_bytes, 1, overrides)[0]
     assert abs(measured - predicted) / measured < 0.01, (measured, predicted)
+
+
+def test_views_of_one_buffer_offload_once_and_come_back():
+    """Tensors that are views of one storage (e.g. a flat buffer) move as one unit, bit-exact."""
+    from rollplex_megatron.memory.manager import MemoryManager, OffloadClass
+
+    flat = torch.randn(100, dtype=torch.float64)
+    views = [flat[:30], flat[30:].view(10, 7), torch.randn(5)]
+    want = [v.clone() for v in views]
+    mm = MemoryManager.__new__(MemoryManager)
+    mm.cuda, mm.device, mm.copy_stream, mm.copy_bytes = False, "cpu", None, {"d2h": 0, "h2d": 0}
+    c = OffloadClass("flat", lambda: views)
+    mm._offload(c)
+    assert flat.untyped_storage().nbytes() == 0 and len(c.host) == 2  # two storages, not three tensors
+    assert mm.copy_bytes["d2h"] == 100 * 8 + 5 * 4
+    mm._prefetch(c)
+    assert all(torch.equal(v, w) for v, w in zip(views, want))

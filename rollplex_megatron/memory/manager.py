@@ -43,11 +43,11 @@ PLANS = ("keep", "phase")
 
 
 def _storages(tensors) -> list[torch.UntypedStorage]:
-    """Unique storages behind `tensors` (views of one buffer count once)."""
+    """Unique storages behind `tensors` (views of one buffer count once, released or not)."""
     seen, out = set(), []
     for t in tensors:
         s = t.untyped_storage()
-        key = (s.data_ptr(), s.nbytes()) if s.nbytes() else id(t)
+        key = s._cdata  # the storage itself: stable across resize_, unlike its data pointer
         if key not in seen:
             seen.add(key)
             out.append(s)
