@@ -74,19 +74,20 @@ class StepBatch:
 def memory_plan(cfg: RunConfig, env) -> dict:
     """The planner's phases for this run (mode, `memory.plan`, the task's real prompt shape); raises
     when the peak exceeds `memory.budget_gib`, naming the class and what would make it fit."""
-    from rollplex_megatron.memory.planner import check_budget, plan, runtime_plan, summarize, workload_shape
+    from rollplex_megatron.memory.planner import (check_budget, plan, runtime_cfg, runtime_plan, summarize,
+                                                  workload_shape)
 
-    prompts = [env.prompt(env.episode(i)) for i in range(4)]
+    prompts = [env.prompt(env.episode(i)) for i in range(16)]  # the task's prompt shapes (questions vary)
     patches = max(sum(getattr(p, k).shape[0] for k in ("pixel_values", "pixel_values_videos")
                       if getattr(p, k) is not None) for p in prompts)
     shape = workload_shape(cfg, max(p.input_ids.numel() - 1 for p in prompts), patches, cfg.task.max_answer_tokens)
     summary = summarize(runtime_plan(cfg, shape), cfg.mode.name)
     try:
-        check_budget(summary, cfg.memory.budget_gib, f"{cfg.mode.name} (memory.plan={cfg.memory.plan})")
+        check_budget(summary, cfg.memory.budget_gib, f"{cfg.mode.name} (memory.plan={cfg.memory.plan})", runtime=True)
     except ValueError as e:
         if cfg.memory.plan == "phase":
             raise
-        alt = summarize(plan(cfg, cfg.mode.name, "phase", "embedded", shape), cfg.mode.name)["peak_gib"]
+        alt = summarize(plan(runtime_cfg(cfg), cfg.mode.name, "phase", "embedded", shape), cfg.mode.name)["peak_gib"]
         raise ValueError(f"{e}; memory.plan=phase would need {alt:.1f} GiB") from None
     return {**summary, "shape": vars(shape)}
 
@@ -282,7 +283,8 @@ class Rollplex(Mode):
 
         actor_kv, ref_kv = KVStore(), KVStore()
         mc = rt.cfg.mode
-        window = DecodeWindow(mc.window, mc.window_items_per_step, mc.window_tail_fraction, mc.window_green_sms)
+        mech = "interleave" if mc.window == "auto" and rt.cfg.parallel.tp > 1 else mc.window  # side streams: TP=1
+        window = DecodeWindow(mech, mc.window_items_per_step, mc.window_tail_fraction, mc.window_green_sms)
         episodes, reqs = rt.requests(step)
         for i, r in enumerate(reqs):
             window.submit(f"reference_prefix[{i}]", partial(_reference_prefix, rt.ref, r.prompt, ref_kv, i))

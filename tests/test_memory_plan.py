@@ -90,3 +90,15 @@ def test_over_budget_names_the_class_and_the_fix():
     # the Rollplex plan's peak is the optimizer step, where Adam's states are the largest class
     assert "optimizer_states" in p.stderr and "memory.budget_gib=40" in p.stderr
     assert "plan.distributed_optimizer=true" in p.stderr
+
+
+def test_runtime_plan_uses_what_the_trainer_runs():
+    """The trainer's budget check ignores plan.* layouts the runtime does not implement."""
+    base = ["model=qwen2_5_vl_7b", "dtype=bfloat16", "parallel.tp=2", "workload.rollout_batch=16",
+            "rollout.group_size=4"]
+    s = M.workload_shape(load_run_config(base), 1000, 0, 16)
+    assert s.patches == 0  # a text-only prompt is 0 patches, not the plan's default
+    on = M.summarize(M.runtime_plan(load_run_config(base + ["plan.sequence_parallel=true",
+                                                            "plan.distributed_optimizer=true"]), s), "rollplex")
+    off = M.summarize(M.runtime_plan(load_run_config(base + ["plan.sequence_parallel=false"]), s), "rollplex")
+    assert on["phase_gib"] == off["phase_gib"]

@@ -148,3 +148,20 @@ def test_views_of_one_buffer_offload_once_and_come_back():
     assert mm.copy_bytes["d2h"] == 100 * 8 + 5 * 4
     mm._prefetch(c)
     assert all(torch.equal(v, w) for v, w in zip(views, want))
+
+
+def test_tensors_from_a_checkpoint_are_adopted_before_offload(tmp_path):
+    """torch.load gives storages that cannot be resized; the manager moves them first (values kept)."""
+    from rollplex_megatron.memory.manager import MemoryManager, OffloadClass
+
+    torch.save({"a": torch.randn(7), "b": torch.randn(3, 3)}, tmp_path / "s.pt")
+    state = torch.load(tmp_path / "s.pt")
+    tensors = [state["a"], state["b"]]
+    want = [t.clone() for t in tensors]
+    mm = MemoryManager.__new__(MemoryManager)
+    mm.cuda, mm.device, mm.copy_stream, mm.copy_bytes = False, "cpu", None, {"d2h": 0, "h2d": 0}
+    c = OffloadClass("loaded", lambda: tensors)
+    mm._offload(c)
+    assert all(t.untyped_storage().nbytes() == 0 for t in state.values())  # the dict's own tensors released
+    mm._prefetch(c)
+    assert all(torch.equal(state[k], w) for k, w in zip("ab", want))

@@ -150,3 +150,21 @@ def test_engine_bad_input(tiny_hf):
         run_local(W.engine_bad_input, 1, _cfg(), str(tiny_hf), "budget")
     with pytest.raises(LocalRunError, match="rollout.max_response_len"):
         run_local(W.engine_bad_input, 1, _cfg(), str(tiny_hf), "length")
+
+
+def test_row_uniforms_are_open_interval_batch_independent_and_spread():
+    from rollplex_megatron.rollout.sampling import request_uniforms, row_uniforms
+
+    u = request_uniforms(11, 64, 5, 152064)
+    assert float(u.min()) > 0 and float(u.max()) < 1  # Gumbel needs log(-log(u)) finite
+    assert abs(float(u.mean()) - 0.5) < 1e-3 and abs(float(u.std()) - 12 ** -0.5) < 1e-3
+    alone = row_uniforms(torch.tensor([11]), torch.tensor([37]), torch.tensor([5]), 152064)
+    assert torch.equal(alone[0], u[37])  # a sample's draws do not depend on the batch around it
+    assert not torch.equal(request_uniforms(11, 1, 6, 100), request_uniforms(11, 1, 5, 100))  # steps differ
+    assert not torch.equal(request_uniforms(12, 1, 5, 100), request_uniforms(11, 1, 5, 100))  # seeds differ
+
+
+def test_side_stream_windows_need_tp1():
+    with pytest.raises(Exception, match="needs parallel.tp=1"):
+        load_run_config(["mode.window=stream", "parallel.tp=2"])
+    assert load_run_config(["mode.window=auto", "parallel.tp=2"]).mode.window == "auto"  # resolves to interleave

@@ -140,6 +140,10 @@ class MemoryManager:
             self.ddp.restore_grad_buffers(synchronize=False)
             self.grads_resident = True
         if self.cuda:
+            for c in self.classes.values():  # the host-to-device copies run on the copy stream
+                if c.event is not None:
+                    torch.cuda.current_stream().wait_event(c.event)
+                    c.event = None
             torch.cuda.current_stream().synchronize()
 
     def resident_bytes(self) -> dict[str, int]:
@@ -148,7 +152,17 @@ class MemoryManager:
         out["grads"] = sum(b.grad_data.untyped_storage().nbytes() for b in self.ddp.buffers + self.ddp.expert_parallel_buffers)
         return out
 
+    @staticmethod
+    def _adopt(tensors) -> None:
+        """Move tensors whose storage cannot be resized (e.g. loaded by torch.load from a checkpoint)
+        into fresh storage of their own; the tensor objects, and every reference to them, stay."""
+        with torch.no_grad():
+            for t in tensors:
+                if not t.untyped_storage().resizable():
+                    t.set_(t.clone())
+
     def _offload(self, c: OffloadClass) -> None:
+        self._adopt(self.tensors(c))
         tensors = self.tensors(c)
         storages = _storages(tensors)
         versions = tuple(t._version for t in tensors)  # in-place writes (e.g. load_state_dict) bump these

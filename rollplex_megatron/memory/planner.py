@@ -147,8 +147,9 @@ def workload_shape(cfg: RunConfig, prefix_tokens: int | None = None, patches: in
                    response_tokens: int | None = None) -> Shape:
     """The step's shape from `cfg.plan` (plan-memory) or from a task's real prompt (the trainer)."""
     p = cfg.plan
-    return Shape(cfg.prompts_per_rank, cfg.rollout.group_size, prefix_tokens or p.prefix_tokens,
-                 response_tokens or p.response_tokens, patches or p.vision_patches,
+    pick = lambda given, default: default if given is None else given  # noqa: E731 (0 patches is a real value)
+    return Shape(cfg.prompts_per_rank, cfg.rollout.group_size, pick(prefix_tokens, p.prefix_tokens),
+                 pick(response_tokens, p.response_tokens), pick(patches, p.vision_patches),
                  cfg.workload.responses_per_micro_batch)
 
 
@@ -260,9 +261,22 @@ def rollplex_plan(cfg: RunConfig, s: Shape | None = None) -> list[TensorClass]:
     return plan(cfg, "rollplex", "phase", "embedded", s)
 
 
+def runtime_cfg(cfg: RunConfig) -> RunConfig:
+    """`cfg` with the plan.* layout the trainer really runs: no sequence parallelism, megatron's
+    plain optimizer, and torch's Adam unless transformer-engine or apex gives megatron a fused one."""
+    from dataclasses import replace
+
+    try:
+        from megatron.core.optimizer import USING_PYTORCH_OPTIMIZER as torch_adam
+    except ImportError:  # pragma: no cover - older megatron-core
+        torch_adam = True
+    return replace(cfg, plan=replace(cfg.plan, sequence_parallel=False, distributed_optimizer=False,
+                                     fused_adam=not torch_adam))
+
+
 def runtime_plan(cfg: RunConfig, s: Shape) -> list[TensorClass]:
     """What the trainer's run of `cfg` holds: its mode and `memory.plan`, the embedded engine."""
-    return plan(cfg, cfg.mode.name, cfg.memory.plan, "embedded", s)
+    return plan(runtime_cfg(cfg), cfg.mode.name, cfg.memory.plan, "embedded", s)
 
 
 def summarize(classes: list[TensorClass], mode: str) -> dict:
@@ -289,16 +303,25 @@ FIXES = {  # what shrinks each class, in the config's terms
     "update_activations": "fewer workload.responses_per_micro_batch, plan.sequence_parallel=true or a larger "
                           "parallel.tp",
 }
+RUNTIME_FIXES = {  # the trainer honours no plan.* setting: only what its own config changes
+    "optimizer_states": "a larger parallel.tp/pp",
+    "main_weights": "a larger parallel.tp/pp",
+    "optimizer_workspace": "a larger parallel.tp/pp (or transformer-engine/apex installed: a fused Adam)",
+    "update_activations": "fewer workload.responses_per_micro_batch or a larger parallel.tp",
+}
 RELEASED_BY_PHASE_PLAN = {"main_weights", "optimizer_states", "grads", "reference_weights", "actor_prefix_graph"}
 
 
-def check_budget(summary: dict, budget_gib: float, mode: str) -> None:
-    """Fail, naming the largest class of the peak phase and what would free it, when over budget."""
+def check_budget(summary: dict, budget_gib: float, mode: str, runtime: bool = False) -> None:
+    """Fail, naming the largest class of the peak phase and what would free it, when over budget.
+
+    `runtime`: the trainer's check (its fixes name only settings the trainer honours)."""
     if budget_gib <= 0 or summary["peak_gib"] <= budget_gib:
         return
     phase = summary["peak_phase"]
     top = max(summary["by_phase_gib"][phase].items(), key=lambda kv: kv[1])
-    fix = FIXES.get(top[0], "a larger parallel.tp/pp or a smaller workload")
+    fixes = {**FIXES, **RUNTIME_FIXES} if runtime else FIXES
+    fix = fixes.get(top[0], "a larger parallel.tp/pp or a smaller workload")
     if top[0] in RELEASED_BY_PHASE_PLAN and summary["classes"][top[0]]["action"] == "keep":
         fix = f"memory.plan=phase (releases it outside its phases), or {fix}"
     raise ValueError(f"{mode} plan needs {summary['peak_gib']:.1f} GiB in phase {phase!r}, over memory.budget_gib="

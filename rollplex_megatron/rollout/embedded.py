@@ -118,6 +118,9 @@ class EmbeddedEngine:
         self.dev = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
         self.cuda_graphs = cuda_graphs and torch.cuda.is_available()
         self.graph_error = ""  # why CUDA-graph decode was turned off, if it was
+        if self.cuda_graphs and ps.get_tensor_model_parallel_world_size() > 1:
+            self.cuda_graphs = False  # TP collectives inside captured decode steps have not been validated
+            self.graph_error = "parallel.tp > 1: decode runs eagerly"
 
     def generate(self, requests: list[RolloutRequest], params: SamplingParams,
                  hooks: DecodeHooks | None = None, actor_prefix: KVStore | None = None,

@@ -94,7 +94,7 @@ def row_uniforms(seed_B: torch.Tensor, sample_B: torch.Tensor, step, vocab: int)
     key = _splitmix(key + (step + 1) * _GOLDEN)  # [B]
     ids = torch.arange(vocab, device=seed_B.device, dtype=torch.long)
     bits = _splitmix(key[:, None] + ids[None, :] * _GOLDEN)
-    return (_shr(bits, 40).float() + 0.5) * (1.0 / (1 << 24))
+    return (_shr(bits, 41).float() + 0.5) * (1.0 / (1 << 23))  # 23 bits + 1/2: exact in float32, never 0 or 1
 
 
 def request_uniforms(seed: int, n: int, step: int, vocab: int, device="cpu") -> torch.Tensor:
