@@ -1,0 +1,91 @@
+"""Kernel time of one CUDA-graph decode step, shared prefix (16 groups x 8) against unshared (128 x 1).
+
+3B shapes, bf16, random weights, the decode_vs_hf prompt shape (1026 tokens). One eager prefill
+gives a prefix K/V that every group reuses (the numbers do not matter, only the shapes), so no
+128-request prefill runs. The step is captured once, replayed `--replays` times for the wall time,
+then a few replays run under torch.profiler for the kernels' share of the step.
+
+    python -m torch.distributed.run --nproc_per_node 1 benchmarks/decode_step_profile.py --out prof.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="qwen2_5_vl_3b")
+    ap.add_argument("--max-new", type=int, default=128)
+    ap.add_argument("--replays", type=int, default=20)
+    ap.add_argument("--out", default="")
+    a = ap.parse_args()
+
+    sys.path.insert(0, "benchmarks")
+    from decode_vs_hf import prompts
+    from torch.profiler import ProfilerActivity, profile
+
+    from rollplex_megatron.attention.prefix import KVStore
+    from rollplex_megatron.dist import init_parallel
+    from rollplex_megatron.models.qwen25vl import build_model
+    from rollplex_megatron.prefix.batch import Group
+    from rollplex_megatron.prefix.execution import prefix_forward
+    from rollplex_megatron.recipes import load_run_config
+    from rollplex_megatron.rollout.embedded import DecodeCache, EmbeddedEngine, _WaveDecoder, _window
+    from rollplex_megatron.rollout.engine import RolloutRequest
+    from rollplex_megatron.rollout.sampling import SamplingParams
+    from rollplex_megatron.smoke import environment_record
+
+    gpu = torch.cuda.is_available()
+    init_parallel(1, 1, 0, "nccl" if gpu else "gloo")
+    cfg = load_run_config([f"model={a.preset}"]).model
+    dtype = torch.bfloat16 if gpu else torch.float32
+    model = build_model(cfg, dtype).eval()
+    prompt = prompts(cfg, 1, (2, 16, 16), 896)[0]
+    one = KVStore()
+    with torch.no_grad():
+        prefix_forward(model, [Group(prompt, [], torch.zeros(0))], one, keep_graph=False)
+    eng = EmbeddedEngine(model, cfg, 4096, a.max_new, kv_cache_gib=60.0)
+    rows = {}
+    for name, groups, n in (("shared_16x8", 16, 8), ("unshared_128x1", 128, 1)):
+        store = KVStore(leaves={(layer, g): kv for (layer, _), kv in one.leaves.items() for g in range(groups)})
+        reqs = [RolloutRequest(prompt, n, a.max_new, (), seed=g) for g in range(groups)]
+        cache = DecodeCache(store, list(range(groups)), [n] * groups, a.max_new, dtype)
+        dec = _WaveDecoder(eng, reqs, cache, SamplingParams())
+        key = (dec.n_rows, dec._s_max(dec.n_rows), _window(0, a.max_new))
+        with torch.no_grad():
+            dec._run_step(*key)  # capture (GPU) or eager
+            torch.cuda.synchronize() if gpu else None
+            t0 = time.perf_counter()
+            for _ in range(a.replays):
+                dec._run_step(*key)
+            torch.cuda.synchronize() if gpu else None
+            step_ms = 1e3 * (time.perf_counter() - t0) / a.replays
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
+            with profile(activities=acts) as prof:
+                for _ in range(3):
+                    dec._run_step(*key)
+                torch.cuda.synchronize() if gpu else None
+        kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+        total = sum(e.self_device_time_total for e in kernels) / 3 / 1e3
+        top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:20]
+        rows[name] = {"groups": groups, "samples_per_group": n, "step_ms": step_ms, "kernel_ms_per_step": total,
+                      "cuda_graphs": eng.cuda_graphs, "graph_error": eng.graph_error, "window": key[2],
+                      "top_kernels_ms_per_step": {e.key[:140]: round(e.self_device_time_total / 3 / 1e3, 3) for e in top}}
+        print(json.dumps({name: {k: v for k, v in rows[name].items() if k != "top_kernels_ms_per_step"}}), flush=True)
+        print(json.dumps(dict(list(rows[name]["top_kernels_ms_per_step"].items())[:8])), flush=True)
+        del dec, cache, store
+    res = {"command": "python " + " ".join(sys.argv), "prompt_tokens": int(prompt.input_ids.numel()), "rows": rows,
+           "environment": environment_record()}
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
