@@ -57,7 +57,11 @@ def recompute_vs_saved(cfg, hf_dir, mutant: str = ""):
 
     if mutant == "empty_recompute":  # the recomputed graph never reaches the backward
         orig = execution._recompute
-        execution._recompute = lambda m, st, store: (orig(m, st, store)[0], {})
+        def empty(m, st, store):
+            state, _, drift = orig(m, st, store)
+            return state, {}, drift
+
+        execution._recompute = empty
     from megatron.core import parallel_state as ps
 
     from rollplex_megatron.checkpoint.hf import HFCheckpoint, load_hf_into_model

@@ -94,19 +94,17 @@ def prefix_forward(model, groups: list[Group], store: KVStore, keep_graph: bool,
     return states
 
 
-def _recompute(m, st: PrefixState, store: KVStore) -> tuple[PrefixState, dict]:
-    """Re-run one group's prefix forward with a graph; its K/V must equal the stored leaves."""
+def _recompute(m, st: PrefixState, store: KVStore) -> tuple[PrefixState, dict, torch.Tensor]:
+    """Re-run one group's prefix forward with a graph; also returns (on the device) the largest
+    difference between its K/V and the stored leaves, which must be 0."""
     graph = KVStore(graph_only=True)
     recv = None if st.received is None else st.received.detach().requires_grad_()
     ctx = PrefixContext(mode="record", store=graph, group=st.group, keep_graph=True)
     with torch.enable_grad():
         out = _forward_group(m, st.prompt, ctx, recv)
-    drift = 0.0
-    for key, kv in graph.graph.items():
-        for t, leaf in zip(kv, store.leaves[key]):
-            drift = max(drift, float((t.detach().float() - leaf.detach()).abs().max()))
-    store.recompute_drift = max(store.recompute_drift, drift)
-    return PrefixState(st.group, st.length, recv, out), graph.graph
+    drift = torch.stack([(t.detach().float() - leaf.detach()).abs().max()
+                         for key, kv in graph.graph.items() for t, leaf in zip(kv, store.leaves[key])]).max()
+    return PrefixState(st.group, st.length, recv, out), graph.graph, drift
 
 
 def prefix_backward(model, states: list[PrefixState], store: KVStore) -> None:
@@ -117,10 +115,12 @@ def prefix_backward(model, states: list[PrefixState], store: KVStore) -> None:
     m, p2p = unwrap(model), _p2p(model)
     first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
     hidden = m.cfg.hidden_size
+    drifts = []
     for st in states:
         graph = None
         if st.prompt is not None:
-            st, graph = _recompute(m, st, store)
+            st, graph, drift = _recompute(m, st, store)
+            drifts.append(drift)
         outs, grads = store.backward_pairs(st.group, graph)
         if not last:
             outs.append(st.output)
@@ -131,6 +131,8 @@ def prefix_backward(model, states: list[PrefixState], store: KVStore) -> None:
             g = st.received.grad if st.received.grad is not None else torch.zeros_like(st.received)
             p2p.send_backward(g, first)
         store.release(st.group)
+    if drifts:  # one read for all groups, after the backward work is issued
+        store.recompute_drift = max(store.recompute_drift, float(torch.stack(drifts).max()))
 
 
 def _loss(mb: MicroBatch, logits_BTV: torch.Tensor):
