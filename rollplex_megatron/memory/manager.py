@@ -8,6 +8,9 @@ The trainer enters every phase of the step through `MemoryManager.enter(phase)`.
   reference_weights  the frozen reference model                             offload (copied again only if written)
   grads              megatron DDP's grad buffers                            free (reallocated zeroed)
 
+Under plan `phase` the phases each class is resident in are `planner.PHASE_RESIDENCY`, the same
+table the planner predicts from; under `keep` every class stays.
+
 The prefix classes follow their producers' lifetimes in code rather than here: the rollout KV cache
 is freed when the rollout returns, the reference prefix K/V after the reference response stage, the
 actor prefix K/V and gK/gV after each group's prefix backward, and under the `phase` plan the actor
@@ -29,16 +32,8 @@ from typing import Callable
 
 import torch
 
-# Plan `phase`: the phases (of every mode) in which each class must be resident. Between its first
-# and last phase a class stays where it is.
-PHASE_PLAN = {
-    "main_weights": ("optimizer",),
-    "optimizer_states": ("optimizer",),
-    "grads": ("update", "optimizer"),
-    "reference_weights": {"rollplex": ("rollout", "reward", "ref_logp"),  # the window's reference prefixes
-                          "serial": ("ref_logp",), "prefix_shared": ("ref_logp",)},
-}
-READ_ONLY = {"reference_weights"}  # the host copy stays valid after the first offload
+from rollplex_megatron.memory.planner import resident_phases
+
 PLANS = ("keep", "phase")
 
 
@@ -104,11 +99,7 @@ class MemoryManager:
 
     def resident_in(self, name: str, phase: str) -> bool:
         """Whether the plan wants class `name` on the device during `phase`."""
-        if self.plan == "keep":
-            return True
-        want = PHASE_PLAN[name]
-        want = want[self.mode] if isinstance(want, dict) else want
-        return phase in want
+        return self.plan == "keep" or phase in resident_phases(name, self.mode)
 
     def enter(self, phase: str) -> None:
         """Release what `phase` does not need, then bring back what it does (in that order)."""
@@ -162,8 +153,8 @@ class MemoryManager:
                     t.set_(t.clone())
 
     def _offload(self, c: OffloadClass) -> None:
-        self._adopt(self.tensors(c))
-        tensors = self.tensors(c)
+        tensors = c.tensors()
+        self._adopt(tensors)
         storages = _storages(tensors)
         versions = tuple(t._version for t in tensors)  # in-place writes (e.g. load_state_dict) bump these
         if not (c.read_only and c.host_valid and c.versions == versions and len(c.host) == len(storages)):
@@ -179,17 +170,13 @@ class MemoryManager:
         c.resident = False
 
     def _prefetch(self, c: OffloadClass) -> None:
-        storages = _storages(self.tensors(c))
+        storages = _storages(c.tensors())
         for s, n in zip(storages, c.sizes):
             s.resize_(n)
         self._copy(c, c.host, [_bytes(s, self.device) for s in storages], "h2d")
         c.resident = True
         if not c.read_only:
             c.host_valid = False  # the device copy is the live one again
-
-    def tensors(self, c: OffloadClass) -> list[torch.Tensor]:
-        """The class's tensors (hook for tests)."""
-        return c.tensors()
 
     def _copy(self, c: OffloadClass, src: list, dst: list, kind: str) -> None:
         if not self.cuda:

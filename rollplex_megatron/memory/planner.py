@@ -27,6 +27,25 @@ PHASES = {"serial": ("rollout", "old_logp", "ref_logp", "update", "optimizer"),
           "rollplex": ("rollout", "ref_logp", "update", "optimizer")}
 
 
+# Plan `phase` (what memory/manager.py does at run time): the phases of one step in which each
+# managed class is on the device; elsewhere it is offloaded (or, for grads, freed). The reference
+# stays through `reward` in rollplex, between its two readers (the window's reference prefixes in
+# the rollout, the reference response stage).
+PHASE_RESIDENCY = {
+    "main_weights": ("optimizer",),
+    "optimizer_states": ("optimizer",),
+    "grads": ("update", "optimizer"),
+    "reference_weights": {"rollplex": ("rollout", "reward", "ref_logp"),
+                          "serial": ("ref_logp",), "prefix_shared": ("ref_logp",)},
+}
+
+
+def resident_phases(name: str, mode: str) -> tuple[str, ...]:
+    """The phases in which the `phase` plan keeps a managed class on the device."""
+    want = PHASE_RESIDENCY[name]
+    return want[mode] if isinstance(want, dict) else want
+
+
 @dataclass(frozen=True)
 class TensorClass:
     """One class of tensors: bytes on one GPU, where it lives per phase, and why."""
@@ -190,17 +209,17 @@ def plan(cfg: RunConfig, mode: str, residency: str, engine: str, s: Shape | None
     keep = residency == "keep"
     kv_tok = kv_bytes_per_token(m, par.tp, m.num_layers // par.pp, e)
     kv32 = kv_bytes_per_token(m, par.tp, m.num_layers // par.pp, 4)
-    ref_phases = ("rollout", "ref_logp") if mode == "rollplex" else ("ref_logp",)
+    where = lambda name: allp if keep else resident_phases(name, mode)  # noqa: E731
     out = [
         TensorClass("actor_weights", w["actor_weights"], allp, "keep", "the rollout runs on them"
                     if engine == "embedded" else ""),
-        TensorClass("main_weights", w["main_weights"], allp if keep else ("optimizer",), "keep" if keep else "offload",
+        TensorClass("main_weights", w["main_weights"], where("main_weights"), "keep" if keep else "offload",
                     "fp32 masters of megatron's Float16 optimizer"),
-        TensorClass("optimizer_states", w["optimizer_states"], allp if keep else ("optimizer",),
+        TensorClass("optimizer_states", w["optimizer_states"], where("optimizer_states"),
                     "keep" if keep else "offload", "Adam exp_avg and exp_avg_sq"),
-        TensorClass("grads", w["grads"], allp if keep else ("update", "optimizer"), "keep" if keep else "free",
+        TensorClass("grads", w["grads"], where("grads"), "keep" if keep else "free",
                     "megatron DDP's fp32 grad buffers"),
-        TensorClass("reference_weights", w["reference_weights"], allp if keep else ref_phases,
+        TensorClass("reference_weights", w["reference_weights"], where("reference_weights"),
                     "keep" if keep else "offload"),
     ]
     if engine == "separate":
