@@ -36,17 +36,20 @@ def group_slots(group_B: torch.Tensor, n_groups: int, s_max: int | None = None) 
 
 def shared_prefix_decode_attention(q_BND, prefix_k_GrPND, prefix_v_GrPND, prefix_len_Gr, group_B,
                                    resp_k_BRND, resp_v_BRND, resp_len_B, scale: float | None,
-                                   s_max: int | None = None) -> torch.Tensor:
+                                   s_max: int | None = None, slot_B: torch.Tensor | None = None) -> torch.Tensor:
     """One decode step's attention; returns [B, Nq*D] in the query dtype (scale None: 1/sqrt(D)).
 
-    `s_max`: an upper bound of samples per group in the batch (static shapes, no host sync)."""
+    `s_max`: an upper bound of samples per group in the batch (static shapes, no host sync);
+    `slot_B`: `group_slots(group_B, ...)` when the caller computed it once for every layer."""
     b, nq, d = q_BND.shape
     scale = d ** -0.5 if scale is None else scale
     n_groups, p, ng = prefix_k_GrPND.shape[0], prefix_k_GrPND.shape[1], prefix_k_GrPND.shape[2]
     rep = nq // ng
     q = q_BND.float() * scale
     # prefix part: queries of one group stacked -> [Gr, Ng, S*rep, D] against [Gr, Ng, P, D]
-    slot, s_max = group_slots(group_B, n_groups, s_max)
+    if slot_B is None or s_max is None:
+        slot_B, s_max = group_slots(group_B, n_groups, s_max)
+    slot = slot_B
     qg = q.new_zeros(n_groups, s_max, ng, rep, d)
     qg[group_B, slot] = q.view(b, ng, rep, d)
     qg = qg.permute(0, 2, 1, 3, 4).reshape(n_groups, ng, s_max * rep, d)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from megatron.core import parallel_state as ps
 
-from rollplex_megatron.attention.decode import shared_prefix_decode_attention
+from rollplex_megatron.attention.decode import group_slots, shared_prefix_decode_attention
 from rollplex_megatron.attention.prefix import AttentionContext, KVStore
 from rollplex_megatron.config import ModelConfig
 from rollplex_megatron.memory.planner import kv_bytes_per_token
@@ -62,9 +62,9 @@ class DecodeCache:
         r[0, :n].index_copy_(1, ctx.step, key[0][:, None])
         r[1, :n].index_copy_(1, ctx.step, value[0][:, None])
         p = self.prefix[layer]
-        length = (ctx.step + 1).expand(n)
         out = shared_prefix_decode_attention(query[0], p[0], p[1], self.prefix_len, ctx.group,
-                                             r[0, :n, :ctx.window], r[1, :n, :ctx.window], length, scale, ctx.s_max)
+                                             r[0, :n, :ctx.window], r[1, :n, :ctx.window], ctx.length, scale,
+                                             ctx.s_max, ctx.slot)
         return out[None]
 
 
@@ -78,6 +78,8 @@ class DecodeContext(AttentionContext):
     step: torch.Tensor | None = None  # [1] long: the step (the response position written)
     s_max: int = 0  # bound on slots per group
     window: int = 0  # response positions attended (>= step + 1)
+    slot: torch.Tensor | None = None  # [n] rank of each slot within its group (same for every layer)
+    length: torch.Tensor | None = None  # [n] response positions written so far (step + 1)
 
     def __post_init__(self) -> None:
         self.qkv_format = "sbhd"
@@ -261,7 +263,9 @@ class _WaveDecoder:
         st = self.slot
         group = st["group"][:n]
         pos = (self.last_pos[group] + self.step_t).T[:, :, None]  # [3, n, 1]
-        ctx = DecodeContext(cache=self.cache, n=n, group=group, step=self.step_t, s_max=s_max, window=window)
+        slot, _ = group_slots(group, self.n_groups, s_max)  # once per step, not once per layer
+        ctx = DecodeContext(cache=self.cache, n=n, group=group, step=self.step_t, s_max=s_max, window=window,
+                            slot=slot, length=(self.step_t + 1).expand(n))
         logits = self.m(input_ids=st["tok"][:n, None], position_ids=pos, attention_context=ctx)
         full = gather_vocab_logits(logits, self.vocab)[:, 0]  # [n, V]
         full = full.index_fill(1, self.banned, float("-inf"))  # vision placeholders are never emitted
