@@ -1,4 +1,5 @@
-"""Kernel time of one CUDA-graph decode step, shared prefix (16 groups x 8) against unshared (128 x 1).
+"""Kernel time of one CUDA-graph decode step, shared prefix (16 groups x 8) against unshared (128 x 1),
+for each decode attention path (math: fp32 torch; flash: varlen flash kernels).
 
 3B shapes, bf16, random weights, the decode_vs_hf prompt shape (1026 tokens). One eager prefill
 gives a prefix K/V that every group reuses (the numbers do not matter, only the shapes), so no
@@ -22,6 +23,7 @@ def main() -> int:
     ap.add_argument("--preset", default="qwen2_5_vl_3b")
     ap.add_argument("--max-new", type=int, default=128)
     ap.add_argument("--replays", type=int, default=20)
+    ap.add_argument("--decode-attention", default="math,flash", help="engine decode attention paths to profile")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
 
@@ -49,9 +51,11 @@ def main() -> int:
     one = KVStore()
     with torch.no_grad():
         prefix_forward(model, [Group(prompt, [], torch.zeros(0))], one, keep_graph=False)
-    eng = EmbeddedEngine(model, cfg, 4096, a.max_new, kv_cache_gib=60.0)
     rows = {}
-    for name, groups, n in (("shared_16x8", 16, 8), ("unshared_128x1", 128, 1)):
+    cases = [(f"{case}_{impl}", groups, n, impl) for impl in a.decode_attention.split(",")
+             for case, groups, n in (("shared_16x8", 16, 8), ("unshared_128x1", 128, 1))]
+    for name, groups, n, impl in cases:
+        eng = EmbeddedEngine(model, cfg, 4096, a.max_new, kv_cache_gib=60.0, decode_attention=impl)
         store = KVStore(leaves={(layer, g): kv for (layer, _), kv in one.leaves.items() for g in range(groups)})
         reqs = [RolloutRequest(prompt, n, a.max_new, (), seed=g) for g in range(groups)]
         cache = DecodeCache(store, list(range(groups)), [n] * groups, a.max_new, dtype)
@@ -73,7 +77,7 @@ def main() -> int:
         kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
         total = sum(e.self_device_time_total for e in kernels) / 3 / 1e3
         top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:20]
-        rows[name] = {"groups": groups, "samples_per_group": n, "step_ms": step_ms, "kernel_ms_per_step": total,
+        rows[name] = {"groups": groups, "samples_per_group": n, "decode_attention": impl, "step_ms": step_ms, "kernel_ms_per_step": total,
                       "cuda_graphs": eng.cuda_graphs, "graph_error": eng.graph_error, "window": key[2],
                       "top_kernels_ms_per_step": {e.key[:140]: round(e.self_device_time_total / 3 / 1e3, 3) for e in top}}
         print(json.dumps({name: {k: v for k, v in rows[name].items() if k != "top_kernels_ms_per_step"}}), flush=True)

@@ -119,13 +119,15 @@ def run_hf(path: str, cfg, ps, G: int, new_tokens: int, dtype) -> dict:
             "decode_tokens_per_s": ids.shape[0] * (new_tokens - 1) / decode}
 
 
-def run_engine(model, cfg, ps, G: int, new_tokens: int, shared: bool, kv_gib: float, graphs: bool = True) -> dict:
+def run_engine(model, cfg, ps, G: int, new_tokens: int, shared: bool, kv_gib: float, graphs: bool = True,
+               attention: str = "auto") -> dict:
     from rollplex_megatron.rollout.embedded import EmbeddedEngine
     from rollplex_megatron.rollout.engine import RolloutRequest
     from rollplex_megatron.rollout.sampling import SamplingParams
 
     eng = EmbeddedEngine(model, cfg, max_prompt_len=max(p.input_ids.numel() for p in ps),
-                         max_response_len=new_tokens, kv_cache_gib=kv_gib, cuda_graphs=graphs)
+                         max_response_len=new_tokens, kv_cache_gib=kv_gib, cuda_graphs=graphs,
+                         decode_attention=attention)
     if shared:
         reqs = [RolloutRequest(p, G, new_tokens, (), seed=i) for i, p in enumerate(ps)]
     else:
@@ -141,7 +143,8 @@ def run_engine(model, cfg, ps, G: int, new_tokens: int, shared: bool, kv_gib: fl
     assert n == len(ps) * G * new_tokens, n
     st = out.stats
     return {"total_s": total, "prefill_s": st["prefill_s"], "decode_s": st["decode_s"], "waves": st["waves"],
-            "decode_steps": st["decode_steps"], "cuda_graphs": eng.cuda_graphs, "graph_error": eng.graph_error,
+            "decode_steps": st["decode_steps"], "decode_attention": "flash" if eng.flash else "math",
+            "cuda_graphs": eng.cuda_graphs, "graph_error": eng.graph_error,
             "graphs_captured": st["graphs_captured"],
             "graph_replays": st["graph_replays"], "capture_s": st["capture_s"],
             "decode_tokens_per_s": len(ps) * G * (new_tokens - 1) / st["decode_s"],
@@ -186,9 +189,13 @@ def main() -> int:
             if gpu:
                 row["engine_shared_eager"] = run_engine(model, cfg, ps, a.group_size, a.new_tokens, True, a.kv_gib,
                                                         graphs=False)
+                for shared in (True, False):  # the fp32 reference attention path, for the ratio in this run
+                    row[f"engine_{'shared' if shared else 'unshared'}_math"] = run_engine(
+                        model, cfg, ps, a.group_size, a.new_tokens, shared, a.kv_gib, attention="math")
             row["hf"] = run_hf(tmp, cfg, ps, a.group_size, a.new_tokens, dtype)
             hf = row["hf"]["decode_tokens_per_s"]
-            for k in ("engine_shared", "engine_unshared", "engine_shared_eager"):
+            for k in ("engine_shared", "engine_unshared", "engine_shared_eager", "engine_shared_math",
+                      "engine_unshared_math"):
                 if k in row:
                     row[f"decode_speedup_{k.removeprefix('engine_')}_over_hf"] = row[k]["decode_tokens_per_s"] / hf
             row["total_speedup_shared_over_hf"] = row["hf"]["total_s"] / row["engine_shared"]["total_s"]
@@ -198,7 +205,8 @@ def main() -> int:
            "settings": {"hf": "transformers generate, DynamicCache, sdpa attention, no torch.compile, "
                               "do_sample temperature 1, min_new_tokens = max_new_tokens",
                         "engine": "embedded engine: one CUDA graph per (batch bucket, samples-per-group bound, "
-                                  "response window) replayed per decode step (engine_shared_eager: no graphs); "
+                                  "response window) replayed per decode step (engine_shared_eager: no graphs); decode attention "
+                                  "on varlen flash kernels where it runs (*_math: the fp32 torch path); "
                                   "decode_s includes graph capture (capture_s)",
                         "dtype": str(dtype), "video_grid": list(grid), "text_tokens": a.text_tokens},
            "environment": environment_record()}

@@ -4,10 +4,7 @@
 #   ROLLPLEX_COMMIT=<sha> bash benchmarks/gpu_decode.sh
 # Writes $OUT/decode_vs_hf_3b_graphs.json and $OUT/decode_window_3b.json.
 set -euo pipefail
-out=${OUT:-benchmarks/results}
-mkdir -p "$out" /tmp/site
-python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl 2>/dev/null
-export PYTHONPATH=/tmp/site:$PWD CUDA_DEVICE_MAX_CONNECTIONS=1
+source benchmarks/gpu_env.sh
 run() { python3 -m torch.distributed.run --nproc_per_node 1 "$@" 2>&1 | grep -v -i warn | grep -v "^  warnings" | tail -40; }
 if [ "${SKIP_HF:-0}" != 1 ]; then
   run benchmarks/decode_vs_hf.py --preset qwen2_5_vl_3b --batches 64,128 --new-tokens 128 --grid 2,16,16 \

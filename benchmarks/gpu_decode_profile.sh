@@ -4,9 +4,6 @@
 #   ROLLPLEX_COMMIT=<sha> bash benchmarks/gpu_decode_profile.sh
 # Writes $OUT/window_item_profile_3b.json.
 set -euo pipefail
-out=${OUT:-benchmarks/results}
-mkdir -p "$out" /tmp/site
-python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl 2>/dev/null
-export PYTHONPATH=/tmp/site:$PWD CUDA_DEVICE_MAX_CONNECTIONS=1
+source benchmarks/gpu_env.sh
 python3 -m torch.distributed.run --nproc_per_node 1 benchmarks/decode_window.py --profile-item \
   --out "$out/window_item_profile_3b.json" 2>&1 | grep -v -i warn | tail -3

@@ -6,11 +6,9 @@
 # Writes $OUT/memory_3b.json (command, commit, date, device, versions; per run: predicted and
 # measured GiB per phase at the last step, their ratio, managed class bytes, step times).
 set -euo pipefail
-out=${OUT:-benchmarks/results}
+source benchmarks/gpu_env.sh
 steps=${STEPS:-3}
-mkdir -p "$out" /tmp/site
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:$PWD CUDA_DEVICE_MAX_CONNECTIONS=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 args=(model=qwen2_5_vl_3b dtype=bfloat16 task=motion_long workload=vlm_gpu memory=h200 rollout.group_size=8
       train.steps=$steps train.save_final=false train.progress=false)
 runs=${RUNS:-"serial:keep rollplex:phase rollplex:keep serial:phase"}

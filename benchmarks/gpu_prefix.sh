@@ -5,10 +5,7 @@
 # 2 responses per micro-batch. Checks the DESIGN bf16 tolerances, times both paths (median of the
 # repeats after the first) and records the analytic FLOPs. Writes $OUT/prefix_vs_full_3b_bf16_<backend>[_vision<depth>].json.
 set -euo pipefail
-out=${OUT:-benchmarks/results}
-mkdir -p "$out" /tmp/site
-python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl 2>/dev/null
-export PYTHONPATH=/tmp/site:$PWD CUDA_DEVICE_MAX_CONNECTIONS=1
+source benchmarks/gpu_env.sh
 backend=${BACKEND:-auto}
 depth=${VISION_DEPTH:-32}  # vision blocks; below 32 the last block is the one full-attention block
 suffix=""

@@ -5,10 +5,7 @@
 # Writes one JSON per run under $OUT (default benchmarks/results/) with command, commit, date,
 # device and versions (smoke's summary.json), and prints a one-line table per run.
 set -euo pipefail
-out=${OUT:-benchmarks/results}
-mkdir -p "$out" /tmp/site
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:$PWD CUDA_DEVICE_MAX_CONNECTIONS=1
+source benchmarks/gpu_env.sh
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv > "$out/nvidia_smi.csv" || true
 run() {
   local tag=$1; shift

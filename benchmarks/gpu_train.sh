@@ -5,11 +5,9 @@
 # Writes $OUT/train_3b_<mode>.metrics.jsonl, $OUT/train_3b_summary.json (command, commit, date,
 # device, versions, per-mode summary) and $OUT/train_3b_report.png.
 set -euo pipefail
-out=${OUT:-benchmarks/results}
+source benchmarks/gpu_env.sh
 steps=${STEPS:-3}
-mkdir -p "$out" /tmp/site
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:$PWD CUDA_DEVICE_MAX_CONNECTIONS=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 args=(model=qwen2_5_vl_3b dtype=bfloat16 task=motion_long workload=vlm_gpu memory=h200 rollout.group_size=8
       train.steps=$steps train.save_final=false train.progress=false train.out=/tmp/gpu_train)
 cmd="python -m rollplex_megatron train --modes serial,prefix_shared,rollplex ${args[*]}"

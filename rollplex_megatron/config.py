@@ -198,6 +198,7 @@ class RolloutConfig:
     top_p: float = 1.0  # nucleus sampling mass in (0, 1]
     top_k: int = 0  # keep the k most likely tokens (0: all)
     cuda_graphs: bool = True  # GPU: replay each decode step as a CUDA graph (per batch-size bucket)
+    decode_attention: str = "auto"  # flash (CUDA, bf16/fp16) | math (fp32 torch) | auto (flash where it can run)
 
     def __post_init__(self) -> None:
         if self.group_size < 1:
@@ -209,6 +210,8 @@ class RolloutConfig:
         from rollplex_megatron.rollout.sampling import check_sampling
 
         check_sampling(self.temperature, self.top_p, self.top_k, "rollout.")
+        if self.decode_attention not in ("auto", "flash", "math"):
+            raise ValueError(f"rollout.decode_attention must be auto, flash or math, got {self.decode_attention!r}")
 
 
 @dataclass(kw_only=True)

@@ -126,7 +126,8 @@ class Runtime:
         self.memory = MemoryManager(cfg.memory.plan, cfg.mode.name, self.ddp, self.optimizer, self.ref)
         self.recompute = cfg.memory.plan == "phase"  # the actor prefix keeps no graph
         self.engine = EmbeddedEngine(self.ddp, cfg.model, cfg.rollout.max_prompt_len, cfg.rollout.max_response_len,
-                                     cfg.memory.kv_cache_gib, cfg.rollout.cuda_graphs)
+                                     cfg.memory.kv_cache_gib, cfg.rollout.cuda_graphs,
+                                     cfg.rollout.decode_attention)
         r = cfg.rollout
         self.sampling = SamplingParams(r.temperature, r.top_p, r.top_k)
         self.backend = cfg.mode.attention_backend

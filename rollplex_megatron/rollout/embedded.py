@@ -18,7 +18,14 @@ from dataclasses import dataclass
 import torch
 from megatron.core import parallel_state as ps
 
-from rollplex_megatron.attention.decode import group_slots, shared_prefix_decode_attention
+from rollplex_megatron.attention.decode import (
+    FlashIndex,
+    flash_decode_available,
+    flash_index,
+    flash_shared_prefix_decode_attention,
+    group_slots,
+    shared_prefix_decode_attention,
+)
 from rollplex_megatron.attention.prefix import AttentionContext, KVStore
 from rollplex_megatron.config import ModelConfig
 from rollplex_megatron.memory.planner import kv_bytes_per_token
@@ -39,6 +46,7 @@ class DecodeCache:
         lens = [store.leaves[(layers[0], g)][0].shape[0] for g in store_ids]
         p_max, n_rows = max(lens), sum(rows_per_group)
         self.prefix_len = torch.tensor(lens, device=dev)
+        self.prefix_pad, self.max_new = p_max, max_new
         self.prefix, self.resp = {}, {}
         for layer in layers:
             pk = torch.zeros(2, len(store_ids), p_max, ng, d, dtype=dtype, device=dev)
@@ -62,6 +70,10 @@ class DecodeCache:
         r[0, :n].index_copy_(1, ctx.step, key[0][:, None])
         r[1, :n].index_copy_(1, ctx.step, value[0][:, None])
         p = self.prefix[layer]
+        if ctx.flash is not None:
+            out = flash_shared_prefix_decode_attention(query[0], p[0], p[1], ctx.group, ctx.slot, ctx.s_max, r[0, :n],
+                                                       r[1, :n], ctx.window, ctx.flash, scale)
+            return out[None]
         out = shared_prefix_decode_attention(query[0], p[0], p[1], self.prefix_len, ctx.group,
                                              r[0, :n, :ctx.window], r[1, :n, :ctx.window], ctx.length, scale,
                                              ctx.s_max, ctx.slot)
@@ -80,6 +92,7 @@ class DecodeContext(AttentionContext):
     window: int = 0  # response positions attended (>= step + 1)
     slot: torch.Tensor | None = None  # [n] rank of each slot within its group (same for every layer)
     length: torch.Tensor | None = None  # [n] response positions written so far (step + 1)
+    flash: FlashIndex | None = None  # varlen offsets when decode attention runs on flash kernels
 
     def __post_init__(self) -> None:
         self.qkv_format = "sbhd"
@@ -110,7 +123,7 @@ class EmbeddedEngine:
     """RolloutEngine on the actor's Megatron modules (no weight copy), pipeline size 1."""
 
     def __init__(self, model, cfg: ModelConfig, max_prompt_len: int, max_response_len: int, kv_cache_gib: float,
-                 cuda_graphs: bool = True):
+                 cuda_graphs: bool = True, decode_attention: str = "auto"):
         if ps.get_pipeline_model_parallel_world_size() != 1:
             raise ValueError("the embedded rollout engine runs at parallel.pp=1; use parallel.pp=1 for training "
                              "runs (prefix/response execution itself supports pp>1)")
@@ -119,6 +132,11 @@ class EmbeddedEngine:
         self.budget = int(kv_cache_gib * 2**30)
         self.dev = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
         self.cuda_graphs = cuda_graphs and torch.cuda.is_available()
+        dtype = unwrap(model).config.params_dtype
+        if decode_attention == "flash" and not flash_decode_available(dtype, self.dev):
+            raise ValueError(f"rollout.decode_attention=flash needs CUDA and bf16/fp16 weights (here: {dtype} on "
+                             f"{torch.device(self.dev).type}); use auto or math")
+        self.flash = decode_attention == "flash" or (decode_attention == "auto" and flash_decode_available(dtype, self.dev))
         self.graph_error = ""  # why CUDA-graph decode was turned off, if it was
         if self.cuda_graphs and ps.get_tensor_model_parallel_world_size() > 1:
             self.cuda_graphs = False  # TP collectives inside captured decode steps have not been validated
@@ -264,8 +282,11 @@ class _WaveDecoder:
         group = st["group"][:n]
         pos = (self.last_pos[group] + self.step_t).T[:, :, None]  # [3, n, 1]
         slot, _ = group_slots(group, self.n_groups, s_max)  # once per step, not once per layer
-        ctx = DecodeContext(cache=self.cache, n=n, group=group, step=self.step_t, s_max=s_max, window=window,
-                            slot=slot, length=(self.step_t + 1).expand(n))
+        length = (self.step_t + 1).expand(n)
+        c = self.cache
+        flash = (flash_index(c.prefix_len, c.prefix_pad, s_max, length, c.max_new) if self.engine.flash else None)
+        ctx = DecodeContext(cache=c, n=n, group=group, step=self.step_t, s_max=s_max, window=window, slot=slot,
+                            length=length, flash=flash)
         logits = self.m(input_ids=st["tok"][:n, None], position_ids=pos, attention_context=ctx)
         full = gather_vocab_logits(logits, self.vocab)[:, 0]  # [n, V]
         full = full.index_fill(1, self.banned, float("-inf"))  # vision placeholders are never emitted

@@ -1,0 +1,111 @@
+"""GPU-only: the flash decode attention against the fp32 reference path, eager and graph-captured.
+
+Marked `gpu`: skipped, with a reason, without CUDA. The CPU suite tests the reference path
+(`test_rollout.py`); these run on the device machine (`benchmarks/gpu_decode_attention.sh`).
+"""
+import pytest
+import torch
+
+from rollplex_megatron.attention.decode import (
+    flash_decode_available,
+    flash_index,
+    flash_shared_prefix_decode_attention,
+    group_slots,
+    shared_prefix_decode_attention,
+)
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA: the flash decode path runs on GPU only", allow_module_level=True)
+
+BF16_TOL = 1e-2  # DESIGN: bf16 outputs within 1e-2 relative
+
+
+def _case(seed, groups, per_group, p_max=300, rm=64, ng=2, rep=8, d=128, dtype=torch.bfloat16):
+    """Random decode step: uneven groups (some with fewer samples), ragged prefix and response lengths."""
+    g = torch.Generator().manual_seed(seed)
+    dev = "cuda"
+    lens = torch.randint(p_max // 3, p_max + 1, (groups,), generator=g)
+    mag = 10.0 ** torch.randint(-1, 2, (1,), generator=g).item()
+    counts = torch.randint(1, per_group + 1, (groups,), generator=g)
+    counts[0] = per_group
+    group_B = torch.repeat_interleave(torch.arange(groups), counts)[torch.randperm(int(counts.sum()), generator=g)]
+    b = group_B.numel()
+    mk = lambda *s, m=1.0: (torch.randn(*s, generator=g) * m).to(dev, dtype)  # noqa: E731
+    pk, pv = mk(groups, p_max, ng, d, m=mag), mk(groups, p_max, ng, d)
+    rk, rv = mk(b, rm, ng, d, m=mag), mk(b, rm, ng, d)
+    rlen = torch.randint(1, rm + 1, (b,), generator=g).to(dev)
+    q = mk(b, ng * rep, d)
+    return q, pk, pv, lens.to(dev), group_B.to(dev), rk, rv, rlen
+
+
+def _both(case, window=None):
+    q, pk, pv, lens, group_B, rk, rv, rlen = case
+    rm = rk.shape[1]
+    window = rm if window is None else window
+    slot, s_max = group_slots(group_B, pk.shape[0])
+    idx = flash_index(lens, pk.shape[1], s_max, rlen, rm)
+    fast = flash_shared_prefix_decode_attention(q, pk, pv, group_B, slot, s_max, rk, rv, window, idx, None)
+    ref = shared_prefix_decode_attention(q.double(), pk.double(), pv.double(), lens, group_B, rk[:, :window].double(),
+                                         rv[:, :window].double(), rlen, None)
+    return fast, ref
+
+
+def _rel(a, b):
+    return float((a.double() - b).norm() / b.norm())
+
+
+@pytest.mark.parametrize("seed,groups,per_group", [(0, 16, 8), (1, 64, 1), (2, 5, 3)])
+def test_flash_decode_matches_reference(seed, groups, per_group):
+    assert flash_decode_available(torch.bfloat16, "cuda")
+    case = _case(seed, groups, per_group)
+    fast, ref = _both(case)
+    assert _rel(fast, ref) < BF16_TOL
+    # the fp32 math path on the same bf16 inputs lands in the same band
+    q, pk, pv, lens, group_B, rk, rv, rlen = case
+    math = shared_prefix_decode_attention(q, pk, pv, lens, group_B, rk, rv, rlen, None)
+    assert _rel(math, ref) < BF16_TOL
+    # mutations: padding keys read (prefix length ignored), or every sample on group 0's prefix
+    slot, s_max = group_slots(group_B, groups)
+    idx = flash_index(torch.full_like(lens, pk.shape[1]), pk.shape[1], s_max, rlen, rk.shape[1])
+    pad = flash_shared_prefix_decode_attention(q, pk, pv, group_B, slot, s_max, rk, rv, rk.shape[1], idx, None)
+    assert _rel(pad, ref) > 5 * BF16_TOL
+    zero = torch.zeros_like(group_B)
+    slot0, s0 = group_slots(zero, groups)
+    idx0 = flash_index(lens, pk.shape[1], s0, rlen, rk.shape[1])
+    wrong = flash_shared_prefix_decode_attention(q, pk, pv, zero, slot0, s0, rk, rv, rk.shape[1], idx0, None)
+    assert _rel(wrong, ref) > 5 * BF16_TOL
+
+
+def test_flash_decode_window_bounds_the_keys_read():
+    """Keys past the window are garbage in the engine's buffers; with window >= every length they are never read."""
+    q, pk, pv, lens, group_B, rk, rv, rlen = _case(3, 8, 4, rm=128)
+    rlen = rlen.clamp(max=64)
+    rk[:, 64:], rv[:, 64:] = 1e4, float("nan")
+    fast, ref = _both((q, pk, pv, lens, group_B, rk, rv, rlen), window=64)
+    assert torch.isfinite(fast).all() and _rel(fast, ref) < BF16_TOL
+
+
+def test_flash_decode_replays_in_a_cuda_graph():
+    """Captured once, replayed on new inputs written in place: equal to the eager call on those inputs."""
+    q, pk, pv, lens, group_B, rk, rv, rlen = _case(4, 16, 8)
+    slot, s_max = group_slots(group_B, 16, 8)
+    idx = flash_index(lens, pk.shape[1], s_max, rlen, rk.shape[1])
+    run = lambda: flash_shared_prefix_decode_attention(q, pk, pv, group_B, slot, s_max, rk, rv, rk.shape[1],  # noqa: E731
+                                                       idx, None)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    q2, pk2, pv2, _, _, rk2, rv2, rlen2 = _case(5, 16, 8)
+    for dst, src in ((q, q2), (pk, pk2), (pv, pv2), (rk, rk2), (rv, rv2)):
+        dst.copy_(src)
+    rlen.copy_(rlen2)
+    idx.resp_used.copy_(rlen2.to(torch.int32))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, run())
