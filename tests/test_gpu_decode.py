@@ -101,11 +101,10 @@ def test_flash_decode_replays_in_a_cuda_graph():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = run()
-    q2, pk2, pv2, _, _, rk2, rv2, rlen2 = _case(5, 16, 8)
-    for dst, src in ((q, q2), (pk, pk2), (pv, pv2), (rk, rk2), (rv, rv2)):
-        dst.copy_(src)
-    rlen.copy_(rlen2)
-    idx.resp_used.copy_(rlen2.to(torch.int32))
+    for t in (q, pk, pv, rk, rv):
+        t.copy_(torch.randn_like(t) * 3)
+    rlen.copy_(torch.randint_like(rlen, 1, rk.shape[1] + 1))
+    idx.resp_used.copy_(rlen.to(torch.int32))
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, run())
