@@ -102,6 +102,8 @@ def engine_only(cfg, hf_dir, params):
 
 def window_items_match(cfg, hf_dir, params, mechanism: str = "interleave"):
     """Reference prefix K/V computed as decode-window items equal the same work run directly."""
+    import threading
+
     from rollplex_megatron.attention.prefix import KVStore
     from rollplex_megatron.rollout.embedded import EmbeddedEngine
     from rollplex_megatron.rollout.window import DecodeWindow
@@ -115,14 +117,17 @@ def window_items_match(cfg, hf_dir, params, mechanism: str = "interleave"):
     actives = []
     orig = window.on_decode_step
     window.on_decode_step = lambda step, active: (actives.append((active, len(window.finished))), orig(step, active))
+    threads = []
     for i, r in enumerate(reqs):
-        window.submit(f"ref[{i}]", lambda r=r, i=i: _reference_prefix(ref, r.prompt, in_window, i))
+        window.submit(f"ref[{i}]", lambda r=r, i=i: (threads.append(threading.current_thread() is not main),
+                                                     _reference_prefix(ref, r.prompt, in_window, i)))
+    main = threading.current_thread()
     EmbeddedEngine(model, cfg.model, 4096, 64, 1.0).generate(reqs, params, hooks=window)
     for i, r in enumerate(reqs):
         _reference_prefix(ref, r.prompt, direct, i)
     diffs = [float((in_window.leaves[k][j] - direct.leaves[k][j]).abs().max()) for k in direct.leaves for j in (0, 1)]
     return {"stats": window.stats(), "max_abs_diff": max(diffs), "same_keys": set(in_window.leaves) == set(direct.leaves),
-            "actives": actives, "wave_start": window._wave_start}
+            "actives": actives, "wave_start": window._wave_start, "issuer_items": sum(threads)}
 
 
 def _setup_reference(cfg, hf_dir):

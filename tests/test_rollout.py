@@ -108,18 +108,24 @@ def test_engine_tp2_equals_tp1(tiny_hf):
 
 @pytest.mark.parametrize("mechanism", ["interleave", "stream", "tail", "auto"])
 def test_window_items_equal_direct_work(tiny_hf, mechanism):
-    """Items run inside the window (on CPU every mechanism runs them on the host thread) give the
-    same K/V as direct work; `tail` starts them only once the active batch has halved."""
+    """Items run inside the window give the same K/V as direct work: on the decode thread
+    (interleave, auto without a winner) or on the issuer thread (stream, tail; on CPU without a side
+    stream). `tail` starts its issuer only once the active batch has halved."""
     res = run_local(W.window_items_match, 1, _cfg(), str(tiny_hf), SamplingParams(), mechanism)[0]
     assert res["same_keys"] and res["max_abs_diff"] == 0.0
     st = res["stats"]
     assert st["items_in_window"] + st["items_after"] == 3
     assert st["window_mechanism"] == ("interleave" if mechanism == "auto" else mechanism)  # the table: no winner
+    # side mechanisms run exactly the in-window items on the issuer thread; the rest after decode
+    assert res["issuer_items"] == (st["items_in_window"] if mechanism in ("stream", "tail") else 0)
     if mechanism == "tail":  # (active samples, items finished before the step's hook) per step
         half = 0.5 * res["wave_start"]
         assert all(done == 0 for active, done in res["actives"] if active > half)  # nothing ran early
         late = [active for active, _ in res["actives"] if 0 < active <= half]
-        assert st["items_in_window"] == min(3, len(late))  # one item per step once the batch halved
+        assert (st["items_in_window"] >= 1) == bool(late)
+    elif mechanism in ("interleave", "auto"):
+        assert st["items_in_window"] >= 1
+        assert [done for _, done in res["actives"][:3]] == [0, 1, 2]  # one item per step, on the decode thread
     else:
         assert st["items_in_window"] >= 1
 

@@ -264,8 +264,7 @@ class _WaveDecoder:
         }
         self.slot = {k: v.to(dev) for k, v in self.slot.items()}
         self.step_t = torch.zeros(1, dtype=torch.long, device=dev)
-        self.new_tok = torch.zeros(self.n_rows, dtype=torch.long, device=dev)
-        self.new_lp = torch.zeros(self.n_rows, dtype=torch.float32, device=dev)
+        self.live_t = torch.zeros((), dtype=torch.long, device=dev)
         # results in row order, plus a scratch row (n_rows) that slots past the live ones write to
         self.out_tok = torch.zeros(self.n_rows + 1, self.max_new, dtype=torch.long, device=dev)
         self.out_lp = torch.zeros(self.n_rows + 1, self.max_new, dtype=torch.float32, device=dev)
@@ -277,7 +276,7 @@ class _WaveDecoder:
         self.stats = {"graphs_captured": 0, "graph_replays": 0, "eager_steps": 0, "capture_s": 0.0}
 
     def _forward(self, n: int, s_max: int, window: int) -> None:
-        """The static-shape step on slots [0, n): logits, sampling; writes new_tok/new_lp[:n]."""
+        """The static-shape step on slots [0, n): logits, sampling, then `_advance`."""
         st = self.slot
         group = st["group"][:n]
         pos = (self.last_pos[group] + self.step_t).T[:, :, None]  # [3, n, 1]
@@ -292,8 +291,22 @@ class _WaveDecoder:
         full = full.index_fill(1, self.banned, float("-inf"))  # vision placeholders are never emitted
         uniform = row_uniforms(st["seed"][:n], st["sample"][:n], self.step_t, self.vocab)
         new, lp = sample_tokens(full, self.params, uniform)
-        self.new_tok[:n].copy_(new)
-        self.new_lp[:n].copy_(lp)
+        self._advance(n, new, lp)
+
+    def _advance(self, n: int, new, lp) -> None:
+        """Bookkeeping of the step on slots [0, n), on the device (inside the graph): results in row
+        order, stop tokens and length limits, the next input token, the step counter, the live count."""
+        st, step = self.slot, self.step_t.expand(n)
+        alive, owner = st["alive"][:n], st["owner"][:n]
+        self.out_tok.index_put_((owner, step), new)  # finished rows get garbage past their length, never read
+        self.out_lp.index_put_((owner, step), lp)
+        self.length.scatter_add_(0, owner, alive.long())
+        hit = (st["stop"][:n] == new[:, None]).any(1) & alive
+        self.stopped[owner] = self.stopped[owner] | hit
+        alive &= ~hit & (step + 1 < st["limit"][:n])
+        st["tok"][:n] = new
+        self.step_t += 1
+        self.live_t.copy_(alive.sum())
 
     def _run_step(self, n: int, s_max: int, window: int) -> None:
         key = (n, s_max, window)
@@ -302,29 +315,32 @@ class _WaveDecoder:
             self.stats["eager_steps"] += 1
             return
         g = self.graphs.get(key)
-        if g is None:
+        if g is None:  # this step runs eagerly (it is also the warm-up capture needs), then is captured
             t0 = time.perf_counter()
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                self._forward(*key)  # warm-up (lazy init, workspaces); same result as the replay
+                self._forward(*key)
             torch.cuda.current_stream().wait_stream(side)
+            self.stats["eager_steps"] += 1
             self.pool = self.pool or torch.cuda.graph_pool_handle()
             g = torch.cuda.CUDAGraph()
             try:
-                with torch.cuda.graph(g, pool=self.pool):
-                    self._forward(*key)
-            except Exception as e:  # a step that cannot be captured runs eagerly, and says why
+                # thread_local: a decode-window issuer thread may launch side work during the capture
+                with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
+                    self._forward(*key)  # recorded, not run: the state advanced once, above
+            except Exception as e:  # steps that cannot be captured run eagerly, and say why
                 self.engine.cuda_graphs = False
                 self.engine.graph_error = f"{type(e).__name__}: {e}"[:500]
-                torch.cuda.synchronize()
-                self._forward(*key)
-                self.stats["eager_steps"] += 1
+                torch.cuda.current_stream().synchronize()
                 return
             self.graphs[key] = g
             self.stats["graphs_captured"] += 1
-            torch.cuda.synchronize()  # capture is rare (a new bucket or window); its time is reported apart
+            # capture is rare (a new bucket or window); its time is reported apart. A stream sync, not a
+            # device one: decode-window items may be running on a side stream
+            torch.cuda.current_stream().synchronize()
             self.stats["capture_s"] += time.perf_counter() - t0
+            return
         g.replay()
         self.stats["graph_replays"] += 1
 
@@ -348,17 +364,8 @@ class _WaveDecoder:
         s_max = self._s_max(n)
         while True:
             self._run_step(n, s_max, _window(step, self.max_new))
-            new, lp, alive, owner = self.new_tok[:n], self.new_lp[:n], st["alive"][:n], st["owner"][:n]
-            self.out_tok[owner, step] = new  # finished rows get garbage past their length, never read
-            self.out_lp[owner, step] = lp
-            self.length[owner] += alive.long()
-            hit = (st["stop"][:n] == new[:, None]).any(1) & alive
-            self.stopped[owner] |= hit
-            alive &= ~hit & (step + 1 < st["limit"][:n])
-            st["tok"][:n] = new
-            self.step_t += 1
             step += 1
-            live = int(alive.sum())  # the step's one host read
+            live = int(self.live_t)  # the step's one host read
             if hooks is not None:
                 hooks.on_decode_step(step, live)
             if live == 0:

@@ -5,8 +5,13 @@ measures each):
 - `interleave` (the no-overlap reference): after each decode step the hook runs up to
   `items_per_step` queued items on the decode stream;
 - `stream`: the same items launched on a low-priority side stream while decode runs on a
-  high-priority stream, so the GPU may overlap them with the (CUDA-graph) decode steps;
-- `tail`: `stream`, but items start only once the active decode batch has shrunk to
+  high-priority stream, so the GPU may overlap them with the (CUDA-graph) decode steps. The items
+  are issued by an issuer thread, not by the decode loop: one reference prefix item takes the host
+  about twice as long to issue as its kernels run (`window_item_profile_3b.json`), so issuing it
+  between decode steps stalls decode for that long. The decode thread only replays graphs and
+  waits on the device, both with the GIL released; the switch interval is shortened while the
+  issuer runs so the decode thread gets the GIL back promptly;
+- `tail`: `stream`, but the issuer starts only once the active decode batch has shrunk to
   `tail_fraction` of the wave's samples (the long tail of response lengths, where decode leaves the
   most of the GPU idle); whatever is left runs when decoding ends;
 - `green`: like `stream`, with the side stream on a green context that owns `green_sms` SMs of
@@ -16,11 +21,14 @@ measures each):
 Whatever is left when decoding ends runs on the decode stream. Items that ran on a side stream are
 joined to the decode stream (`on_idle`) before the engine returns, so their outputs are ready for
 the phases after the rollout (the trainer also synchronises the device at phase boundaries, so
-tensors an item allocated on the side stream are not reused early).
+tensors an item allocated on the side stream are not reused early). An item runs under the grad
+mode that was on when it was submitted (grad mode is per thread).
 """
 from __future__ import annotations
 
 import json
+import sys
+import threading
 import time
 from collections import deque
 from contextlib import nullcontext
@@ -43,6 +51,7 @@ class WorkItem:
     done: bool = False
     seconds: float = 0.0  # host seconds to issue (and, on the decode stream, to run) the item
     in_window: bool = False  # ran during decode (True) or after it (False)
+    grad: bool = field(default_factory=torch.is_grad_enabled)  # grad mode at submit time
 
 
 def policy_mechanism(batch: int, path: Path = POLICY_PATH) -> str:
@@ -65,6 +74,7 @@ class DecodeWindow:
     items_per_step: int = 1
     tail_fraction: float = 0.25  # tail: start side work when active <= this fraction of the wave
     green_sms: int = 32  # green: SMs of the side work's partition
+    switch_interval_s: float = 1e-4  # GIL switch interval while the issuer thread runs
     queue: deque = field(default_factory=deque)
     finished: list = field(default_factory=list)
 
@@ -76,6 +86,10 @@ class DecodeWindow:
         if not 0 < self.tail_fraction <= 1:
             raise ValueError(f"mode.window_tail_fraction must be in (0, 1], got {self.tail_fraction}")
         self._side = self._decode = None
+        self._issuer: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self._interval = sys.getswitchinterval()
         self._wave_start = 0
         self._resolved = self.mechanism if self.mechanism != "auto" else None
 
@@ -113,28 +127,62 @@ class DecodeWindow:
     def _run(self, item: WorkItem, in_window: bool, side: bool) -> None:
         t0 = time.perf_counter()
         if side and self._side is not None:
-            self._side.wait_stream(torch.cuda.current_stream())  # inputs written before the item
             ctx = torch.cuda.stream(self._side)
         else:
             ctx = nullcontext()
-        with ctx:
+        with ctx, torch.set_grad_enabled(item.grad):
             item.result = item.fn()
         item.seconds, item.done, item.in_window = time.perf_counter() - t0, True, in_window
         self.finished.append(item)
 
+    def _issue(self, device) -> None:
+        """Issuer thread: run queued items on the side stream until the queue is empty or decode ends."""
+        try:
+            if device is not None:
+                torch.cuda.set_device(device)
+            while not self._stop.is_set():
+                try:
+                    item = self.queue.popleft()
+                except IndexError:
+                    return
+                self._run(item, True, True)
+        except BaseException as e:  # re-raised on the decode thread by on_idle
+            self._error = e
+
+    def _start_issuer(self) -> None:
+        side = self._streams()
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream())  # the items' inputs were written before decode
+        device = torch.cuda.current_device() if torch.cuda.is_available() else None
+        sys.setswitchinterval(self.switch_interval_s)
+        self._issuer = threading.Thread(target=self._issue, args=(device,), name="decode-window-issuer", daemon=True)
+        self._issuer.start()
+
     def on_decode_step(self, step: int, active: int) -> None:
-        """Run up to `items_per_step` items while samples are still decoding."""
+        """interleave: run up to `items_per_step` items now; side mechanisms: start the issuer thread."""
         mech = self._resolved or "interleave"
-        if mech == "tail" and active > self.tail_fraction * max(self._wave_start, 1):
+        if active == 0 or not self.queue:
             return
-        side = mech in ("stream", "tail", "green")
+        if mech in ("stream", "tail", "green"):
+            if self._issuer is None and (mech != "tail" or active <= self.tail_fraction * max(self._wave_start, 1)):
+                self._start_issuer()
+            return
         for _ in range(self.items_per_step):
-            if not self.queue or active == 0:
+            if not self.queue:
                 return
-            self._run(self.queue.popleft(), True, side)
+            self._run(self.queue.popleft(), True, False)
 
     def on_idle(self) -> None:
-        """Run every item still queued (decode is over) and join the side stream."""
+        """Decode is over: stop and join the issuer, run every item still queued, join the side stream."""
+        if self._issuer is not None:
+            self._stop.set()
+            self._issuer.join()
+            sys.setswitchinterval(self._interval)
+            self._issuer = None
+            self._stop.clear()
+            if self._error is not None:
+                err, self._error = self._error, None
+                raise RuntimeError("a decode-window item failed on the issuer thread") from err
         while self.queue:
             self._run(self.queue.popleft(), False, False)
         if self._side is not None:
