@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 
-def _setup(cfg, hf_dir):
+def _setup(cfg, hf_dir, dtype: str = "float32"):
     from megatron.core import parallel_state as ps
 
     from rollplex_megatron.checkpoint.hf import HFCheckpoint, load_hf_into_model
@@ -14,7 +14,7 @@ def _setup(cfg, hf_dir):
     ck = HFCheckpoint(hf_dir)
     cfg.model = ck.model_config()
     init_parallel(cfg.parallel.tp, 1, cfg.seed)
-    model = build_model(cfg.model)
+    model = build_model(cfg.model, dtype)
     load_hf_into_model(model, ck, cfg.model, ps.get_tensor_model_parallel_rank(), cfg.parallel.tp, 0, 1)
     return model
 
@@ -89,6 +89,21 @@ def engine_vs_recompute(cfg, hf_dir, params, kv_cache_gib: float):
         out = engine.generate(reqs, params)
     return {"engine": _as_lists(out.results), "reference": recompute_generate(model, cfg, reqs, params),
             "waves": out.stats["waves"]}
+
+
+def engine_graphs_vs_eager(cfg, hf_dir, params, dtype: str):
+    """GPU: the same requests decoded with CUDA graphs and eagerly (results, and how each ran)."""
+    from rollplex_megatron.rollout.embedded import EmbeddedEngine
+
+    model = _setup(cfg, hf_dir, dtype)
+    out = {}
+    for graphs in (True, False):
+        eng = EmbeddedEngine(model, cfg.model, 4096, 64, 1.0, cuda_graphs=graphs)
+        with torch.no_grad():
+            res = eng.generate(requests(cfg), params)
+        out[graphs] = {"results": _as_lists(res.results), "replays": res.stats["graph_replays"],
+                       "graph_error": eng.graph_error, "flash": eng.flash}
+    return out
 
 
 def engine_only(cfg, hf_dir, params):

@@ -13,6 +13,9 @@ from rollplex_megatron.attention.decode import (
     group_slots,
     shared_prefix_decode_attention,
 )
+from rollplex_megatron.dist import run_local
+from rollplex_megatron.recipes import load_run_config
+from rollplex_megatron.rollout.sampling import SamplingParams
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -108,3 +111,17 @@ def test_flash_decode_replays_in_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, run())
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_engine_graph_decode_equals_eager_decode(tiny_hf, dtype):
+    """The captured step (model, sampling and bookkeeping) replays exactly what the eager step does:
+    same tokens, log-probs and finish reasons (bf16: flash attention; fp32: the math path)."""
+    from tests import rollout_workers as W
+
+    cfg = load_run_config(["model=tiny"])
+    res = run_local(W.engine_graphs_vs_eager, 1, cfg, str(tiny_hf), SamplingParams(0.8, 0.9, 0), dtype)[0]
+    graph, eager = res[True], res[False]
+    assert graph["graph_error"] == "" and graph["replays"] > 0 and eager["replays"] == 0
+    assert graph["flash"] == (dtype == "bfloat16")
+    assert graph["results"] == eager["results"]
