@@ -9,7 +9,10 @@ prompt: 1039 prefix tokens, 4096 video patches) as the side work. Measured per c
   items left for the end), and the decode loop's own time.
 hidden = (decode alone + items alone - both) / items alone: the share of the prefix work the window
 hid. decode_slowdown = decode loop with the window / decode alone - 1 (for `interleave` the items
-run inside the loop, so its slowdown is the items' time: the no-overlap reference).
+run inside the loop, so its slowdown is the items' time: the no-overlap reference). Both are wall
+times with the CUDA-graph captures in them (each rollout captures its own graphs); the figures
+without the capture time are kept as *_excl_capture but not judged: a capture's time depends on
+the side work running beside it.
 Cases: uniform lengths (every sample `--new-tokens`) at several batch sizes, and a long-tail case
 (per-group lengths from a lognormal, so the active batch shrinks). The targets of the issue are
 hidden >= 0.30 with decode_slowdown <= 0.10; `winners` lists the rows that meet both (the table
@@ -110,7 +113,7 @@ def main() -> int:
         reqs = requests(batch, lengths)
         rollout(reqs)  # warm-up: lazy init, allocator
         items_alone(reqs)
-        alone = min((rollout(reqs) for _ in range(a.repeats)), key=lambda r: r["after_prefill_s"] - r["capture_s"])
+        alone = min((rollout(reqs) for _ in range(a.repeats)), key=lambda r: r["after_prefill_s"])
         t_items = min(items_alone(reqs) for _ in range(a.repeats))
         row = {"case": name, "batch": batch, "lengths": lengths, "decode_alone": alone, "items_alone_s": t_items,
                "items": len(reqs), "mechanisms": {}}
@@ -119,13 +122,21 @@ def main() -> int:
             mech, _, sms = spec.partition(":")
             try:
                 runs = [rollout(reqs, DecodeWindow(mech, 1, 0.25, int(sms or 32))) for _ in range(a.repeats)]
-                res = min(runs, key=lambda r: r["after_prefill_s"] - r["capture_s"])
+                res = min(runs, key=lambda r: r["after_prefill_s"])
             except Exception as e:  # a mechanism the machine refuses is a result, not a crash
-                row["mechanisms"][spec] = {"error": f"{type(e).__name__}: {e}"}
+                cause = f" (cause: {type(e.__cause__).__name__}: {e.__cause__})" if e.__cause__ is not None else ""
+                row["mechanisms"][spec] = {"error": f"{type(e).__name__}: {e}{cause}"[:2000]}
+                print(name, spec, row["mechanisms"][spec], flush=True)
                 continue
+            # judged on wall times with the graph captures left in (both runs capture the same graphs):
+            # a capture's time depends on the side work running beside it, so subtracting it biases
+            # the result; the capture-free figures are kept for reference only
+            res["hidden"] = (alone["after_prefill_s"] + t_items - res["after_prefill_s"]) / t_items
+            res["decode_slowdown"] = res["decode_loop_s"] / alone["decode_loop_s"] - 1
             both = res["after_prefill_s"] - res["capture_s"]
-            res["hidden"] = (base + t_items - both) / t_items
-            res["decode_slowdown"] = (res["decode_loop_s"] - res["capture_s"]) / (alone["decode_loop_s"] - alone["capture_s"]) - 1
+            res["hidden_excl_capture"] = (base + t_items - both) / t_items
+            res["decode_slowdown_excl_capture"] = ((res["decode_loop_s"] - res["capture_s"])
+                                                   / (alone["decode_loop_s"] - alone["capture_s"]) - 1)
             res["meets_targets"] = res["hidden"] >= 0.30 and res["decode_slowdown"] <= 0.10
             row["mechanisms"][spec] = res
             if res["meets_targets"]:

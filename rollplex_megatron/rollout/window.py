@@ -182,7 +182,7 @@ class DecodeWindow:
             self._stop.clear()
             if self._error is not None:
                 err, self._error = self._error, None
-                raise RuntimeError("a decode-window item failed on the issuer thread") from err
+                raise RuntimeError(f"a decode-window item failed on the issuer thread: {type(err).__name__}: {err}") from err
         while self.queue:
             self._run(self.queue.popleft(), False, False)
         if self._side is not None:
