@@ -139,8 +139,10 @@ class EmbeddedEngine:
         self.flash = decode_attention == "flash" or (decode_attention == "auto" and flash_decode_available(dtype, self.dev))
         self.graph_error = ""  # why CUDA-graph decode was turned off, if it was
         if self.cuda_graphs and ps.get_tensor_model_parallel_world_size() > 1:
-            self.cuda_graphs = False  # TP collectives inside captured decode steps have not been validated
-            self.graph_error = "parallel.tp > 1: decode runs eagerly"
+            backend = torch.distributed.get_backend(ps.get_tensor_model_parallel_group())
+            if backend != "nccl":  # the TP all-reduces are captured into the step's graph: NCCL only
+                self.cuda_graphs = False
+                self.graph_error = f"parallel.tp > 1 over {backend}: decode runs eagerly (graphs need NCCL)"
 
     def generate(self, requests: list[RolloutRequest], params: SamplingParams,
                  hooks: DecodeHooks | None = None, actor_prefix: KVStore | None = None,
@@ -272,7 +274,7 @@ class _WaveDecoder:
         self.stopped = torch.zeros(self.n_rows + 1, dtype=torch.bool, device=dev)
         self.banned = torch.tensor([c.image_token_id, c.video_token_id, c.vision_start_token_id,
                                     c.vision_end_token_id], device=dev)
-        self.graphs, self.pool = {}, None
+        self.graphs, self.pool, self.hooks = {}, None, None
         self.stats = {"graphs_captured": 0, "graph_replays": 0, "eager_steps": 0, "capture_s": 0.0}
 
     def _forward(self, n: int, s_max: int, window: int) -> None:
@@ -325,9 +327,10 @@ class _WaveDecoder:
             self.stats["eager_steps"] += 1
             self.pool = self.pool or torch.cuda.graph_pool_handle()
             g = torch.cuda.CUDAGraph()
+            hooks = self.hooks
+            guard = hooks.capture_guard() if hooks is not None and hasattr(hooks, "capture_guard") else nullcontext()
             try:
-                # thread_local: a decode-window issuer thread may launch side work during the capture
-                with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
+                with guard, torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
                     self._forward(*key)  # recorded, not run: the state advanced once, above
             except Exception as e:  # steps that cannot be captured run eagerly, and say why
                 self.engine.cuda_graphs = False
@@ -359,11 +362,14 @@ class _WaveDecoder:
 
     def run(self, hooks, ids, results) -> int:
         """Decode until every sample stopped; fills `results[ids[k]]`; returns the step count."""
-        st, buckets = self.slot, _buckets(self.n_rows)
+        self.hooks = hooks
+        buckets = _buckets(self.n_rows)
         n, step = self.n_rows, 0
         s_max = self._s_max(n)
         while True:
-            self._run_step(n, s_max, _window(step, self.max_new))
+            # flash reads each sample's keys up to its length, so one window (one graph per bucket) serves
+            # every step; the math path slices the window it attends (one graph per window size)
+            self._run_step(n, s_max, self.max_new if self.engine.flash else _window(step, self.max_new))
             step += 1
             live = int(self.live_t)  # the step's one host read
             if hooks is not None:

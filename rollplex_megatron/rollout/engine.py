@@ -52,7 +52,8 @@ class DecodeHooks(Protocol):
         """Called once when decoding is over (drain whatever is left)."""
 
     # Optional: `on_wave(samples)` when a wave starts decoding; `decode_stream()` -> the CUDA stream
-    # to decode on (None: the current one).
+    # to decode on (None: the current one); `capture_guard()` -> a context manager held while the
+    # engine captures a CUDA graph (side work issued from other threads pauses there).
 
 
 class RolloutEngine(Protocol):

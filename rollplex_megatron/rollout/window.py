@@ -87,6 +87,7 @@ class DecodeWindow:
             raise ValueError(f"mode.window_tail_fraction must be in (0, 1], got {self.tail_fraction}")
         self._side = self._decode = None
         self._issuer: threading.Thread | None = None
+        self._issuing = threading.Lock()  # held by the issuer per item, and by the engine while it captures
         self._stop = threading.Event()
         self._error: BaseException | None = None
         self._interval = sys.getswitchinterval()
@@ -141,11 +142,12 @@ class DecodeWindow:
             if device is not None:
                 torch.cuda.set_device(device)
             while not self._stop.is_set():
-                try:
-                    item = self.queue.popleft()
-                except IndexError:
-                    return
-                self._run(item, True, True)
+                with self._issuing:
+                    try:
+                        item = self.queue.popleft()
+                    except IndexError:
+                        return
+                    self._run(item, True, True)
         except BaseException as e:  # re-raised on the decode thread by on_idle
             self._error = e
 
@@ -157,6 +159,11 @@ class DecodeWindow:
         sys.setswitchinterval(self.switch_interval_s)
         self._issuer = threading.Thread(target=self._issue, args=(device,), name="decode-window-issuer", daemon=True)
         self._issuer.start()
+
+    def capture_guard(self):
+        """Held while the engine captures a decode graph: the issuer finishes issuing its current
+        item and starts no other, so no other thread makes CUDA calls during the capture."""
+        return self._issuing
 
     def on_decode_step(self, step: int, active: int) -> None:
         """interleave: run up to `items_per_step` items now; side mechanisms: start the issuer thread."""
