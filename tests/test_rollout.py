@@ -133,16 +133,22 @@ def test_window_items_equal_direct_work(tiny_hf, mechanism):
 def test_window_policy_reads_the_measured_table(tmp_path):
     import json
 
-    from rollplex_megatron.rollout.window import POLICY_PATH, policy_mechanism
+    from rollplex_megatron.rollout.window import POLICY_PATH, DecodeWindow, policy_mechanism
 
     shipped = json.loads(POLICY_PATH.read_text())
     assert shipped["source"].startswith("benchmarks/results/") and "winners" in shipped
     t = tmp_path / "table.json"
-    t.write_text(json.dumps({"winners": [{"batch": 16, "mechanism": "tail"}, {"batch": 128, "mechanism": "stream"}]}))
-    assert policy_mechanism(20, t) == "tail" and policy_mechanism(100, t) == "stream"
+    t.write_text(json.dumps({"winners": [{"batch": 16, "mechanism": "tail"}, {"batch": 128, "mechanism": "stream"},
+                                         {"batch": 64, "mechanism": "green", "green_sms": 48, "hidden": 0.4},
+                                         {"batch": 64, "mechanism": "green", "green_sms": 32, "hidden": 0.3}]}))
+    assert policy_mechanism(20, t) == ("tail", 0) and policy_mechanism(100, t) == ("stream", 0)
+    assert policy_mechanism(60, t) == ("green", 48)  # the partition size comes with the measured winner
+    window = DecodeWindow("auto", green_sms=8, policy_path=t)
+    window.on_wave(60)
+    assert (window._resolved, window.green_sms) == ("green", 48)
     t.write_text(json.dumps({"winners": []}))
-    assert policy_mechanism(64, t) == "interleave"  # nothing won: the no-overlap reference
-    assert policy_mechanism(64, tmp_path / "missing.json") == "interleave"
+    assert policy_mechanism(64, t) == ("interleave", 0)  # nothing won: the no-overlap reference
+    assert policy_mechanism(64, tmp_path / "missing.json") == ("interleave", 0)
     with pytest.raises(Exception, match="mode.window must be one of"):
         load_run_config(["mode.window=fast"])
     with pytest.raises(Exception, match="mode.window_tail_fraction"):

@@ -54,16 +54,17 @@ class WorkItem:
     grad: bool = field(default_factory=torch.is_grad_enabled)  # grad mode at submit time
 
 
-def policy_mechanism(batch: int, path: Path = POLICY_PATH) -> str:
-    """The measured table's mechanism for a decode batch of `batch` samples (interleave if none wins)."""
+def policy_mechanism(batch: int, path: Path = POLICY_PATH) -> tuple[str, int]:
+    """The measured table's (mechanism, green SMs) for a decode batch of `batch` samples: the winner
+    measured at the nearest batch size, its partition size with it; ("interleave", 0) if none won."""
     if not path.is_file():
-        return "interleave"
+        return "interleave", 0
     table = json.loads(path.read_text())
     rows = [r for r in table.get("winners", []) if r["mechanism"] != "interleave"]
     if not rows:
-        return "interleave"
-    best = min(rows, key=lambda r: abs(r["batch"] - batch))
-    return best["mechanism"]
+        return "interleave", 0
+    best = min(rows, key=lambda r: (abs(r["batch"] - batch), -r.get("hidden", 0.0)))
+    return best["mechanism"], int(best.get("green_sms", 0))
 
 
 @dataclass
@@ -75,6 +76,7 @@ class DecodeWindow:
     tail_fraction: float = 0.25  # tail: start side work when active <= this fraction of the wave
     green_sms: int = 32  # green: SMs of the side work's partition
     switch_interval_s: float = 1e-4  # GIL switch interval while the issuer thread runs
+    policy_path: Path = POLICY_PATH  # the measured table `auto` reads
     queue: deque = field(default_factory=deque)
     finished: list = field(default_factory=list)
 
@@ -122,7 +124,8 @@ class DecodeWindow:
         """Called when a wave starts decoding `samples` samples (resolves `auto`)."""
         self._wave_start = samples
         if self._resolved is None:
-            self._resolved = policy_mechanism(samples)
+            self._resolved, sms = policy_mechanism(samples, self.policy_path)
+            self.green_sms = sms or self.green_sms
 
     # --- hooks ---------------------------------------------------------------------------------
     def _run(self, item: WorkItem, in_window: bool, side: bool) -> None:
