@@ -42,3 +42,20 @@ def test_group_members_with_different_prompts():
 def test_verify_response_length_above_rollout_maximum():
     with pytest.raises(ValueError, match=r"verify.max_response_len \(40\) exceeds rollout.max_response_len \(32\)"):
         load_run_config(["verify.max_response_len=40", "rollout.max_response_len=32"])
+
+
+def test_placeholder_count_against_the_grid():
+    """The host-side check the prefix stage runs before issuing any work (and `embed` by default)."""
+    from rollplex_megatron.models.qwen25vl.model import check_placeholders
+
+    merge2 = CFG.vision.spatial_merge_size ** 2
+    grid = torch.tensor([[2, 4, 4]])  # 32 patches -> 32 / merge2 embeddings
+    n = 32 // merge2
+    pix = torch.zeros(32, 1)
+    ok = torch.tensor([[1] + [CFG.video_token_id] * n + [2]])
+    check_placeholders(CFG, ok, None, None, pix, grid)  # matches: no error
+    short = torch.tensor([[1] + [CFG.video_token_id] * (n - 1) + [2]])
+    with pytest.raises(ValueError, match=f"{n - 1} video tokens but the video grids give {n} embeddings"):
+        check_placeholders(CFG, short, None, None, pix, grid)
+    with pytest.raises(ValueError, match="input_ids hold image tokens but no image pixels were given"):
+        check_placeholders(CFG, torch.tensor([[1, CFG.image_token_id, 2]]), None, None, None, None)

@@ -223,6 +223,7 @@ class SegmentContext(AttentionContext):
     """
 
     cu: torch.Tensor | None = None  # [n_seg + 1] cumulative segment lengths (CPU, long)
+    device: torch.device | str | None = None  # where the token indices live (copied there once)
 
     def __post_init__(self) -> None:
         self.qkv_format = "sbhd"
@@ -231,7 +232,7 @@ class SegmentContext(AttentionContext):
         self._groups = []  # (length, token index [n, L]) per distinct segment length
         for length in torch.unique(lengths).tolist():
             st = starts[lengths == length]
-            self._groups.append((length, (st[:, None] + torch.arange(length)[None, :])))
+            self._groups.append((length, (st[:, None] + torch.arange(length)[None, :]).to(self.device)))
 
     def attend(self, layer: int, query, key, value, scale):
         """query/key/value [N,1,H,D] -> [N,1,H*D], attention within each segment."""

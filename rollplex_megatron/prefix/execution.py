@@ -26,6 +26,7 @@ from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.core.utils import get_model_config
 
 from rollplex_megatron.attention.prefix import KVStore, PrefixContext
+from rollplex_megatron.models.qwen25vl.model import check_placeholders
 from rollplex_megatron.prefix.batch import Group, MicroBatch, prompt_positions
 
 
@@ -58,10 +59,15 @@ def _p2p(model) -> P2PCommunicator:
 def _forward_group(m, g: Group, ctx: PrefixContext, recv) -> torch.Tensor:
     """The prefix stage of one group on this stage: prompt[:-1] (or the received stage input)."""
     dev, pr = _device(), g.prompt
-    vis = {k: (getattr(pr, k).to(dev) if getattr(pr, k) is not None else None)
-           for k in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")}
-    return m.forward_prefix(pr.input_ids[None, :-1].to(dev), prompt_positions(m.cfg, pr)[:, :, :-1].to(dev),
-                            ctx, input_tensor=recv, **vis)
+    # pixels go to the device; grids stay on the host (the vision tower plans its windows there), and
+    # the placeholder check reads the host prompt: the stage issues without reading the device back
+    vis = {k: getattr(pr, k) for k in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")}
+    ids = pr.input_ids[None, :-1]
+    if m.pre_process:
+        check_placeholders(m.cfg, ids, **vis)
+    vis = {k: (t.to(dev) if t is not None and k.startswith("pixel") else t) for k, t in vis.items()}
+    return m.forward_prefix(ids.to(dev), prompt_positions(m.cfg, pr)[:, :, :-1].to(dev),
+                            ctx, input_tensor=recv, check=False, **vis)
 
 
 def prefix_forward(model, groups: list[Group], store: KVStore, keep_graph: bool,

@@ -163,15 +163,17 @@ class VisionTower(MegatronModule):
             -1, v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size)
         x = self.patch_embed(x).view(-1, v.hidden_size)
         unit = v.spatial_merge_size ** 2
+        # index tensors are built on the host from the (host) grid and copied to the device once;
+        # nothing here reads the device back, so the tower can be issued ahead of its kernels
         order_U, cu_window = P.vision_window_order(grid_thw, v.spatial_merge_size, v.window_size, v.patch_size)
-        order_N = P.units_to_patches(order_U, unit).to(x.device)
+        order_N = P.units_to_patches(order_U, unit)
         rot = P.vision_rotary_freqs(P.vision_patch_positions(grid_thw, v.spatial_merge_size),
                                     v.hidden_size // v.num_heads, v.rope_theta)
         # Windows never cross frames and keep frame order, so per-frame full attention is also
         # attention within contiguous segments in window order; no [N, N] mask is built.
-        full = SegmentContext(cu=P.vision_cu_seqlens(grid_thw).long())
-        window = SegmentContext(cu=cu_window.long())
-        x = self.blocks(x[order_N][:, None], full, window, rot[order_N.cpu()].to(x.device))
+        full = SegmentContext(cu=P.vision_cu_seqlens(grid_thw).long(), device=x.device)
+        window = SegmentContext(cu=cu_window.long(), device=x.device)
+        x = self.blocks(x[order_N.to(x.device)][:, None], full, window, rot[order_N].to(x.device))
         merged = self.merger(x[:, 0])
         return merged[torch.argsort(order_U).to(merged.device)]
 
@@ -216,21 +218,22 @@ class Qwen25VLModel(MegatronModule):
         self.language_model.set_input_tensor(input_tensor)
 
     def embed(self, input_ids, pixel_values=None, image_grid_thw=None,
-              pixel_values_videos=None, video_grid_thw=None) -> torch.Tensor:
-        """Token embeddings [S,B,H] with image and video placeholders replaced by vision features."""
+              pixel_values_videos=None, video_grid_thw=None, check: bool = True) -> torch.Tensor:
+        """Token embeddings [S,B,H] with image and video placeholders replaced by vision features.
+
+        `check`: compare placeholder tokens with the vision inputs here (`check_placeholders`; a
+        host read of `input_ids`). Callers that checked the host copy already pass False, so the
+        forward issues without waiting on the device. Skipped while a CUDA graph is captured (decode,
+        after an eager warm-up that checked)."""
+        if check and not _capturing():
+            check_placeholders(self.cfg, input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw)
         emb_BSH = self.language_model.embedding(input_ids=input_ids, position_ids=None).transpose(0, 1)
-        for pix, grid, tok, what in ((pixel_values, image_grid_thw, self.cfg.image_token_id, "image"),
-                                     (pixel_values_videos, video_grid_thw, self.cfg.video_token_id, "video")):
-            mask_BS = input_ids == tok
+        for pix, grid, tok in ((pixel_values, image_grid_thw, self.cfg.image_token_id),
+                               (pixel_values_videos, video_grid_thw, self.cfg.video_token_id)):
             if pix is None:
-                # checked eagerly; a CUDA-graph capture (decode, after an eager warm-up) cannot read back
-                if not _capturing() and mask_BS.any():
-                    raise ValueError(f"input_ids hold {what} tokens but no {what} pixels were given")
                 continue
             feats = self.vision(pix, grid).to(emb_BSH.dtype)
-            if int(mask_BS.sum()) != feats.shape[0]:
-                raise ValueError(f"{int(mask_BS.sum())} {what} tokens but the {what} grids give "
-                                 f"{feats.shape[0]} embeddings")
+            mask_BS = input_ids == tok
             emb_BSH = emb_BSH.masked_scatter(mask_BS[..., None].expand_as(emb_BSH), feats)
         return emb_BSH.transpose(0, 1).contiguous()
 
@@ -260,20 +263,37 @@ class Qwen25VLModel(MegatronModule):
 
     def forward_prefix(self, input_ids, position_ids, attention_context, input_tensor=None,
                        pixel_values=None, image_grid_thw=None, pixel_values_videos=None,
-                       video_grid_thw=None) -> torch.Tensor:
+                       video_grid_thw=None, check: bool = True) -> torch.Tensor:
         """Prefix stage on this pipeline stage: decoder layers only (no logits); returns [S,B,H].
 
         First stage: embeddings (vision included). Later stages: `input_tensor` from the previous one.
         """
         lm = self.language_model
         if self.pre_process:
-            hidden = self.embed(input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw)
+            hidden = self.embed(input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw, check)
         else:
             lm.decoder.set_input_tensor(input_tensor)
             hidden = None
         rope = lm.rotary_pos_emb(position_ids, lm.mrope_section)
         return lm.decoder(hidden_states=hidden, attention_mask=None, rotary_pos_emb=rope,
                           packed_seq_params=attention_context)
+
+
+def check_placeholders(cfg: ModelConfig, input_ids, pixel_values, image_grid_thw, pixel_values_videos,
+                       video_grid_thw) -> None:
+    """Image/video placeholder tokens in `input_ids` against the vision inputs (their grids give the
+    merged embedding count); raises ValueError naming the mismatch. Reads `input_ids` on the host."""
+    merge2 = cfg.vision.spatial_merge_size ** 2
+    for pix, grid, tok, what in ((pixel_values, image_grid_thw, cfg.image_token_id, "image"),
+                                 (pixel_values_videos, video_grid_thw, cfg.video_token_id, "video")):
+        n = int((input_ids == tok).sum())
+        if pix is None:
+            if n:
+                raise ValueError(f"input_ids hold {what} tokens but no {what} pixels were given")
+            continue
+        expect = int(grid.long().prod(-1).sum()) // merge2
+        if n != expect:
+            raise ValueError(f"{n} {what} tokens but the {what} grids give {expect} embeddings")
 
 
 def _capturing() -> bool:
