@@ -400,10 +400,11 @@ class RunConfig:
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
         check_model_parallel(self.model, self.parallel)
-        if self.mode.window in ("stream", "tail", "green") and self.parallel.tp > 1:
-            raise ValueError(f"mode.window={self.mode.window} runs side work on another CUDA stream, whose TP "
-                             f"collectives could interleave with the decode's in a different order on each rank; "
-                             f"it needs parallel.tp=1 (got {self.parallel.tp}); use mode.window=interleave")
+        if self.mode.window in ("stream", "tail", "green") and (self.parallel.tp > 1 or self.parallel.pp > 1):
+            raise ValueError(f"mode.window={self.mode.window} runs side work on another thread and CUDA stream, "
+                             f"whose TP collectives and pipeline sends could interleave with the decode's in a "
+                             f"different order on each rank; it needs parallel.tp=1 and parallel.pp=1 (got "
+                             f"tp={self.parallel.tp}, pp={self.parallel.pp}); use mode.window=interleave")
         if self.verify.max_response_len > self.rollout.max_response_len:
             raise ValueError(f"verify.max_response_len ({self.verify.max_response_len}) exceeds "
                              f"rollout.max_response_len ({self.rollout.max_response_len})")

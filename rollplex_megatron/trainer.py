@@ -284,7 +284,8 @@ class Rollplex(Mode):
 
         actor_kv, ref_kv = KVStore(), KVStore()
         mc = rt.cfg.mode
-        mech = "interleave" if mc.window == "auto" and rt.cfg.parallel.tp > 1 else mc.window  # side streams: TP=1
+        par = rt.cfg.parallel
+        mech = "interleave" if mc.window == "auto" and (par.tp > 1 or par.pp > 1) else mc.window  # side work: tp=pp=1
         window = DecodeWindow(mech, mc.window_items_per_step, mc.window_tail_fraction, mc.window_green_sms)
         episodes, reqs = rt.requests(step)
         for i, r in enumerate(reqs):

@@ -13,9 +13,10 @@ def _setup(cfg, hf_dir, dtype: str = "float32"):
 
     ck = HFCheckpoint(hf_dir)
     cfg.model = ck.model_config()
-    init_parallel(cfg.parallel.tp, 1, cfg.seed)
+    init_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.seed)
     model = build_model(cfg.model, dtype)
-    load_hf_into_model(model, ck, cfg.model, ps.get_tensor_model_parallel_rank(), cfg.parallel.tp, 0, 1)
+    load_hf_into_model(model, ck, cfg.model, ps.get_tensor_model_parallel_rank(), cfg.parallel.tp,
+                       ps.get_pipeline_model_parallel_rank(), cfg.parallel.pp)
     return model
 
 
@@ -153,7 +154,8 @@ def _setup_reference(cfg, hf_dir):
     from rollplex_megatron.models.qwen25vl import build_model
 
     ref = build_model(cfg.model)
-    load_hf_into_model(ref, HFCheckpoint(hf_dir), cfg.model, ps.get_tensor_model_parallel_rank(), cfg.parallel.tp, 0, 1)
+    load_hf_into_model(ref, HFCheckpoint(hf_dir), cfg.model, ps.get_tensor_model_parallel_rank(), cfg.parallel.tp,
+                       ps.get_pipeline_model_parallel_rank(), cfg.parallel.pp)
     return ref
 
 

@@ -79,8 +79,8 @@ def test_sampling_is_reproducible_and_validates():
             load_run_config([f"rollout.{key}={value}"])
 
 
-def _cfg(tp=1):
-    return load_run_config(["model=tiny", f"parallel.tp={tp}"])
+def _cfg(tp=1, pp=1):
+    return load_run_config(["model=tiny", f"parallel.tp={tp}", f"parallel.pp={pp}"])
 
 
 def _same(engine, reference, tol=1e-5):
@@ -104,6 +104,25 @@ def test_engine_tp2_equals_tp1(tiny_hf):
     two = run_local(W.engine_only, 2, _cfg(2), str(tiny_hf), params)
     assert two[0] == two[1]  # every TP rank samples the same tokens
     _same(two[0], one)
+
+
+def test_engine_pp2_equals_pp1(tiny_hf):
+    """Two pipeline stages: prefill across the pipeline, decode passing hidden states stage to stage,
+    the last stage's tokens broadcast; both stages return the same results, equal to one stage's."""
+    params = SamplingParams(0.9, 0.95, 0)
+    one = run_local(W.engine_only, 1, _cfg(), str(tiny_hf), params)[0]
+    two = run_local(W.engine_only, 2, _cfg(pp=2), str(tiny_hf), params)
+    assert two[0] == two[1]
+    _same(two[1], one)
+
+
+def test_window_items_at_pp2_equal_direct_work(tiny_hf):
+    """The interleave window at two stages: every stage runs the same item after the same step."""
+    res = run_local(W.window_items_match, 2, _cfg(pp=2), str(tiny_hf), SamplingParams(), "interleave")
+    for r in res:
+        assert r["same_keys"] and r["max_abs_diff"] == 0.0
+        assert r["stats"]["items_in_window"] + r["stats"]["items_after"] == 3
+    assert res[0]["actives"] == res[1]["actives"]
 
 
 @pytest.mark.parametrize("mechanism", ["interleave", "stream", "tail", "auto"])
@@ -177,6 +196,8 @@ def test_row_uniforms_are_open_interval_batch_independent_and_spread():
 
 
 def test_side_stream_windows_need_tp1():
-    with pytest.raises(Exception, match="needs parallel.tp=1"):
+    with pytest.raises(Exception, match="needs parallel.tp=1 and parallel.pp=1"):
         load_run_config(["mode.window=stream", "parallel.tp=2"])
+    with pytest.raises(Exception, match=r"\(got tp=1, pp=2\)"):
+        load_run_config(["mode.window=tail", "parallel.pp=2"])
     assert load_run_config(["mode.window=auto", "parallel.tp=2"]).mode.window == "auto"  # resolves to interleave

@@ -52,7 +52,8 @@ def _device():
     return torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
 
 
-def _p2p(model) -> P2PCommunicator:
+def p2p_communicator(model) -> P2PCommunicator:
+    """Megatron's stage-to-stage communicator for this model's pipeline group."""
     return P2PCommunicator(pp_group=ps.get_pipeline_model_parallel_group(), config=get_model_config(model))
 
 
@@ -79,7 +80,7 @@ def prefix_forward(model, groups: list[Group], store: KVStore, keep_graph: bool,
     leaves, and `prefix_backward` re-runs one group's prefix forward at a time from its stage
     input (the prompt on the first stage, the received hidden states on later ones).
     """
-    m, p2p = unwrap(model), _p2p(model)
+    m, p2p = unwrap(model), p2p_communicator(model)
     first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
     if keep_graph and recompute:
         raise ValueError("prefix_forward: keep_graph and recompute exclude each other")
@@ -118,7 +119,7 @@ def prefix_backward(model, states: list[PrefixState], store: KVStore) -> None:
 
     Recomputed groups hold one group's graph at a time; `store.recompute_drift` records the largest
     difference between recomputed and stored K/V (0 when the forward is deterministic)."""
-    m, p2p = unwrap(model), _p2p(model)
+    m, p2p = unwrap(model), p2p_communicator(model)
     first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
     hidden = m.cfg.hidden_size
     drifts = []

@@ -31,7 +31,7 @@ from rollplex_megatron.config import ModelConfig
 from rollplex_megatron.memory.planner import kv_bytes_per_token
 from rollplex_megatron.models.qwen25vl.model import gather_vocab_logits
 from rollplex_megatron.prefix.batch import Group, prompt_positions
-from rollplex_megatron.prefix.execution import prefix_forward, unwrap
+from rollplex_megatron.prefix.execution import p2p_communicator, prefix_forward, unwrap
 from rollplex_megatron.rollout.engine import DecodeHooks, RolloutOutput, RolloutRequest, RolloutResult
 from rollplex_megatron.rollout.sampling import SamplingParams, row_uniforms, sample_tokens
 
@@ -120,13 +120,14 @@ def _window(step: int, max_new: int) -> int:
 
 
 class EmbeddedEngine:
-    """RolloutEngine on the actor's Megatron modules (no weight copy), pipeline size 1."""
+    """RolloutEngine on the actor's Megatron modules (no weight copy), at the training TP and PP.
+
+    At pp > 1 every stage calls `generate` with the same requests: the prefill runs the prefix
+    stage across the pipeline, each decode step passes the hidden states stage to stage, and the
+    last stage's tokens are broadcast to all (decode runs eagerly there)."""
 
     def __init__(self, model, cfg: ModelConfig, max_prompt_len: int, max_response_len: int, kv_cache_gib: float,
                  cuda_graphs: bool = True, decode_attention: str = "auto"):
-        if ps.get_pipeline_model_parallel_world_size() != 1:
-            raise ValueError("the embedded rollout engine runs at parallel.pp=1; use parallel.pp=1 for training "
-                             "runs (prefix/response execution itself supports pp>1)")
         self.model, self.cfg = model, cfg
         self.max_prompt_len, self.max_response_len = max_prompt_len, max_response_len
         self.budget = int(kv_cache_gib * 2**30)
@@ -138,6 +139,10 @@ class EmbeddedEngine:
                              f"{torch.device(self.dev).type}); use auto or math")
         self.flash = decode_attention == "flash" or (decode_attention == "auto" and flash_decode_available(dtype, self.dev))
         self.graph_error = ""  # why CUDA-graph decode was turned off, if it was
+        self.pp = ps.get_pipeline_model_parallel_world_size()
+        if self.cuda_graphs and self.pp > 1:  # the stage-to-stage sends are not captured
+            self.cuda_graphs = False
+            self.graph_error = "parallel.pp > 1: decode runs eagerly"
         if self.cuda_graphs and ps.get_tensor_model_parallel_world_size() > 1:
             backend = torch.distributed.get_backend(ps.get_tensor_model_parallel_group())
             if backend != "nccl":  # the TP all-reduces are captured into the step's graph: NCCL only
@@ -275,10 +280,15 @@ class _WaveDecoder:
         self.banned = torch.tensor([c.image_token_id, c.video_token_id, c.vision_start_token_id,
                                     c.vision_end_token_id], device=dev)
         self.graphs, self.pool, self.hooks = {}, None, None
+        self.p2p = p2p_communicator(engine.model) if engine.pp > 1 else None
         self.stats = {"graphs_captured": 0, "graph_replays": 0, "eager_steps": 0, "capture_s": 0.0}
 
     def _forward(self, n: int, s_max: int, window: int) -> None:
-        """The static-shape step on slots [0, n): logits, sampling, then `_advance`."""
+        """The static-shape step on slots [0, n): logits, sampling, then `_advance`.
+
+        Pipeline stages: each runs its layers on the hidden states the previous stage sends; the
+        last stage samples and broadcasts the tokens and log-probs, so every stage advances the
+        same state (stop tokens, lengths, compaction) and returns the same results."""
         st = self.slot
         group = st["group"][:n]
         pos = (self.last_pos[group] + self.step_t).T[:, :, None]  # [3, n, 1]
@@ -288,12 +298,31 @@ class _WaveDecoder:
         flash = (flash_index(c.prefix_len, c.prefix_pad, s_max, length, c.max_new) if self.engine.flash else None)
         ctx = DecodeContext(cache=c, n=n, group=group, step=self.step_t, s_max=s_max, window=window, slot=slot,
                             length=length, flash=flash)
-        logits = self.m(input_ids=st["tok"][:n, None], position_ids=pos, attention_context=ctx)
-        full = gather_vocab_logits(logits, self.vocab)[:, 0]  # [n, V]
-        full = full.index_fill(1, self.banned, float("-inf"))  # vision placeholders are never emitted
-        uniform = row_uniforms(st["seed"][:n], st["sample"][:n], self.step_t, self.vocab)
-        new, lp = sample_tokens(full, self.params, uniform)
+        first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
+        if not first:
+            self.m.set_input_tensor(self.p2p.recv_forward((1, n, self.m.cfg.hidden_size), first))
+        out = self.m(input_ids=st["tok"][:n, None] if first else None, position_ids=pos, attention_context=ctx)
+        if not last:
+            self.p2p.send_forward(out, last)
+            new, lp = self._from_last_stage(n)
+        else:
+            full = gather_vocab_logits(out, self.vocab)[:, 0]  # [n, V]
+            full = full.index_fill(1, self.banned, float("-inf"))  # vision placeholders are never emitted
+            uniform = row_uniforms(st["seed"][:n], st["sample"][:n], self.step_t, self.vocab)
+            new, lp = sample_tokens(full, self.params, uniform)
+            if self.engine.pp > 1:
+                self._from_last_stage(n, new, lp)
         self._advance(n, new, lp)
+
+    def _from_last_stage(self, n: int, new=None, lp=None):
+        """Broadcast the last stage's tokens and log-probs over the pipeline group (pp > 1)."""
+        dev = self.step_t.device
+        new = torch.empty(n, dtype=torch.long, device=dev) if new is None else new.contiguous()
+        lp = torch.empty(n, dtype=torch.float32, device=dev) if lp is None else lp.float().contiguous()
+        src, group = ps.get_pipeline_model_parallel_last_rank(), ps.get_pipeline_model_parallel_group()
+        torch.distributed.broadcast(new, src, group=group)
+        torch.distributed.broadcast(lp, src, group=group)
+        return new, lp
 
     def _advance(self, n: int, new, lp) -> None:
         """Bookkeeping of the step on slots [0, n), on the device (inside the graph): results in row
