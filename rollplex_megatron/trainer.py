@@ -132,6 +132,7 @@ class Runtime:
         self.sampling = SamplingParams(r.temperature, r.top_p, r.top_k)
         self.backend = cfg.mode.attention_backend
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        self.pp_size = ps.get_pipeline_model_parallel_world_size()
         self.dp_group, self.tp_group = ps.get_data_parallel_group(), ps.get_tensor_model_parallel_group()
         self.dev = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
 
@@ -190,9 +191,14 @@ class Runtime:
         return out
 
 
-def _per_response(results, mbs, groups) -> dict:
+def _per_response(results, mbs, groups) -> dict | None:
+    """Per-response log-probs; None on pipeline stages before the last (they compute none)."""
+    from megatron.core import parallel_state as ps
+
     from rollplex_megatron.prefix.batch import split_token_values
 
+    if not ps.is_pipeline_last_stage():
+        return None
     return split_token_values(results, mbs, groups, "logp")
 
 
@@ -328,6 +334,12 @@ def _reduce_metrics(rt: Runtime, batch: StepBatch, res: list[dict]) -> dict:
                            float(batch.correct.sum()), float(batch.answered.sum())],
                         dtype=torch.float64, device=rt.dev)
     dist.all_reduce(vals, group=rt.dp_group)
+    if rt.pp_size > 1:  # the loss terms exist on the last pipeline stage only
+        from megatron.core import parallel_state as ps
+
+        loss_terms = vals[:len(keys)].clone()
+        dist.broadcast(loss_terms, ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
+        vals[:len(keys)] = loss_terms
     out = {k: float(vals[i]) for i, k in enumerate(keys)}
     out["reward_mean"] = float(vals[4] / vals[5])
     out["response_len_mean"] = float(vals[6] / vals[5])

@@ -97,6 +97,19 @@ def test_rollplex_tp2_and_dp2_match_single_process(tiny_hf):
     assert err <= TOL, (name, err)
 
 
+def test_rollplex_pp2_matches_single_process(tiny_hf_tied):
+    """Two steps on two pipeline stages (tied embeddings: the first and last stage each hold a copy,
+    synced by megatron's finalize_model_grads) against one process: the engine decodes across the
+    pipeline, every stage gets the same rollouts, and the metrics (loss terms from the last stage)
+    agree with one stage's."""
+    one = run_local(W.run_steps, 1, _cfg("rollplex", hf=tiny_hf_tied), 2)[0]
+    pp2 = run_local(W.run_steps, 2, _cfg("rollplex", "parallel.pp=2", hf=tiny_hf_tied), 2)
+    assert pp2[0]["tokens"] == pp2[1]["tokens"] == one["tokens"]
+    assert pp2[0]["records"][0]["entropy"] == pp2[1]["records"][0]["entropy"]  # broadcast from the last stage
+    _records_close(pp2[0]["records"], one["records"])
+    assert one["records"][1]["kl"] > 0.1  # the first update moved the policy
+
+
 SMALL = ["workload.rollout_batch=8", "workload.responses_per_micro_batch=4", "rollout.group_size=4",
          "train.progress=false"]
 

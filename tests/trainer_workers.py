@@ -32,5 +32,5 @@ def run_steps(cfg, steps: int, mutant: str = ""):
         records.append(T.run_step(rt, mode, step))
         tokens.append([[t.tolist() for t in g.responses] for g in rt.last_batch.groups])
     last = {n: p.detach().float().clone() for n, p in rt.ddp.module.named_parameters()}
-    keep = ps.get_tensor_model_parallel_world_size() == 1
+    keep = ps.get_tensor_model_parallel_world_size() == 1 and ps.get_pipeline_model_parallel_world_size() == 1
     return {"tokens": tokens, "records": records, "first": first if keep else None, "last": last if keep else None}

@@ -174,8 +174,12 @@ def full_micro_batches(cfg: ModelConfig, groups: list[Group], per_mb: int, total
     return out
 
 
-def attach_token_data(mbs: list[MicroBatch], name: str, per_response: dict) -> None:
-    """Lay per-response values ({(group, response): [R]}) on each micro-batch's loss positions."""
+def attach_token_data(mbs: list[MicroBatch], name: str, per_response: dict | None) -> None:
+    """Lay per-response values ({(group, response): [R]}) on each micro-batch's loss positions.
+
+    None (a pipeline stage before the last, which computes no log-probs and no loss): nothing."""
+    if per_response is None:
+        return
     for mb in mbs:
         vals = torch.cat([per_response[key].float().cpu() for key in mb.responses])
         out = torch.zeros(mb.label_mask.shape, dtype=torch.float32)
