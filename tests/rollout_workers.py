@@ -175,4 +175,18 @@ def engine_bad_input(cfg, hf_dir, what: str):
         budget = 1e-9
     elif what == "length":
         reqs[1] = dataclasses.replace(reqs[1], max_new_tokens=65)
+    elif what in ("placeholder", "prefix_placeholder"):  # one vision placeholder token too few
+        k = next(i for i, r in enumerate(reqs) if r.prompt.pixel_values_videos is not None)
+        ids = reqs[k].prompt.input_ids
+        drop = int((ids == cfg.model.video_token_id).nonzero()[0])
+        bad = dataclasses.replace(reqs[k].prompt, input_ids=torch.cat([ids[:drop], ids[drop + 1:]]))
+        if what == "prefix_placeholder":  # the prefix stage's own check, without the engine's
+            from rollplex_megatron.attention.prefix import KVStore
+            from rollplex_megatron.prefix.batch import Group
+            from rollplex_megatron.prefix.execution import prefix_forward
+
+            with torch.no_grad():
+                prefix_forward(model, [Group(bad, [], torch.zeros(0))], KVStore(), keep_graph=False)
+            return
+        reqs[k] = dataclasses.replace(reqs[k], prompt=bad)
     EmbeddedEngine(model, cfg.model, max_prompt, 64, budget).generate(reqs, SamplingParams())

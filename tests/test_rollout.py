@@ -181,6 +181,40 @@ def test_engine_bad_input(tiny_hf):
         run_local(W.engine_bad_input, 1, _cfg(), str(tiny_hf), "budget")
     with pytest.raises(LocalRunError, match="rollout.max_response_len"):
         run_local(W.engine_bad_input, 1, _cfg(), str(tiny_hf), "length")
+    with pytest.raises(LocalRunError, match=r"request \d: \d+ video tokens but the video grids give \d+ embeddings"):
+        run_local(W.engine_bad_input, 1, _cfg(), str(tiny_hf), "placeholder")
+    with pytest.raises(LocalRunError, match=r"ValueError: \d+ video tokens but the video grids give"):
+        run_local(W.engine_bad_input, 1, _cfg(), str(tiny_hf), "prefix_placeholder")
+
+
+def test_issuer_errors_surface_and_the_thread_stops():
+    """An item failing on the issuer thread is raised on the decode thread at the next step; the
+    thread is joined and the GIL switch interval restored. `abort` (a failed rollout) stops it too."""
+    import sys
+    import time
+
+    from rollplex_megatron.rollout.window import DecodeWindow
+
+    before = sys.getswitchinterval()
+    w = DecodeWindow("stream")
+    w.submit("bad", lambda: 1 / 0)
+    w.submit("never", lambda: None)
+    w.on_wave(8)
+    w.on_decode_step(1, 8)  # starts the issuer
+    t0 = time.time()
+    while w._error is None and time.time() - t0 < 10:
+        time.sleep(0.01)
+    with pytest.raises(RuntimeError, match="issuer thread: ZeroDivisionError"):
+        w.on_decode_step(2, 8)
+    assert w._issuer is None and sys.getswitchinterval() == before and len(w.queue) == 1
+    slow = DecodeWindow("stream")
+    for i in range(50):
+        slow.submit(f"slow[{i}]", lambda: time.sleep(0.02))
+    slow.on_wave(8)
+    slow.on_decode_step(1, 8)
+    slow.abort()
+    assert slow._issuer is None and sys.getswitchinterval() == before
+    assert 1 <= len(slow.finished) < 50 and len(slow.queue) == 50 - len(slow.finished)  # stopped early
 
 
 def test_row_uniforms_are_open_interval_batch_independent_and_spread():

@@ -82,10 +82,14 @@ def shared_prefix_decode_attention(q_BND, prefix_k_GrPND, prefix_v_GrPND, prefix
 DECODE_ATTENTION = ("auto", "flash", "math")
 
 
-def flash_decode_available(dtype: torch.dtype, device: torch.device | str) -> bool:
-    """Whether the fused path can run: CUDA, half precision, and torch's varlen flash op."""
-    return (torch.device(device).type == "cuda" and dtype in (torch.bfloat16, torch.float16)
-            and hasattr(torch.ops.aten, "_flash_attention_forward"))
+def flash_decode_available(dtype: torch.dtype, device: torch.device | str, head_dim: int) -> bool:
+    """Whether the fused path can run: a CUDA device of sm80 or newer, a torch build with flash
+    attention, half precision, and a head dim flash supports (<= 256, a multiple of 8)."""
+    if torch.device(device).type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if not (hasattr(torch.ops.aten, "_flash_attention_forward") and torch.backends.cuda.is_flash_attention_available()):
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 0) and head_dim % 8 == 0 and head_dim <= 256
 
 
 class FlashIndex(NamedTuple):

@@ -29,7 +29,7 @@ from rollplex_megatron.attention.decode import (
 from rollplex_megatron.attention.prefix import AttentionContext, KVStore
 from rollplex_megatron.config import ModelConfig
 from rollplex_megatron.memory.planner import kv_bytes_per_token
-from rollplex_megatron.models.qwen25vl.model import gather_vocab_logits
+from rollplex_megatron.models.qwen25vl.model import check_placeholders, gather_vocab_logits
 from rollplex_megatron.prefix.batch import Group, prompt_positions
 from rollplex_megatron.prefix.execution import p2p_communicator, prefix_forward, unwrap
 from rollplex_megatron.rollout.engine import DecodeHooks, RolloutOutput, RolloutRequest, RolloutResult
@@ -133,11 +133,14 @@ class EmbeddedEngine:
         self.budget = int(kv_cache_gib * 2**30)
         self.dev = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
         self.cuda_graphs = cuda_graphs and torch.cuda.is_available()
-        dtype = unwrap(model).config.params_dtype
-        if decode_attention == "flash" and not flash_decode_available(dtype, self.dev):
-            raise ValueError(f"rollout.decode_attention=flash needs CUDA and bf16/fp16 weights (here: {dtype} on "
-                             f"{torch.device(self.dev).type}); use auto or math")
-        self.flash = decode_attention == "flash" or (decode_attention == "auto" and flash_decode_available(dtype, self.dev))
+        tc = unwrap(model).config
+        dtype, head_dim = tc.params_dtype, tc.kv_channels
+        can = flash_decode_available(dtype, self.dev, head_dim)
+        if decode_attention == "flash" and not can:
+            raise ValueError(f"rollout.decode_attention=flash needs CUDA (sm80+, a torch build with flash attention) "
+                             f"and bf16/fp16 weights with head dim <= 256 and a multiple of 8 (here: {dtype}, head dim "
+                             f"{head_dim} on {torch.device(self.dev).type}); use auto or math")
+        self.flash = decode_attention == "flash" or (decode_attention == "auto" and can)
         self.graph_error = ""  # why CUDA-graph decode was turned off, if it was
         self.pp = ps.get_pipeline_model_parallel_world_size()
         if self.cuda_graphs and self.pp > 1:  # the stage-to-stage sends are not captured
@@ -159,6 +162,17 @@ class EmbeddedEngine:
         keeps no graph (the prefix backward recomputes it one group at a time)."""
         self._validate(requests)
         results: list[RolloutResult | None] = [None] * len(requests)
+        try:
+            stats, states = self._generate_waves(requests, params, hooks, actor_prefix, recompute_prefix, results)
+        except BaseException:
+            if hooks is not None and hasattr(hooks, "abort"):
+                hooks.abort()  # side work issued from another thread stops with the rollout
+            raise
+        if hooks is not None:
+            hooks.on_idle()
+        return RolloutOutput(results, states if actor_prefix is not None else [], stats)
+
+    def _generate_waves(self, requests, params, hooks, actor_prefix, recompute_prefix, results):
         states, stats = [], {"decode_steps": 0, "waves": 0, "prefill_s": 0.0, "decode_s": 0.0, "graphs_captured": 0,
                              "graph_replays": 0, "eager_steps": 0, "capture_s": 0.0}
         for wave in self._waves(requests):
@@ -192,9 +206,7 @@ class EmbeddedEngine:
             stats["prefill_s"] += t1 - t0
             stats["decode_s"] += time.perf_counter() - t1
             stats["waves"] += 1
-        if hooks is not None:
-            hooks.on_idle()
-        return RolloutOutput(results, states if actor_prefix is not None else [], stats)
+        return stats, states
 
     def _validate(self, requests: list[RolloutRequest]) -> None:
         vocab = self.cfg.vocab_size
@@ -210,6 +222,11 @@ class EmbeddedEngine:
                                  f"rollout.max_response_len={self.max_response_len}")
             if r.n < 1:
                 raise ValueError(f"request {i}: n={r.n} samples; need >= 1")
+            try:  # on the host prompt, before any model work
+                check_placeholders(self.cfg, r.prompt.input_ids[:-1], r.prompt.pixel_values, r.prompt.image_grid_thw,
+                                   r.prompt.pixel_values_videos, r.prompt.video_grid_thw)
+            except ValueError as e:
+                raise ValueError(f"request {i}: {e}") from None
             bad = [t for t in r.stop_token_ids if not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"request {i}: stop token ids {bad} outside the vocabulary (0..{vocab - 1})")
@@ -301,7 +318,8 @@ class _WaveDecoder:
         first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
         if not first:
             self.m.set_input_tensor(self.p2p.recv_forward((1, n, self.m.cfg.hidden_size), first))
-        out = self.m(input_ids=st["tok"][:n, None] if first else None, position_ids=pos, attention_context=ctx)
+        out = self.m(input_ids=st["tok"][:n, None] if first else None, position_ids=pos, attention_context=ctx,
+                     check=False)  # decode feeds sampled tokens, and sampling bans the placeholders
         if not last:
             self.p2p.send_forward(out, last)
             new, lp = self._from_last_stage(n)
@@ -368,8 +386,8 @@ class _WaveDecoder:
                 return
             self.graphs[key] = g
             self.stats["graphs_captured"] += 1
-            # capture is rare (a new bucket or window); its time is reported apart. A stream sync, not a
-            # device one: decode-window items may be running on a side stream
+            # capture is rare (a new bucket or window); its time is reported apart. (Entering the capture
+            # already synchronised the whole device, side-stream work included: torch.cuda.graph does.)
             torch.cuda.current_stream().synchronize()
             self.stats["capture_s"] += time.perf_counter() - t0
             return

@@ -92,7 +92,8 @@ class DecodeWindow:
         self._issuing = threading.Lock()  # held by the issuer per item, and by the engine while it captures
         self._stop = threading.Event()
         self._error: BaseException | None = None
-        self._interval = sys.getswitchinterval()
+        self._interval = 0.0  # the switch interval to restore when the issuer stops
+        self._started = threading.Event()  # the issuer has taken its first item (or found none)
         self._wave_start = 0
         self._resolved = self.mechanism if self.mechanism != "auto" else None
 
@@ -144,21 +145,28 @@ class DecodeWindow:
         try:
             if device is not None:
                 torch.cuda.set_device(device)
-            while not self._stop.is_set():
+            while True:
                 with self._issuing:
+                    if self._stop.is_set() and self._started.is_set():
+                        return
                     try:
                         item = self.queue.popleft()
                     except IndexError:
                         return
+                    finally:
+                        self._started.set()
                     self._run(item, True, True)
-        except BaseException as e:  # re-raised on the decode thread by on_idle
+        except BaseException as e:  # re-raised on the decode thread (next step, or on_idle)
             self._error = e
+        finally:
+            self._started.set()
 
     def _start_issuer(self) -> None:
         side = self._streams()
         if side is not None:
             side.wait_stream(torch.cuda.current_stream())  # the items' inputs were written before decode
         device = torch.cuda.current_device() if torch.cuda.is_available() else None
+        self._interval = sys.getswitchinterval()
         sys.setswitchinterval(self.switch_interval_s)
         self._issuer = threading.Thread(target=self._issue, args=(device,), name="decode-window-issuer", daemon=True)
         self._issuer.start()
@@ -170,6 +178,7 @@ class DecodeWindow:
 
     def on_decode_step(self, step: int, active: int) -> None:
         """interleave: run up to `items_per_step` items now; side mechanisms: start the issuer thread."""
+        self._raise_issuer_error()
         mech = self._resolved or "interleave"
         if active == 0 or not self.queue:
             return
@@ -182,17 +191,30 @@ class DecodeWindow:
                 return
             self._run(self.queue.popleft(), True, False)
 
-    def on_idle(self) -> None:
-        """Decode is over: stop and join the issuer, run every item still queued, join the side stream."""
+    def _raise_issuer_error(self) -> None:
+        if self._error is not None:
+            err, self._error = self._error, None
+            self.abort()
+            raise RuntimeError(f"a decode-window item failed on the issuer thread: {type(err).__name__}: {err}") from err
+
+    def abort(self) -> None:
+        """Stop and join the issuer thread, restoring the switch interval (also when decode fails)."""
         if self._issuer is not None:
             self._stop.set()
             self._issuer.join()
             sys.setswitchinterval(self._interval)
             self._issuer = None
             self._stop.clear()
-            if self._error is not None:
-                err, self._error = self._error, None
-                raise RuntimeError(f"a decode-window item failed on the issuer thread: {type(err).__name__}: {err}") from err
+            self._started.clear()
+
+    def on_idle(self) -> None:
+        """Decode is over: stop and join the issuer (once it has taken its first item, so an issuer
+        that was started always runs one item in the window), run every item still queued, join
+        the side stream."""
+        if self._issuer is not None:
+            self._started.wait()
+        self.abort()
+        self._raise_issuer_error()
         while self.queue:
             self._run(self.queue.popleft(), False, False)
         if self._side is not None:

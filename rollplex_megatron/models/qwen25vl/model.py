@@ -248,15 +248,16 @@ class Qwen25VLModel(MegatronModule):
         return logits_BSV.masked_fill(col, torch.finfo(logits_BSV.dtype).min)
 
     def forward(self, input_ids=None, position_ids=None, pixel_values=None, image_grid_thw=None,
-                pixel_values_videos=None, video_grid_thw=None, decoder_input=None, attention_context=None):
+                pixel_values_videos=None, video_grid_thw=None, decoder_input=None, attention_context=None,
+                check: bool = True):
         """Per-stage forward: vocab-parallel logits [B,S,V/TP] on the last stage, else hidden [S,B,H].
 
         `attention_context` (a PrefixContext) reaches the core attention of every layer through
-        megatron's `packed_seq_params` argument.
+        megatron's `packed_seq_params` argument. `check`: see `embed`.
         """
         if self.pre_process and decoder_input is None:
             decoder_input = self.embed(input_ids, pixel_values, image_grid_thw,
-                                       pixel_values_videos, video_grid_thw)
+                                       pixel_values_videos, video_grid_thw, check)
         out = self.language_model(input_ids=None, position_ids=position_ids, attention_mask=None,
                                   decoder_input=decoder_input, packed_seq_params=attention_context)
         return self.mask_padded_vocab(out) if self.post_process else out
