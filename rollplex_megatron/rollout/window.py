@@ -124,6 +124,8 @@ class DecodeWindow:
     def on_wave(self, samples: int) -> None:
         """Called when a wave starts decoding `samples` samples (resolves `auto`)."""
         self._wave_start = samples
+        if self._resolved == "tail":
+            self.abort()  # a new wave starts at full batch: tail work waits for this wave's tail again
         if self._resolved is None:
             self._resolved, sms = policy_mechanism(samples, self.policy_path)
             self.green_sms = sms or self.green_sms
