@@ -10,7 +10,7 @@ import torch
 from rollplex_megatron.dist import run_local
 from rollplex_megatron.recipes import load_run_config
 from tests import memory_workers as W
-from tests.test_trainer import BASE, TOL, _param_err
+from tests.test_trainer import TOL, _param_err
 
 STEPS = ["workload.rollout_batch=16", "rollout.group_size=4", "workload.responses_per_micro_batch=4",
          "task.max_answer_tokens=4"]

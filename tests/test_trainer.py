@@ -1,6 +1,5 @@
 """The trainer: serial, prefix_shared and rollplex compute the same rollouts and updates (fp32, CPU)."""
 import pytest
-import torch
 
 from rollplex_megatron.dist import run_local
 from rollplex_megatron.recipes import load_run_config

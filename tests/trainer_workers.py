@@ -1,8 +1,6 @@
 """Worker functions for the trainer tests (importable for spawn)."""
 from __future__ import annotations
 
-import torch
-
 
 def run_steps(cfg, steps: int, mutant: str = ""):
     """`steps` RL steps of cfg.mode; per-step rollout tokens and records, initial and final weights."""
