@@ -30,21 +30,15 @@ def main() -> int:
     a = ap.parse_args()
 
     sys.path.insert(0, "benchmarks")
-    from decode_vs_hf import prompts
+    from decode_vs_hf import cuda_kernels, prompts, random_model
     from torch.profiler import ProfilerActivity, profile
 
-    from rollplex_megatron.dist import init_parallel
-    from rollplex_megatron.models.qwen25vl import build_model
-    from rollplex_megatron.recipes import load_run_config
     from rollplex_megatron.rollout.embedded import EmbeddedEngine
     from rollplex_megatron.rollout.engine import RolloutRequest
     from rollplex_megatron.rollout.sampling import SamplingParams
     from rollplex_megatron.smoke import environment_record
 
-    gpu = torch.cuda.is_available()
-    init_parallel(1, 1, 0, "nccl" if gpu else "gloo")
-    cfg = load_run_config([f"model={a.preset}"]).model
-    model = build_model(cfg, "bfloat16" if gpu else "float32").eval()
+    cfg, model, gpu = random_model(a.preset)
     ps = prompts(cfg, a.groups, tuple(int(x) for x in a.grid.split(",")), a.text_tokens)
     eng = EmbeddedEngine(model, cfg, ps[0].input_ids.numel(), a.new_tokens, kv_cache_gib=40.0,
                          cuda_graphs=a.cuda_graphs)
@@ -63,8 +57,7 @@ def main() -> int:
             out = eng.generate(rs, params)
             if gpu:
                 torch.cuda.synchronize()
-        events = prof.key_averages()
-        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+        events, kernels = prof.key_averages(), cuda_kernels(prof)
         per_kernel = {e.key: (e.self_device_time_total, e.count) for e in kernels}
         return out, events, sum(e.self_device_time_total for e in kernels), sum(e.count for e in kernels), per_kernel
 

@@ -28,25 +28,19 @@ def main() -> int:
     a = ap.parse_args()
 
     sys.path.insert(0, "benchmarks")
-    from decode_vs_hf import prompts
+    from decode_vs_hf import cuda_kernels, prompts, random_model
     from torch.profiler import ProfilerActivity, profile
 
     from rollplex_megatron.attention.prefix import KVStore
-    from rollplex_megatron.dist import init_parallel
-    from rollplex_megatron.models.qwen25vl import build_model
     from rollplex_megatron.prefix.batch import Group
     from rollplex_megatron.prefix.execution import prefix_forward
-    from rollplex_megatron.recipes import load_run_config
-    from rollplex_megatron.rollout.embedded import DecodeCache, EmbeddedEngine, _WaveDecoder, _window
+    from rollplex_megatron.rollout.embedded import DecodeCache, EmbeddedEngine, _WaveDecoder
     from rollplex_megatron.rollout.engine import RolloutRequest
     from rollplex_megatron.rollout.sampling import SamplingParams
     from rollplex_megatron.smoke import environment_record
 
-    gpu = torch.cuda.is_available()
-    init_parallel(1, 1, 0, "nccl" if gpu else "gloo")
-    cfg = load_run_config([f"model={a.preset}"]).model
+    cfg, model, gpu = random_model(a.preset)
     dtype = torch.bfloat16 if gpu else torch.float32
-    model = build_model(cfg, dtype).eval()
     prompt = prompts(cfg, 1, (2, 16, 16), 896)[0]
     one = KVStore()
     with torch.no_grad():
@@ -60,7 +54,7 @@ def main() -> int:
         reqs = [RolloutRequest(prompt, n, a.max_new, (), seed=g) for g in range(groups)]
         cache = DecodeCache(store, list(range(groups)), [n] * groups, a.max_new, dtype)
         dec = _WaveDecoder(eng, reqs, cache, SamplingParams())
-        key = (dec.n_rows, dec._s_max(dec.n_rows), _window(0, a.max_new))
+        key = (dec.n_rows, dec._s_max(dec.n_rows), dec.window(0))
         with torch.no_grad():
             dec._run_step(*key)  # capture (GPU) or eager
             torch.cuda.synchronize() if gpu else None
@@ -74,7 +68,7 @@ def main() -> int:
                 for _ in range(3):
                     dec._run_step(*key)
                 torch.cuda.synchronize() if gpu else None
-        kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+        kernels = cuda_kernels(prof)
         total = sum(e.self_device_time_total for e in kernels) / 3 / 1e3
         top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:20]
         rows[name] = {"groups": groups, "samples_per_group": n, "decode_attention": impl, "step_ms": step_ms, "kernel_ms_per_step": total,

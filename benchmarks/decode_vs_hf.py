@@ -80,6 +80,24 @@ def prompts(cfg, groups: int, grid: tuple[int, int, int], text_tokens: int, seed
     return out
 
 
+def random_model(preset: str):
+    """One process's parallel state and the preset with random weights (bf16 on GPU, fp32 on CPU),
+    in eval mode: (model config, model, on GPU)."""
+    from rollplex_megatron.dist import init_parallel
+    from rollplex_megatron.models.qwen25vl import build_model
+    from rollplex_megatron.recipes import load_run_config
+
+    gpu = torch.cuda.is_available()
+    init_parallel(1, 1, 0, "nccl" if gpu else "gloo")
+    cfg = load_run_config([f"model={preset}"]).model
+    return cfg, build_model(cfg, "bfloat16" if gpu else "float32").eval(), gpu
+
+
+def cuda_kernels(prof) -> list:
+    """The CUDA kernel rows of a finished torch.profiler run's key averages."""
+    return [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
 def _sync():
     if torch.cuda.is_available():
         torch.cuda.synchronize()

@@ -394,6 +394,12 @@ class _WaveDecoder:
         g.replay()
         self.stats["graph_replays"] += 1
 
+    def window(self, step: int) -> int:
+        """Response positions step `step` attends. Flash reads each sample's keys up to its length,
+        so one window (one graph per bucket) serves every step; the math path slices the window it
+        attends (one graph per window size)."""
+        return self.max_new if self.engine.flash else _window(step, self.max_new)
+
     def _s_max(self, n: int) -> int:
         return int(torch.bincount(self.slot["group"][:n], minlength=self.n_groups).max())
 
@@ -414,9 +420,7 @@ class _WaveDecoder:
         n, step = self.n_rows, 0
         s_max = self._s_max(n)
         while True:
-            # flash reads each sample's keys up to its length, so one window (one graph per bucket) serves
-            # every step; the math path slices the window it attends (one graph per window size)
-            self._run_step(n, s_max, self.max_new if self.engine.flash else _window(step, self.max_new))
+            self._run_step(n, s_max, self.window(step))
             step += 1
             live = int(self.live_t)  # the step's one host read
             if hooks is not None:
