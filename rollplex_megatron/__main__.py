@@ -9,6 +9,8 @@ Commands
                                       megatron model vs transformers on an HF checkpoint
   convert hf-to-mcore --hf-dir DIR --out DIR [--tp N] [--pp N]
   convert mcore-to-hf --mcore-dir DIR --out DIR
+  convert train-to-hf --run DIR [--step N] --out DIR
+                                      export a training run's actor (latest checkpoint or step N) to HF
   verify-equivalence [hydra overrides] [--hf-dir DIR] [--json]
                                       prefix/response execution vs full sequences (exit 0 = exact)
   plan-weights [model=...] train_tp=T rollout_tp=R [layout=megatron|sglang] [--json]
@@ -19,6 +21,7 @@ Commands
   print-config [hydra overrides]      the resolved config
 Commands that take Hydra overrides accept e.g. `model=qwen2_5_vl_3b parallel.tp=2`.
 Multi-process commands launch their own local processes when not started by torchrun.
+Errors print one line (`error: ...`); `--debug` anywhere on the line shows the traceback instead.
 """
 from __future__ import annotations
 
@@ -26,7 +29,23 @@ import argparse
 import json
 import sys
 
+from hydra.errors import HydraException
+from omegaconf.errors import OmegaConfBaseException
+
 from rollplex_megatron.compat import quiet_known_warnings
+from rollplex_megatron.dist import LocalRunError
+
+# What a user's input can cause: printed as one line. Anything else is a bug and keeps its traceback.
+USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, PermissionError, NotADirectoryError,
+               HydraException, OmegaConfBaseException, LocalRunError)
+
+
+def error_line(e: BaseException) -> str:
+    """One line for an error: a worker's own last traceback line, else the message's lines joined."""
+    if isinstance(e, LocalRunError):
+        return e.summary
+    text = " ".join(ln.strip() for ln in str(e).splitlines() if ln.strip())
+    return text or type(e).__name__
 
 
 def _cmd_verify_hf(argv: list[str]) -> int:
@@ -70,11 +89,18 @@ def _cmd_convert(argv: list[str]) -> int:
     m2h.add_argument("--mcore-dir", required=True)
     m2h.add_argument("--out", required=True)
     m2h.add_argument("--max-shard-gib", type=float, default=4.0)
+    t2h = sub.add_parser("train-to-hf", help="a training run's checkpoint -> HF directory (the actor)")
+    t2h.add_argument("--run", required=True, help="run directory (train.out of the run)")
+    t2h.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
+    t2h.add_argument("--out", required=True, help="new HF directory")
+    t2h.add_argument("--max-shard-gib", type=float, default=4.0)
     a = ap.parse_args(argv)
     from rollplex_megatron.checkpoint import convert
 
     if a.direction == "hf-to-mcore":
         out = convert.hf_to_mcore(a.hf_dir, a.out, a.tp, a.pp)
+    elif a.direction == "train-to-hf":
+        out = convert.train_to_hf(a.run, a.out, a.step, int(a.max_shard_gib * (1 << 30)))
     else:
         out = convert.mcore_to_hf(a.mcore_dir, a.out, int(a.max_shard_gib * (1 << 30)))
     print(out)
@@ -218,11 +244,19 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0 if argv else 2
+    debug = "--debug" in argv
+    argv = [a for a in argv if a != "--debug"]
     cmd, rest = argv[0], argv[1:]
     if cmd not in COMMANDS:
         print(f"unknown command {cmd!r}; commands: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
-    return COMMANDS[cmd](rest)
+    try:
+        return COMMANDS[cmd](rest)
+    except USER_ERRORS as e:
+        if debug:
+            raise
+        print(f"error: {error_line(e)} (--debug shows the traceback)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -419,6 +419,10 @@ class RunConfig:
     def check_training(self) -> None:
         """Checks that only training needs (verify/smoke runs use other batch shapes)."""
         g, n, dp = self.rollout.group_size, self.workload.rollout_batch, self.parallel.dp
+        if g < 2:
+            raise ValueError(f"rollout.group_size={g}: GRPO's advantage is a response's reward minus its "
+                             f"group's mean, so with one response per prompt every advantage and the loss are "
+                             f"0 and nothing trains; set rollout.group_size >= 2")
         if n % g:
             raise ValueError(f"rollout.group_size ({g}) must divide workload.rollout_batch ({n})")
         if (n // g) % dp:

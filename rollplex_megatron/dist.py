@@ -2,15 +2,19 @@
 
 `run_local` is the one multi-process helper (tests and CLI commands use it when not under
 torchrun): spawn N processes, free port, gloo on CPU / NCCL on GPU, collect each rank's return
-value, re-raise the first failure with its traceback.
+value, re-raise the first failure with its traceback. Workers exit when their launcher dies
+(`exit_with_parent`), and a rank that fails does not leave the others waiting in a collective.
 """
 from __future__ import annotations
 
 import os
 import socket
 import tempfile
+import threading
+import time
 import traceback
 from datetime import timedelta
+from multiprocessing.connection import wait
 
 import torch
 import torch.distributed as dist
@@ -51,6 +55,27 @@ def init_parallel(tp: int = 1, pp: int = 1, seed: int = 1234, backend: str = "au
     model_parallel_cuda_manual_seed(seed)
 
 
+def check_world_size(world_size: int, what: str = "parallel.tp*parallel.pp*parallel.dp") -> None:
+    """Under torchrun, the launched process count must be the layout's: a run records what ran."""
+    if under_torchrun() and int(os.environ["WORLD_SIZE"]) != world_size:
+        raise ValueError(f"launched {os.environ['WORLD_SIZE']} processes but {what} = {world_size}; "
+                         f"launch {world_size} processes or set parallel.dp so that tp*pp*dp equals the "
+                         f"process count")
+
+
+def exit_with_parent(poll_s: float = 0.2) -> None:
+    """Exit this process (code 1) as soon as its parent dies, e.g. after `kill -9` of the launcher:
+    a worker that outlived its launcher would go on writing into a run directory nobody holds."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
 def destroy_parallel() -> None:
     """Tear down megatron's groups and the process group."""
     from megatron.core import parallel_state as ps
@@ -70,7 +95,10 @@ def free_port() -> int:
 def _worker(rank: int, world: int, port: int, fn, args, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    exit_with_parent()
+    # ROLLPLEX_NUM_THREADS pins the intra-op threads of every rank (the test suite runs once with 1
+    # and once with 2 to find assertions that depend on the CPU's reduction order).
+    torch.set_num_threads(int(os.environ.get("ROLLPLEX_NUM_THREADS", 0)) or max(1, (os.cpu_count() or 1) // world))
     quiet_known_warnings()
     path = os.path.join(out_dir, f"rank{rank}.pt")
     try:
@@ -85,14 +113,39 @@ def _worker(rank: int, world: int, port: int, fn, args, out_dir: str) -> None:
 
 
 class LocalRunError(RuntimeError):
-    """A rank of `run_local` failed; the message holds its traceback."""
+    """A rank of `run_local` failed; the message holds its traceback, `summary` its last line."""
+
+    def __init__(self, message: str, summary: str):
+        super().__init__(message)
+        self.summary = summary
 
 
-def run_local(fn, world_size: int, *args) -> list:
+def _join(procs, grace_s: float) -> None:
+    """Wait for every process; once one has failed, the rest get `grace_s` to finish (they may be
+    blocked in a collective with the dead rank), then are terminated."""
+    live, deadline = list(procs), None
+    while live:
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        done = wait([p.sentinel for p in live], timeout)
+        if not done:  # grace period over
+            for p in live:
+                p.terminate()
+            for p in live:
+                p.join()
+            return
+        for p in [p for p in live if p.sentinel in done]:
+            p.join()
+            live.remove(p)
+            if p.exitcode != 0 and deadline is None:
+                deadline = time.monotonic() + grace_s
+
+
+def run_local(fn, world_size: int, *args, on_start=None, grace_s: float = 30.0) -> list:
     """Run `fn(*args)` in `world_size` fresh processes; return the per-rank results (rank order).
 
     `fn` must be importable (module level). Each process sees RANK/WORLD_SIZE/MASTER_* like
-    under torchrun, so `fn` calls `init_parallel(...)` itself.
+    under torchrun, so `fn` calls `init_parallel(...)` itself. `on_start(pids)` is called once the
+    processes run (the launcher records them in the run directory's lock and forwards signals).
     """
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = mp.get_context("spawn")
@@ -101,15 +154,21 @@ def run_local(fn, world_size: int, *args) -> list:
                  for r in range(world_size)]
         for p in procs:
             p.start()
-        for p in procs:
-            p.join()
-        results = []
+        if on_start is not None:
+            on_start([p.pid for p in procs])
+        _join(procs, grace_s)
+        found = {}
         for r in range(world_size):
             path = os.path.join(out_dir, f"rank{r}.pt")
-            if not os.path.exists(path):
-                raise LocalRunError(f"rank {r} died without a result (exit code {procs[r].exitcode})")
-            res = torch.load(path, weights_only=False)
-            if not res["ok"]:
-                raise LocalRunError(f"rank {r} failed:\n{res['error']}")
-            results.append(res["value"])
+            found[r] = torch.load(path, weights_only=False) if os.path.exists(path) else None
+        failed = [r for r, res in found.items() if res is not None and not res["ok"]]
+        if failed:  # a rank's own error first: the others may only have been stopped after it
+            r = failed[0]
+            last = found[r]["error"].strip().splitlines()[-1]
+            raise LocalRunError(f"rank {r} failed:\n{found[r]['error']}", f"rank {r}: {last}")
+        for r, res in found.items():
+            if res is None:
+                msg = f"rank {r} died without a result (exit code {procs[r].exitcode})"
+                raise LocalRunError(msg, msg)
+        results = [found[r]["value"] for r in range(world_size)]
         return results

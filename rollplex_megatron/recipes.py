@@ -1,6 +1,8 @@
 """Compose a RunConfig from the Hydra recipes (`recipes/`) and command-line overrides."""
 from __future__ import annotations
 
+import dataclasses
+import difflib
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
@@ -22,9 +24,30 @@ def compose_config(overrides: list[str] | None = None, config_name: str = "confi
         return compose(config_name=config_name, overrides=list(overrides or []))
 
 
+def check_closed(node, schema: type, path: str = "") -> None:
+    """Unknown keys anywhere in `node` are errors, whatever form added them (`+key=` included:
+    Hydra opens the struct flag for it and `to_object` would drop the key silently)."""
+    fields = {f.name: f for f in dataclasses.fields(schema)}
+    for key in node.keys():
+        name = f"{path}{key}"
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1)
+            hint = f"; did you mean {path}{close[0]}?" if close else ""
+            raise ValueError(f"unknown config key {name!r}: {schema.__name__} has no field {key!r}{hint} "
+                             f"(`rollplex print-config` lists every key)")
+        sub = fields[key].type
+        value = node._get_node(key)
+        if OmegaConf.is_dict(value) and isinstance(sub, str):
+            sub = getattr(value, "_metadata").object_type
+        if OmegaConf.is_dict(value) and dataclasses.is_dataclass(sub):
+            check_closed(value, sub, f"{name}.")
+
+
 def load_run_config(overrides: list[str] | None = None) -> RunConfig:
     """A validated RunConfig (cross-field checks run here, before any heavy work)."""
-    return OmegaConf.to_object(compose_config(overrides))
+    cfg = compose_config(overrides)
+    check_closed(cfg, RunConfig)
+    return OmegaConf.to_object(cfg)
 
 
 def to_yaml(cfg: RunConfig) -> str:

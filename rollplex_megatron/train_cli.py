@@ -1,66 +1,116 @@
-"""`train`: launch the GRPO trainer (local processes or torchrun), then write the report.
+"""`train`: check and lock the run directory, launch the GRPO trainer (local processes or
+torchrun), then write the report over the whole run.
 
 With `--modes`, each mode trains from the same seed into `<run dir>/<mode>/`, and one report
-compares them (reward curves, per-phase time per step).
+compares them (reward curves, per-phase time per step). Every check of the run directory
+(`checkpoint/run_dir.py`) runs before a process starts; SIGTERM stops after the current step
+with a checkpoint (exit 0), so `train.resume=true` continues.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
+import signal
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
-from rollplex_megatron.config import MODES, RunConfig
+import torch.distributed as dist
+
+from rollplex_megatron.checkpoint import run_dir as R
+from rollplex_megatron.checkpoint import train_state
+from rollplex_megatron.checkpoint.hf import HFCheckpoint
+from rollplex_megatron.config import MODES, RunConfig, check_model_parallel
+from rollplex_megatron.dist import check_world_size, exit_with_parent, run_local, under_torchrun
+from rollplex_megatron.envs.motion import MotionEnv
+from rollplex_megatron.recipes import load_run_config, to_yaml
+from rollplex_megatron.report import plot_runs, read_metrics, summarize
+from rollplex_megatron.trainer import train_rank
 
 
-def _launch(cfg: RunConfig) -> dict:
-    import torch.distributed as dist
+class _Launcher:
+    """The launcher's side of a run: worker pids in the lock, SIGTERM forwarded to the workers."""
 
-    from rollplex_megatron.dist import run_local, under_torchrun
-    from rollplex_megatron.trainer import train_rank
+    def __init__(self, locks: list[R.RunLock]):
+        self.locks, self.pids, self.preempted = locks, [], False
+        self._old = signal.signal(signal.SIGTERM, self._on_term)
 
+    def _on_term(self, signum, frame) -> None:
+        self.preempted = True
+        self._forward()
+
+    def _forward(self) -> None:
+        for pid in self.pids:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+    def started(self, pids: list[int]) -> None:
+        """run_local's on_start: record the workers."""
+        self.pids = pids
+        for lock in self.locks:
+            lock.add_workers(pids)
+        if self.preempted:  # SIGTERM came while the workers were starting
+            self._forward()
+
+    def close(self) -> None:
+        """Give SIGTERM its previous handler back."""
+        signal.signal(signal.SIGTERM, self._old)
+
+
+def _launch(cfg: RunConfig, launcher: _Launcher) -> dict:
     if under_torchrun():
         out = train_rank(cfg)
         return out if dist.get_rank() == 0 else {}
-    return run_local(train_rank, cfg.parallel.world_size, cfg)[0]
+    return run_local(train_rank, cfg.parallel.world_size, cfg, on_start=launcher.started)[0]
 
 
-def main(overrides: list[str], modes: list[str] | None = None) -> int:
-    """Train one mode (or several in turn), write report.png and summary.json, print the run dir last."""
-    import torch.distributed as dist
-
-    from rollplex_megatron.envs.motion import MotionEnv
-    from rollplex_megatron.recipes import load_run_config
-    from rollplex_megatron.report import plot_runs, summarize
-
-    cfg = load_run_config(overrides)  # every config error surfaces here, before processes start
-    cfg.check_training()
-    if cfg.train.init_hf:
-        from rollplex_megatron.checkpoint.hf import HFCheckpoint
-        from rollplex_megatron.config import check_model_parallel
-
-        cfg.model = HFCheckpoint(cfg.train.init_hf).model_config()
-        check_model_parallel(cfg.model, cfg.parallel)
-    bad = [m for m in modes or [] if m not in MODES]
-    if bad:
-        raise SystemExit(f"--modes: unknown mode(s) {bad}; choose from {', '.join(MODES)}")
-    MotionEnv(cfg.task, cfg.model)  # task/model mismatch fails before any process starts
-    root = Path(cfg.train.out or os.path.join(cfg.run_dir, time.strftime("%Y%m%d-%H%M%S") + "-train")).resolve()
-    runs = {}
+def _plan(cfg: RunConfig, root: Path, modes: list[str] | None) -> list[RunConfig]:
+    """One config per mode to train, each checked against its run directory (nothing written)."""
+    plans = []
     for name in modes or [cfg.mode.name]:
         out = root / name if modes else root
         mcfg = dataclasses.replace(cfg, mode=dataclasses.replace(cfg.mode, name=name),
                                    train=dataclasses.replace(cfg.train, out=str(out)))
-        res = _launch(mcfg)
-        if not (dist.is_initialized() and dist.get_rank() != 0):
-            runs[name] = res["records"]
-    if dist.is_initialized() and dist.get_rank() != 0:
-        return 0  # rank 0 writes the report
-    # Reward of a policy that always names a direction, uniformly at random: correct 1/4 of the time.
-    chance = MotionEnv.chance + cfg.task.format_reward
+        if modes and cfg.train.resume:  # a comparison run resumes mode by mode
+            latest = train_state.latest_checkpoint(out) if out.is_dir() else None
+            if latest is not None and train_state.read_meta(latest)["step"] == cfg.train.steps:
+                continue  # this mode finished before the interruption
+            if latest is None and not any((out / f).exists() for f in R.RUN_FILES):
+                mcfg = dataclasses.replace(mcfg, train=dataclasses.replace(mcfg.train, resume=False))
+        R.check_start(out, mcfg.train.resume, mcfg.train.steps, to_yaml(mcfg))
+        plans.append(mcfg)
+    return plans
+
+
+def _config(overrides: list[str], modes: list[str] | None) -> RunConfig:
+    """The run's config with every check that needs no process (bad input fails here)."""
+    cfg = load_run_config(overrides)
+    if cfg.train.init_hf:
+        cfg.model = HFCheckpoint(cfg.train.init_hf).model_config()
+        check_model_parallel(cfg.model, cfg.parallel)
+    cfg.check_training()
+    bad = [m for m in modes or [] if m not in MODES]
+    if bad:
+        raise ValueError(f"--modes: unknown mode(s) {bad}; choose from {', '.join(MODES)}")
+    check_world_size(cfg.parallel.world_size)
+    MotionEnv(cfg.task, cfg.model)  # task/model mismatch fails before any process starts
+    return cfg
+
+
+def _report(root: Path, plans: list[RunConfig], modes: list[str] | None, cfg: RunConfig) -> None:
+    """summary.json and report.png over every recorded step of each mode (resumed segments too)."""
+    names = modes or [cfg.mode.name]
+    runs = {n: read_metrics(root / n / R.METRICS if modes else root / R.METRICS) for n in names}
+    runs = {n: recs for n, recs in runs.items() if recs}
+    if not runs:
+        return
+    chance = MotionEnv.chance + cfg.task.format_reward  # a policy naming a random direction
     summary = {name: summarize(recs) for name, recs in runs.items()}
     for name, recs in runs.items():
+        recs = sorted(recs, key=lambda r: r["step"])
         k = max(1, len(recs) // 5)
         summary[name]["accuracy_first20"] = sum(r["accuracy"] for r in recs[:k]) / k
         summary[name]["accuracy_last20"] = sum(r["accuracy"] for r in recs[-k:]) / k
@@ -72,5 +122,35 @@ def main(overrides: list[str], modes: list[str] | None = None) -> int:
               f"random-direction policy {chance:.2f}), accuracy {s['accuracy_first20']:.3f} -> "
               f"{s['accuracy_last20']:.3f} (chance {MotionEnv.chance:.2f}); {s['step_time_s']:.2f} s/step")
     print(f"report: {png}")
+
+
+def main(overrides: list[str], modes: list[str] | None = None) -> int:
+    """Train one mode (or several in turn), write report.png and summary.json, print the run dir last."""
+    cfg = _config(overrides, modes)
+    root = Path(cfg.train.out or os.path.join(cfg.run_dir, time.strftime("%Y%m%d-%H%M%S") + "-train")).resolve()
+    plans = _plan(cfg, root, modes)
+    rank0 = not under_torchrun() or os.environ["RANK"] == "0"
+    if under_torchrun():
+        exit_with_parent()  # a rank whose torchrun agent was killed stops writing
+    with ExitStack() as stack:
+        locks = []
+        if rank0:  # the launcher (rank 0 under torchrun) holds every directory it writes
+            for d in dict.fromkeys([root] + [Path(p.train.out) for p in plans]):
+                locks.append(stack.enter_context(R.RunLock(d)))
+                R.clean_interrupted(d, locks[-1])
+        launcher = _Launcher(locks)
+        stack.callback(launcher.close)
+        stopped = None
+        for mcfg in plans:
+            res = _launch(mcfg, launcher)
+            stopped = res.get("preempted_at") if rank0 else None
+            if stopped or launcher.preempted:
+                break
+        if not rank0:
+            return 0
+        _report(root, plans, modes, cfg)
+        if stopped or launcher.preempted:
+            print(f"stopped by SIGTERM after step {stopped}: checkpoint written; continue with "
+                  f"train.resume=true train.out={root}")
     print(root)
     return 0

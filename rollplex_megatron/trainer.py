@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import signal
 import time
 from abc import ABC, abstractmethod
 from contextlib import contextmanager
@@ -378,11 +379,35 @@ def _run_dir(cfg: RunConfig) -> Path:
     return path
 
 
+class Preemption:
+    """SIGTERM (SLURM's preemption signal) asks for a stop: the current step finishes, every rank
+    agrees on the step to stop after, a checkpoint is written and the ranks return normally."""
+
+    def __init__(self):
+        self.asked = False
+        self._old = signal.signal(signal.SIGTERM, self._on_term)
+
+    def _on_term(self, signum, frame) -> None:
+        self.asked = True
+
+    def agreed(self, dev) -> bool:
+        """Collective: True on every rank when any rank was asked to stop."""
+        flag = torch.tensor([int(self.asked)], dtype=torch.int32, device=dev)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(int(flag))
+
+    def close(self) -> None:
+        """Give SIGTERM its previous handler back."""
+        signal.signal(signal.SIGTERM, self._old)
+
+
 def train_rank(cfg: RunConfig) -> dict:
-    """Train on this rank for `train.steps` steps; rank 0 writes metrics.jsonl, the report and checkpoints."""
-    from rollplex_megatron.checkpoint import train_state
+    """Train on this rank until `train.steps` (or a SIGTERM); rank 0 writes metrics.jsonl and the
+    config, every rank its checkpoint shard. The launcher has checked and locked the run directory."""
+    from rollplex_megatron.checkpoint import run_dir, train_state
     from rollplex_megatron.recipes import to_yaml
 
+    preempt = Preemption()
     rt = Runtime(cfg)
     mode = MODES[cfg.mode.name]()
     run = _run_dir(cfg)
@@ -393,27 +418,33 @@ def train_rank(cfg: RunConfig) -> dict:
             raise FileNotFoundError(f"train.resume=true but {run} has no checkpoint")
         start, _ = train_state.load_checkpoint(latest, rt.ddp.module, rt.ref, rt.optimizer)
     if rank0:
+        run_dir.truncate_metrics(run, start)  # steps after the checkpoint are trained again
         (run / "config.yaml").write_text(to_yaml(cfg))
         (run / "memory_plan.json").write_text(json.dumps(rt.plan, indent=1))
-    metrics_path = run / "metrics.jsonl"
-    if rank0 and start == 0 and metrics_path.exists():
-        metrics_path.unlink()  # a fresh run in a reused directory starts a fresh log
+    metrics_path = run / run_dir.METRICS
     bar = _progress(cfg, start, rank0)
-    records = []
-    for step in range(start, cfg.train.steps):
-        rec = run_step(rt, mode, step)
-        records.append(rec)
-        if rank0:
-            with metrics_path.open("a") as f:
-                f.write(json.dumps(rec) + "\n")
-            _show(bar, rec)
-        done = step + 1 == cfg.train.steps and cfg.train.save_final
-        if done or (cfg.train.save_every and (step + 1) % cfg.train.save_every == 0):
-            rt.memory.restore_all()  # offloaded classes come back before their state is written
-            train_state.save_checkpoint(run, step + 1, rt.ddp.module, rt.ref, rt.optimizer, {}, to_yaml(cfg))
-    if bar is not None:
-        bar.close()
-    return {"run_dir": str(run), "records": records}
+    records, stopped = [], None
+    try:
+        for step in range(start, cfg.train.steps):
+            rec = run_step(rt, mode, step)
+            records.append(rec)
+            if rank0:
+                with metrics_path.open("a") as f:
+                    f.write(json.dumps(rec) + "\n")
+                _show(bar, rec)
+            stop = preempt.agreed(rt.dev)
+            last = step + 1 == cfg.train.steps
+            if (last and cfg.train.save_final) or stop or (cfg.train.save_every and (step + 1) % cfg.train.save_every == 0):
+                rt.memory.restore_all()  # offloaded classes come back before their state is written
+                train_state.save_checkpoint(run, step + 1, rt.ddp.module, rt.ref, rt.optimizer, {}, to_yaml(cfg))
+            if stop and not last:
+                stopped = step + 1
+                break
+    finally:
+        preempt.close()
+        if bar is not None:
+            bar.close()
+    return {"run_dir": str(run), "records": records, "preempted_at": stopped}
 
 
 def _progress(cfg: RunConfig, start: int, rank0: bool):

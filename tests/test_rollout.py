@@ -84,10 +84,18 @@ def _cfg(tp=1, pp=1):
 
 
 def _same(engine, reference, tol=1e-5):
+    """Same tokens and finish reasons; log-probs within DESIGN's norm-relative fp32 tolerance (the two
+    executions reduce in different orders: other kernels, other TP splits, other thread counts)."""
+    assert len(engine) == len(reference)
+    got, want = [], []
     for (et, elp, ef), (rt, rlp, rf) in zip(engine, reference):
         assert et == rt and ef == rf
         for a, b in zip(elp, rlp):
-            assert max(abs(x - y) for x, y in zip(a, b)) < tol
+            assert len(a) == len(b)
+            got += a
+            want += b
+    got, want = torch.tensor(got, dtype=torch.float64), torch.tensor(want, dtype=torch.float64)
+    assert float((got - want).norm() / want.norm()) < tol
 
 
 @pytest.mark.parametrize("params,budget", [(SamplingParams(), 1.0), (SamplingParams(0.8, 0.9, 40), 6e-5)])

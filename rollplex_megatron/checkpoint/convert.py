@@ -1,4 +1,4 @@
-"""`rollplex convert`: Hugging Face <-> megatron per-rank checkpoints.
+"""`rollplex convert`: Hugging Face <-> megatron per-rank checkpoints, and training runs -> HF.
 
 Megatron format (a directory): `rollplex_mcore.json` (format, tp, pp, HF naming, model config and
 the source config.json) and one `tp{TT}_pp{PPP}.pt` per rank holding that rank's stage state dict
@@ -18,6 +18,7 @@ import torch
 from rollplex_megatron.checkpoint import hf as H
 from rollplex_megatron.checkpoint import layout as L
 from rollplex_megatron.config import ModelConfig, ParallelConfig, VisionConfig, check_model_parallel
+from rollplex_megatron.envs.motion import MotionEnv
 
 META = "rollplex_mcore.json"
 FORMAT = "rollplex-mcore-v1"
@@ -95,5 +96,123 @@ def mcore_to_hf(mcore_dir: str, out_dir: str, max_shard_bytes: int = 4 << 30) ->
     def fill(tmp: Path) -> None:
         H.write_safetensors(H.export_hf_tensors(states, cfg, tp, pp, naming), tmp, max_shard_bytes)
         H.atomic_write_text(tmp / "config.json", json.dumps(meta["hf_config"], indent=2))
+
+    return _build_atomically(Path(out_dir), fill)
+
+
+# What transformers' processors and tokenizers save next to the weights.
+PROCESSOR_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
+                   "added_tokens.json", "chat_template.json", "chat_template.jinja", "preprocessor_config.json",
+                   "video_preprocessor_config.json", "processor_config.json")
+EXPORT_META = "rollplex_export.json"
+
+
+def hf_config_from_model(cfg: ModelConfig) -> dict:
+    """A Qwen2.5-VL config.json for `cfg`, built by transformers' own config class."""
+    from transformers import Qwen2_5_VLConfig
+
+    v = cfg.vision
+    text = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.ffn_hidden_size,
+                num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_attention_heads,
+                num_key_value_heads=cfg.num_query_groups, rms_norm_eps=cfg.rms_norm_eps,
+                max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=cfg.tie_word_embeddings,
+                rope_parameters=dict(rope_type="default", rope_theta=cfg.rope_theta,
+                                     mrope_section=list(cfg.mrope_section)))
+    # transformers' defaults are the released vocabulary's <|endoftext|> / <|im_end|>; a smaller vocabulary has none
+    for key, default in (("bos_token_id", 151643), ("eos_token_id", 151645)):
+        text[key] = default if default < cfg.vocab_size else None
+    vision = dict(depth=v.depth, hidden_size=v.hidden_size, intermediate_size=v.ffn_hidden_size,
+                  num_heads=v.num_heads, out_hidden_size=v.out_hidden_size, patch_size=v.patch_size,
+                  temporal_patch_size=v.temporal_patch_size, spatial_merge_size=v.spatial_merge_size,
+                  window_size=v.window_size, fullatt_block_indexes=list(v.fullatt_block_indexes),
+                  tokens_per_second=v.tokens_per_second, in_channels=v.in_channels)
+    hf = Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=cfg.tie_word_embeddings,
+                          image_token_id=cfg.image_token_id, video_token_id=cfg.video_token_id,
+                          vision_start_token_id=cfg.vision_start_token_id,
+                          vision_end_token_id=cfg.vision_end_token_id).to_dict()
+    hf["architectures"] = ["Qwen2_5_VLForConditionalGeneration"]
+    return hf
+
+
+def _same_model(a: ModelConfig, b: ModelConfig) -> bool:
+    return dataclasses.replace(a, name="", freeze_vision=False) == dataclasses.replace(b, name="", freeze_vision=False)
+
+
+def _train_checkpoint(run: Path, step: int | None) -> Path:
+    from rollplex_megatron.checkpoint import train_state as T
+
+    if step is None:
+        ck = T.latest_checkpoint(run) if (run / T.CHECKPOINTS).is_dir() else None
+        if ck is None:
+            raise H.CheckpointError(f"{run}: no training checkpoint (no {T.CHECKPOINTS}/{T.LATEST}); train with "
+                                    f"train.save_final=true or train.save_every=k")
+        return ck
+    ck = run / T.CHECKPOINTS / T.step_dir_name(step)
+    if not (ck / T.META).is_file():
+        have = sorted(p.name for p in (run / T.CHECKPOINTS).glob("step_*") if (p / T.META).is_file())
+        raise H.CheckpointError(f"{run}: no checkpoint at step {step}; published: {', '.join(have) or 'none'}")
+    return ck
+
+
+def _actor_states(ck: Path, meta: dict) -> list[list[dict]]:
+    """The actor's state per [pp_rank][tp_rank], from the data-parallel rank 0 files (mmap)."""
+    from rollplex_megatron.checkpoint import train_state as T
+
+    tp, pp, dp = meta["tp"], meta["pp"], meta["dp"]
+    states: list[list[dict | None]] = [[None] * tp for _ in range(pp)]
+    for rank in range(meta["world_size"]):
+        f = ck / T.rank_file_name(rank)
+        if not f.is_file():
+            raise H.CheckpointError(f"{ck}: missing {f.name} of world size {meta['world_size']}")
+        state = torch.load(f, map_location="cpu", mmap=True, weights_only=False)
+        # megatron's default rank order tp-cp-ep-dp-pp (cp = ep = 1), for files that predate "ranks"
+        r = state.get("ranks") or {"tp": rank % tp, "dp": rank // tp % dp, "pp": rank // (tp * dp)}
+        if r["dp"] == 0:
+            states[r["pp"]][r["tp"]] = state["model"]
+    return states
+
+
+def train_to_hf(run_dir: str | os.PathLike, out_dir: str | os.PathLike, step: int | None = None,
+                max_shard_bytes: int = 4 << 30) -> Path:
+    """Export the trained actor of a run's checkpoint (latest, or `step`) as an HF directory:
+    config.json, safetensors, generation_config.json, and the processor files of `train.init_hf`."""
+    from omegaconf import OmegaConf
+    from transformers import GenerationConfig
+
+    from rollplex_megatron.checkpoint import train_state as T
+    from rollplex_megatron.config import RunConfig
+
+    run = Path(run_dir)
+    ck = _train_checkpoint(run, step)
+    meta = T.read_meta(ck)
+    cfg: RunConfig = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig),
+                                                         OmegaConf.create(meta["config"])))
+    init = Path(cfg.train.init_hf) if cfg.train.init_hf else None
+    if init is not None and (init / "config.json").is_file():
+        hf_config = json.loads((init / "config.json").read_text())
+        if not _same_model(H.model_config_from_hf(hf_config), cfg.model):
+            raise H.CheckpointError(f"{init}/config.json no longer describes the run's model; it was changed "
+                                    f"after training")
+    else:
+        hf_config = hf_config_from_model(cfg.model)
+    states = _actor_states(ck, meta)
+    r = cfg.rollout
+
+    def fill(tmp: Path) -> None:
+        tensors = H.export_hf_tensors(states, cfg.model, meta["tp"], meta["pp"], L.HFNaming())
+        H.write_safetensors(tensors, tmp, max_shard_bytes)
+        H.atomic_write_text(tmp / "config.json", json.dumps(hf_config, indent=2))
+        copied = [f for f in PROCESSOR_FILES if init is not None and (init / f).is_file()]
+        for f in copied:
+            shutil.copy2(init / f, tmp / f)
+        if init is not None and (init / "generation_config.json").is_file():
+            shutil.copy2(init / "generation_config.json", tmp / "generation_config.json")
+        else:  # the run's own sampling settings and the task's stop tokens
+            stop = MotionEnv(cfg.task, cfg.model).stop_token_ids
+            GenerationConfig(do_sample=True, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                             max_new_tokens=cfg.task.max_answer_tokens, eos_token_id=list(stop)).save_pretrained(tmp)
+        H.atomic_write_text(tmp / EXPORT_META, json.dumps(
+            {"run": str(run.resolve()), "checkpoint": ck.name, "step": meta["step"], "source": "actor",
+             "train_layout": {k: meta[k] for k in ("tp", "pp", "dp")}, "processor_files": copied}, indent=2))
 
     return _build_atomically(Path(out_dir), fill)

@@ -23,10 +23,28 @@ class CheckpointError(ValueError):
     """A checkpoint does not match the model: names the tensor and the numbers."""
 
 
+SUPPORTED_MODEL_TYPES = {"qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
+
+
+def check_model_type(hf: dict, where: str) -> None:
+    """config.json must describe a supported architecture (before any field is read)."""
+    mt = hf.get("model_type")
+    if mt not in SUPPORTED_MODEL_TYPES:
+        found = f"model_type {mt!r}" + (f" ({', '.join(hf['architectures'])})" if hf.get("architectures") else "")
+        supported = ", ".join(f"{k} ({v})" for k, v in SUPPORTED_MODEL_TYPES.items())
+        raise CheckpointError(f"{where}: {found} is not supported; supported: {supported}")
+
+
+def _text_fields(hf: dict):
+    text = dict(hf.get("text_config") or {})
+    return lambda k, d=None: text.get(k, hf.get(k, d))
+
+
 def model_config_from_hf(hf: dict, name: str = "hf") -> ModelConfig:
     """ModelConfig from a config.json dict (released flat layout or transformers' text_config layout)."""
+    check_model_type(hf, f"{name}: config.json")
     text = dict(hf.get("text_config") or {})
-    get = lambda k, d=None: text.get(k, hf.get(k, d))  # noqa: E731
+    get = _text_fields(hf)
     rope = get("rope_parameters") or get("rope_scaling") or {}
     vc = hf["vision_config"]
     vision = VisionConfig(
@@ -61,29 +79,67 @@ class HFCheckpoint:
         if not (self.path / "config.json").is_file():
             raise CheckpointError(f"{self.path}: no config.json (expected a Hugging Face model directory)")
         self.raw_config = json.loads((self.path / "config.json").read_text())
+        check_model_type(self.raw_config, f"{self.path / 'config.json'}")
+        self._handles: dict[str, object] = {}
         if (self.path / INDEX).is_file():
             wmap = json.loads((self.path / INDEX).read_text())["weight_map"]
+            for f in sorted(set(wmap.values())):
+                self._open(f)  # headers only: a missing or truncated file fails here, by name
         else:
             files = sorted(p.name for p in self.path.glob("*.safetensors"))
             if not files:
                 raise CheckpointError(f"{self.path}: no *.safetensors files")
             wmap = {}
             for f in files:
-                with safe_open(self.path / f, "pt") as h:
-                    wmap.update({k: f for k in h.keys()})
+                wmap.update({k: f for k in self._open(f).keys()})
         self.weight_map: dict[str, str] = wmap
-        self._handles: dict[str, object] = {}
         self.naming = L.HFNaming.detect(wmap)
 
+    def _open(self, f: str):
+        if f not in self._handles:
+            path = self.path / f
+            if not path.is_file():
+                raise CheckpointError(f"{path}: listed in {INDEX} but missing; download the checkpoint again")
+            try:
+                self._handles[f] = safe_open(path, "pt")
+            except Exception as e:  # safetensors raises its own error types without the file name
+                raise CheckpointError(f"{path}: not a readable safetensors file ({type(e).__name__}: {e}); "
+                                      f"it is truncated or corrupt, download it again") from None
+        return self._handles[f]
+
     def model_config(self) -> ModelConfig:
-        """The ModelConfig this checkpoint describes."""
+        """The ModelConfig this checkpoint describes; config.json's sizes are checked against the
+        tensors first, so a wrong size is reported by tensor, not by a derived check."""
+        self.check_config_shapes()
         return model_config_from_hf(self.raw_config, name=f"hf:{self.path.name}")
 
+    def check_config_shapes(self) -> None:
+        """config.json's widths and counts against a few tensors' shapes (no data read)."""
+        get, vc, n = _text_fields(self.raw_config), self.raw_config.get("vision_config") or {}, self.naming
+        h, heads = get("hidden_size"), get("num_attention_heads")
+        kv = (get("num_key_value_heads") or heads) * (h // heads)
+        vh = vc.get("hidden_size")
+        want = {f"{n.llm}embed_tokens.weight": ((get("vocab_size"), h), "vocab_size, hidden_size"),
+                f"{n.llm}layers.0.self_attn.q_proj.weight": ((h, h), "hidden_size"),
+                f"{n.llm}layers.0.self_attn.k_proj.weight": ((kv, h), "num_key_value_heads, hidden_size"),
+                f"{n.llm}layers.0.mlp.gate_proj.weight": ((get("intermediate_size"), h), "intermediate_size"),
+                f"{n.vision}blocks.0.attn.qkv.weight": ((3 * vh if vh else None, vh), "vision_config.hidden_size"),
+                f"{n.vision}blocks.0.mlp.gate_proj.weight": ((vc.get("intermediate_size"), vh),
+                                                             "vision_config.intermediate_size")}
+        for name, (shape, fields) in want.items():
+            if name in self.weight_map and self.shape(name) != shape:
+                raise CheckpointError(f"{self.path}: config.json ({fields}) gives {name} the shape {shape}, but the "
+                                      f"tensor has {self.shape(name)}; config.json and the weights disagree")
+        layers = get("num_hidden_layers")
+        last = f"{n.llm}layers.{layers - 1}.input_layernorm.weight" if layers else None
+        extra = f"{n.llm}layers.{layers}.input_layernorm.weight" if layers else None
+        if last and (last not in self.weight_map or extra in self.weight_map):
+            have = sum(k.startswith(f"{n.llm}layers.") and k.endswith(".input_layernorm.weight") for k in self.weight_map)
+            raise CheckpointError(f"{self.path}: config.json says num_hidden_layers={layers} but the weights hold "
+                                  f"{have} decoder layers")
+
     def _h(self, name: str):
-        f = self.weight_map[name]
-        if f not in self._handles:
-            self._handles[f] = safe_open(self.path / f, "pt")
-        return self._handles[f]
+        return self._open(self.weight_map[name])
 
     def keys(self) -> set[str]:
         """All tensor names."""

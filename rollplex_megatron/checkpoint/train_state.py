@@ -1,13 +1,15 @@
 """Atomic training checkpoints: one file per global rank, published by one directory rename.
 
 Layout under `<run_dir>/checkpoints/`:
-  step_<NNNNNN>/rank<RRRRR>.pt  this rank's actor and reference shard, optimizer state, RNG states
+  step_<NNNNNN>/rank<RRRRR>.pt  this rank's actor and reference shard, optimizer state, RNG states,
+                                its (tp, pp, dp) ranks
   step_<NNNNNN>/meta.json       step, world size, tp/pp/dp and the resolved config (YAML)
   latest                        name of the newest published step directory
 Every rank writes into `step_<N>.tmp-<uuid>/` (name chosen by rank 0 and broadcast), each file
 through a temporary file and `os.replace`. Only when every rank reports success does rank 0 rename
 the directory to `step_<N>` and then rewrite `latest`, both atomically. A crash at any earlier point
-leaves the previous checkpoint and `latest` untouched; leftover `*.tmp-*` directories are ignored. A
+leaves the previous checkpoint and `latest` untouched; leftover `*.tmp-*` directories are ignored
+(the launcher removes them at the next start, holding the run directory's lock: run_dir.py). A
 crash between the two renames leaves a complete `step_<N>` that `latest` does not name; `latest`
 still names the previous one, and saving step N again sets the orphan aside.
 Checkpoints are per layout: loading needs the same tp, pp and dp (no resharding).
@@ -50,6 +52,13 @@ def _layout() -> dict:
 
     return {"world_size": dist.get_world_size(), "tp": ps.get_tensor_model_parallel_world_size(),
             "pp": ps.get_pipeline_model_parallel_world_size(), "dp": ps.get_data_parallel_world_size()}
+
+
+def _ranks() -> dict:
+    from megatron.core import parallel_state as ps
+
+    return {"tp": ps.get_tensor_model_parallel_rank(), "pp": ps.get_pipeline_model_parallel_rank(),
+            "dp": ps.get_data_parallel_rank()}
 
 
 def rng_states() -> dict:
@@ -162,7 +171,7 @@ def save_checkpoint(run_dir, step: int, model, reference, optimizer, extra: dict
     def write_rank():
         state = {"model": _module(model).state_dict(),
                  "reference": None if reference is None else _module(reference).state_dict(),
-                 "optimizer": optimizer.state_dict(), "step": int(step), "rng": rng_states(),
+                 "optimizer": optimizer.state_dict(), "step": int(step), "rng": rng_states(), "ranks": _ranks(),
                  "extra": dict(extra or {})}
         _write_atomic(tmp / rank_file_name(rank), lambda f: torch.save(state, f))
 

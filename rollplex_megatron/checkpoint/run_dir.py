@@ -1,0 +1,189 @@
+"""A training run directory: what it holds, who may write it, how a start or a resume treats it.
+
+Layout of `<run>/`:
+  .lock              held (fcntl) by the launcher while the run trains; holds its pid, host and
+                     worker pids, so that a busy directory names its owner
+  config.yaml        the resolved config in force (rewritten on resume: only RESUMABLE settings differ)
+  memory_plan.json   the planner's bytes per phase and class
+  metrics.jsonl      one line per step; on resume cut back to the checkpoint's step
+  checkpoints/       atomic checkpoints (train_state.py)
+  summary.json, report.png   over every step of the run, all resumed segments included
+
+Every check here runs in the launcher before a process starts, so a refused start changes nothing.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import socket
+from pathlib import Path
+
+import yaml
+
+from rollplex_megatron.checkpoint import train_state
+
+LOCK = ".lock"
+METRICS = "metrics.jsonl"
+RUN_FILES = ("config.yaml", METRICS, train_state.CHECKPOINTS)
+
+# Settings that may differ from the checkpoint's on resume: they change how a step executes or
+# what is written, not what it computes (the modes and memory plans give the same update).
+# Everything else (lr, loss, batch, seed, model, task, ...) is refused on resume.
+RESUMABLE = ("train.steps", "train.save_every", "train.save_final", "train.resume", "train.out",
+             "train.progress", "run_dir", "mode.", "memory.", "rollout.cuda_graphs",
+             "rollout.decode_attention", "parallel.backend", "smoke.", "verify.", "plan.")
+
+
+class RunDirError(ValueError):
+    """The run directory cannot be used as asked; the message names the way out."""
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+class RunLock:
+    """Exclusive lock of a run directory for one launcher (and the workers it records).
+
+    The kernel releases the fcntl lock when its holder dies, so a lock left by a killed launcher is
+    stale by construction; its file still names the pids, and live workers of a dead launcher (they
+    exit within a fraction of a second, `dist.exit_with_parent`) still block a new start.
+    """
+
+    def __init__(self, run: Path):
+        self.path = Path(run) / LOCK
+        self.fd: int | None = None
+        self.info: dict = {}
+
+    def acquire(self) -> "RunLock":
+        """Take the lock or raise RunDirError naming its holder."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            held = self._read()
+            raise RunDirError(f"{self.path.parent} is in use by pid {held.get('pid')} on {held.get('host')} "
+                              f"(lock {self.path}); wait for that run to end or stop it") from None
+        old = self._read()
+        here = socket.gethostname()
+        alive = [p for p in old.get("workers", []) if old.get("host") == here and _pid_alive(p)]
+        if alive:
+            os.close(fd)
+            raise RunDirError(f"{self.path.parent}: worker process(es) {alive} of the earlier launcher pid "
+                              f"{old.get('pid')} are still running; stop them before starting again")
+        self.fd = fd
+        self.info = {"pid": os.getpid(), "host": here, "workers": []}
+        self._write()
+        return self
+
+    def add_workers(self, pids: list[int]) -> None:
+        """Record the worker processes this launcher started."""
+        self.info["workers"] = sorted(set(self.info["workers"]) | set(pids))
+        self._write()
+
+    def release(self) -> None:
+        """Unlock; the file stays (removing it would race with a launcher that opened it)."""
+        if self.fd is not None:
+            os.ftruncate(self.fd, 0)
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+            self.fd = None
+
+    def _read(self) -> dict:
+        try:
+            return json.loads(self.path.read_text() or "{}")
+        except (OSError, ValueError):
+            return {}
+
+    def _write(self) -> None:
+        data = json.dumps(self.info).encode()
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, data, 0)
+        os.fsync(self.fd)
+
+    def __enter__(self) -> "RunLock":
+        return self.acquire() if self.fd is None else self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def _flat(d, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def resume_changes(saved_yaml: str, config_yaml: str) -> list[tuple[str, object, object]]:
+    """(setting, checkpoint value, new value) for every setting that differs and may not on resume."""
+    old, new = _flat(yaml.safe_load(saved_yaml) or {}), _flat(yaml.safe_load(config_yaml) or {})
+    keys = sorted(set(old) | set(new))
+    return [(k, old.get(k), new.get(k)) for k in keys
+            if old.get(k) != new.get(k) and not any(k == r or (r.endswith(".") and k.startswith(r))
+                                                    for r in RESUMABLE)]
+
+
+def check_start(run: Path, resume: bool, steps: int, config_yaml: str) -> int:
+    """Before any process starts: the step this run starts at, or RunDirError with the way out."""
+    run = Path(run)
+    if not resume:
+        held = [f for f in RUN_FILES if (run / f).exists()]
+        if held:
+            raise RunDirError(f"train.out={run} already holds a run ({', '.join(held)}); continue it with "
+                              f"train.resume=true, or choose a new train.out")
+        return 0
+    latest = train_state.latest_checkpoint(run) if run.is_dir() else None
+    if latest is None:
+        raise RunDirError(f"train.resume=true but {run} has no checkpoint to resume from; drop train.resume "
+                          f"to start a new run there, or point train.out at the run to continue")
+    meta = train_state.read_meta(latest)
+    if steps <= meta["step"]:
+        raise RunDirError(f"train.steps={steps} but {latest.name} is at step {meta['step']}; set train.steps "
+                          f"above {meta['step']} to continue the run")
+    changed = resume_changes(meta["config"], config_yaml)
+    if changed:
+        k, old, new = changed[0]
+        more = f" (and {len(changed) - 1} more: {', '.join(c[0] for c in changed[1:4])})" if len(changed) > 1 else ""
+        raise RunDirError(f"train.resume=true: {k} is {new!r} here but {old!r} in {latest.name}{more}; a resumed "
+                          f"run keeps its settings (only {', '.join(RESUMABLE)} may change); drop the override "
+                          f"or start a new run with another train.out")
+    return int(meta["step"])
+
+
+def clean_interrupted(run: Path, lock: RunLock) -> list[str]:
+    """With the lock held: remove what interrupted saves left (`checkpoints/*.tmp-*`, `.*.tmp-*`)."""
+    assert lock.fd is not None, "clean_interrupted needs the run directory's lock"
+    run, removed = Path(run), []
+    for p in list((run / train_state.CHECKPOINTS).glob("*.tmp-*")) + list(run.glob(".*.tmp-*")):
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
+        removed.append(p.name)
+    return removed
+
+
+def truncate_metrics(run: Path, step: int) -> int:
+    """Keep the records of steps 1..`step` (a crash after a record but before its checkpoint would
+    otherwise log that step twice); returns how many lines were dropped."""
+    path = Path(run) / METRICS
+    if not path.exists():
+        return 0
+    lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
+    keep = [ln for ln in lines if json.loads(ln)["step"] <= step]
+    if len(keep) != len(lines):
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        tmp.write_text("".join(ln + "\n" for ln in keep))
+        os.replace(tmp, path)
+    return len(lines) - len(keep)
