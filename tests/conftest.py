@@ -1,12 +1,20 @@
-"""Shared fixtures: tiny HF checkpoints built once per session."""
+"""Shared fixtures: tiny HF checkpoints built once per session.
+
+ROLLPLEX_NUM_THREADS=k runs this process and every `run_local` rank with k intra-op threads: run the
+suite with 1 and with 2 to find assertions that depend on the CPU's reduction order.
+"""
+import os
 import warnings
 
 import pytest
+import torch
 
 from rollplex_megatron.compat import quiet_known_warnings
 from tests.hf_models import make_tiny_hf
 
 quiet_known_warnings()
+if os.environ.get("ROLLPLEX_NUM_THREADS"):
+    torch.set_num_threads(int(os.environ["ROLLPLEX_NUM_THREADS"]))
 warnings.filterwarnings("ignore", message=".*CUDA_DEVICE_MAX_CONNECTIONS.*")
 
 
