@@ -80,6 +80,6 @@ def test_checkpoint_heads_not_divisible_by_tp(tiny_hf):
 def test_not_a_checkpoint(tmp_path):
     with pytest.raises(CheckpointError, match="no config.json"):
         HFCheckpoint(tmp_path)
-    (tmp_path / "config.json").write_text(json.dumps({}))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2_5_vl"}))
     with pytest.raises(CheckpointError, match=r"no \*.safetensors files"):
         HFCheckpoint(tmp_path)

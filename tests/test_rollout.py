@@ -98,6 +98,19 @@ def _same(engine, reference, tol=1e-5):
     assert float((got - want).norm() / want.norm()) < tol
 
 
+def test_same_detects_one_wrong_logprob():
+    """Mutation check of `_same`: one log-prob off by 1e-3 (in a run of 40) fails it, rounding does not."""
+    lp = [[-6.0 + 0.1 * i for i in range(20)], [-3.0 - 0.05 * i for i in range(20)]]
+    ref = [([[1, 2]], lp, ["stop"])]
+    _same([([[1, 2]], [[x * (1 + 1e-7) for x in row] for row in lp], ["stop"])], ref)
+    off = [row[:] for row in lp]
+    off[1][7] += 1e-3
+    with pytest.raises(AssertionError):
+        _same([([[1, 2]], off, ["stop"])], ref)
+    with pytest.raises(AssertionError):
+        _same([([[1, 3]], lp, ["stop"])], ref)
+
+
 @pytest.mark.parametrize("params,budget", [(SamplingParams(), 1.0), (SamplingParams(0.8, 0.9, 40), 6e-5)])
 def test_engine_matches_full_recompute_loop(tiny_hf, params, budget):
     res = run_local(W.engine_vs_recompute, 1, _cfg(), str(tiny_hf), params, budget)[0]

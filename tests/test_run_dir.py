@@ -77,6 +77,10 @@ def test_run_directory_reuse_resume_settings_and_records(tmp_path):
     p = _train("train.steps=2", "train.save_every=1", f"train.out={out}")
     assert p.returncode == 0, p.stderr[-3000:]
     assert p.stdout.strip().splitlines()[-1] == str(out)
+    assert (out / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rec = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    need = {"step", "reward_mean", "kl", "loss", "step_time_s", "phase_times", "peak_mem_bytes"}
+    assert need <= set(rec) and {"rollout", "ref_logp", "update", "optimizer"} <= set(rec["phase_times"])
     before = _snapshot(out)
     _one_line_error(_train("train.steps=2", f"train.out={out}"), "already holds a run", "train.resume=true",
                     "new train.out")
