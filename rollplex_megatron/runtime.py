@@ -1,0 +1,62 @@
+"""Runtime helpers every command, test and benchmark shares: the compute device, device sync, DDP
+wrapping, and the environment record written next to every result."""
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+import megatron.core
+import torch
+import transformers
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+
+def device():
+    """This process's compute device: the current CUDA device, else "cpu"."""
+    return torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+
+
+def sync() -> None:
+    """Wait for the device (a no-op on CPU): phase timings and host reads need it."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def wrap_ddp(model):
+    """megatron DDP around the model (grad reduction in finalize_model_grads, no overlap, so the
+    DP reduction sees the prefix gradients that arrive after the schedule)."""
+    ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                            use_distributed_optimizer=False)
+    return DistributedDataParallel(config=model.config, ddp_config=ddp_cfg, module=model)
+
+
+def _transformer_engine() -> bool:
+    try:
+        import transformer_engine  # noqa: F401  (only whether it is installed is recorded)
+    except ImportError:
+        return False
+    return True
+
+
+def environment_record() -> dict:
+    """Device, versions, commit and date, for every result this project writes."""
+    root = Path(__file__).resolve().parent.parent
+    commit = os.environ.get("ROLLPLEX_COMMIT")  # set by benchmark scripts where .git does not travel
+    try:
+        commit = commit or subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
+                                          text=True, timeout=10).stdout.strip() or None
+    except OSError:
+        commit = None
+    cuda = torch.cuda.is_available()
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": commit,
+        "device": torch.cuda.get_device_name() if cuda else f"cpu ({platform.processor() or platform.machine()})",
+        "python": platform.python_version(), "torch": torch.__version__,
+        "cuda": torch.version.cuda if cuda else None, "megatron_core": megatron.core.__version__,
+        "transformers": transformers.__version__, "transformer_engine": _transformer_engine(),
+        "layer_spec": "megatron-core local spec + SDPA core attention",
+    }
