@@ -36,7 +36,7 @@ def main() -> int:
     from rollplex_megatron.rollout.embedded import EmbeddedEngine
     from rollplex_megatron.rollout.engine import RolloutRequest
     from rollplex_megatron.rollout.sampling import SamplingParams
-    from rollplex_megatron.smoke import environment_record
+    from rollplex_megatron.runtime import environment_record
 
     cfg, model, gpu = random_model(a.preset)
     ps = prompts(cfg, a.groups, tuple(int(x) for x in a.grid.split(",")), a.text_tokens)

@@ -31,13 +31,13 @@ def main() -> int:
     from decode_vs_hf import cuda_kernels, prompts, random_model
     from torch.profiler import ProfilerActivity, profile
 
-    from rollplex_megatron.attention.prefix import KVStore
+    from rollplex_megatron.attention.kv_store import KVStore
     from rollplex_megatron.prefix.batch import Group
     from rollplex_megatron.prefix.execution import prefix_forward
     from rollplex_megatron.rollout.embedded import DecodeCache, EmbeddedEngine, _WaveDecoder
     from rollplex_megatron.rollout.engine import RolloutRequest
     from rollplex_megatron.rollout.sampling import SamplingParams
-    from rollplex_megatron.smoke import environment_record
+    from rollplex_megatron.runtime import environment_record
 
     cfg, model, gpu = random_model(a.preset)
     dtype = torch.bfloat16 if gpu else torch.float32

@@ -27,6 +27,8 @@ import time
 
 import torch
 
+from rollplex_megatron.runtime import sync
+
 SHAPES = {
     "qwen2_5_vl_3b": dict(
         text=dict(vocab_size=151936, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
@@ -98,11 +100,6 @@ def cuda_kernels(prof) -> list:
     return [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
-def _sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def run_hf(path: str, cfg, ps, G: int, new_tokens: int, dtype) -> dict:
     from transformers import Qwen2_5_VLForConditionalGeneration
 
@@ -115,14 +112,14 @@ def run_hf(path: str, cfg, ps, G: int, new_tokens: int, dtype) -> dict:
     sec = torch.cat([p.second_per_grid_ts for p in ps for _ in range(G)]).to(dev)
 
     def gen(n):
-        _sync()
+        sync()
         t0 = time.perf_counter()
         with torch.no_grad():
             out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values_videos=pix,
                                  video_grid_thw=grid, second_per_grid_ts=sec, do_sample=True, temperature=1.0,
                                  top_p=1.0, top_k=0, max_new_tokens=n, min_new_tokens=n, eos_token_id=None,
                                  pad_token_id=0)
-        _sync()
+        sync()
         assert out.shape[1] == ids.shape[1] + n, out.shape
         return time.perf_counter() - t0
 
@@ -152,10 +149,10 @@ def run_engine(model, cfg, ps, G: int, new_tokens: int, shared: bool, kv_gib: fl
         reqs = [RolloutRequest(p, 1, new_tokens, (), seed=i * G + j) for i, p in enumerate(ps) for j in range(G)]
     params = SamplingParams(1.0, 1.0, 0)
     eng.generate(reqs[:1], params)  # warm-up
-    _sync()
+    sync()
     t0 = time.perf_counter()
     out = eng.generate(reqs, params)
-    _sync()
+    sync()
     total = time.perf_counter() - t0
     n = sum(t.numel() for r in out.results for t in r.tokens)
     assert n == len(ps) * G * new_tokens, n
@@ -184,7 +181,7 @@ def main() -> int:
     from rollplex_megatron.checkpoint.hf import HFCheckpoint, load_hf_into_model
     from rollplex_megatron.dist import init_parallel
     from rollplex_megatron.models.qwen25vl import build_model
-    from rollplex_megatron.smoke import environment_record
+    from rollplex_megatron.runtime import environment_record
 
     gpu = torch.cuda.is_available()
     dtype = torch.bfloat16 if gpu else torch.float32

@@ -31,10 +31,7 @@ from functools import partial
 
 import torch
 
-
-def _sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+from rollplex_megatron.runtime import sync
 
 
 def main() -> int:
@@ -51,7 +48,7 @@ def main() -> int:
     ap.add_argument("--out", default="")
     a = ap.parse_args()
 
-    from rollplex_megatron.attention.prefix import KVStore
+    from rollplex_megatron.attention.kv_store import KVStore
     from rollplex_megatron.dist import init_parallel
     from rollplex_megatron.envs.motion import MotionEnv
     from rollplex_megatron.models.qwen25vl import build_model
@@ -60,8 +57,8 @@ def main() -> int:
     from rollplex_megatron.rollout.engine import RolloutRequest
     from rollplex_megatron.rollout.sampling import SamplingParams
     from rollplex_megatron.rollout.window import DecodeWindow
-    from rollplex_megatron.smoke import environment_record
-    from rollplex_megatron.trainer import _reference_prefix
+    from rollplex_megatron.runtime import environment_record
+    from rollplex_megatron.trainer.modes.rollplex import reference_prefix_item as _reference_prefix
 
     gpu = torch.cuda.is_available()
     dtype = "bfloat16" if gpu else "float32"
@@ -78,11 +75,11 @@ def main() -> int:
 
     def items_alone(reqs):
         store = KVStore()
-        _sync()
+        sync()
         t0 = time.perf_counter()
         for i, r in enumerate(reqs):
             _reference_prefix(ref, r.prompt, store, i)
-        _sync()
+        sync()
         return time.perf_counter() - t0
 
     def rollout(reqs, window=None):
@@ -90,10 +87,10 @@ def main() -> int:
         if window is not None:
             for i, r in enumerate(reqs):
                 window.submit(f"ref[{i}]", partial(_reference_prefix, ref, r.prompt, store, i))
-        _sync()
+        sync()
         t0 = time.perf_counter()
         out = engine.generate(reqs, params, hooks=window)
-        _sync()
+        sync()
         st = out.stats
         return {"after_prefill_s": time.perf_counter() - t0 - st["prefill_s"], "decode_loop_s": st["decode_s"],
                 "graph_error": engine.graph_error,
@@ -162,15 +159,15 @@ def profile_item(a, env, ref, reqs, item_fn, KVStore, environment_record) -> int
     prompt = reqs[0].prompt
     for _ in range(2):
         item_fn(ref, prompt, KVStore(), 0)  # warm-up
-    _sync()
+    sync()
     t0 = time.perf_counter()
     item_fn(ref, prompt, KVStore(), 0)
     issue = time.perf_counter() - t0  # returns once the host has issued every kernel
-    _sync()
+    sync()
     total = time.perf_counter() - t0
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         item_fn(ref, prompt, KVStore(), 0)
-        _sync()
+        sync()
     ev = prof.key_averages()
     kernels = [e for e in ev if e.device_type == torch.autograd.DeviceType.CUDA]
     res = {"command": "python " + " ".join(sys.argv), "item": "reference prefix stage of one group",

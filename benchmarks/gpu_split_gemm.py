@@ -55,7 +55,7 @@ def main():
         out.append(case("linear_fc1", 2 * FFN, H, [(i * FFN // 2, FFN // 2) for i in range(4)], None, tokens))
         out.append(case("linear_fc2", H, FFN, None, [(0, FFN // 2), (FFN // 2, FFN // 2)], tokens))
         out.append(case("linear_proj", H, H, None, [(0, H // 2), (H // 2, H // 2)], tokens))
-    from rollplex_megatron.smoke import environment_record
+    from rollplex_megatron.runtime import environment_record
 
     json.dump({"command": "python3 benchmarks/gpu_split_gemm.py", "results": out,
                "environment": environment_record()}, open(sys.argv[1], "w"), indent=2)

@@ -91,7 +91,7 @@ def run(t, r, cfg, split_gemm=False):
 def main():
     from rollplex_megatron.dist import init_parallel
     from rollplex_megatron.recipes import load_run_config
-    from rollplex_megatron.smoke import environment_record
+    from rollplex_megatron.runtime import environment_record
 
     init_parallel(1, 1)
     from megatron.core import parallel_state as ps

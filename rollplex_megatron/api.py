@@ -26,8 +26,10 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from rollplex_megatron.attention.core import SDPACoreAttention
-from rollplex_megatron.attention.prefix import KVStore, PrefixContext
+from rollplex_megatron.attention.kv_store import KVStore
+from rollplex_megatron.attention.prefix import PrefixContext
 from rollplex_megatron.prefix.batch import Group, Prompt, full_micro_batches, response_micro_batches
+from rollplex_megatron.runtime import device
 from rollplex_megatron.prefix.execution import (actor_prefix_step, finalize, full_sequence_step, prefix_backward,
                                                 prefix_forward, reference_prefix_logprobs, run_schedule)
 
@@ -130,9 +132,5 @@ class PrefixGPT(MegatronModule):
 
     def prefix_stage(self, prompt: Prompt, ctx, input_tensor=None) -> torch.Tensor:
         """The prefix (prompt[:-1]) on this stage; returns the stage output [P-1,1,H]."""
-        ids = prompt.input_ids[None, :-1].to(_device())
+        ids = prompt.input_ids[None, :-1].to(device())
         return self._decode(ids, torch.arange(ids.shape[1]), ctx, input_tensor)
-
-
-def _device():
-    return torch.cuda.current_device() if torch.cuda.is_available() else "cpu"

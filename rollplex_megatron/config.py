@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 
 from hydra.core.config_store import ConfigStore
 
-from rollplex_megatron.envs.motion import MotionTaskConfig
+TASK_QUESTIONS = ("motion", "reach")  # the rendered task's questions (envs/motion.py)
+TASK_MAX_OBJECTS = 8  # one colour per object
 
 # Megatron-LM pads the vocabulary to a multiple of this times TP (--make-vocab-size-divisible-by).
 VOCAB_DIVISIBLE_BY = 128
@@ -207,11 +208,55 @@ class RolloutConfig:
             raise ValueError(f"rollout.max_response_len must be >= 1, got {self.max_response_len}")
         if self.max_prompt_len < 2:
             raise ValueError(f"rollout.max_prompt_len must be >= 2, got {self.max_prompt_len}")
-        from rollplex_megatron.rollout.sampling import check_sampling
-
         check_sampling(self.temperature, self.top_p, self.top_k, "rollout.")
         if self.decode_attention not in ("auto", "flash", "math"):
             raise ValueError(f"rollout.decode_attention must be auto, flash or math, got {self.decode_attention!r}")
+
+
+@dataclass(kw_only=True)
+class MotionTaskConfig:
+    """Task shape and difficulty."""
+
+    question: str = "motion"  # motion (which way did it move?) | reach (which way to go to reach it?)
+    image_size: int = 56  # square frame side in pixels (multiple of 28)
+    frames: int = 4  # video frames (even); 1 renders the image variant
+    num_objects: int = 3  # target plus distractors (<= 8)
+    object_px: int = 8  # square side in pixels
+    step_px: int = 4  # target motion per frame in pixels
+    jitter_px: int = 0  # random distractor motion per frame (harder when > 0)
+    max_answer_tokens: int = 4  # longest response; a response ends at its first direction token
+    format_reward: float = 0.0  # added when the response names any direction (0: correctness only)
+
+    def __post_init__(self) -> None:
+        if self.question not in TASK_QUESTIONS:
+            raise ValueError(f"task.question must be one of {TASK_QUESTIONS}, got {self.question!r}")
+        if self.image_size % 28:
+            raise ValueError(f"task.image_size ({self.image_size}) must be a multiple of 28 (patch 14 x merge 2)")
+        if self.frames != 1 and self.frames % 2:
+            raise ValueError(f"task.frames ({self.frames}) must be 1 (image) or even (temporal patch 2)")
+        if not 1 <= self.num_objects <= TASK_MAX_OBJECTS:
+            raise ValueError(f"task.num_objects must be in 1..{TASK_MAX_OBJECTS}, got {self.num_objects}")
+        if self.max_answer_tokens < 1:
+            raise ValueError(f"task.max_answer_tokens must be >= 1, got {self.max_answer_tokens}")
+        if self.question == "reach":
+            if self.object_px + (self.object_px + 1) // 2 > self.image_size // 2:
+                raise ValueError(f"task.question=reach needs task.object_px ({self.object_px}) <= "
+                                 f"image_size/3 ({self.image_size // 3}) so targets fit beside the agent")
+            return
+        travel = self.step_px * max(self.frames - 1, 2)
+        if self.object_px + 2 * travel >= self.image_size:
+            raise ValueError(f"task.step_px={self.step_px} over {self.frames} frames leaves the "
+                             f"{self.image_size}px frame; lower step_px or frames")
+
+
+def check_sampling(temperature: float, top_p: float, top_k: int, where: str) -> None:
+    """Range checks shared by SamplingParams and the rollout config; `where` prefixes the names."""
+    if not temperature > 0:
+        raise ValueError(f"{where}temperature must be > 0, got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"{where}top_p must be in (0, 1], got {top_p}")
+    if top_k < 0:
+        raise ValueError(f"{where}top_k must be >= 0 (0 keeps all tokens), got {top_k}")
 
 
 @dataclass(kw_only=True)
@@ -226,16 +271,12 @@ class WorkloadConfig:
             raise ValueError("workload.rollout_batch and workload.responses_per_micro_batch must be >= 1")
 
 
-MODES = ("serial", "prefix_shared", "rollplex")
-WINDOW_MECHANISMS = ("interleave", "stream", "tail", "green", "auto")
-
-
 @dataclass(kw_only=True)
 class ModeConfig:
     """How the step executes (DESIGN section 2); every mode computes the same update."""
 
-    name: str = "rollplex"  # serial | prefix_shared | rollplex
-    window: str = "interleave"  # decode-window mechanism for prefix work (rollplex)
+    name: str = "rollplex"  # a registered mode (trainer/modes/): serial | prefix_shared | rollplex
+    window: str = "interleave"  # decode-window mechanism (rollout/window/): interleave | stream | tail | green | auto
     window_items_per_step: int = 1  # queued prefix work items run after each decode step
     window_tail_fraction: float = 0.25  # tail: side work starts when active samples <= this fraction
     window_green_sms: int = 32  # green: SMs of the side work's green-context partition
@@ -246,10 +287,6 @@ class ModeConfig:
     def __post_init__(self) -> None:
         if self.attention_backend not in ("sdpa", "flex"):
             raise ValueError(f"mode.attention_backend must be sdpa or flex, got {self.attention_backend!r}")
-        if self.name not in MODES:
-            raise ValueError(f"mode.name must be one of {MODES}, got {self.name!r}")
-        if self.window not in WINDOW_MECHANISMS:
-            raise ValueError(f"mode.window must be one of {WINDOW_MECHANISMS}, got {self.window!r}")
         if not 0 < self.window_tail_fraction <= 1:
             raise ValueError(f"mode.window_tail_fraction must be in (0, 1], got {self.window_tail_fraction}")
         if self.window_green_sms < 1:
@@ -377,6 +414,13 @@ class EquivalenceConfig:
 
 
 @dataclass(kw_only=True)
+class DataConfig:
+    """Where prompts and rewards come from (data/: the DataSource registry)."""
+
+    source: str = "rendered"  # rendered: the embodied tasks of `task` (envs/motion.py)
+
+
+@dataclass(kw_only=True)
 class RunConfig:
     """Top-level config: model, parallel layout, seed and output location."""
 
@@ -385,7 +429,8 @@ class RunConfig:
     smoke: SmokeConfig = field(default_factory=SmokeConfig)  # `smoke` command workload
     rollout: RolloutConfig = field(default_factory=RolloutConfig)  # rollout shape
     verify: EquivalenceConfig = field(default_factory=EquivalenceConfig)  # verify-equivalence batch
-    task: MotionTaskConfig = field(default_factory=MotionTaskConfig)  # RL task (recipes/task/*.yaml)
+    data: DataConfig = field(default_factory=DataConfig)  # data source of the GRPO loop
+    task: MotionTaskConfig = field(default_factory=MotionTaskConfig)  # the rendered task (recipes/task/*.yaml)
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)  # step batch shape
     mode: ModeConfig = field(default_factory=ModeConfig)  # execution mode (recipes/mode/*.yaml)
     memory: MemoryConfig = field(default_factory=MemoryConfig)  # memory budgets
@@ -400,11 +445,6 @@ class RunConfig:
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
         check_model_parallel(self.model, self.parallel)
-        if self.mode.window in ("stream", "tail", "green") and (self.parallel.tp > 1 or self.parallel.pp > 1):
-            raise ValueError(f"mode.window={self.mode.window} runs side work on another thread and CUDA stream, "
-                             f"whose TP collectives and pipeline sends could interleave with the decode's in a "
-                             f"different order on each rank; it needs parallel.tp=1 and parallel.pp=1 (got "
-                             f"tp={self.parallel.tp}, pp={self.parallel.pp}); use mode.window=interleave")
         if self.verify.max_response_len > self.rollout.max_response_len:
             raise ValueError(f"verify.max_response_len ({self.verify.max_response_len}) exceeds "
                              f"rollout.max_response_len ({self.rollout.max_response_len})")

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from rollplex_megatron.config import RunConfig
 from rollplex_megatron.flops import group_flops
+from rollplex_megatron.runtime import device, sync, wrap_ddp
 
 # DESIGN section 3: fp32 on CPU 1e-5 for all; bf16 loss 1e-3, log-probs 1e-2, and gradients 1e-2
 # *in excess of the serial path's own bf16 error*, both measured against an fp32 evaluation of the
@@ -43,15 +44,6 @@ def random_groups(cfg: RunConfig, dp_rank: int):
     return groups
 
 
-def wrap_ddp(model):
-    """megatron DDP around the model (grad reduction in finalize_model_grads, no overlap)."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-
-    ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                            use_distributed_optimizer=False)
-    return DistributedDataParallel(config=model.config, ddp_config=ddp_cfg, module=model)
-
-
 def _grads(ddp) -> dict[str, torch.Tensor]:
     return {n: p.main_grad.detach().float().clone() for n, p in ddp.module.named_parameters()
             if p.requires_grad}
@@ -61,11 +53,6 @@ def _collect(res: list[dict]):
     if not res:
         return None, None
     return torch.cat([r["logp"].float() for r in res]), sum(float(r["loss"]) for r in res)
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def _median_after_first(xs: list[float]) -> float:
@@ -141,7 +128,7 @@ def run_rank(cfg: RunConfig, hf_dir: str | None = None, position_offset: int = 0
     ddp = wrap_ddp(model)
     groups = random_groups(cfg, ps.get_data_parallel_rank())
     B.validate_groups(cfg.model, groups, cfg.rollout.max_response_len)
-    dev = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"  # NCCL needs CUDA tensors
+    dev = device()  # NCCL needs CUDA tensors
     n_tok = torch.tensor(float(sum(r.numel() for g in groups for r in g.responses)), device=dev)
     dist.all_reduce(n_tok, group=ps.get_data_parallel_group())
     per_mb = cfg.verify.responses_per_micro_batch
@@ -153,12 +140,12 @@ def run_rank(cfg: RunConfig, hf_dir: str | None = None, position_offset: int = 0
     peaks: dict[str, int] = {}
 
     def timed(name, fn):
-        _sync()
+        sync()
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
         out = fn()
-        _sync()
+        sync()
         times[name].append(time.perf_counter() - t0)
         if torch.cuda.is_available():
             peaks[name] = torch.cuda.max_memory_allocated()

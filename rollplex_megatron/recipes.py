@@ -10,6 +10,9 @@ from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
 from rollplex_megatron.config import RunConfig, register_configs
+from rollplex_megatron.data import check_source
+from rollplex_megatron.rollout.window import check_mechanism
+from rollplex_megatron.trainer.modes import get_mode
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 
@@ -47,7 +50,16 @@ def load_run_config(overrides: list[str] | None = None) -> RunConfig:
     """A validated RunConfig (cross-field checks run here, before any heavy work)."""
     cfg = compose_config(overrides)
     check_closed(cfg, RunConfig)
-    return OmegaConf.to_object(cfg)
+    run = OmegaConf.to_object(cfg)
+    check_registered(run)
+    return run
+
+
+def check_registered(cfg: RunConfig) -> None:
+    """Names that select a registered strategy (config.py knows no registry: it imports nothing above it)."""
+    get_mode(cfg.mode.name)
+    check_source(cfg.data.source)
+    check_mechanism(cfg.mode.window, cfg.parallel.tp, cfg.parallel.pp)
 
 
 def to_yaml(cfg: RunConfig) -> str:

@@ -20,35 +20,7 @@ from pathlib import Path
 import torch
 
 from rollplex_megatron.config import RunConfig
-
-
-def environment_record() -> dict:
-    """Device, versions, commit and date, for every result this project writes."""
-    import megatron.core
-    import transformers
-
-    try:
-        import transformer_engine  # noqa: F401
-        te = True
-    except ImportError:
-        te = False
-    root = Path(__file__).resolve().parent.parent
-    commit = os.environ.get("ROLLPLEX_COMMIT")  # set by benchmark scripts where .git does not travel
-    try:
-        commit = commit or subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
-                                text=True, timeout=10).stdout.strip() or None
-    except OSError:
-        commit = None
-    cuda = torch.cuda.is_available()
-    return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": commit,
-        "device": torch.cuda.get_device_name() if cuda else f"cpu ({platform.processor() or platform.machine()})",
-        "python": platform.python_version(), "torch": torch.__version__,
-        "cuda": torch.version.cuda if cuda else None, "megatron_core": megatron.core.__version__,
-        "transformers": transformers.__version__, "transformer_engine": te,
-        "layer_spec": "megatron-core local spec + SDPA core attention",
-    }
+from rollplex_megatron.runtime import device, environment_record
 
 
 def _batch(cfg: RunConfig, seed: int) -> dict:
@@ -58,7 +30,7 @@ def _batch(cfg: RunConfig, seed: int) -> dict:
     b = synthetic_inputs(cfg.model, seed, s.batch, tuple(s.image_grid), tuple(s.video_grid), s.text_tokens)
     b["position_ids"] = position_ids_for(cfg.model, b)
     b["labels"] = torch.roll(b["input_ids"], -1, dims=1)
-    dev = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    dev = device()
     dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
     out = {k: v.to(dev) for k, v in b.items() if k != "second_per_grid_ts"}
     for k in ("pixel_values", "pixel_values_videos"):

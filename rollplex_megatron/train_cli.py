@@ -21,12 +21,13 @@ import torch.distributed as dist
 from rollplex_megatron.checkpoint import run_dir as R
 from rollplex_megatron.checkpoint import train_state
 from rollplex_megatron.checkpoint.hf import HFCheckpoint
-from rollplex_megatron.config import MODES, RunConfig, check_model_parallel
+from rollplex_megatron.config import RunConfig, check_model_parallel
+from rollplex_megatron.data import build_source
 from rollplex_megatron.dist import check_world_size, exit_with_parent, run_local, under_torchrun
-from rollplex_megatron.envs.motion import MotionEnv
 from rollplex_megatron.recipes import load_run_config, to_yaml
 from rollplex_megatron.report import plot_runs, read_metrics, summarize
-from rollplex_megatron.trainer import train_rank
+from rollplex_megatron.trainer.loop import train_rank
+from rollplex_megatron.trainer.modes import MODES
 
 
 class _Launcher:
@@ -96,7 +97,7 @@ def _config(overrides: list[str], modes: list[str] | None) -> RunConfig:
     if bad:
         raise ValueError(f"--modes: unknown mode(s) {bad}; choose from {', '.join(MODES)}")
     check_world_size(cfg.parallel.world_size)
-    MotionEnv(cfg.task, cfg.model)  # task/model mismatch fails before any process starts
+    build_source(cfg)  # bad data settings (a task/model mismatch, ...) fail before any process starts
     return cfg
 
 
@@ -107,7 +108,8 @@ def _report(root: Path, plans: list[RunConfig], modes: list[str] | None, cfg: Ru
     runs = {n: recs for n, recs in runs.items() if recs}
     if not runs:
         return
-    chance = MotionEnv.chance + cfg.task.format_reward  # a policy naming a random direction
+    source = build_source(cfg)
+    chance, chance_acc = source.chance_reward, source.chance_accuracy
     summary = {name: summarize(recs) for name, recs in runs.items()}
     for name, recs in runs.items():
         recs = sorted(recs, key=lambda r: r["step"])
@@ -115,12 +117,12 @@ def _report(root: Path, plans: list[RunConfig], modes: list[str] | None, cfg: Ru
         summary[name]["accuracy_first20"] = sum(r["accuracy"] for r in recs[:k]) / k
         summary[name]["accuracy_last20"] = sum(r["accuracy"] for r in recs[-k:]) / k
     png = plot_runs(runs, str(root / "report.png"), chance=chance)
-    (root / "summary.json").write_text(json.dumps({"chance_reward": chance, "chance_accuracy": MotionEnv.chance,
+    (root / "summary.json").write_text(json.dumps({"chance_reward": chance, "chance_accuracy": chance_acc,
                                                    "modes": summary}, indent=1))
     for name, s in summary.items():
         print(f"{name}: reward {s['reward_first20']:.3f} -> {s['reward_last20']:.3f} (first -> last 20% of steps; "
-              f"random-direction policy {chance:.2f}), accuracy {s['accuracy_first20']:.3f} -> "
-              f"{s['accuracy_last20']:.3f} (chance {MotionEnv.chance:.2f}); {s['step_time_s']:.2f} s/step")
+              f"random-answer policy {chance:.2f}), accuracy {s['accuracy_first20']:.3f} -> "
+              f"{s['accuracy_last20']:.3f} (chance {chance_acc:.2f}); {s['step_time_s']:.2f} s/step")
     print(f"report: {png}")
 
 

@@ -6,11 +6,13 @@ import torch
 
 def round_trip(cfg):
     """Offload every managed class, check the device storage is gone, bring it back: bytes equal?"""
-    from rollplex_megatron import trainer as T
+    from rollplex_megatron.trainer.loop import run_step
+    from rollplex_megatron.trainer.modes import MODES
+    from rollplex_megatron.trainer.runtime import Runtime
 
-    rt = T.Runtime(cfg)
-    mode = T.MODES[cfg.mode.name]()
-    T.run_step(rt, mode, 0)  # Adam's states exist from the first optimizer step on
+    rt = Runtime(cfg)
+    mode = MODES[cfg.mode.name]()
+    run_step(rt, mode, 0)  # Adam's states exist from the first optimizer step on
     mm = rt.memory
     mm.restore_all()  # after the step the reference is offloaded (rollplex); reading it needs it back
     for p in rt.ddp.module.parameters():  # nonzero gradients, to see them freed and come back zeroed
@@ -66,7 +68,8 @@ def recompute_vs_saved(cfg, hf_dir, mutant: str = ""):
 
     from rollplex_megatron.checkpoint.hf import HFCheckpoint, load_hf_into_model
     from rollplex_megatron.dist import init_parallel
-    from rollplex_megatron.equivalence import _grads, random_groups, wrap_ddp
+    from rollplex_megatron.equivalence import _grads, random_groups
+    from rollplex_megatron.runtime import wrap_ddp
     from rollplex_megatron.models.qwen25vl import build_model
     from rollplex_megatron.prefix import batch as B
     from rollplex_megatron.prefix import execution as X

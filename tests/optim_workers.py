@@ -16,7 +16,7 @@ def _setup(cfg, hf_dir: str | None = None):
 
     from rollplex_megatron.checkpoint.hf import HFCheckpoint, load_hf_into_model
     from rollplex_megatron.dist import init_parallel
-    from rollplex_megatron.equivalence import wrap_ddp
+    from rollplex_megatron.runtime import wrap_ddp
     from rollplex_megatron.models.qwen25vl import build_model
     from rollplex_megatron.optim import build_optimizer
 

@@ -16,7 +16,7 @@ def wrong_position_offset(cfg, hf_dir):
 
 def dropped_gkv(cfg, hf_dir):
     """Mutation: the prefix backward ignores the gK/gV accumulated on the K/V leaves."""
-    from rollplex_megatron.attention.prefix import KVStore
+    from rollplex_megatron.attention.kv_store import KVStore
 
     KVStore.backward_pairs = lambda self, group, graph=None: ([], [])
     return run_rank(cfg, hf_dir)

@@ -120,10 +120,10 @@ def window_items_match(cfg, hf_dir, params, mechanism: str = "interleave"):
     """Reference prefix K/V computed as decode-window items equal the same work run directly."""
     import threading
 
-    from rollplex_megatron.attention.prefix import KVStore
+    from rollplex_megatron.attention.kv_store import KVStore
     from rollplex_megatron.rollout.embedded import EmbeddedEngine
     from rollplex_megatron.rollout.window import DecodeWindow
-    from rollplex_megatron.trainer import _reference_prefix
+    from rollplex_megatron.trainer.modes.rollplex import reference_prefix_item as _reference_prefix
 
     model = _setup(cfg, hf_dir)
     ref = _setup_reference(cfg, hf_dir)
@@ -181,7 +181,7 @@ def engine_bad_input(cfg, hf_dir, what: str):
         drop = int((ids == cfg.model.video_token_id).nonzero()[0])
         bad = dataclasses.replace(reqs[k].prompt, input_ids=torch.cat([ids[:drop], ids[drop + 1:]]))
         if what == "prefix_placeholder":  # the prefix stage's own check, without the engine's
-            from rollplex_megatron.attention.prefix import KVStore
+            from rollplex_megatron.attention.kv_store import KVStore
             from rollplex_megatron.prefix.batch import Group
             from rollplex_megatron.prefix.execution import prefix_forward
 

@@ -77,7 +77,7 @@ def test_prefix_recompute_mutation_is_detected(tiny_hf):
 
 def test_budget_error_names_the_class_and_fires_before_models_are_built():
     from rollplex_megatron.envs.motion import MotionEnv
-    from rollplex_megatron.trainer import memory_plan
+    from rollplex_megatron.trainer.runtime import memory_plan
 
     cfg = load_run_config(["model=qwen2_5_vl_3b", "dtype=bfloat16", "task=motion_long", "workload=vlm_gpu",
                            "mode.name=serial", "memory.plan=keep", "memory.budget_gib=80"])
@@ -95,7 +95,7 @@ def test_budget_error_names_the_class_and_fires_before_models_are_built():
 
 def _saved_bytes(overrides):
     """Bytes autograd saves in one prefix forward with a graph (parameters excluded)."""
-    from rollplex_megatron.attention.prefix import KVStore
+    from rollplex_megatron.attention.kv_store import KVStore
     from rollplex_megatron.dist import init_parallel
     from rollplex_megatron.envs.motion import MotionEnv
     from rollplex_megatron.memory.planner import prefix_graph_bytes

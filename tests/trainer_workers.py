@@ -6,28 +6,30 @@ def run_steps(cfg, steps: int, mutant: str = ""):
     """`steps` RL steps of cfg.mode; per-step rollout tokens and records, initial and final weights."""
     from megatron.core import parallel_state as ps
 
-    from rollplex_megatron import trainer as T
+    from rollplex_megatron.trainer.loop import run_step
+    from rollplex_megatron.trainer.modes import MODES
+    from rollplex_megatron.trainer.runtime import Runtime
 
     if mutant == "skip_prefix_backward":
         from rollplex_megatron.prefix import execution
 
         execution.prefix_backward = lambda model, states, store: None
     if mutant == "stale_reference":  # the reference drifts with the actor (is not the initial policy)
-        T.Runtime.optimizer_step_orig = T.Runtime.optimizer_step
+        Runtime.optimizer_step_orig = Runtime.optimizer_step
 
         def drift(self):
-            out = T.Runtime.optimizer_step_orig(self)
+            out = Runtime.optimizer_step_orig(self)
             self.memory.restore_all()  # under memory.plan=phase the reference may be offloaded here
             self.ref.load_state_dict(self.ddp.module.state_dict())
             return out
 
-        T.Runtime.optimizer_step = drift
-    rt = T.Runtime(cfg)
-    mode = T.MODES[cfg.mode.name]()
+        Runtime.optimizer_step = drift
+    rt = Runtime(cfg)
+    mode = MODES[cfg.mode.name]()
     first = {n: p.detach().float().clone() for n, p in rt.ddp.module.named_parameters()}
     tokens, records = [], []
     for step in range(steps):
-        records.append(T.run_step(rt, mode, step))
+        records.append(run_step(rt, mode, step))
         tokens.append([[t.tolist() for t in g.responses] for g in rt.last_batch.groups])
     last = {n: p.detach().float().clone() for n, p in rt.ddp.module.named_parameters()}
     keep = ps.get_tensor_model_parallel_world_size() == 1 and ps.get_pipeline_model_parallel_world_size() == 1

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
-from rollplex_megatron.attention.prefix import AttentionContext
+from rollplex_megatron.attention.context import AttentionContext
 
 
 def causal_allowed(sq: int, sk: int, device=None) -> torch.Tensor:

@@ -17,19 +17,10 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from megatron.core.packed_seq_params import PackedSeqParams
 
-
-class AttentionContext(PackedSeqParams):
-    """Contract for attention contexts: megatron's core attention calls `attend` for every layer.
-
-    `attend(layer_number, query [S,B,Nq,D], key/value [S,B,Ng,D], scale) -> [S,B,Nq*D]`, with
-    post-RoPE inputs and GQA not expanded. Contexts reach core attention as `packed_seq_params`.
-    """
-
-    def attend(self, layer: int, query, key, value, scale):  # pragma: no cover - contract
-        """Attention output for one layer."""
-        raise NotImplementedError
+from rollplex_megatron.attention.context import AttentionContext
+from rollplex_megatron.attention.core import sdpa_attention
+from rollplex_megatron.attention.kv_store import KVStore
 
 
 @dataclass
@@ -51,65 +42,6 @@ class PackedLayout:
         key_group = torch.repeat_interleave(torch.tensor(self.prefix_groups, device=dev),
                                             torch.tensor(self.prefix_lens, device=dev))
         return torch.cat([self.group_T[:, None] == key_group[None, :], own], dim=1)
-
-
-@dataclass
-class KVStore:
-    """Per-layer prefix K/V of each group: the autograd leaves and the graph tensors behind them."""
-
-    leaves: dict = field(default_factory=dict)  # (layer, group) -> (k_leaf, v_leaf) [P,1,Ng,D]
-    graph: dict = field(default_factory=dict)  # (layer, group) -> (k, v) graph outputs (actor only)
-    graph_only: bool = False  # a recomputation's store: graph outputs only, no leaves
-    recompute_drift: float = 0.0  # largest |recomputed - stored| K/V seen by prefix_backward
-
-    def record(self, layer: int, group: int, key, value, keep_graph: bool, trainable: bool = False) -> None:
-        """Store a prefix's K/V; leaves get gradients when the graph is kept or `trainable`.
-
-        Actor leaves are fp32 masters of the K/V (exact copies), so gK/gV summed over every
-        response and micro-batch accumulate in fp32, as megatron's main_grad does for weights;
-        `kv()` hands attention the K/V in the compute dtype. `trainable` without `keep_graph` is the
-        recompute plan: the leaves take gradients, and the graph is rebuilt at prefix-backward time.
-        """
-        if keep_graph:
-            self.graph[(layer, group)] = (key, value)
-            if self.graph_only:
-                return
-        if keep_graph or trainable:
-            self.leaves[(layer, group)] = (key.detach().float().requires_grad_(),
-                                           value.detach().float().requires_grad_())
-        else:
-            self.leaves[(layer, group)] = (key.detach(), value.detach())
-
-    def kv(self, layer: int, group: int, dtype: torch.dtype):
-        """The prefix K/V of (layer, group) in `dtype` (differentiable back to the leaves)."""
-        k, v = self.leaves[(layer, group)]
-        return k.to(dtype), v.to(dtype)
-
-    def backward_pairs(self, group: int, graph: dict | None = None) -> tuple[list, list]:
-        """Graph tensors of `group` and the gradients accumulated on their leaves (skip untouched).
-
-        `graph`: the graph outputs of a recomputed prefix (another store's `graph`) instead of ours."""
-        outs, grads = [], []
-        for (layer, g), kv in (self.graph if graph is None else graph).items():
-            if g != group:
-                continue
-            for t, leaf in zip(kv, self.leaves[(layer, g)]):
-                if leaf.grad is not None:
-                    outs.append(t)
-                    grads.append(leaf.grad.to(t.dtype))
-        return outs, grads
-
-    def nbytes(self) -> tuple[int, int]:
-        """Bytes of the K/V leaves and of the gradients accumulated on them (gK/gV)."""
-        kv = sum(t.nbytes for pair in self.leaves.values() for t in pair)
-        grads = sum(t.grad.nbytes for pair in self.leaves.values() for t in pair if t.grad is not None)
-        return kv, grads
-
-    def release(self, group: int) -> None:
-        """Drop a group's K/V and graph once its prefix backward is done."""
-        for key in [k for k in self.leaves if k[1] == group]:
-            self.leaves.pop(key, None)
-            self.graph.pop(key, None)
 
 
 @dataclass
@@ -136,8 +68,6 @@ class PrefixContext(AttentionContext):
 
     def attend(self, layer: int, query, key, value, scale):
         """Attention for core attention's inputs: query [T,1,Nq,D], key/value [T,1,Ng,D]."""
-        from rollplex_megatron.attention.core import sdpa_attention
-
         if self.mode == "record":
             self.store.record(layer, self.group, key, value, self.keep_graph, self.trainable)
             return sdpa_attention(query, key, value, None, True, scale)
@@ -164,8 +94,6 @@ class PrefixContext(AttentionContext):
 def shared_prefix_attention(query_TBND, key_KBGD, value_KBGD, allowed_TK, scale, backend: str = "sdpa"):
     """Masked attention in megatron layout; `allowed_TK` True = may attend. Returns [T,1,Nq*D]."""
     if backend == "sdpa":
-        from rollplex_megatron.attention.core import sdpa_attention
-
         return sdpa_attention(query_TBND, key_KBGD, value_KBGD, allowed_TK, False, scale)
     if backend == "flex":
         return _flex(query_TBND, key_KBGD, value_KBGD, allowed_TK, scale)

@@ -18,7 +18,7 @@ import torch
 from rollplex_megatron.checkpoint import hf as H
 from rollplex_megatron.checkpoint import layout as L
 from rollplex_megatron.config import ModelConfig, ParallelConfig, VisionConfig, check_model_parallel
-from rollplex_megatron.envs.motion import MotionEnv
+from rollplex_megatron.data import build_source
 
 META = "rollplex_mcore.json"
 FORMAT = "rollplex-mcore-v1"
@@ -208,9 +208,10 @@ def train_to_hf(run_dir: str | os.PathLike, out_dir: str | os.PathLike, step: in
         if init is not None and (init / "generation_config.json").is_file():
             shutil.copy2(init / "generation_config.json", tmp / "generation_config.json")
         else:  # the run's own sampling settings and the task's stop tokens
-            stop = MotionEnv(cfg.task, cfg.model).stop_token_ids
+            source = build_source(cfg)
+            stop = source.stop_token_ids
             GenerationConfig(do_sample=True, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                             max_new_tokens=cfg.task.max_answer_tokens, eos_token_id=list(stop)).save_pretrained(tmp)
+                             max_new_tokens=source.max_new_tokens, eos_token_id=list(stop)).save_pretrained(tmp)
         H.atomic_write_text(tmp / EXPORT_META, json.dumps(
             {"run": str(run.resolve()), "checkpoint": ck.name, "step": meta["step"], "source": "actor",
              "train_layout": {k: meta[k] for k in ("tp", "pp", "dp")}, "processor_files": copied}, indent=2))

@@ -26,6 +26,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from rollplex_megatron.runtime import device
+
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 META = "meta.json"
@@ -101,7 +103,7 @@ def _write_atomic(path: Path, write) -> None:
 
 def _agree(ok: bool, what: str) -> None:
     """Every rank learns whether all ranks succeeded; a rank that did not re-raises its own error."""
-    dev = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    dev = device()
     flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=dev)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     if ok and not int(flag):

@@ -20,48 +20,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from rollplex_megatron.config import TASK_MAX_OBJECTS, TASK_QUESTIONS, MotionTaskConfig
+
 DIRECTIONS = ("left", "right", "up", "down")
 COLORS = {"red": (220, 40, 40), "green": (40, 180, 60), "blue": (50, 80, 220), "yellow": (230, 200, 40),
           "purple": (150, 60, 180), "cyan": (40, 200, 200), "white": (235, 235, 235), "orange": (240, 130, 30)}
 _STEP = {"left": (0, -1), "right": (0, 1), "up": (-1, 0), "down": (1, 0)}
-QUESTIONS = ("motion", "reach")
+QUESTIONS = TASK_QUESTIONS
+assert len(COLORS) == TASK_MAX_OBJECTS
 AGENT_RGB = (128, 128, 128)  # the reach question's agent marker (no object colour is grey)
-
-
-@dataclass(kw_only=True)
-class MotionTaskConfig:
-    """Task shape and difficulty."""
-
-    question: str = "motion"  # motion (which way did it move?) | reach (which way to go to reach it?)
-    image_size: int = 56  # square frame side in pixels (multiple of 28)
-    frames: int = 4  # video frames (even); 1 renders the image variant
-    num_objects: int = 3  # target plus distractors (<= 8)
-    object_px: int = 8  # square side in pixels
-    step_px: int = 4  # target motion per frame in pixels
-    jitter_px: int = 0  # random distractor motion per frame (harder when > 0)
-    max_answer_tokens: int = 4  # longest response; a response ends at its first direction token
-    format_reward: float = 0.0  # added when the response names any direction (0: correctness only)
-
-    def __post_init__(self) -> None:
-        if self.question not in QUESTIONS:
-            raise ValueError(f"task.question must be one of {QUESTIONS}, got {self.question!r}")
-        if self.image_size % 28:
-            raise ValueError(f"task.image_size ({self.image_size}) must be a multiple of 28 (patch 14 x merge 2)")
-        if self.frames != 1 and self.frames % 2:
-            raise ValueError(f"task.frames ({self.frames}) must be 1 (image) or even (temporal patch 2)")
-        if not 1 <= self.num_objects <= len(COLORS):
-            raise ValueError(f"task.num_objects must be in 1..{len(COLORS)}, got {self.num_objects}")
-        if self.max_answer_tokens < 1:
-            raise ValueError(f"task.max_answer_tokens must be >= 1, got {self.max_answer_tokens}")
-        if self.question == "reach":
-            if self.object_px + (self.object_px + 1) // 2 > self.image_size // 2:
-                raise ValueError(f"task.question=reach needs task.object_px ({self.object_px}) <= "
-                                 f"image_size/3 ({self.image_size // 3}) so targets fit beside the agent")
-            return
-        travel = self.step_px * max(self.frames - 1, 2)
-        if self.object_px + 2 * travel >= self.image_size:
-            raise ValueError(f"task.step_px={self.step_px} over {self.frames} frames leaves the "
-                             f"{self.image_size}px frame; lower step_px or frames")
 
 
 @dataclass

@@ -20,41 +20,30 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from rollplex_megatron.config import ModelConfig, RunConfig
+from rollplex_megatron.memory.classes import PlanInputs, Shape, TensorClass
+from rollplex_megatron.trainer.modes import get_mode
 
 GIB = 2**30
-PHASES = {"serial": ("rollout", "old_logp", "ref_logp", "update", "optimizer"),
-          "prefix_shared": ("rollout", "old_logp", "ref_logp", "update", "optimizer"),
-          "rollplex": ("rollout", "ref_logp", "update", "optimizer")}
-
-
 # Plan `phase` (what memory/manager.py does at run time): the phases of one step in which each
-# managed class is on the device; elsewhere it is offloaded (or, for grads, freed). The reference
-# stays through `reward` in rollplex, between its two readers (the window's reference prefixes in
-# the rollout, the reference response stage).
+# managed class is on the device; elsewhere it is offloaded (or, for grads, freed). The reference's
+# phases are the mode's declaration (`Mode.reference_phases`).
 PHASE_RESIDENCY = {
     "main_weights": ("optimizer",),
     "optimizer_states": ("optimizer",),
     "grads": ("update", "optimizer"),
-    "reference_weights": {"rollplex": ("rollout", "reward", "ref_logp"),
-                          "serial": ("ref_logp",), "prefix_shared": ("ref_logp",)},
 }
+
+
+def phases(mode: str) -> tuple[str, ...]:
+    """The phases of one step of `mode`, in order (the mode's declaration)."""
+    return get_mode(mode).phases
 
 
 def resident_phases(name: str, mode: str) -> tuple[str, ...]:
     """The phases in which the `phase` plan keeps a managed class on the device."""
-    want = PHASE_RESIDENCY[name]
-    return want[mode] if isinstance(want, dict) else want
-
-
-@dataclass(frozen=True)
-class TensorClass:
-    """One class of tensors: bytes on one GPU, where it lives per phase, and why."""
-
-    name: str
-    bytes: int
-    resident: tuple[str, ...]  # phases in which it occupies HBM
-    action: str  # keep | offload | free | recompute (what the plan does outside `resident`)
-    note: str = ""
+    if name == "reference_weights":
+        return get_mode(mode).reference_phases
+    return PHASE_RESIDENCY[name]
 
 
 def param_counts(cfg: ModelConfig, tp: int = 1) -> dict[str, int]:
@@ -145,23 +134,6 @@ def training_forward_bytes(cfg: ModelConfig, tp: int, pp: int, sp: bool, tokens:
     return prefix_graph_bytes(cfg, tp, pp, sp, tokens, patches) + out_in + logits_bytes(cfg, tp, tokens)
 
 
-@dataclass(frozen=True)
-class Shape:
-    """Per DP rank: prompts, samples, prefix/response tokens, patches, responses per micro-batch."""
-
-    prompts: int
-    group: int
-    P: int
-    R: int
-    patches: int
-    mb: int
-
-    @property
-    def samples(self) -> int:
-        """Sampled responses per DP rank."""
-        return self.prompts * self.group
-
-
 def workload_shape(cfg: RunConfig, prefix_tokens: int | None = None, patches: int | None = None,
                    response_tokens: int | None = None) -> Shape:
     """The step's shape from `cfg.plan` (plan-memory) or from a task's real prompt (the trainer)."""
@@ -192,7 +164,8 @@ def _largest_wave(cfg: RunConfig, s: Shape, kv_tok: int) -> int:
 def plan(cfg: RunConfig, mode: str, residency: str, engine: str, s: Shape | None = None) -> list[TensorClass]:
     """Tensor classes of one step on the fullest GPU.
 
-    mode: serial | prefix_shared | rollplex (where prefix K/V and graphs live, DESIGN section 2).
+    mode: a registered mode name; the mode declares its phases, where the reference lives and the
+    classes of its prefix work, scoring and update (trainer/modes/, DESIGN section 2).
     residency: keep (everything stays) | phase (the plan of memory/manager.py: main weights and Adam
     states on the device only for the optimizer step, gradients from the update on, the reference
     only where it is read, the actor prefix recomputed one group at a time instead of kept).
@@ -204,7 +177,7 @@ def plan(cfg: RunConfig, mode: str, residency: str, engine: str, s: Shape | None
     s = s or workload_shape(cfg)
     m, par, sp = cfg.model, cfg.parallel, cfg.plan.sequence_parallel
     e = 2 if cfg.dtype == "bfloat16" else 4
-    allp = PHASES[mode]
+    allp = phases(mode)
     w = _weights(cfg)
     keep = residency == "keep"
     kv_tok = kv_bytes_per_token(m, par.tp, m.num_layers // par.pp, e)
@@ -231,39 +204,15 @@ def plan(cfg: RunConfig, mode: str, residency: str, engine: str, s: Shape | None
     else:
         out.append(TensorClass("rollout_kv", _largest_wave(cfg, s, kv_tok), ("rollout",), "free",
                                "the engine's cache: one prefix per group plus G response slots, largest wave"))
-    prefix_kv = s.prompts * s.P * kv32
-    graph = prefix_graph_bytes(m, par.tp, par.pp, sp, s.P, s.patches)
-    if mode == "rollplex":
-        out.append(TensorClass("actor_prefix_kv", prefix_kv, ("rollout", "ref_logp", "update"), "free",
-                               "fp32 K/V leaves of every group, from the prefill (decode reads them)"))
-        out.append(TensorClass("reference_prefix_kv", s.prompts * s.P * kv_tok, ("rollout", "ref_logp"), "free",
-                               "computed in the decode window"))
-    elif mode == "prefix_shared":
-        out.append(TensorClass("scoring_prefix_kv", s.prompts * s.P * kv_tok, ("old_logp", "ref_logp"), "free",
-                               "each scoring phase's prefix K/V, one group each"))
-        out.append(TensorClass("actor_prefix_kv", prefix_kv, ("update",), "free", "fp32 K/V leaves"))
-    if mode != "serial":
-        out.append(TensorClass("prefix_kv_grads", prefix_kv, ("update",), "free", "fp32 gK/gV"))
-        if keep:
-            live = ("rollout", "ref_logp", "update") if mode == "rollplex" else ("update",)
-            out.append(TensorClass("actor_prefix_graph", s.prompts * graph, live, "keep",
-                                   "every group's saved prefix activations"))
     v = m.vocab_size // par.tp
     out.append(TensorClass("decode_workspace", s.samples * v * 10, ("rollout",), "free",
                            "one decode step's logits and sampling uniforms"))
-    for ph in (("old_logp", "ref_logp") if mode != "rollplex" else ("ref_logp",)):
-        tokens = s.mb * (s.P + s.R) if mode == "serial" else s.mb * s.R
-        out.append(TensorClass(f"{ph}_workspace", logits_bytes(m, par.tp, tokens), (ph,), "free",
-                               "one micro-batch's loss workspace (forward only)"))
-    if mode == "serial":
-        act = training_forward_bytes(m, par.tp, par.pp, sp, s.mb * (s.P + s.R), s.mb * s.patches)
-        note = "one micro-batch's whole sequences, vision tower included"
-    else:
-        act = training_forward_bytes(m, par.tp, par.pp, sp, s.mb * s.R, 0)
-        note = "one response micro-batch"
-        if not keep:
-            act, note = max(act, graph), note + ", or one group's recomputed prefix graph (the larger)"
-    out.append(TensorClass("update_activations", act, ("update",), "free", note))
+    inputs = PlanInputs(s, keep, prefix_kv_fp32=s.prompts * s.P * kv32, prefix_kv=s.prompts * s.P * kv_tok,
+                        prefix_graph=prefix_graph_bytes(m, par.tp, par.pp, sp, s.P, s.patches),
+                        logits=lambda tokens: logits_bytes(m, par.tp, tokens),
+                        activations=lambda tokens, patches: training_forward_bytes(m, par.tp, par.pp, sp, tokens,
+                                                                                   patches))
+    out += get_mode(mode).memory_classes(inputs)
     adam = 0 if cfg.plan.fused_adam else w["optimizer_states"] // 2
     out.append(TensorClass("optimizer_workspace", adam, ("optimizer",), "free",
                            "torch Adam (foreach) holds sqrt(exp_avg_sq) for every parameter; fused Adam: 0"))
@@ -301,7 +250,7 @@ def runtime_plan(cfg: RunConfig, s: Shape) -> list[TensorClass]:
 def summarize(classes: list[TensorClass], mode: str) -> dict:
     """Per-phase bytes by class (GiB) and the peak phase."""
     by_phase = {ph: {c.name: c.bytes / GIB for c in classes if ph in c.resident and c.bytes}
-                for ph in PHASES[mode]}
+                for ph in phases(mode)}
     totals = {ph: sum(v.values()) for ph, v in by_phase.items()}
     peak = max(totals, key=totals.get)
     return {"peak_gib": totals[peak], "peak_phase": peak, "phase_gib": totals, "by_phase_gib": by_phase,

@@ -14,7 +14,7 @@ import torch
 
 from rollplex_megatron.attention.prefix import PackedLayout
 from rollplex_megatron.config import ModelConfig
-from rollplex_megatron.models.qwen25vl.positions import mrope_position_ids
+from rollplex_megatron.models.qwen25vl.positions import mrope_position_ids, prompt_positions
 
 
 @dataclass
@@ -62,18 +62,6 @@ class MicroBatch:
                                        lay.prefix_lens),
                           {k: mv(v) for k, v in self.vision.items()}, self.responses,
                           {k: mv(v) for k, v in self.token_data.items()})
-
-
-def prompt_positions(cfg: ModelConfig, prompt: Prompt, extra_text: int = 0) -> torch.Tensor:
-    """M-RoPE positions [3,1,P+extra_text] of the prompt followed by `extra_text` text tokens."""
-    ids = prompt.input_ids
-    if extra_text:
-        ids = torch.cat([ids, torch.zeros(extra_text, dtype=ids.dtype)])
-    pos, _ = mrope_position_ids(ids[None], prompt.image_grid_thw, prompt.video_grid_thw,
-                                prompt.second_per_grid_ts, image_token_id=cfg.image_token_id,
-                                video_token_id=cfg.video_token_id, merge=cfg.vision.spatial_merge_size,
-                                tokens_per_second=cfg.vision.tokens_per_second)
-    return pos
 
 
 def validate_groups(cfg: ModelConfig, groups: list[Group], max_response_len: int) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
+from typing import Protocol
 
 import torch
 from megatron.core import parallel_state as ps
@@ -25,16 +26,33 @@ from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.core.utils import get_model_config
 
-from rollplex_megatron.attention.prefix import KVStore, PrefixContext
-from rollplex_megatron.models.qwen25vl.model import check_placeholders
-from rollplex_megatron.prefix.batch import Group, MicroBatch, prompt_positions
+from rollplex_megatron.attention.kv_store import KVStore
+from rollplex_megatron.attention.prefix import PrefixContext
+from rollplex_megatron.prefix.batch import Group, MicroBatch, split_token_values
+from rollplex_megatron.runtime import device
 
 
 def unwrap(model):
-    """The Qwen25VLModel inside DDP / Float16Module wrappers."""
+    """The stage model inside DDP / Float16Module wrappers: it implements the PrefixModel contract."""
     while hasattr(model, "module"):
         model = model.module
     return model
+
+
+class PrefixModel(Protocol):
+    """What the prefix execution needs of a stage model (Qwen25VLModel, api.PrefixGPT).
+
+    `forward(input_ids, position_ids, attention_context, **vision)` is what megatron's schedule calls
+    (vocab-parallel logits [B,T,V/TP] on the last stage, hidden [T,B,H] elsewhere), and
+    `prefix_stage(prompt, ctx, input_tensor)` runs prompt[:-1] on this stage and returns [P-1,1,H].
+    """
+
+    config: object  # megatron TransformerConfig (hidden_size)
+    pre_process: bool
+    post_process: bool
+
+    def prefix_stage(self, prompt, ctx: PrefixContext, input_tensor=None) -> torch.Tensor:
+        """The prefix forward of one prompt on this stage."""
 
 
 @dataclass
@@ -48,27 +66,9 @@ class PrefixState:
     prompt: Group | None = None  # recompute plan: the group whose prefix forward runs again at backward
 
 
-def _device():
-    return torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
-
-
 def p2p_communicator(model) -> P2PCommunicator:
     """Megatron's stage-to-stage communicator for this model's pipeline group."""
     return P2PCommunicator(pp_group=ps.get_pipeline_model_parallel_group(), config=get_model_config(model))
-
-
-def _forward_group(m, g: Group, ctx: PrefixContext, recv) -> torch.Tensor:
-    """The prefix stage of one group on this stage: prompt[:-1] (or the received stage input)."""
-    dev, pr = _device(), g.prompt
-    # pixels go to the device; grids stay on the host (the vision tower plans its windows there), and
-    # the placeholder check reads the host prompt: the stage issues without reading the device back
-    vis = {k: getattr(pr, k) for k in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")}
-    ids = pr.input_ids[None, :-1]
-    if m.pre_process:
-        check_placeholders(m.cfg, ids, **vis)
-    vis = {k: (t.to(dev) if t is not None and k.startswith("pixel") else t) for k, t in vis.items()}
-    return m.forward_prefix(ids.to(dev), prompt_positions(m.cfg, pr)[:, :, :-1].to(dev),
-                            ctx, input_tensor=recv, check=False, **vis)
 
 
 def prefix_forward(model, groups: list[Group], store: KVStore, keep_graph: bool,
@@ -88,10 +88,10 @@ def prefix_forward(model, groups: list[Group], store: KVStore, keep_graph: bool,
     ids = list(range(len(groups))) if group_ids is None else list(group_ids)
     for gi, g in zip(ids, groups):
         n = g.prompt.input_ids.numel() - 1
-        recv = None if first else p2p.recv_forward((n, 1, m.cfg.hidden_size), first)
+        recv = None if first else p2p.recv_forward((n, 1, m.config.hidden_size), first)
         ctx = PrefixContext(mode="record", store=store, group=gi, keep_graph=keep_graph, trainable=recompute)
         with torch.set_grad_enabled(keep_graph):
-            out = _forward_group(m, g, ctx, recv)
+            out = m.prefix_stage(g.prompt, ctx, recv)
         if not last:
             p2p.send_forward(out.detach() if not keep_graph else out, last)
         if recompute:
@@ -108,7 +108,7 @@ def _recompute(m, st: PrefixState, store: KVStore) -> tuple[PrefixState, dict, t
     recv = None if st.received is None else st.received.detach().requires_grad_()
     ctx = PrefixContext(mode="record", store=graph, group=st.group, keep_graph=True)
     with torch.enable_grad():
-        out = _forward_group(m, st.prompt, ctx, recv)
+        out = m.prefix_stage(st.prompt.prompt, ctx, recv)
     drift = torch.stack([(t.detach().float() - leaf.detach()).abs().max()
                          for key, kv in graph.graph.items() for t, leaf in zip(kv, store.leaves[key])]).max()
     return PrefixState(st.group, st.length, recv, out), graph.graph, drift
@@ -121,7 +121,7 @@ def prefix_backward(model, states: list[PrefixState], store: KVStore) -> None:
     difference between recomputed and stored K/V (0 when the forward is deterministic)."""
     m, p2p = unwrap(model), p2p_communicator(model)
     first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
-    hidden = m.cfg.hidden_size
+    hidden = m.config.hidden_size
     drifts = []
     for st in states:
         graph = None
@@ -188,7 +188,7 @@ def actor_prefix_step(model, groups: list[Group], micro_batches: list[MicroBatch
     """Prefix/response forward+backward of the actor; gradients finalised. Returns loss dicts.
 
     `recompute`: keep no prefix graph; each group's prefix is recomputed at its prefix backward."""
-    dev = _device()
+    dev = device()
     mbs = [mb.to(dev) for mb in micro_batches]
     store = KVStore()
     states = prefix_forward(model, groups, store, keep_graph=not recompute, recompute=recompute)
@@ -202,7 +202,7 @@ def actor_prefix_step(model, groups: list[Group], micro_batches: list[MicroBatch
 def reference_prefix_logprobs(model, groups: list[Group], micro_batches: list[MicroBatch],
                               backend: str = "auto", loss_fn=None) -> list[dict]:
     """Reference variant: prefix K/V without a graph, response stage forward-only."""
-    dev = _device()
+    dev = device()
     mbs = [mb.to(dev) for mb in micro_batches]
     store = KVStore()
     with torch.no_grad():
@@ -215,10 +215,46 @@ def reference_prefix_logprobs(model, groups: list[Group], micro_batches: list[Mi
 def full_sequence_step(model, micro_batches: list[MicroBatch], forward_only: bool = False,
                        backend: str = "auto", loss_fn=None) -> list[dict]:
     """The serial baseline: every response with its whole prompt, same schedule, model and loss."""
-    dev = _device()
+    dev = device()
     mbs = [mb.to(dev) for mb in micro_batches]
     res = run_schedule(model, mbs, lambda mb: PrefixContext(mode="packed", layout=mb.layout, backend=backend),
                        forward_only=forward_only, loss_fn=loss_fn)
     if not forward_only:
         finalize(model)
     return res
+
+
+def per_response(results: list[dict], mbs: list[MicroBatch], groups: list[Group]) -> dict | None:
+    """Per-response log-probs {(group, response): [R]}; None on pipeline stages before the last."""
+    if not ps.is_pipeline_last_stage():
+        return None
+    return split_token_values(results, mbs, groups, "logp")
+
+
+def reference_response_logprobs(model, micro_batches: list[MicroBatch], store: KVStore,
+                                backend: str = "auto") -> list[dict]:
+    """The reference response stage over prefix K/V computed earlier (the decode window's); the
+    store is emptied after (its last consumer)."""
+    dev = device()
+    mbs = [mb.to(dev) for mb in micro_batches]
+    with torch.no_grad():
+        res = run_schedule(model, mbs, lambda mb: PrefixContext(mode="use", layout=mb.layout, store=store,
+                                                                backend=backend), forward_only=True)
+    store.leaves.clear()
+    return res
+
+
+def actor_response_step(model, micro_batches: list[MicroBatch], store: KVStore, states: list[PrefixState],
+                        backend: str = "auto", loss_fn=None) -> tuple[list[dict], dict]:
+    """The Rollplex update after a rollout whose prefill was the actor prefix stage: response
+    micro-batches through the schedule over the stored K/V leaves, the prefix backward once per
+    group, then the gradient finalisation. Returns the loss dicts and the prefix K/V byte counts."""
+    dev = device()
+    mbs = [mb.to(dev) for mb in micro_batches]
+    res = run_schedule(model, mbs, lambda mb: PrefixContext(mode="use", layout=mb.layout, store=store,
+                                                            backend=backend), forward_only=False, loss_fn=loss_fn)
+    kv_bytes, kv_grad_bytes = store.nbytes()
+    prefix_backward(model, states, store)
+    finalize(model)
+    return res, {"actor_prefix_kv_bytes": kv_bytes, "prefix_kv_grad_bytes": kv_grad_bytes,
+                 "prefix_recompute_drift": store.recompute_drift}

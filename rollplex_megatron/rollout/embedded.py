@@ -26,7 +26,8 @@ from rollplex_megatron.attention.decode import (
     group_slots,
     shared_prefix_decode_attention,
 )
-from rollplex_megatron.attention.prefix import AttentionContext, KVStore
+from rollplex_megatron.attention.context import AttentionContext
+from rollplex_megatron.attention.kv_store import KVStore
 from rollplex_megatron.config import ModelConfig
 from rollplex_megatron.memory.planner import kv_bytes_per_token
 from rollplex_megatron.models.qwen25vl.model import check_placeholders, gather_vocab_logits
@@ -34,6 +35,7 @@ from rollplex_megatron.prefix.batch import Group, prompt_positions
 from rollplex_megatron.prefix.execution import p2p_communicator, prefix_forward, unwrap
 from rollplex_megatron.rollout.engine import DecodeHooks, RolloutOutput, RolloutRequest, RolloutResult
 from rollplex_megatron.rollout.sampling import SamplingParams, row_uniforms, sample_tokens
+from rollplex_megatron.runtime import device
 
 
 class DecodeCache:
@@ -131,7 +133,7 @@ class EmbeddedEngine:
         self.model, self.cfg = model, cfg
         self.max_prompt_len, self.max_response_len = max_prompt_len, max_response_len
         self.budget = int(kv_cache_gib * 2**30)
-        self.dev = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+        self.dev = device()
         self.cuda_graphs = cuda_graphs and torch.cuda.is_available()
         tc = unwrap(model).config
         dtype, head_dim = tc.params_dtype, tc.kv_channels
@@ -161,15 +163,14 @@ class EmbeddedEngine:
         the returned `prefix_states` drive the prefix backward. With `recompute_prefix` the prefill
         keeps no graph (the prefix backward recomputes it one group at a time)."""
         self._validate(requests)
+        hooks = hooks if hooks is not None else DecodeHooks()
         results: list[RolloutResult | None] = [None] * len(requests)
         try:
             stats, states = self._generate_waves(requests, params, hooks, actor_prefix, recompute_prefix, results)
         except BaseException:
-            if hooks is not None and hasattr(hooks, "abort"):
-                hooks.abort()  # side work issued from another thread stops with the rollout
+            hooks.abort()  # side work issued from another thread stops with the rollout
             raise
-        if hooks is not None:
-            hooks.on_idle()
+        hooks.on_idle()
         return RolloutOutput(results, states if actor_prefix is not None else [], stats)
 
     def _generate_waves(self, requests, params, hooks, actor_prefix, recompute_prefix, results):
@@ -191,9 +192,8 @@ class EmbeddedEngine:
             t1 = time.perf_counter()
             with torch.no_grad():
                 dec = _WaveDecoder(self, [requests[i] for i in wave], cache, params)
-                if hooks is not None and hasattr(hooks, "on_wave"):
-                    hooks.on_wave(dec.n_rows)
-                stream = hooks.decode_stream() if hooks is not None and hasattr(hooks, "decode_stream") else None
+                hooks.on_wave(dec.n_rows)
+                stream = hooks.decode_stream()
                 if stream is not None:
                     stream.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(stream) if stream is not None else nullcontext():
@@ -296,7 +296,7 @@ class _WaveDecoder:
         self.stopped = torch.zeros(self.n_rows + 1, dtype=torch.bool, device=dev)
         self.banned = torch.tensor([c.image_token_id, c.video_token_id, c.vision_start_token_id,
                                     c.vision_end_token_id], device=dev)
-        self.graphs, self.pool, self.hooks = {}, None, None
+        self.graphs, self.pool, self.hooks = {}, None, DecodeHooks()
         self.p2p = p2p_communicator(engine.model) if engine.pp > 1 else None
         self.stats = {"graphs_captured": 0, "graph_replays": 0, "eager_steps": 0, "capture_s": 0.0}
 
@@ -375,7 +375,7 @@ class _WaveDecoder:
             self.pool = self.pool or torch.cuda.graph_pool_handle()
             g = torch.cuda.CUDAGraph()
             hooks = self.hooks
-            guard = hooks.capture_guard() if hooks is not None and hasattr(hooks, "capture_guard") else nullcontext()
+            guard = hooks.capture_guard()
             try:
                 with guard, torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
                     self._forward(*key)  # recorded, not run: the state advanced once, above
@@ -415,7 +415,8 @@ class _WaveDecoder:
 
     def run(self, hooks, ids, results) -> int:
         """Decode until every sample stopped; fills `results[ids[k]]`; returns the step count."""
-        self.hooks = hooks
+        self.hooks = hooks if hooks is not None else DecodeHooks()
+        hooks = self.hooks
         buckets = _buckets(self.n_rows)
         n, step = self.n_rows, 0
         s_max = self._s_max(n)
@@ -423,8 +424,7 @@ class _WaveDecoder:
             self._run_step(n, s_max, self.window(step))
             step += 1
             live = int(self.live_t)  # the step's one host read
-            if hooks is not None:
-                hooks.on_decode_step(step, live)
+            hooks.on_decode_step(step, live)
             if live == 0:
                 break
             smaller = min(b for b in buckets if b >= live)

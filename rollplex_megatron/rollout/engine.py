@@ -4,6 +4,7 @@ Legend: G = samples per request (a GRPO group), R = generated tokens of one samp
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -42,8 +43,21 @@ class RolloutOutput:
     stats: dict = field(default_factory=dict)  # decode steps, waves, seconds per part
 
 
-class DecodeHooks(Protocol):
-    """Callbacks of the decode loop (the decode window plugs in here)."""
+class DecodeHooks:
+    """Callbacks of the decode loop; every method is a no-op here (the decode window overrides them),
+    so the engine calls them unconditionally."""
+
+    def on_wave(self, samples: int) -> None:
+        """A wave starts decoding `samples` samples."""
+
+    def decode_stream(self):
+        """The CUDA stream to decode on (None: the current one)."""
+        return None
+
+    def capture_guard(self):
+        """A context manager held while the engine captures a CUDA graph (side work issued from other
+        threads pauses there)."""
+        return nullcontext()
 
     def on_decode_step(self, step: int, active: int) -> None:
         """Called after every decode step with the number of still-active samples."""
@@ -51,9 +65,8 @@ class DecodeHooks(Protocol):
     def on_idle(self) -> None:
         """Called once when decoding is over (drain whatever is left)."""
 
-    # Optional: `on_wave(samples)` when a wave starts decoding; `decode_stream()` -> the CUDA stream
-    # to decode on (None: the current one); `capture_guard()` -> a context manager held while the
-    # engine captures a CUDA graph (side work issued from other threads pauses there).
+    def abort(self) -> None:
+        """The rollout failed: stop side work now."""
 
 
 class RolloutEngine(Protocol):

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from rollplex_megatron.config import check_sampling
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -23,16 +25,6 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         check_sampling(self.temperature, self.top_p, self.top_k, "sampling ")
-
-
-def check_sampling(temperature: float, top_p: float, top_k: int, where: str) -> None:
-    """Range checks shared by SamplingParams and the rollout config; `where` prefixes the names."""
-    if not temperature > 0:
-        raise ValueError(f"{where}temperature must be > 0, got {temperature}")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"{where}top_p must be in (0, 1], got {top_p}")
-    if top_k < 0:
-        raise ValueError(f"{where}top_k must be >= 0 (0 keeps all tokens), got {top_k}")
 
 
 def filter_logits(logits_BV: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

@@ -25,6 +25,7 @@ from rollplex_megatron.attention import SDPACoreAttention
 from rollplex_megatron.attention.prefix import SegmentContext
 from rollplex_megatron.config import ModelConfig
 from rollplex_megatron.models.qwen25vl import positions as P
+from rollplex_megatron.runtime import device
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -262,6 +263,11 @@ class Qwen25VLModel(MegatronModule):
                                   decoder_input=decoder_input, packed_seq_params=attention_context)
         return self.mask_padded_vocab(out) if self.post_process else out
 
+    def prefix_stage(self, prompt, ctx, input_tensor=None) -> torch.Tensor:
+        """The prefix (prompt[:-1], vision included) of one prompt on this stage: [P-1,1,H]
+        (the PrefixModel contract of prefix/execution.py)."""
+        return _placeholder_check_then_prefix(self, prompt, ctx, input_tensor)
+
     def forward_prefix(self, input_ids, position_ids, attention_context, input_tensor=None,
                        pixel_values=None, image_grid_thw=None, pixel_values_videos=None,
                        video_grid_thw=None, check: bool = True) -> torch.Tensor:
@@ -278,6 +284,20 @@ class Qwen25VLModel(MegatronModule):
         rope = lm.rotary_pos_emb(position_ids, lm.mrope_section)
         return lm.decoder(hidden_states=hidden, attention_mask=None, rotary_pos_emb=rope,
                           packed_seq_params=attention_context)
+
+
+def _placeholder_check_then_prefix(m, prompt, ctx, input_tensor):
+    """The prefix stage of one prompt (Qwen25VLModel.prefix_stage's body)."""
+    dev = device()
+    # pixels go to the device; grids stay on the host (the vision tower plans its windows there), and
+    # the placeholder check reads the host prompt: the stage issues without reading the device back
+    vis = {k: getattr(prompt, k) for k in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")}
+    ids = prompt.input_ids[None, :-1]
+    if m.pre_process:
+        check_placeholders(m.cfg, ids, **vis)
+    vis = {k: (t.to(dev) if t is not None and k.startswith("pixel") else t) for k, t in vis.items()}
+    pos = P.prompt_positions(m.cfg, prompt)[:, :, :-1].to(dev)
+    return m.forward_prefix(ids.to(dev), pos, ctx, input_tensor=input_tensor, check=False, **vis)
 
 
 def check_placeholders(cfg: ModelConfig, input_ids, pixel_values, image_grid_thw, pixel_values_videos,

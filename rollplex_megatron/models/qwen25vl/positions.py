@@ -129,3 +129,16 @@ def mrope_position_ids(
         pos[:, row] = row_pos
         deltas.append(int(row_pos.max()) + 1 - s)
     return pos, torch.tensor(deltas, dtype=torch.long).view(b, 1)
+
+
+def prompt_positions(cfg, prompt, extra_text: int = 0) -> torch.Tensor:
+    """M-RoPE positions [3,1,P+extra_text] of a prompt (prefix.batch.Prompt) followed by `extra_text`
+    text tokens; `cfg` is the ModelConfig (special token ids, merge size, tokens per second)."""
+    ids = prompt.input_ids
+    if extra_text:
+        ids = torch.cat([ids, torch.zeros(extra_text, dtype=ids.dtype)])
+    pos, _ = mrope_position_ids(ids[None], prompt.image_grid_thw, prompt.video_grid_thw,
+                                prompt.second_per_grid_ts, image_token_id=cfg.image_token_id,
+                                video_token_id=cfg.video_token_id, merge=cfg.vision.spatial_merge_size,
+                                tokens_per_second=cfg.vision.tokens_per_second)
+    return pos

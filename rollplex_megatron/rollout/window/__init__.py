@@ -26,7 +26,6 @@ mode that was on when it was submitted (grad mode is per thread).
 """
 from __future__ import annotations
 
-import json
 import sys
 import threading
 import time
@@ -38,7 +37,13 @@ from typing import Any, Callable
 
 import torch
 
-POLICY_PATH = Path(__file__).with_name("window_policy.json")
+from rollplex_megatron.rollout.engine import DecodeHooks
+from rollplex_megatron.rollout.window.mechanisms import MECHANISMS, WindowMechanism
+from rollplex_megatron.rollout.window.policy import (CHOICES, POLICY_PATH, check_mechanism, layout_mechanism,
+                                                     policy_mechanism)
+
+__all__ = ["DecodeWindow", "WorkItem", "WindowMechanism", "MECHANISMS", "CHOICES", "POLICY_PATH",
+           "check_mechanism", "layout_mechanism", "policy_mechanism"]
 
 
 @dataclass
@@ -54,22 +59,10 @@ class WorkItem:
     grad: bool = field(default_factory=torch.is_grad_enabled)  # grad mode at submit time
 
 
-def policy_mechanism(batch: int, path: Path = POLICY_PATH) -> tuple[str, int]:
-    """The measured table's (mechanism, green SMs) for a decode batch of `batch` samples: the winner
-    measured at the nearest batch size, its partition size with it; ("interleave", 0) if none won."""
-    if not path.is_file():
-        return "interleave", 0
-    table = json.loads(path.read_text())
-    rows = [r for r in table.get("winners", []) if r["mechanism"] != "interleave"]
-    if not rows:
-        return "interleave", 0
-    best = min(rows, key=lambda r: (abs(r["batch"] - batch), -r.get("hidden", 0.0)))
-    return best["mechanism"], int(best.get("green_sms", 0))
-
-
 @dataclass
-class DecodeWindow:
-    """DecodeHooks implementation that drains a work queue while the engine decodes."""
+class DecodeWindow(DecodeHooks):
+    """DecodeHooks implementation that drains a work queue while the engine decodes; how items
+    share the GPU is the mechanism's (`mechanisms.py`), which one runs is the policy's (`policy.py`)."""
 
     mechanism: str = "interleave"
     items_per_step: int = 1
@@ -81,10 +74,8 @@ class DecodeWindow:
     finished: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        from rollplex_megatron.config import WINDOW_MECHANISMS
-
-        if self.mechanism not in WINDOW_MECHANISMS:
-            raise ValueError(f"decode-window mechanism {self.mechanism!r} is not one of {WINDOW_MECHANISMS}")
+        if self.mechanism not in CHOICES:
+            raise ValueError(f"decode-window mechanism {self.mechanism!r} is not one of {CHOICES}")
         if not 0 < self.tail_fraction <= 1:
             raise ValueError(f"mode.window_tail_fraction must be in (0, 1], got {self.tail_fraction}")
         self._side = self._decode = None
@@ -96,6 +87,13 @@ class DecodeWindow:
         self._started = threading.Event()  # the issuer has taken its first item (or found none)
         self._wave_start = 0
         self._resolved = self.mechanism if self.mechanism != "auto" else None
+        self._mech = MECHANISMS[self._resolved]() if self._resolved else None
+
+    @classmethod
+    def from_config(cls, mode, parallel) -> "DecodeWindow":
+        """The window of a run: `mode.window*` settings at the run's parallel layout."""
+        return cls(layout_mechanism(mode.window, parallel.tp, parallel.pp), mode.window_items_per_step,
+                   mode.window_tail_fraction, mode.window_green_sms)
 
     def submit(self, name: str, fn: Callable[[], Any]) -> WorkItem:
         """Queue `fn`; its result lands on the returned item."""
@@ -105,15 +103,10 @@ class DecodeWindow:
 
     # --- streams -------------------------------------------------------------------------------
     def _streams(self):
-        if self._side is None and torch.cuda.is_available() and self._resolved in ("stream", "tail", "green"):
-            lo, hi = torch.cuda.Stream.priority_range() if hasattr(torch.cuda.Stream, "priority_range") else (0, -1)
+        if self._side is None and torch.cuda.is_available() and self._mech is not None and self._mech.side:
+            _, hi = torch.cuda.Stream.priority_range()
             self._decode = torch.cuda.Stream(priority=hi)
-            if self._resolved == "green":
-                from rollplex_megatron.rollout.green import green_stream
-
-                self._side = green_stream(self.green_sms)
-            else:
-                self._side = torch.cuda.Stream(priority=lo)
+            self._side = self._mech.side_stream(self)
         return self._side
 
     def decode_stream(self):
@@ -124,11 +117,12 @@ class DecodeWindow:
     def on_wave(self, samples: int) -> None:
         """Called when a wave starts decoding `samples` samples (resolves `auto`)."""
         self._wave_start = samples
-        if self._resolved == "tail":
-            self.abort()  # a new wave starts at full batch: tail work waits for this wave's tail again
+        if self._mech is not None:
+            self._mech.on_wave(self)
         if self._resolved is None:
             self._resolved, sms = policy_mechanism(samples, self.policy_path)
             self.green_sms = sms or self.green_sms
+            self._mech = MECHANISMS[self._resolved]()
 
     # --- hooks ---------------------------------------------------------------------------------
     def _run(self, item: WorkItem, in_window: bool, side: bool) -> None:
@@ -181,11 +175,10 @@ class DecodeWindow:
     def on_decode_step(self, step: int, active: int) -> None:
         """interleave: run up to `items_per_step` items now; side mechanisms: start the issuer thread."""
         self._raise_issuer_error()
-        mech = self._resolved or "interleave"
         if active == 0 or not self.queue:
             return
-        if mech in ("stream", "tail", "green"):
-            if self._issuer is None and (mech != "tail" or active <= self.tail_fraction * max(self._wave_start, 1)):
+        if self._mech is not None and self._mech.side:
+            if self._issuer is None and self._mech.may_start(self, active):
                 self._start_issuer()
             return
         for _ in range(self.items_per_step):

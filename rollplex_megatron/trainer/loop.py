@@ -1,0 +1,137 @@
+"""The step loop: `run_step` is one line per phase (the mode runs them), `train_rank` the run.
+
+Modes (trainer/modes/): serial | prefix_shared | rollplex, chosen once from `mode.name`. The
+rollout engine runs the actor's modules in place, so there is no weight sync after the step.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from rollplex_megatron.checkpoint import run_dir, train_state
+from rollplex_megatron.config import RunConfig
+from rollplex_megatron.recipes import to_yaml
+from rollplex_megatron.runtime import sync
+from rollplex_megatron.trainer.metrics import PhaseTimer, peak_bytes, reduce_metrics
+from rollplex_megatron.trainer.modes import Mode, get_mode
+from rollplex_megatron.trainer.runtime import Runtime
+
+
+def run_step(rt: Runtime, mode: Mode, step: int) -> dict:
+    """One RL step; returns its metrics record."""
+    rt.memory.new_step()
+    t = PhaseTimer(rt.memory)
+    t0 = time.perf_counter()
+    batch, res, stats = mode.step(rt, step, t)
+    rt.last_batch = batch  # kept for inspection (tests compare rollouts across modes)
+    with t("optimizer"):
+        opt = rt.optimizer_step()
+    sync()
+    peak, src = peak_bytes(t)
+    return {"step": step + 1, "mode": mode.name, **reduce_metrics(rt, batch, res),
+            "grad_norm": opt["grad_norm"], "step_time_s": time.perf_counter() - t0,
+            "phase_times": t.times, "phase_peak_bytes": t.peaks, "peak_mem_bytes": peak, "peak_mem_source": src,
+            "memory_plan": rt.cfg.memory.plan, "phase_managed_bytes": dict(rt.memory.phase_bytes),
+            "offload_bytes": dict(rt.memory.copy_bytes), "rollout": stats}
+
+
+def _run_dir(cfg: RunConfig) -> Path:
+    """Rank 0 names the run directory; every rank gets the same path."""
+    name = [cfg.train.out or os.path.join(cfg.run_dir, time.strftime("%Y%m%d-%H%M%S") + f"-train-{cfg.mode.name}")]
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(name, src=0)
+    path = Path(name[0]).resolve()
+    if dist.get_rank() == 0:
+        path.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    return path
+
+
+class Preemption:
+    """SIGTERM (SLURM's preemption signal) asks for a stop: the current step finishes, every rank
+    agrees on the step to stop after, a checkpoint is written and the ranks return normally."""
+
+    def __init__(self):
+        self.asked = False
+        self._old = signal.signal(signal.SIGTERM, self._on_term)
+
+    def _on_term(self, signum, frame) -> None:
+        self.asked = True
+
+    def agreed(self, dev) -> bool:
+        """Collective: True on every rank when any rank was asked to stop."""
+        flag = torch.tensor([int(self.asked)], dtype=torch.int32, device=dev)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(int(flag))
+
+    def close(self) -> None:
+        """Give SIGTERM its previous handler back."""
+        signal.signal(signal.SIGTERM, self._old)
+
+
+def train_rank(cfg: RunConfig) -> dict:
+    """Train on this rank until `train.steps` (or a SIGTERM); rank 0 writes metrics.jsonl and the
+    config, every rank its checkpoint shard. The launcher has checked and locked the run directory."""
+    preempt = Preemption()
+    rt = Runtime(cfg)
+    mode = get_mode(cfg.mode.name)()
+    run = _run_dir(cfg)
+    start, rank0 = 0, dist.get_rank() == 0
+    if cfg.train.resume:
+        latest = train_state.latest_checkpoint(run)
+        if latest is None:
+            raise FileNotFoundError(f"train.resume=true but {run} has no checkpoint")
+        start, _ = train_state.load_checkpoint(latest, rt.ddp.module, rt.ref, rt.optimizer)
+    if rank0:
+        run_dir.truncate_metrics(run, start)  # steps after the checkpoint are trained again
+        (run / "config.yaml").write_text(to_yaml(cfg))
+        (run / "memory_plan.json").write_text(json.dumps(rt.plan, indent=1))
+    metrics_path = run / run_dir.METRICS
+    bar = _progress(cfg, start, rank0)
+    records, stopped = [], None
+    try:
+        for step in range(start, cfg.train.steps):
+            rec = run_step(rt, mode, step)
+            records.append(rec)
+            if rank0:
+                with metrics_path.open("a") as f:
+                    f.write(json.dumps(rec) + "\n")
+                _show(bar, rec)
+            stop = preempt.agreed(rt.dev)
+            last = step + 1 == cfg.train.steps
+            if (last and cfg.train.save_final) or stop or (cfg.train.save_every and (step + 1) % cfg.train.save_every == 0):
+                rt.memory.restore_all()  # offloaded classes come back before their state is written
+                train_state.save_checkpoint(run, step + 1, rt.ddp.module, rt.ref, rt.optimizer, {}, to_yaml(cfg))
+            if stop and not last:
+                stopped = step + 1
+                break
+    finally:
+        preempt.close()
+        if bar is not None:
+            bar.close()
+    return {"run_dir": str(run), "records": records, "preempted_at": stopped}
+
+
+def _progress(cfg: RunConfig, start: int, rank0: bool):
+    if not (rank0 and cfg.train.progress):
+        return None
+    return tqdm(total=cfg.train.steps, initial=start, desc=f"train[{cfg.mode.name}]", unit="step", dynamic_ncols=True)
+
+
+def _show(bar, rec: dict) -> None:
+    phases = " ".join(f"{k}={v:.2f}s" for k, v in rec["phase_times"].items())
+    line = (f"step {rec['step']:4d} reward {rec['reward_mean']:.3f} acc {rec['accuracy']:.3f} kl {rec['kl']:.2e} loss {rec['loss']:+.3e} "
+            f"entropy {rec['entropy']:.2f} | {rec['step_time_s']:.2f}s: {phases}")
+    if bar is None:
+        print(line, flush=True)
+    else:
+        bar.update(1)
+        bar.set_postfix(reward=f"{rec['reward_mean']:.3f}")
+        bar.write(line)

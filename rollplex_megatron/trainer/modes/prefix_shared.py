@@ -1,0 +1,41 @@
+"""prefix_shared: the serial phase order; every phase computes the prefix once per group."""
+from __future__ import annotations
+
+from rollplex_megatron.memory.classes import PlanInputs, TensorClass
+from rollplex_megatron.prefix import batch as B
+from rollplex_megatron.prefix import execution as X
+from rollplex_megatron.trainer.modes.base import Mode, response_stage_activations, scoring_workspaces
+
+
+class PrefixShared(Mode):
+    """Same phases as serial; prefix stage once per group + packed response stage in each."""
+
+    name = "prefix_shared"
+    phases = ("rollout", "old_logp", "ref_logp", "update", "optimizer")
+    reference_phases = ("ref_logp",)
+
+    def step(self, rt, step, t):  # noqa: D102
+        batch, out = self.rollout(rt, *rt.requests(step), t)
+        mbs = rt.micro_batches(batch, "response")
+        with t("old_logp"):
+            old = X.per_response(X.reference_prefix_logprobs(rt.ddp, batch.groups, mbs, rt.backend), mbs, batch.groups)
+        with t("ref_logp"):
+            ref = X.per_response(X.reference_prefix_logprobs(rt.ref, batch.groups, mbs, rt.backend), mbs, batch.groups)
+        B.attach_token_data(mbs, "old_logp", old)
+        B.attach_token_data(mbs, "ref_logp", ref)
+        with t("update"):
+            res = X.actor_prefix_step(rt.ddp, batch.groups, mbs, rt.backend, loss_fn=rt.loss(batch),
+                                      recompute=rt.recompute)
+        return batch, res, out.stats
+
+    @staticmethod
+    def memory_classes(p: PlanInputs) -> list[TensorClass]:  # noqa: D102
+        s = p.shape
+        out = [TensorClass("scoring_prefix_kv", p.prefix_kv, ("old_logp", "ref_logp"), "free",
+                           "each scoring phase's prefix K/V, one group each"),
+               TensorClass("actor_prefix_kv", p.prefix_kv_fp32, ("update",), "free", "fp32 K/V leaves"),
+               TensorClass("prefix_kv_grads", p.prefix_kv_fp32, ("update",), "free", "fp32 gK/gV")]
+        if p.keep:
+            out.append(TensorClass("actor_prefix_graph", s.prompts * p.prefix_graph, ("update",), "keep",
+                                   "every group's saved prefix activations"))
+        return out + scoring_workspaces(p, ("old_logp", "ref_logp"), s.mb * s.R) + [response_stage_activations(p)]

@@ -1,0 +1,130 @@
+"""What every mode uses: actor (DDP), reference, optimizer, rollout engine, data source, loss, and
+the memory manager with the planner's plan for this run."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+
+from rollplex_megatron.checkpoint.hf import HFCheckpoint, load_hf_into_model
+from rollplex_megatron.config import RunConfig
+from rollplex_megatron.data import build_source
+from rollplex_megatron.dist import init_parallel
+from rollplex_megatron.memory.manager import MemoryManager
+from rollplex_megatron.memory.planner import check_budget, plan, runtime_cfg, runtime_plan, summarize, workload_shape
+from rollplex_megatron.models.qwen25vl import build_model
+from rollplex_megatron.optim import build_optimizer, optimizer_step
+from rollplex_megatron.prefix import batch as B
+from rollplex_megatron.prefix.batch import Group, validate_groups
+from rollplex_megatron.rl.grpo import GRPOLoss, group_advantages
+from rollplex_megatron.rollout.embedded import EmbeddedEngine
+from rollplex_megatron.rollout.engine import RolloutRequest
+from rollplex_megatron.rollout.sampling import SamplingParams
+from rollplex_megatron.runtime import device, wrap_ddp
+
+
+@dataclass
+class StepBatch:
+    """This rank's rollout batch: the data source's rows, the requests and the sampled groups with
+    their advantages."""
+
+    rows: list  # data.source.Row
+    requests: list
+    groups: list  # prefix.batch.Group with responses and advantages
+    rewards: torch.Tensor  # [N, G]
+    correct: torch.Tensor  # [N, G] 1 where the answer is right (reward without shaping)
+    answered: torch.Tensor  # [N, G] 1 where the response gives an answer at all
+    total_tokens: int  # response tokens over all DP ranks (the token-mean denominator)
+
+
+def memory_plan(cfg: RunConfig, source) -> dict:
+    """The planner's phases for this run (mode, `memory.plan`, the source's real prompt shape); raises
+    when the peak exceeds `memory.budget_gib`, naming the class and what would make it fit."""
+    prompts = source.shape_prompts(16)  # the source's prompt shapes (questions vary)
+    patches = max(sum(getattr(p, k).shape[0] for k in ("pixel_values", "pixel_values_videos")
+                      if getattr(p, k) is not None) for p in prompts)
+    shape = workload_shape(cfg, max(p.input_ids.numel() - 1 for p in prompts), patches, source.max_new_tokens)
+    summary = summarize(runtime_plan(cfg, shape), cfg.mode.name)
+    try:
+        check_budget(summary, cfg.memory.budget_gib, f"{cfg.mode.name} (memory.plan={cfg.memory.plan})", runtime=True)
+    except ValueError as e:
+        if cfg.memory.plan == "phase":
+            raise
+        alt = summarize(plan(runtime_cfg(cfg), cfg.mode.name, "phase", "embedded", shape), cfg.mode.name)["peak_gib"]
+        raise ValueError(f"{e}; memory.plan=phase would need {alt:.1f} GiB") from None
+    return {**summary, "shape": vars(shape)}
+
+
+class Runtime:
+    """What every mode uses: actor (DDP), reference, optimizer, rollout engine, data source, loss."""
+
+    def __init__(self, cfg: RunConfig):
+        self.cfg = cfg
+        cfg.check_training()
+        init_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.seed, cfg.parallel.backend)
+        self.source = build_source(cfg)  # bad data settings fail before building models
+        self.plan = memory_plan(cfg, self.source)  # over memory.budget_gib: fails here, before any model
+        actor = build_model(cfg.model, cfg.dtype)
+        if cfg.train.init_hf:
+            load_hf_into_model(actor, HFCheckpoint(cfg.train.init_hf), cfg.model, ps.get_tensor_model_parallel_rank(),
+                               cfg.parallel.tp, ps.get_pipeline_model_parallel_rank(), cfg.parallel.pp)
+        self.ref = build_model(cfg.model, cfg.dtype)
+        self.ref.load_state_dict(actor.state_dict())  # the reference is the initial policy, frozen
+        self.ref.requires_grad_(False)
+        self.ddp = wrap_ddp(actor)
+        self.optimizer = build_optimizer(self.ddp, cfg.optim, bf16=cfg.dtype == "bfloat16")
+        self.memory = MemoryManager(cfg.memory.plan, cfg.mode.name, self.ddp, self.optimizer, self.ref)
+        self.recompute = cfg.memory.plan == "phase"  # the actor prefix keeps no graph
+        self.engine = EmbeddedEngine(self.ddp, cfg.model, cfg.rollout.max_prompt_len, cfg.rollout.max_response_len,
+                                     cfg.memory.kv_cache_gib, cfg.rollout.cuda_graphs,
+                                     cfg.rollout.decode_attention)
+        r = cfg.rollout
+        self.sampling = SamplingParams(r.temperature, r.top_p, r.top_k)
+        self.backend = cfg.mode.attention_backend
+        self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        self.pp_size = ps.get_pipeline_model_parallel_world_size()
+        self.dp_group, self.tp_group = ps.get_data_parallel_group(), ps.get_tensor_model_parallel_group()
+        self.dev = device()
+
+    def requests(self, step: int):
+        """This rank's rows and rollout requests of `step` (deterministic in seed, step and rank)."""
+        src, g = self.source, self.cfg.rollout.group_size
+        rows = src.rows(step, self.dp_rank, self.dp_size, self.cfg.prompts_per_rank)
+        reqs = [RolloutRequest(r.prompt, g, src.max_new_tokens, src.stop_token_ids, seed=r.seed) for r in rows]
+        return rows, reqs
+
+    def score(self, rows, requests, rollout) -> StepBatch:
+        """Rewards, group advantages and Groups from the rollout."""
+        scores = [[self.source.score(row, t) for t in res.tokens] for row, res in zip(rows, rollout.results)]
+        rewards = torch.tensor([[s.reward for s in row] for row in scores])
+        correct = torch.tensor([[s.correct for s in row] for row in scores])
+        answered = torch.tensor([[s.answered for s in row] for row in scores])
+        adv = group_advantages(rewards, self.cfg.train.normalize_std)
+        groups = [Group(r.prompt, res.tokens, a) for r, res, a in zip(requests, rollout.results, adv)]
+        validate_groups(self.cfg.model, groups, self.cfg.rollout.max_response_len)
+        n_tok = torch.tensor(float(sum(t.numel() for res in rollout.results for t in res.tokens)), device=self.dev)
+        dist.all_reduce(n_tok, group=self.dp_group)
+        return StepBatch(rows, requests, groups, rewards, correct, answered, int(n_tok))
+
+    def micro_batches(self, batch: StepBatch, kind: str):
+        """Full-sequence or response-stage micro-batches with the advantages laid per token."""
+        build = B.full_micro_batches if kind == "full" else B.response_micro_batches
+        mbs = build(self.cfg.model, batch.groups, self.cfg.workload.responses_per_micro_batch, batch.total_tokens)
+        adv = {(gi, ri): torch.full((r.numel(),), float(g.advantages[ri]))
+               for gi, g in enumerate(batch.groups) for ri, r in enumerate(g.responses)}
+        B.attach_token_data(mbs, "adv", adv)
+        return mbs
+
+    def loss(self, batch: StepBatch):
+        """The GRPO loss of this step (token mean over the global response-token count)."""
+        t = self.cfg.train
+        return GRPOLoss(t.kl_coef, t.clip_low, t.clip_high, batch.total_tokens, self.tp_group, t.entropy_coef)
+
+    def optimizer_step(self) -> dict:
+        """megatron optimizer step (clipping included); gradients are zeroed for the next step."""
+        out = optimizer_step(self.optimizer)
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        return out
