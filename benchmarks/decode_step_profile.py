@@ -71,9 +71,11 @@ def main() -> int:
         kernels = cuda_kernels(prof)
         total = sum(e.self_device_time_total for e in kernels) / 3 / 1e3
         top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:20]
-        rows[name] = {"groups": groups, "samples_per_group": n, "decode_attention": impl, "step_ms": step_ms, "kernel_ms_per_step": total,
+        rows[name] = {"groups": groups, "samples_per_group": n, "decode_attention": impl, "step_ms": step_ms,
+                      "kernel_ms_per_step": total,
                       "cuda_graphs": eng.cuda_graphs, "graph_error": eng.graph_error, "window": key[2],
-                      "top_kernels_ms_per_step": {e.key[:140]: round(e.self_device_time_total / 3 / 1e3, 3) for e in top}}
+                      "top_kernels_ms_per_step": {e.key[:140]: round(e.self_device_time_total / 3 / 1e3, 3)
+                                                  for e in top}}
         print(json.dumps({name: {k: v for k, v in rows[name].items() if k != "top_kernels_ms_per_step"}}), flush=True)
         print(json.dumps(dict(list(rows[name]["top_kernels_ms_per_step"].items())[:8])), flush=True)
         del dec, cache, store

@@ -126,7 +126,7 @@ def run_hf(path: str, cfg, ps, G: int, new_tokens: int, dtype) -> dict:
     gen(2)  # warm-up
     t_pre = gen(1)
     t_all = gen(new_tokens)
-    del model
+    model = None  # free the HF model before the next measurement (gen reads it through its closure)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     decode = t_all - t_pre
@@ -220,7 +220,8 @@ def main() -> int:
            "settings": {"hf": "transformers generate, DynamicCache, sdpa attention, no torch.compile, "
                               "do_sample temperature 1, min_new_tokens = max_new_tokens",
                         "engine": "embedded engine: one CUDA graph per (batch bucket, samples-per-group bound, "
-                                  "response window) replayed per decode step (engine_shared_eager: no graphs); decode attention "
+                                  "response window) replayed per decode step (engine_shared_eager: no graphs); "
+                                  "decode attention "
                                   "on varlen flash kernels where it runs (*_math: the fp32 torch path); "
                                   "decode_s includes graph capture (capture_s)",
                         "dtype": str(dtype), "video_grid": list(grid), "text_tokens": a.text_tokens},

@@ -75,13 +75,15 @@ def run(t, r, cfg, split_gemm=False):
         finite = bool(torch.isfinite(gather_vocab_logits(out, cfg.vocab_size)).all())
     s = plan_weights(cfg, t, r).summary()
     res = {"train_tp": t, "rollout_tp": r, "split_gemm": split_gemm, "rank": dist.get_rank(),
-           "plan_full_copy_bytes_worst_gpu": s["full_copy_bytes"], "plan_allocated_bytes_worst_gpu": s["allocated_bytes"],
+           "plan_full_copy_bytes_worst_gpu": s["full_copy_bytes"],
+           "plan_allocated_bytes_worst_gpu": s["allocated_bytes"],
            "plan_allocated_bytes_split_gemm_worst_gpu": s["allocated_bytes_split_gemm"],
            "plan_per_gpu": s["per_gpu"], "plan_saved_fraction": s["saved_fraction"],
            "measured_full_rollout_copy_bytes": m1 - m0, "measured_bound_rollout_bytes": m2 - m0,
            "plan_allocated_bytes_this_gpu": shared.allocated_bytes(),
            "bind_s": bind_s, "refresh_s_median": statistics.median(times[1:]), "refresh_s_all": times,
-           "logits_finite": finite, "side_stream_consistent": consistent, "classes_this_gpu": sorted({p.klass for p in shared.plan})}
+           "logits_finite": finite, "side_stream_consistent": consistent,
+           "classes_this_gpu": sorted({p.klass for p in shared.plan})}
     ps.destroy_model_parallel()
     del train, rollout, shared
     torch.cuda.empty_cache()
@@ -110,7 +112,8 @@ def main():
         json.dump(out, open(sys.argv[1], "w"), indent=2)
         for every in results:
             for x in every:
-                print({k: x[k] for k in ("train_tp", "rollout_tp", "split_gemm", "rank", "plan_full_copy_bytes_worst_gpu",
+                print({k: x[k] for k in ("train_tp", "rollout_tp", "split_gemm", "rank",
+                                         "plan_full_copy_bytes_worst_gpu",
                                          "plan_allocated_bytes_this_gpu", "measured_full_rollout_copy_bytes",
                                          "measured_bound_rollout_bytes", "refresh_s_median", "logits_finite",
                                          "side_stream_consistent")})

@@ -164,7 +164,8 @@ def _cmd_plan_weights(argv: list[str]) -> int:
           f"{s['gpus']} GPUs, {own['mapping']} mapping)")
     print(f"{'kind':48s} {'class':14s} {'tensors':>7s} {'rollout GiB':>11s} {'alloc GiB':>9s}")
     for kind, k in s["by_kind"].items():
-        print(f"{kind:48s} {k['class']:14s} {k['count']:7d} {k['shard_bytes'] / gib:11.3f} {k['alloc_bytes'] / gib:9.3f}")
+        print(f"{kind:48s} {k['class']:14s} {k['count']:7d} {k['shard_bytes'] / gib:11.3f} "
+              f"{k['alloc_bytes'] / gib:9.3f}")
     print(f"per GPU (worst): full second copy {s['full_copy_bytes'] / gib:.3f} GiB, this plan allocates "
           f"{s['allocated_bytes'] / gib:.3f} GiB ({s['allocated_bytes_split_gemm'] / gib:.3f} GiB with split GEMMs "
           f"for gathered tensors); saved {100 * s['saved_fraction']:.1f}%")
@@ -233,7 +234,8 @@ def _cmd_smoke(argv: list[str]) -> int:
     return smoke_main(argv)
 
 
-COMMANDS = {"train": _cmd_train, "smoke": _cmd_smoke, "verify-hf": _cmd_verify_hf, "verify-equivalence": _cmd_verify_equivalence, "convert": _cmd_convert,
+COMMANDS = {"train": _cmd_train, "smoke": _cmd_smoke, "verify-hf": _cmd_verify_hf,
+            "verify-equivalence": _cmd_verify_equivalence, "convert": _cmd_convert,
             "print-config": _cmd_print_config, "plan-weights": _cmd_plan_weights, "plan-memory": _cmd_plan_memory}
 
 

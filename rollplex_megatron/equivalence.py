@@ -153,7 +153,8 @@ def run_rank(cfg: RunConfig, hf_dir: str | None = None, position_offset: int = 0
 
     for _ in range(cfg.verify.repeats):
         ddp.zero_grad_buffer()
-        full_logp, full_loss = _collect(timed("full_fwd_bwd_s", lambda: X.full_sequence_step(ddp, full_mbs, backend=be)))
+        full = timed("full_fwd_bwd_s", lambda: X.full_sequence_step(ddp, full_mbs, backend=be))
+        full_logp, full_loss = _collect(full)
         full_grads = _grads(ddp)
         ddp.zero_grad_buffer()
         pre_logp, pre_loss = _collect(timed("prefix_fwd_bwd_s", lambda: X.actor_prefix_step(ddp, groups, resp_mbs, be)))

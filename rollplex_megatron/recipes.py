@@ -20,7 +20,8 @@ RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 def compose_config(overrides: list[str] | None = None, config_name: str = "config"):
     """The resolved OmegaConf config for `overrides` (unknown keys are rejected by the schema)."""
     if not RECIPES_DIR.is_dir():
-        raise FileNotFoundError(f"recipes folder not found at {RECIPES_DIR}; install the package editable (pip install -e .)")
+        raise FileNotFoundError(f"recipes folder not found at {RECIPES_DIR}; install the package editable "
+                                f"(pip install -e .)")
     register_configs()
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(RECIPES_DIR), version_base="1.3"):

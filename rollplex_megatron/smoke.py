@@ -9,10 +9,8 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import platform
 import resource
 import statistics
-import subprocess
 import time
 from functools import partial
 from pathlib import Path

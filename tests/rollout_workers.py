@@ -142,7 +142,8 @@ def window_items_match(cfg, hf_dir, params, mechanism: str = "interleave"):
     for i, r in enumerate(reqs):
         _reference_prefix(ref, r.prompt, direct, i)
     diffs = [float((in_window.leaves[k][j] - direct.leaves[k][j]).abs().max()) for k in direct.leaves for j in (0, 1)]
-    return {"stats": window.stats(), "max_abs_diff": max(diffs), "same_keys": set(in_window.leaves) == set(direct.leaves),
+    return {"stats": window.stats(), "max_abs_diff": max(diffs),
+            "same_keys": set(in_window.leaves) == set(direct.leaves),
             "actives": actives, "wave_start": window._wave_start, "issuer_items": sum(threads)}
 
 

@@ -15,7 +15,8 @@ from rollplex_megatron.recipes import load_run_config
 
 @pytest.mark.parametrize("overrides,match", [
     (["model=qwen2_5_vl_3b", "parallel.tp=4"], r"model.num_query_groups \(2\) is not divisible by parallel.tp \(4\)"),
-    (["model=qwen2_5_vl_7b", "parallel.tp=8"], r"model.num_attention_heads \(28\) is not divisible by parallel.tp \(8\)"),
+    (["model=qwen2_5_vl_7b", "parallel.tp=8"],
+     r"model.num_attention_heads \(28\) is not divisible by parallel.tp \(8\)"),
     (["model=qwen2_5_vl_7b", "parallel.pp=3"], r"model.num_layers \(28\) is not divisible by parallel.pp \(3\)"),
     (["model.mrope_section=[2,3,4]"], r"model.mrope_section \[2, 3, 4\] must have 3 entries summing to head_dim/2 = 8"),
     (["model.vision.out_hidden_size=32"], r"model.vision.out_hidden_size \(32\) must equal model.hidden_size \(64\)"),
@@ -67,7 +68,8 @@ def test_shape_mismatch_names_tensor_and_numbers(tiny_hf, tmp_path):
         t["visual.blocks.1.attn.qkv.weight"] = t["visual.blocks.1.attn.qkv.weight"][:90]
 
     ck = _edit_checkpoint(tiny_hf, tmp_path / "c", shrink)
-    with pytest.raises(CheckpointError, match=r"visual.blocks.1.attn.qkv.weight: checkpoint \(90, 32\) vs model \(96, 32\)"):
+    want = r"visual.blocks.1.attn.qkv.weight: checkpoint \(90, 32\) vs model \(96, 32\)"
+    with pytest.raises(CheckpointError, match=want):
         validate_checkpoint(ck, ck.model_config())
 
 

@@ -140,7 +140,8 @@ def _episode_logits(frames):
     init_parallel()
     model = load_run_config([]).model
     net = build_model(model)
-    pr = motion.episode_prompt(motion.make_episode(motion.MotionTaskConfig(frames=frames), 5), model, motion.TaskVocab())
+    episode = motion.make_episode(motion.MotionTaskConfig(frames=frames), 5)
+    pr = motion.episode_prompt(episode, model, motion.TaskVocab())
     with torch.no_grad():
         out = net(input_ids=pr.input_ids[None], position_ids=prompt_positions(model, pr),
                   pixel_values=pr.pixel_values, image_grid_thw=pr.image_grid_thw,

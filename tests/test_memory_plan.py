@@ -60,14 +60,16 @@ def test_kv_and_class_bytes_by_hand():
     assert r["classes"]["rollout_kv"]["gib"] * M.GIB == 8 * (100 + 4 * 10) * 512  # one prefix per group
     assert r["classes"]["actor_prefix_kv"]["gib"] * M.GIB == 8 * 100 * 512 * 2  # fp32 leaves, one per group
     graph = M.prefix_graph_bytes(m, 1, 1, True, 100, 64)
-    assert r["classes"]["update_activations"]["gib"] * M.GIB == max(graph, M.training_forward_bytes(m, 1, 1, True, 20, 0))
+    want = max(graph, M.training_forward_bytes(m, 1, 1, True, 20, 0))
+    assert r["classes"]["update_activations"]["gib"] * M.GIB == want
     keep = {c.name: c for c in M.plan(cfg, "rollplex", "keep", "embedded")}
     assert keep["actor_prefix_graph"].bytes == 8 * graph  # every group's graph, kept from the prefill
 
 
 def test_small_kv_budget_plans_the_largest_wave():
     cfg = load_run_config(["dtype=bfloat16", "workload.rollout_batch=32", "rollout.group_size=4",
-                           "plan.prefix_tokens=100", "plan.response_tokens=10", f"memory.kv_cache_gib={3 * 140 * 512 / 2**30}"])
+                           "plan.prefix_tokens=100", "plan.response_tokens=10",
+                           f"memory.kv_cache_gib={3 * 140 * 512 / 2**30}"])
     r = {c.name: c for c in M.rollplex_plan(cfg)}
     assert r["rollout_kv"].bytes == 3 * 140 * 512  # 3 of the 8 groups per wave, as the engine's waves
 

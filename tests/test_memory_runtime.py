@@ -76,18 +76,18 @@ def test_prefix_recompute_mutation_is_detected(tiny_hf):
 
 
 def test_budget_error_names_the_class_and_fires_before_models_are_built():
-    from rollplex_megatron.envs.motion import MotionEnv
+    from rollplex_megatron.data import build_source
     from rollplex_megatron.trainer.runtime import memory_plan
 
     cfg = load_run_config(["model=qwen2_5_vl_3b", "dtype=bfloat16", "task=motion_long", "workload=vlm_gpu",
                            "mode.name=serial", "memory.plan=keep", "memory.budget_gib=80"])
     with pytest.raises(ValueError) as e:
-        memory_plan(cfg, MotionEnv(cfg.task, cfg.model))  # the planner only: no model, no device
+        memory_plan(cfg, build_source(cfg))  # the planner only: no model, no device
     msg = str(e.value)
     assert "memory.budget_gib=80" in msg and "'update'" in msg and "update_activations" in msg and "to fit:" in msg
     assert "memory.plan=phase would need 76.9 GiB" in msg
     cfg.memory.plan = "phase"
-    assert memory_plan(cfg, MotionEnv(cfg.task, cfg.model))["peak_gib"] <= 80  # the phase plan fits
+    assert memory_plan(cfg, build_source(cfg))["peak_gib"] <= 80  # the phase plan fits
     p = subprocess.run([sys.executable, "-m", "rollplex_megatron", "train", "memory.budget_gib=0.0001",
                         "train.steps=1"], capture_output=True, text=True, timeout=300)
     assert p.returncode != 0 and "over memory.budget_gib=0.0001" in p.stderr and "to fit:" in p.stderr

@@ -12,7 +12,8 @@ TOL = 1e-5  # DESIGN section 3, fp32 on CPU
 # lr 3e-4: the first step agrees to 4e-8 (loss) and 7e-7 (gradient norm), but at lr 3e-3 one Adam
 # step moves the policy so far (KL 0.18) that the k3 term turns the modes' fp32 rounding into 1.4e-5
 # on the second step's loss (measured); at 3e-4 the policy still moves and every step agrees to 7e-6.
-BASE = ["model=tiny", "optim.adam_eps=1e-6", "workload.rollout_batch=32", "workload.responses_per_micro_batch=5", "rollout.group_size=4",
+BASE = ["model=tiny", "optim.adam_eps=1e-6", "workload.rollout_batch=32", "workload.responses_per_micro_batch=5",
+        "rollout.group_size=4",
         "train.kl_coef=0.1", "task.format_reward=0.5", "task.max_answer_tokens=6", "optim.lr=3e-4"]
 STEP1_TOL = 1e-6  # the first step starts from identical weights: the mechanism alone
 

@@ -57,7 +57,8 @@ def test_sglang_rules_on_3b_and_32b_shapes():
     assert k3["llm.self_attention.linear_qkv.weight"] == "view"
     assert k3["vision.self_attention.linear_qkv.weight"] == "local_permute"  # MHA: [q;k;v] vs per-head
     assert k3["llm.mlp.linear_fc1.weight"] == "view" and k3["llm.mlp.linear_fc2.weight"] == "view"
-    # 3420 -> 3424 (SGLang) vs 3420 (megatron): rank 0 needs two rows of rank 1 (gather), rank 1 reorders and pads locally
+    # 3420 -> 3424 (SGLang) vs 3420 (megatron): rank 0 needs two rows of rank 1 (gather), rank 1 reorders
+    # and pads locally
     assert k3["vision.mlp.linear_fc1.weight"] == "mixed"
     k32 = _kinds("qwen2_5_vl_32b", 8, 8, "sglang")  # 40 heads, 8 KV heads
     assert k32["llm.self_attention.linear_qkv.weight"] == "view"

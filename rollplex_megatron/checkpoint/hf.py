@@ -134,7 +134,8 @@ class HFCheckpoint:
         last = f"{n.llm}layers.{layers - 1}.input_layernorm.weight" if layers else None
         extra = f"{n.llm}layers.{layers}.input_layernorm.weight" if layers else None
         if last and (last not in self.weight_map or extra in self.weight_map):
-            have = sum(k.startswith(f"{n.llm}layers.") and k.endswith(".input_layernorm.weight") for k in self.weight_map)
+            have = sum(k.startswith(f"{n.llm}layers.") and k.endswith(".input_layernorm.weight")
+                       for k in self.weight_map)
             raise CheckpointError(f"{self.path}: config.json says num_hidden_layers={layers} but the weights hold "
                                   f"{have} decoder layers")
 

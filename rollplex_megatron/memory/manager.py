@@ -19,7 +19,8 @@ prefix keeps no graph (it is recomputed one group at a time, `prefix.execution`)
 Offload: the device-to-host copy runs on a copy stream into persistent pinned host buffers, then
 the device storage is released (`resize_(0)`, so every view, optimizer reference and DDP bucket
 stays valid; reading a tensor of an offloaded class is invalid until it is back, so code outside
-the step calls `restore_all()` first, as the checkpoint writer does). The storage is marked as used by the copy stream, so the caching allocator does not
+the step calls `restore_all()` first, as the checkpoint writer does). The storage is marked as used by
+the copy stream, so the caching allocator does not
 hand it out before the copy has finished. Prefetch: the storage is re-allocated on the compute
 stream, the host-to-device copy runs on the copy stream, and the compute stream waits on an event:
 no host synchronisation on the hot path. Without CUDA the same steps run synchronously on CPU
@@ -140,7 +141,8 @@ class MemoryManager:
     def resident_bytes(self) -> dict[str, int]:
         """Device bytes of every managed class now."""
         out = {name: c.nbytes() for name, c in self.classes.items()}
-        out["grads"] = sum(b.grad_data.untyped_storage().nbytes() for b in self.ddp.buffers + self.ddp.expert_parallel_buffers)
+        buffers = self.ddp.buffers + self.ddp.expert_parallel_buffers
+        out["grads"] = sum(b.grad_data.untyped_storage().nbytes() for b in buffers)
         return out
 
     @staticmethod

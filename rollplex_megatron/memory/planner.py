@@ -17,7 +17,7 @@ logits, torch Adam's sqrt buffer) are classes of their one phase.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 from rollplex_megatron.config import ModelConfig, RunConfig
 from rollplex_megatron.memory.classes import PlanInputs, Shape, TensorClass

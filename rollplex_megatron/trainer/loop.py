@@ -106,7 +106,8 @@ def train_rank(cfg: RunConfig) -> dict:
                 _show(bar, rec)
             stop = preempt.agreed(rt.dev)
             last = step + 1 == cfg.train.steps
-            if (last and cfg.train.save_final) or stop or (cfg.train.save_every and (step + 1) % cfg.train.save_every == 0):
+            every = cfg.train.save_every and (step + 1) % cfg.train.save_every == 0
+            if (last and cfg.train.save_final) or stop or every:
                 rt.memory.restore_all()  # offloaded classes come back before their state is written
                 train_state.save_checkpoint(run, step + 1, rt.ddp.module, rt.ref, rt.optimizer, {}, to_yaml(cfg))
             if stop and not last:
@@ -127,7 +128,8 @@ def _progress(cfg: RunConfig, start: int, rank0: bool):
 
 def _show(bar, rec: dict) -> None:
     phases = " ".join(f"{k}={v:.2f}s" for k, v in rec["phase_times"].items())
-    line = (f"step {rec['step']:4d} reward {rec['reward_mean']:.3f} acc {rec['accuracy']:.3f} kl {rec['kl']:.2e} loss {rec['loss']:+.3e} "
+    line = (f"step {rec['step']:4d} reward {rec['reward_mean']:.3f} acc {rec['accuracy']:.3f} kl {rec['kl']:.2e} "
+            f"loss {rec['loss']:+.3e} "
             f"entropy {rec['entropy']:.2f} | {rec['step_time_s']:.2f}s: {phases}")
     if bar is None:
         print(line, flush=True)

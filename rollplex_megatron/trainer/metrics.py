@@ -44,7 +44,8 @@ def peak_bytes(t: PhaseTimer) -> tuple[int, str]:
 
 
 def reduce_metrics(rt, batch, res: list[dict]) -> dict:
-    """`rt`: the Runtime, `batch`: its StepBatch. Global (DP-summed) loss, KL, entropy, clip fraction; mean reward and response length."""
+    """Global (DP-summed) loss, KL, entropy, clip fraction; mean reward and response length
+    (`rt`: the trainer's Runtime, `batch`: its StepBatch)."""
     keys = ("loss", "kl", "entropy", "clipfrac")
     vals = torch.tensor([sum(float(r[k]) for r in res) for k in keys]
                         + [float(batch.rewards.sum()), float(batch.rewards.numel()),
@@ -54,7 +55,8 @@ def reduce_metrics(rt, batch, res: list[dict]) -> dict:
     dist.all_reduce(vals, group=rt.dp_group)
     if rt.pp_size > 1:  # the loss terms exist on the last pipeline stage only
         loss_terms = vals[:len(keys)].clone()
-        dist.broadcast(loss_terms, ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
+        dist.broadcast(loss_terms, ps.get_pipeline_model_parallel_last_rank(),
+                       group=ps.get_pipeline_model_parallel_group())
         vals[:len(keys)] = loss_terms
     out = {k: float(vals[i]) for i, k in enumerate(keys)}
     out["reward_mean"] = float(vals[4] / vals[5])

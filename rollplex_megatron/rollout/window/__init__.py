@@ -39,10 +39,10 @@ import torch
 
 from rollplex_megatron.rollout.engine import DecodeHooks
 from rollplex_megatron.rollout.window.mechanisms import MECHANISMS, WindowMechanism
-from rollplex_megatron.rollout.window.policy import (CHOICES, POLICY_PATH, check_mechanism, layout_mechanism,
+from rollplex_megatron.rollout.window.policy import (POLICY_PATH, check_mechanism, choices, layout_mechanism,
                                                      policy_mechanism)
 
-__all__ = ["DecodeWindow", "WorkItem", "WindowMechanism", "MECHANISMS", "CHOICES", "POLICY_PATH",
+__all__ = ["DecodeWindow", "WorkItem", "WindowMechanism", "MECHANISMS", "choices", "POLICY_PATH",
            "check_mechanism", "layout_mechanism", "policy_mechanism"]
 
 
@@ -74,8 +74,8 @@ class DecodeWindow(DecodeHooks):
     finished: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        if self.mechanism not in CHOICES:
-            raise ValueError(f"decode-window mechanism {self.mechanism!r} is not one of {CHOICES}")
+        if self.mechanism not in choices():
+            raise ValueError(f"decode-window mechanism {self.mechanism!r} is not one of {choices()}")
         if not 0 < self.tail_fraction <= 1:
             raise ValueError(f"mode.window_tail_fraction must be in (0, 1], got {self.tail_fraction}")
         self._side = self._decode = None
@@ -190,7 +190,8 @@ class DecodeWindow(DecodeHooks):
         if self._error is not None:
             err, self._error = self._error, None
             self.abort()
-            raise RuntimeError(f"a decode-window item failed on the issuer thread: {type(err).__name__}: {err}") from err
+            raise RuntimeError(f"a decode-window item failed on the issuer thread: {type(err).__name__}: "
+                               f"{err}") from err
 
     def abort(self) -> None:
         """Stop and join the issuer thread, restoring the switch interval (also when decode fails)."""

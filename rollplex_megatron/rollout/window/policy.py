@@ -8,13 +8,17 @@ from pathlib import Path
 from rollplex_megatron.rollout.window.mechanisms import MECHANISMS
 
 POLICY_PATH = Path(__file__).with_name("window_policy.json")
-CHOICES = tuple(MECHANISMS) + ("auto",)
+
+
+def choices() -> tuple[str, ...]:
+    """The values `mode.window` accepts: the registered mechanisms and `auto`."""
+    return tuple(MECHANISMS) + ("auto",)
 
 
 def check_mechanism(name: str, tp: int, pp: int) -> None:
     """`mode.window` is known, and side-work mechanisms run only at tp=pp=1."""
-    if name not in CHOICES:
-        raise ValueError(f"mode.window must be one of {CHOICES}, got {name!r}")
+    if name not in choices():
+        raise ValueError(f"mode.window must be one of {choices()}, got {name!r}")
     if name != "auto" and MECHANISMS[name].side and (tp > 1 or pp > 1):
         raise ValueError(f"mode.window={name} runs side work on another thread and CUDA stream, whose TP "
                          f"collectives and pipeline sends could interleave with the decode's in a different order "
