@@ -19,7 +19,7 @@ for r in $runs; do
 done
 python3 - "$out/memory_3b.json" "python -m rollplex_megatron train ${args[*]} mode.name=<mode> memory.plan=<plan>" $runs <<'PY'
 import json, sys
-from rollplex_megatron.smoke import environment_record
+from rollplex_megatron.runtime import environment_record
 GIB = 2**30
 res = {"command": sys.argv[2], **environment_record(), "runs": {}}
 for r in sys.argv[3:]:

@@ -27,7 +27,7 @@ tail -2 /tmp/prefix.log | head -1
 [ -s /tmp/prefix.log ] || { tail -40 /tmp/prefix.err; exit 1; }
 python3 - "$out/prefix_vs_full_3b_bf16_${backend}${suffix}.json" "python -m rollplex_megatron verify-equivalence ${args[*]} --json" "$rc" <<'PY'
 import json, sys
-from rollplex_megatron.smoke import environment_record
+from rollplex_megatron.runtime import environment_record
 res = json.loads(open("/tmp/prefix.log").read().strip().splitlines()[-1])
 t = res["times_s"]; f = res["flops_local_batch"]
 res["measured_speedup_full_over_prefix"] = t["full_fwd_bwd_s"] / t["prefix_fwd_bwd_s"]

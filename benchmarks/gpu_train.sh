@@ -17,7 +17,7 @@ for m in serial prefix_shared rollplex; do cp /tmp/gpu_train/$m/metrics.jsonl "$
 cp /tmp/gpu_train/report.png "$out/train_3b_report.png"
 python3 - "$out/train_3b_summary.json" "$cmd" <<'PY'
 import json, sys
-from rollplex_megatron.smoke import environment_record
+from rollplex_megatron.runtime import environment_record
 s = json.load(open("/tmp/gpu_train/summary.json"))
 s.update(command=sys.argv[2], **environment_record())
 json.dump(s, open(sys.argv[1], "w"), indent=1)

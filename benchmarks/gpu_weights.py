@@ -21,7 +21,7 @@ def run(t, r, cfg, split_gemm=False):
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from rollplex_megatron.models.qwen25vl import build_model, gather_vocab_logits
-    from rollplex_megatron.parity import position_ids_for, sample_inputs
+    from rollplex_megatron.verify.parity import position_ids_for, sample_inputs
     from rollplex_megatron.weights.plan import parallel_orders, plan_weights
     from rollplex_megatron.weights.share import SharedRolloutWeights
 

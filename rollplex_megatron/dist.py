@@ -172,3 +172,11 @@ def run_local(fn, world_size: int, *args, on_start=None, grace_s: float = 30.0) 
                 raise LocalRunError(msg, msg)
         results = [found[r]["value"] for r in range(world_size)]
         return results
+
+
+def launch_on_ranks(fn, world_size: int, *args, on_start=None) -> list:
+    """The one way every command runs on its ranks: results of `fn(*args)`, this rank's alone (a
+    one-item list) under torchrun, else every local rank's in rank order (`run_local`)."""
+    if under_torchrun():
+        return [fn(*args)]
+    return run_local(fn, world_size, *args, on_start=on_start)

@@ -68,7 +68,7 @@ def recompute_vs_saved(cfg, hf_dir, mutant: str = ""):
 
     from rollplex_megatron.checkpoint.hf import HFCheckpoint, load_hf_into_model
     from rollplex_megatron.dist import init_parallel
-    from rollplex_megatron.equivalence import _grads, random_groups
+    from rollplex_megatron.verify.equivalence import _grads, random_groups
     from rollplex_megatron.runtime import wrap_ddp
     from rollplex_megatron.models.qwen25vl import build_model
     from rollplex_megatron.prefix import batch as B

@@ -45,7 +45,7 @@ def train_step(cfg, ddp, optimizer) -> dict:
     """One full-sequence forward/backward on a fresh random batch, then one optimizer step."""
     from megatron.core import parallel_state as ps
 
-    from rollplex_megatron.equivalence import random_groups
+    from rollplex_megatron.verify.equivalence import random_groups
     from rollplex_megatron.optim import optimizer_step
     from rollplex_megatron.prefix.batch import full_micro_batches
     from rollplex_megatron.prefix.execution import full_sequence_step

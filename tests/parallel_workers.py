@@ -17,8 +17,8 @@ def fwd_bwd(hf_dir: str, tp: int, pp: int, seed: int = 5) -> dict:
     from rollplex_megatron.checkpoint.hf import HFCheckpoint, load_hf_into_model
     from rollplex_megatron.dist import init_parallel
     from rollplex_megatron.models.qwen25vl import build_model
-    from rollplex_megatron.parity import position_ids_for, synthetic_inputs
-    from rollplex_megatron.smoke import _forward_step
+    from rollplex_megatron.verify.parity import position_ids_for, synthetic_inputs
+    from rollplex_megatron.verify.smoke import _forward_step
 
     init_parallel(tp=tp, pp=pp)
     ckpt = HFCheckpoint(hf_dir)

@@ -1,7 +1,7 @@
 """Worker functions for the prefix-equivalence tests (importable for spawn), including mutants."""
 from __future__ import annotations
 
-from rollplex_megatron.equivalence import run_rank
+from rollplex_megatron.verify.equivalence import run_rank
 
 
 def exact(cfg, hf_dir):

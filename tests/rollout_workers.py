@@ -22,7 +22,7 @@ def _setup(cfg, hf_dir, dtype: str = "float32"):
 
 def requests(cfg, n_req: int = 3, seed: int = 5):
     """Requests with image and video prompts of different lengths, G and limits; stop tokens included."""
-    from rollplex_megatron.equivalence import random_groups
+    from rollplex_megatron.verify.equivalence import random_groups
     from rollplex_megatron.rollout.engine import RolloutRequest
 
     cfg.verify.groups_per_rank = n_req

@@ -25,11 +25,12 @@ def test_verify_hf_json(tiny_hf, tp):
 def test_verify_hf_exits_1_on_mismatch(tiny_hf, monkeypatch, capsys):
     """Exit status 1 and ok=false when the logits disagree (megatron side mutated: plain [q;k;v])."""
     from rollplex_megatron import dist
-    from rollplex_megatron.__main__ import main
+    from rollplex_megatron.cli import main
     from tests.test_hf_parity import _verify_with_plain_qkv
 
     real = dist.run_local
-    monkeypatch.setattr(dist, "run_local", lambda fn, n, d, tp, seed: real(_verify_with_plain_qkv, n, d, tp))
+    monkeypatch.setattr(dist, "run_local",
+                        lambda fn, n, d, tp, seed, on_start=None: real(_verify_with_plain_qkv, n, d, tp))
     assert main(["verify-hf", "--hf-dir", tiny_hf, "--json"]) == 1
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert res["ok"] is False and res["max_abs_logit_diff"] > 1e-2

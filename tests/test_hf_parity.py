@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from rollplex_megatron.dist import run_local
-from rollplex_megatron.parity import TOLERANCE, verify_rank
+from rollplex_megatron.verify.parity import TOLERANCE, verify_rank
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -30,7 +30,7 @@ def _verify_with_plain_qkv(hf_dir, tp):
 
 def _verify_with_1d_positions(hf_dir, tp):
     """Mutation: plain 1D positions instead of M-RoPE (vision tokens then sit at the wrong places)."""
-    from rollplex_megatron import parity
+    from rollplex_megatron.verify import parity
 
     def flat(cfg, inputs):
         s = inputs["input_ids"].shape

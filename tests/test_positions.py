@@ -5,7 +5,7 @@ from transformers import Qwen2_5_VLConfig, Qwen2_5_VLModel
 from transformers import vision_utils as hfv
 
 from rollplex_megatron.models.qwen25vl import positions as P
-from rollplex_megatron.parity import synthetic_inputs
+from rollplex_megatron.verify.parity import synthetic_inputs
 from rollplex_megatron.recipes import load_run_config
 from tests.hf_models import TINY_TEXT, TINY_TOKENS, TINY_VISION
 

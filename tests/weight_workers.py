@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 def _logits(model, cfg):
     from rollplex_megatron.models.qwen25vl import gather_vocab_logits
-    from rollplex_megatron.parity import position_ids_for, sample_inputs
+    from rollplex_megatron.verify.parity import position_ids_for, sample_inputs
 
     x = sample_inputs(cfg, seed=4)
     with torch.no_grad():

@@ -10,10 +10,18 @@ import time
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
 
+from rollplex_megatron.checkpoint.hf import HFCheckpoint, load_hf_into_model
 from rollplex_megatron.config import RunConfig
-from rollplex_megatron.flops import group_flops
+from rollplex_megatron.dist import init_parallel
+from rollplex_megatron.models.qwen25vl import build_model
+from rollplex_megatron.prefix import batch as B
+from rollplex_megatron.prefix import execution as X
+from rollplex_megatron.prefix.batch import Group, Prompt
 from rollplex_megatron.runtime import device, sync, wrap_ddp
+from rollplex_megatron.verify.flops import group_flops
+from rollplex_megatron.verify.parity import synthetic_inputs
 
 # DESIGN section 3: fp32 on CPU 1e-5 for all; bf16 loss 1e-3, log-probs 1e-2, and gradients 1e-2
 # *in excess of the serial path's own bf16 error*, both measured against an fp32 evaluation of the
@@ -21,12 +29,8 @@ from rollplex_megatron.runtime import device, sync, wrap_ddp
 TOLERANCES = {"float32": {"logp": 1e-5, "loss": 1e-5, "grad": 1e-5},
               "bfloat16": {"logp": 1e-2, "loss": 1e-3, "grad": 1e-2}}
 
-
 def random_groups(cfg: RunConfig, dp_rank: int):
     """This DP rank's groups: prompts with an image and a video, G responses of random lengths."""
-    from rollplex_megatron.parity import synthetic_inputs
-    from rollplex_megatron.prefix.batch import Group, Prompt
-
     v, m = cfg.verify, cfg.model
     g = torch.Generator().manual_seed(v.seed * 1000 + dp_rank)
     text_hi = min(m.vocab_size, m.image_token_id, m.video_token_id, m.vision_start_token_id,
@@ -76,9 +80,6 @@ def _against_fp32(cfg: RunConfig, model, full_mbs, backend: str, serial: dict, p
     In bf16 both paths carry rounding error; this says whether the prefix path carries more than
     the serial path it replaces. TF32 is off for the fp32 evaluation (convolutions included).
     """
-    from rollplex_megatron.models.qwen25vl import build_model
-    from rollplex_megatron.prefix import execution as X
-
     exact = build_model(cfg.model, "float32")
     exact.load_state_dict({k: v.float() if torch.is_tensor(v) and v.is_floating_point() else v
                            for k, v in model.state_dict().items()})
@@ -108,14 +109,8 @@ def _against_fp32(cfg: RunConfig, model, full_mbs, backend: str, serial: dict, p
 
 def run_rank(cfg: RunConfig, hf_dir: str | None = None, position_offset: int = 0) -> dict:
     """One rank: build, run both paths (actor and reference variants), compare."""
-    from megatron.core import parallel_state as ps
 
-    from rollplex_megatron.dist import init_parallel
-    from rollplex_megatron.models.qwen25vl import build_model
-    from rollplex_megatron.prefix import batch as B
-    from rollplex_megatron.prefix import execution as X
 
-    from rollplex_megatron.checkpoint.hf import HFCheckpoint, load_hf_into_model
 
     ck = HFCheckpoint(hf_dir) if hf_dir is not None else None
     if ck is not None:

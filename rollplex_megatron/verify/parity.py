@@ -6,8 +6,13 @@ logits, gathered over TP, are compared with transformers' logits in fp32 on the 
 from __future__ import annotations
 
 import torch
+from megatron.core import parallel_state as ps
 
-from rollplex_megatron.config import ModelConfig
+from rollplex_megatron.checkpoint.hf import HFCheckpoint, load_hf_into_model
+from rollplex_megatron.config import ModelConfig, ParallelConfig, check_model_parallel
+from rollplex_megatron.dist import init_parallel
+from rollplex_megatron.models.qwen25vl import build_model, gather_vocab_logits
+from rollplex_megatron.models.qwen25vl.positions import mrope_position_ids
 
 TOLERANCE = 1e-4  # max abs logit difference accepted (fp32)
 
@@ -55,8 +60,6 @@ def sample_inputs(cfg: ModelConfig, seed: int = 0, batch: int = 2) -> dict:
 
 def position_ids_for(cfg: ModelConfig, inputs: dict) -> torch.Tensor:
     """M-RoPE position ids [3,B,S] of `inputs`."""
-    from rollplex_megatron.models.qwen25vl.positions import mrope_position_ids
-
     pos, _ = mrope_position_ids(
         inputs["input_ids"], inputs.get("image_grid_thw"), inputs.get("video_grid_thw"),
         inputs.get("second_per_grid_ts"), image_token_id=cfg.image_token_id,
@@ -86,12 +89,7 @@ def hf_logits(hf_dir: str, inputs: dict) -> torch.Tensor:
 
 def megatron_logits(hf_dir: str, inputs: dict, tp: int) -> torch.Tensor:
     """The megatron model's logits [B,S,V] (TP-gathered) after loading `hf_dir` (PP=1)."""
-    from megatron.core import parallel_state as ps
 
-    from rollplex_megatron.checkpoint.hf import HFCheckpoint, load_hf_into_model
-    from rollplex_megatron.config import check_model_parallel, ParallelConfig
-    from rollplex_megatron.dist import init_parallel
-    from rollplex_megatron.models.qwen25vl import build_model, gather_vocab_logits
 
     ckpt = HFCheckpoint(hf_dir)
     cfg = ckpt.model_config()
@@ -110,8 +108,6 @@ def megatron_logits(hf_dir: str, inputs: dict, tp: int) -> torch.Tensor:
 
 def verify_rank(hf_dir: str, tp: int, seed: int = 0) -> dict:
     """Run on every rank of a TP group: the comparison summary (identical on all ranks)."""
-    from rollplex_megatron.checkpoint.hf import HFCheckpoint
-
     cfg = HFCheckpoint(hf_dir).model_config()
     inputs = sample_inputs(cfg, seed)
     ours = megatron_logits(hf_dir, inputs, tp)

@@ -16,13 +16,19 @@ from functools import partial
 from pathlib import Path
 
 import torch
+from megatron.core import parallel_state as ps
+from megatron.core import tensor_parallel
+from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 
 from rollplex_megatron.config import RunConfig
+from rollplex_megatron.dist import destroy_parallel, init_parallel, launch_on_ranks, under_torchrun
+from rollplex_megatron.models.qwen25vl import build_model
+from rollplex_megatron.recipes import load_run_config, to_yaml
 from rollplex_megatron.runtime import device, environment_record
+from rollplex_megatron.verify.parity import position_ids_for, synthetic_inputs
 
 
 def _batch(cfg: RunConfig, seed: int) -> dict:
-    from rollplex_megatron.parity import position_ids_for, synthetic_inputs
 
     s = cfg.smoke
     b = synthetic_inputs(cfg.model, seed, s.batch, tuple(s.image_grid), tuple(s.video_grid), s.text_tokens)
@@ -37,7 +43,6 @@ def _batch(cfg: RunConfig, seed: int) -> dict:
 
 
 def _loss(labels_BS: torch.Tensor, logits_BSV: torch.Tensor):
-    from megatron.core import tensor_parallel
 
     ce = tensor_parallel.vocab_parallel_cross_entropy(logits_BSV.float(), labels_BS)
     n = torch.tensor(labels_BS.numel(), device=ce.device, dtype=torch.int)
@@ -61,11 +66,7 @@ def _peak_bytes() -> int:
 
 def run_rank(cfg: RunConfig) -> dict:
     """One rank of the smoke run; every rank returns its own measurements."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 
-    from rollplex_megatron.dist import init_parallel
-    from rollplex_megatron.models.qwen25vl import build_model
 
     init_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.seed, cfg.parallel.backend)
     t0 = time.perf_counter()
@@ -105,21 +106,17 @@ def run_rank(cfg: RunConfig) -> dict:
 
 def main(argv: list[str]) -> int:
     """Entry point of `python -m rollplex_megatron smoke [overrides]`."""
-    from rollplex_megatron.dist import run_local, under_torchrun
-    from rollplex_megatron.recipes import load_run_config, to_yaml
-
     cfg = load_run_config(argv)
     if cfg.parallel.dp != 1:
         raise ValueError("smoke runs tp*pp processes; set parallel.dp=1")
     print(to_yaml(cfg), flush=True)
     world = cfg.parallel.world_size
     if world == 1 and not under_torchrun():
-        from rollplex_megatron.dist import destroy_parallel
 
         ranks = [run_rank(cfg)]
         destroy_parallel()
     else:
-        ranks = [run_rank(cfg)] if under_torchrun() else run_local(run_rank, world, cfg)
+        ranks = launch_on_ranks(run_rank, world, cfg)
     if under_torchrun() and world > 1:
         gathered = [None] * world
         torch.distributed.all_gather_object(gathered, ranks[0])

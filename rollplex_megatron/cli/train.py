@@ -23,7 +23,7 @@ from rollplex_megatron.checkpoint import train_state
 from rollplex_megatron.checkpoint.hf import HFCheckpoint
 from rollplex_megatron.config import RunConfig, check_model_parallel
 from rollplex_megatron.data import build_source
-from rollplex_megatron.dist import check_world_size, exit_with_parent, run_local, under_torchrun
+from rollplex_megatron.dist import check_world_size, exit_with_parent, launch_on_ranks, under_torchrun
 from rollplex_megatron.recipes import load_run_config, to_yaml
 from rollplex_megatron.report import plot_runs, read_metrics, summarize
 from rollplex_megatron.trainer.loop import train_rank
@@ -62,10 +62,8 @@ class _Launcher:
 
 
 def _launch(cfg: RunConfig, launcher: _Launcher) -> dict:
-    if under_torchrun():
-        out = train_rank(cfg)
-        return out if dist.get_rank() == 0 else {}
-    return run_local(train_rank, cfg.parallel.world_size, cfg, on_start=launcher.started)[0]
+    out = launch_on_ranks(train_rank, cfg.parallel.world_size, cfg, on_start=launcher.started)[0]
+    return out if not dist.is_initialized() or dist.get_rank() == 0 else {}
 
 
 def _plan(cfg: RunConfig, root: Path, modes: list[str] | None) -> list[RunConfig]:

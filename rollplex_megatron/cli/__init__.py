@@ -1,0 +1,240 @@
+"""Command line: `python -m rollplex_megatron <command> ...` (also installed as `rollplex`).
+
+Commands
+  train [hydra overrides] [--modes serial,prefix_shared,rollplex]
+                                      GRPO training (default: tiny preset on CPU, rollplex mode);
+                                      writes metrics.jsonl and report.png; last line = run directory
+  smoke [hydra overrides]             forward+backward of the model on a random image and video
+  verify-hf --hf-dir DIR [--tp N] [--json]
+                                      megatron model vs transformers on an HF checkpoint
+  convert hf-to-mcore --hf-dir DIR --out DIR [--tp N] [--pp N]
+  convert mcore-to-hf --mcore-dir DIR --out DIR
+  convert train-to-hf --run DIR [--step N] --out DIR
+                                      export a training run's actor (latest checkpoint or step N) to HF
+  verify-equivalence [hydra overrides] [--hf-dir DIR] [--json]
+                                      prefix/response execution vs full sequences (exit 0 = exact)
+  plan-weights [model=...] train_tp=T rollout_tp=R [layout=megatron|sglang] [--json]
+                                      rollout weights on the training storage: class and bytes per kind
+  plan-memory [hydra overrides] [--json]
+                                      analytic HBM per GPU and phase: serial colocation vs the Rollplex
+                                      plan (model=qwen2_5_vl_32b alone: the paper's 32-GPU setting)
+  print-config [hydra overrides]      the resolved config
+Commands that take Hydra overrides accept e.g. `model=qwen2_5_vl_3b parallel.tp=2`.
+Multi-process commands launch their own local processes when not started by torchrun.
+Errors print one line (`error: ...`); `--debug` anywhere on the line shows the traceback instead.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch.distributed as dist
+from hydra.errors import HydraException
+from omegaconf.errors import OmegaConfBaseException
+
+from rollplex_megatron.checkpoint import convert
+from rollplex_megatron.checkpoint.hf import HFCheckpoint
+from rollplex_megatron.cli.train import main as train_main
+from rollplex_megatron.compat import quiet_known_warnings
+from rollplex_megatron.config import ParallelConfig, check_model_parallel
+from rollplex_megatron.dist import LocalRunError, launch_on_ranks
+from rollplex_megatron.memory.planner import check_budget, plan_memory
+from rollplex_megatron.recipes import RECIPES_DIR, load_run_config, to_yaml
+from rollplex_megatron.verify.equivalence import run_rank
+from rollplex_megatron.verify.parity import verify_rank
+from rollplex_megatron.verify.smoke import main as smoke_main
+from rollplex_megatron.weights.plan import plan_weights
+
+# What a user's input can cause: printed as one line. Anything else is a bug and keeps its traceback.
+USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, PermissionError, NotADirectoryError,
+               HydraException, OmegaConfBaseException, LocalRunError)
+
+
+def error_line(e: BaseException) -> str:
+    """One line for an error: a worker's own last traceback line, else the message's lines joined."""
+    if isinstance(e, LocalRunError):
+        return e.summary
+    text = " ".join(ln.strip() for ln in str(e).splitlines() if ln.strip())
+    return text or type(e).__name__
+
+
+def _cmd_verify_hf(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="rollplex verify-hf", description="megatron vs transformers logits")
+    ap.add_argument("--hf-dir", required=True, help="Hugging Face Qwen2.5-VL directory")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (local processes)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the prompt's pixels and text")
+    ap.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    a = ap.parse_args(argv)
+    ckpt = HFCheckpoint(a.hf_dir)  # bad directory or config: fail here, before any process starts
+    check_model_parallel(ckpt.model_config(), ParallelConfig(tp=a.tp))
+    res = launch_on_ranks(verify_rank, a.tp, a.hf_dir, a.tp, a.seed)[0]
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return 0 if res["ok"] else 1
+    print(f"max |logits - transformers| = {res['max_abs_logit_diff']:.3e} at tp={res['tp']} "
+          f"(tolerance {res['tolerance']:.0e}): {'OK' if res['ok'] else 'MISMATCH'}")
+    if a.json:
+        print(json.dumps(res))
+    return 0 if res["ok"] else 1
+
+
+def _cmd_convert(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="rollplex convert", description="checkpoint conversion")
+    sub = ap.add_subparsers(dest="direction", required=True)
+    h2m = sub.add_parser("hf-to-mcore", help="HF directory -> per-rank megatron shards")
+    h2m.add_argument("--hf-dir", required=True)
+    h2m.add_argument("--out", required=True)
+    h2m.add_argument("--tp", type=int, default=1)
+    h2m.add_argument("--pp", type=int, default=1)
+    m2h = sub.add_parser("mcore-to-hf", help="per-rank megatron shards -> HF directory")
+    m2h.add_argument("--mcore-dir", required=True)
+    m2h.add_argument("--out", required=True)
+    m2h.add_argument("--max-shard-gib", type=float, default=4.0)
+    t2h = sub.add_parser("train-to-hf", help="a training run's checkpoint -> HF directory (the actor)")
+    t2h.add_argument("--run", required=True, help="run directory (train.out of the run)")
+    t2h.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
+    t2h.add_argument("--out", required=True, help="new HF directory")
+    t2h.add_argument("--max-shard-gib", type=float, default=4.0)
+    a = ap.parse_args(argv)
+    if a.direction == "hf-to-mcore":
+        out = convert.hf_to_mcore(a.hf_dir, a.out, a.tp, a.pp)
+    elif a.direction == "train-to-hf":
+        out = convert.train_to_hf(a.run, a.out, a.step, int(a.max_shard_gib * (1 << 30)))
+    else:
+        out = convert.mcore_to_hf(a.mcore_dir, a.out, int(a.max_shard_gib * (1 << 30)))
+    print(out)
+    return 0
+
+
+def _cmd_verify_equivalence(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="rollplex verify-equivalence",
+                                 description="prefix/response execution vs full sequences on a random batch")
+    ap.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    ap.add_argument("--hf-dir", default=None, help="load weights from this HF checkpoint (default: random init)")
+    a, overrides = ap.parse_known_args(argv)
+    cfg = load_run_config(overrides)
+    if a.hf_dir is not None:  # bad checkpoint directory: fail here, before processes start
+        check_model_parallel(HFCheckpoint(a.hf_dir).model_config(), cfg.parallel)
+    res = launch_on_ranks(run_rank, cfg.parallel.world_size, cfg, a.hf_dir)[0]
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return 0 if res["ok"] else 1
+    print(f"prefix/response vs full sequence ({cfg.dtype}, tp={res['tp']} pp={res['pp']} dp={res['dp']} "
+          f"G={res['group_size']}): logp {res['max_rel_err_logp']:.2e}, loss {res['max_rel_err_loss']:.2e}, "
+          f"grad {res['max_rel_err_grad']:.2e}, reference logp {res['max_rel_err_ref_logp']:.2e} "
+          f"(tolerances {res['tolerance']}): {'OK' if res['ok'] else 'MISMATCH'}")
+    if a.json:
+        print(json.dumps(res))
+    return 0 if res["ok"] else 1
+
+
+def _cmd_plan_weights(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="rollplex plan-weights",
+                                 description="rollout weights on the training storage: class and bytes per kind")
+    ap.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    a, rest = ap.parse_known_args(argv)
+    own = {"train_tp": "1", "rollout_tp": "1", "layout": "megatron", "mapping": "aligned", "dtype_bytes": "2"}
+    overrides = []
+    for item in rest:
+        key, _, value = item.partition("=")
+        if key in own:
+            own[key] = value
+        else:
+            overrides.append(item)
+    cfg = load_run_config(overrides)
+    s = plan_weights(cfg.model, int(own["train_tp"]), int(own["rollout_tp"]), own["layout"],
+                     int(own["dtype_bytes"]), own["mapping"]).summary()
+    gib = 2**30
+    print(f"model {cfg.model.name}: train TP={s['train_tp']} -> rollout TP={s['rollout_tp']} ({s['layout']} layout, "
+          f"{s['gpus']} GPUs, {own['mapping']} mapping)")
+    print(f"{'kind':48s} {'class':14s} {'tensors':>7s} {'rollout GiB':>11s} {'alloc GiB':>9s}")
+    for kind, k in s["by_kind"].items():
+        print(f"{kind:48s} {k['class']:14s} {k['count']:7d} {k['shard_bytes'] / gib:11.3f} "
+              f"{k['alloc_bytes'] / gib:9.3f}")
+    print(f"per GPU (worst): full second copy {s['full_copy_bytes'] / gib:.3f} GiB, this plan allocates "
+          f"{s['allocated_bytes'] / gib:.3f} GiB ({s['allocated_bytes_split_gemm'] / gib:.3f} GiB with split GEMMs "
+          f"for gathered tensors); saved {100 * s['saved_fraction']:.1f}%")
+    if a.json:
+        print(json.dumps(s))
+    return 0
+
+
+def _cmd_plan_memory(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="rollplex plan-memory", description="analytic HBM plan per GPU and phase")
+    ap.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    a, overrides = ap.parse_known_args(argv)
+    model = next((o.split("=", 1)[1] for o in overrides if o.startswith("model=")), None)
+    if model and not any(o.lstrip("+").startswith("plan_preset=") for o in overrides) \
+            and (RECIPES_DIR / "plan_preset" / f"{model}.yaml").is_file():
+        overrides = [f"+plan_preset={model}"] + overrides  # the model's reference setting; overrides win
+    cfg = load_run_config(overrides)
+    res = plan_memory(cfg)
+    w = res["workload"]
+    print(f"model {res['model']} on {res['gpus']} GPUs (TP={res['tp']} PP={res['pp']} DP={res['dp']}); per DP rank "
+          f"{w['prompts']} prompts x G={w['group']}, prefix {w['P']} tokens, response {w['R']}")
+    for mode in ("serial", "rollplex"):
+        s = res[mode]
+        print(f"{mode}: peak {s['peak_gib']:.1f} GiB per GPU in phase {s['peak_phase']}")
+        for ph, classes in s["by_phase_gib"].items():
+            parts = ", ".join(f"{k} {v:.1f}" for k, v in sorted(classes.items(), key=lambda kv: -kv[1]))
+            print(f"  {ph:10s} {s['phase_gib'][ph]:7.1f} GiB: {parts}")
+    budget = cfg.memory.budget_gib
+    if budget > 0:
+        print(f"budget {budget:g} GiB: serial {'fits' if res['serial_peak_gib'] <= budget else 'does not fit'}, "
+              f"rollplex {'fits' if res['rollplex_fits'] else 'does not fit'}")
+    if a.json:
+        print(json.dumps(res))
+    try:
+        check_budget(res["rollplex"], budget, "rollplex")
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _cmd_print_config(argv: list[str]) -> int:
+    print(to_yaml(load_run_config(argv)))
+    return 0
+
+
+def _cmd_train(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="rollplex train", description="synchronous GRPO training")
+    ap.add_argument("--modes", default=None,
+                    help="comma-separated modes to run one after another from the same seed, each into "
+                         "<run dir>/<mode> (default: mode.name of the config)")
+    a, overrides = ap.parse_known_args(argv)
+    return train_main(overrides, a.modes.split(",") if a.modes else None)
+
+
+def _cmd_smoke(argv: list[str]) -> int:
+    return smoke_main(argv)
+
+
+COMMANDS = {"train": _cmd_train, "smoke": _cmd_smoke, "verify-hf": _cmd_verify_hf,
+            "verify-equivalence": _cmd_verify_equivalence, "convert": _cmd_convert,
+            "print-config": _cmd_print_config, "plan-weights": _cmd_plan_weights, "plan-memory": _cmd_plan_memory}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Dispatch to a command; returns the exit status."""
+    argv = sys.argv[1:] if argv is None else argv
+    quiet_known_warnings()
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0 if argv else 2
+    debug = "--debug" in argv
+    argv = [a for a in argv if a != "--debug"]
+    cmd, rest = argv[0], argv[1:]
+    if cmd not in COMMANDS:
+        print(f"unknown command {cmd!r}; commands: {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    try:
+        return COMMANDS[cmd](rest)
+    except USER_ERRORS as e:
+        if debug:
+            raise
+        print(f"error: {error_line(e)} (--debug shows the traceback)", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
