@@ -1,7 +1,7 @@
 """Analytic FLOP counts by hand on small shapes."""
 import torch
 
-from rollplex_megatron import flops as F
+from rollplex_megatron.verify import flops as F
 from rollplex_megatron.recipes import load_run_config
 
 
