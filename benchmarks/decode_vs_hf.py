@@ -178,7 +178,7 @@ def main() -> int:
     ap.add_argument("--out", default="")
     a = ap.parse_args()
 
-    from rollplex_megatron.checkpoint.hf import HFCheckpoint, load_hf_into_model
+    from rollplex_megatron.models.qwen25vl.hf import HFCheckpoint, load_hf_into_model
     from rollplex_megatron.dist import init_parallel
     from rollplex_megatron.models.qwen25vl import build_model
     from rollplex_megatron.runtime import environment_record

@@ -6,6 +6,7 @@ YAML cannot add unknown keys (structured configs are closed). Cross-field checks
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
@@ -437,6 +438,9 @@ class RunConfig:
     plan: PlanConfig = field(default_factory=PlanConfig)  # plan-memory workload shape
     optim: OptimConfig = field(default_factory=OptimConfig)  # optimizer
     train: TrainConfig = field(default_factory=TrainConfig)  # GRPO loop
+    # megatron-core TransformerConfig fields for the LLM decoder, passed through as given (e.g.
+    # `+megatron.recompute_granularity=selective`); fields the project sets from other settings are refused
+    megatron: dict[str, Any] = field(default_factory=dict)
     seed: int = 1234  # global seed
     dtype: str = "float32"  # compute dtype: float32 or bfloat16
     run_dir: str = "runs"  # where runs write their outputs

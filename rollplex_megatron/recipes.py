@@ -11,6 +11,7 @@ from omegaconf import OmegaConf
 
 from rollplex_megatron.config import RunConfig, register_configs
 from rollplex_megatron.data import check_source
+from rollplex_megatron.models.qwen25vl.model import check_megatron_overrides
 from rollplex_megatron.rollout.window import check_mechanism
 from rollplex_megatron.trainer.modes import get_mode
 
@@ -60,6 +61,7 @@ def check_registered(cfg: RunConfig) -> None:
     """Names that select a registered strategy (config.py knows no registry: it imports nothing above it)."""
     get_mode(cfg.mode.name)
     check_source(cfg.data.source)
+    check_megatron_overrides(cfg.model, cfg.megatron)
     check_mechanism(cfg.mode.window, cfg.parallel.tp, cfg.parallel.pp)
 
 

@@ -66,7 +66,7 @@ def recompute_vs_saved(cfg, hf_dir, mutant: str = ""):
         execution._recompute = empty
     from megatron.core import parallel_state as ps
 
-    from rollplex_megatron.checkpoint.hf import HFCheckpoint, load_hf_into_model
+    from rollplex_megatron.models.qwen25vl.hf import HFCheckpoint, load_hf_into_model
     from rollplex_megatron.dist import init_parallel
     from rollplex_megatron.verify.equivalence import _grads, random_groups
     from rollplex_megatron.runtime import wrap_ddp

@@ -14,7 +14,7 @@ def _setup(cfg, hf_dir: str | None = None):
     """Parallel state, DDP-wrapped actor (optionally loaded from `hf_dir`), megatron optimizer."""
     from megatron.core import parallel_state as ps
 
-    from rollplex_megatron.checkpoint.hf import HFCheckpoint, load_hf_into_model
+    from rollplex_megatron.models.qwen25vl.hf import HFCheckpoint, load_hf_into_model
     from rollplex_megatron.dist import init_parallel
     from rollplex_megatron.runtime import wrap_ddp
     from rollplex_megatron.models.qwen25vl import build_model
@@ -191,7 +191,7 @@ def load_error(cfg, run_dir: str) -> str:
 
 def one_step_hf(cfg, hf_dir: str) -> dict:
     """From HF weights: one optimizer step; the updated weights gathered into HF names on rank 0."""
-    from rollplex_megatron.checkpoint.hf import HFCheckpoint, export_hf_tensors
+    from rollplex_megatron.models.qwen25vl.hf import HFCheckpoint, export_hf_tensors
 
     ck = HFCheckpoint(hf_dir)
     cfg.model = ck.model_config()

@@ -14,7 +14,7 @@ def fwd_bwd(hf_dir: str, tp: int, pp: int, seed: int = 5) -> dict:
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 
-    from rollplex_megatron.checkpoint.hf import HFCheckpoint, load_hf_into_model
+    from rollplex_megatron.models.qwen25vl.hf import HFCheckpoint, load_hf_into_model
     from rollplex_megatron.dist import init_parallel
     from rollplex_megatron.models.qwen25vl import build_model
     from rollplex_megatron.verify.parity import position_ids_for, synthetic_inputs
@@ -45,7 +45,7 @@ def fwd_bwd(hf_dir: str, tp: int, pp: int, seed: int = 5) -> dict:
 
 def hf_named_grads(results: list[dict], hf_dir: str, tp: int, pp: int) -> dict[str, torch.Tensor]:
     """Reassemble per-rank gradients into HF names and shapes with the checkpoint export layout."""
-    from rollplex_megatron.checkpoint.hf import HFCheckpoint, export_hf_tensors
+    from rollplex_megatron.models.qwen25vl.hf import HFCheckpoint, export_hf_tensors
 
     ckpt = HFCheckpoint(hf_dir)
     states = [[None] * tp for _ in range(pp)]

@@ -7,7 +7,7 @@ import torch
 def _setup(cfg, hf_dir, dtype: str = "float32"):
     from megatron.core import parallel_state as ps
 
-    from rollplex_megatron.checkpoint.hf import HFCheckpoint, load_hf_into_model
+    from rollplex_megatron.models.qwen25vl.hf import HFCheckpoint, load_hf_into_model
     from rollplex_megatron.dist import init_parallel
     from rollplex_megatron.models.qwen25vl import build_model
 
@@ -151,7 +151,7 @@ def _setup_reference(cfg, hf_dir):
     """A second model (the reference) with the same weights, built under the same parallel state."""
     from megatron.core import parallel_state as ps
 
-    from rollplex_megatron.checkpoint.hf import HFCheckpoint, load_hf_into_model
+    from rollplex_megatron.models.qwen25vl.hf import HFCheckpoint, load_hf_into_model
     from rollplex_megatron.models.qwen25vl import build_model
 
     ref = build_model(cfg.model)

@@ -8,7 +8,7 @@ import torch
 from hydra.errors import ConfigCompositionException
 from safetensors.torch import load_file, save_file
 
-from rollplex_megatron.checkpoint.hf import CheckpointError, HFCheckpoint, validate_checkpoint
+from rollplex_megatron.models.qwen25vl.hf import CheckpointError, HFCheckpoint, validate_checkpoint
 from rollplex_megatron.config import ParallelConfig, check_model_parallel
 from rollplex_megatron.recipes import load_run_config
 

@@ -9,8 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rollplex_megatron.checkpoint import convert, layout
-from rollplex_megatron.checkpoint.hf import HFCheckpoint, shard_checkpoint
+from rollplex_megatron.checkpoint import convert
+from rollplex_megatron.models.qwen25vl import hf_layout as layout
+from rollplex_megatron.models.qwen25vl.hf import HFCheckpoint, shard_checkpoint
 
 
 def _load_all(d):

@@ -22,7 +22,7 @@ def test_tied_embeddings_match_transformers(tiny_hf_tied):
 
 def _verify_with_plain_qkv(hf_dir, tp):
     """Mutation: lay fused QKV out as [q; k; v] instead of megatron's group-major order."""
-    from rollplex_megatron.checkpoint import layout
+    from rollplex_megatron.models.qwen25vl import hf_layout as layout
 
     layout._qkv_fuse = lambda q, k, v, ng: torch.cat([q, k, v])
     return verify_rank(hf_dir, tp, 0)

@@ -147,3 +147,18 @@ def test_a_new_data_source_is_one_class_and_one_registry_line(monkeypatch):
     assert [r.seed for r in rows] == [302, 303] and src.score(rows[0], torch.tensor([4, 7])).reward == 1.0
     with pytest.raises(ValueError, match="data.source must be one of"):
         load_run_config(["data.source=nope"])
+
+
+def test_megatron_pass_through_reaches_transformer_config():
+    """`+megatron.<field>` lands in the LLM decoder's TransformerConfig; unknown fields and fields the
+    project sets from its own settings are refused at config load."""
+    from rollplex_megatron.models.qwen25vl.model import llm_transformer_config
+
+    cfg = load_run_config(["+megatron.init_method_std=0.5", "+megatron.recompute_granularity=selective"])
+    tc = llm_transformer_config(cfg.model, torch.float32, 1, 1, cfg.megatron)
+    assert tc.init_method_std == 0.5 and tc.recompute_granularity == "selective"
+    assert llm_transformer_config(cfg.model, torch.float32, 1, 1).init_method_std != 0.5
+    with pytest.raises(ValueError, match="megatron.bogus is not a field of megatron-core's TransformerConfig"):
+        load_run_config(["+megatron.bogus=1"])
+    with pytest.raises(ValueError, match="megatron.num_layers is set by this project"):
+        load_run_config(["+megatron.num_layers=2"])

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from rollplex_megatron.checkpoint import convert
-from rollplex_megatron.checkpoint import hf as H
+from rollplex_megatron.models.qwen25vl import hf as H
 from rollplex_megatron.checkpoint import run_dir as R
 from rollplex_megatron.checkpoint import train_state as T
 from rollplex_megatron.recipes import RECIPES_DIR, load_run_config

@@ -24,7 +24,7 @@ def _cfg(mode, *extra, hf=None):
         over.append(f"train.init_hf={hf}")
     cfg = load_run_config(over)
     if hf is not None:
-        from rollplex_megatron.checkpoint.hf import HFCheckpoint
+        from rollplex_megatron.models.qwen25vl.hf import HFCheckpoint
 
         cfg.model = HFCheckpoint(hf).model_config()
     return cfg

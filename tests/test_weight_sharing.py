@@ -66,7 +66,7 @@ def test_sglang_rules_on_3b_and_32b_shapes():
 
 
 def test_sglang_kv_replication_and_vocab_padding():
-    from rollplex_megatron.checkpoint import layout as CL
+    from rollplex_megatron.models.qwen25vl import hf_layout as CL
     from rollplex_megatron.weights import layout as WL
 
     cfg = load_run_config(["model=qwen2_5_vl_3b"]).model

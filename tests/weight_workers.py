@@ -24,7 +24,7 @@ def _reference(cfg, ck, r):
     """A rollout model loaded from a full, independent copy of the weights."""
     from megatron.core import parallel_state as ps
 
-    from rollplex_megatron.checkpoint.hf import load_hf_into_model
+    from rollplex_megatron.models.qwen25vl.hf import load_hf_into_model
     from rollplex_megatron.models.qwen25vl import build_model
 
     ref = build_model(cfg)
@@ -34,7 +34,7 @@ def _reference(cfg, ck, r):
 
 def _export_training(train, cfg, t, group, naming, src_dir):
     """The training weights as an HF directory (gathered over the training TP group)."""
-    from rollplex_megatron.checkpoint.hf import HFCheckpoint, export_hf_tensors, write_safetensors
+    from rollplex_megatron.models.qwen25vl.hf import HFCheckpoint, export_hf_tensors, write_safetensors
 
     mine = {n: p.detach().clone() for n, p in train.named_parameters()}
     states = [None] * t
@@ -50,7 +50,7 @@ def shared_vs_full(hf_dir: str, t: int, r: int, skip_refresh: bool = False, spli
     """Rollout logits on shared weights vs a full copy, before and after an optimizer step."""
     from megatron.core import parallel_state as ps
 
-    from rollplex_megatron.checkpoint.hf import HFCheckpoint, load_hf_into_model
+    from rollplex_megatron.models.qwen25vl.hf import HFCheckpoint, load_hf_into_model
     from rollplex_megatron.compat import apply_cpu_shims
     from rollplex_megatron.models.qwen25vl import build_model
     from rollplex_megatron.weights.plan import parallel_orders

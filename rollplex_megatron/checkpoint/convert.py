@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from rollplex_megatron.checkpoint import hf as H
-from rollplex_megatron.checkpoint import layout as L
+from rollplex_megatron.models.qwen25vl import hf as H
+from rollplex_megatron.models.qwen25vl import hf_layout as L
 from rollplex_megatron.config import ModelConfig, ParallelConfig, VisionConfig, check_model_parallel
 from rollplex_megatron.data import build_source
 

@@ -34,7 +34,7 @@ from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
 from rollplex_megatron.checkpoint import convert
-from rollplex_megatron.checkpoint.hf import HFCheckpoint
+from rollplex_megatron.models.qwen25vl.hf import HFCheckpoint
 from rollplex_megatron.cli.train import main as train_main
 from rollplex_megatron.compat import quiet_known_warnings
 from rollplex_megatron.config import ParallelConfig, check_model_parallel

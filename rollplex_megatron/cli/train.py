@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from rollplex_megatron.checkpoint import run_dir as R
 from rollplex_megatron.checkpoint import train_state
-from rollplex_megatron.checkpoint.hf import HFCheckpoint
+from rollplex_megatron.models.qwen25vl.hf import HFCheckpoint
 from rollplex_megatron.config import RunConfig, check_model_parallel
 from rollplex_megatron.data import build_source
 from rollplex_megatron.dist import check_world_size, exit_with_parent, launch_on_ranks, under_torchrun

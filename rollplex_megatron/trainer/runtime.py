@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from rollplex_megatron.checkpoint.hf import HFCheckpoint, load_hf_into_model
+from rollplex_megatron.models.qwen25vl.hf import HFCheckpoint, load_hf_into_model
 from rollplex_megatron.config import RunConfig
 from rollplex_megatron.data import build_source
 from rollplex_megatron.dist import init_parallel
@@ -66,11 +66,11 @@ class Runtime:
         init_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.seed, cfg.parallel.backend)
         self.source = build_source(cfg)  # bad data settings fail before building models
         self.plan = memory_plan(cfg, self.source)  # over memory.budget_gib: fails here, before any model
-        actor = build_model(cfg.model, cfg.dtype)
+        actor = build_model(cfg.model, cfg.dtype, cfg.megatron)
         if cfg.train.init_hf:
             load_hf_into_model(actor, HFCheckpoint(cfg.train.init_hf), cfg.model, ps.get_tensor_model_parallel_rank(),
                                cfg.parallel.tp, ps.get_pipeline_model_parallel_rank(), cfg.parallel.pp)
-        self.ref = build_model(cfg.model, cfg.dtype)
+        self.ref = build_model(cfg.model, cfg.dtype, cfg.megatron)
         self.ref.load_state_dict(actor.state_dict())  # the reference is the initial policy, frozen
         self.ref.requires_grad_(False)
         self.ddp = wrap_ddp(actor)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from megatron.core import parallel_state as ps
 
-from rollplex_megatron.checkpoint.hf import HFCheckpoint, load_hf_into_model
+from rollplex_megatron.models.qwen25vl.hf import HFCheckpoint, load_hf_into_model
 from rollplex_megatron.config import ModelConfig, ParallelConfig, check_model_parallel
 from rollplex_megatron.dist import init_parallel
 from rollplex_megatron.models.qwen25vl import build_model, gather_vocab_logits

@@ -70,7 +70,7 @@ def run_rank(cfg: RunConfig) -> dict:
 
     init_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.seed, cfg.parallel.backend)
     t0 = time.perf_counter()
-    model = build_model(cfg.model, cfg.dtype)
+    model = build_model(cfg.model, cfg.dtype, cfg.megatron)
     build_s = time.perf_counter() - t0
     s = cfg.smoke
     batches = [_batch(cfg, cfg.seed + i) for i in range(s.micro_batches)]

@@ -24,8 +24,8 @@ from math import prod
 
 import torch
 
-from rollplex_megatron.checkpoint import layout as CL
-from rollplex_megatron.checkpoint.hf import expected_hf_shapes
+from rollplex_megatron.models.qwen25vl import hf_layout as CL
+from rollplex_megatron.models.qwen25vl.hf import expected_hf_shapes
 from rollplex_megatron.config import ModelConfig
 from rollplex_megatron.weights import layout as WL
 

@@ -8,6 +8,7 @@ Legend: S = text sequence, B = batch, H = LLM width, N = vision patches, U = mer
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import torch
 import torch.nn.functional as F
@@ -54,9 +55,9 @@ def _common_tc(dtype: torch.dtype, tp: int) -> dict:
     )
 
 
-def llm_transformer_config(cfg: ModelConfig, dtype: torch.dtype, tp: int, pp: int) -> TransformerConfig:
-    """TransformerConfig of the LLM decoder (GQA, QKV bias, no other biases, M-RoPE)."""
-    return TransformerConfig(
+def _llm_fields(cfg: ModelConfig, dtype: torch.dtype, tp: int, pp: int) -> dict:
+    """The TransformerConfig fields this project sets for the LLM decoder (from its own settings)."""
+    return dict(
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
         ffn_hidden_size=cfg.ffn_hidden_size,
@@ -72,6 +73,27 @@ def llm_transformer_config(cfg: ModelConfig, dtype: torch.dtype, tp: int, pp: in
         calculate_per_token_loss=True,
         **_common_tc(dtype, tp),
     )
+
+
+def check_megatron_overrides(cfg: ModelConfig, overrides: dict) -> None:
+    """`megatron.*` names TransformerConfig fields that no other setting owns (bad input fails here)."""
+    known = {f.name for f in dataclasses.fields(TransformerConfig)}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise ValueError(f"megatron.{unknown[0]} is not a field of megatron-core's TransformerConfig; the "
+                         f"`megatron:` subtree passes TransformerConfig fields through to the LLM decoder")
+    owned = sorted(set(overrides) & set(_llm_fields(cfg, torch.float32, 1, 1)))
+    if owned:
+        raise ValueError(f"megatron.{owned[0]} is set by this project from its own settings (model.*, parallel.*, "
+                         f"dtype, the loss contract); change those instead")
+
+
+def llm_transformer_config(cfg: ModelConfig, dtype: torch.dtype, tp: int, pp: int,
+                           overrides: dict | None = None) -> TransformerConfig:
+    """TransformerConfig of the LLM decoder (GQA, QKV bias, no other biases, M-RoPE), plus the
+    `megatron:` pass-through fields."""
+    check_megatron_overrides(cfg, overrides or {})
+    return TransformerConfig(**_llm_fields(cfg, dtype, tp, pp), **(overrides or {}))
 
 
 def vision_transformer_config(cfg: ModelConfig, dtype: torch.dtype, tp: int) -> TransformerConfig:
@@ -187,10 +209,10 @@ class Qwen25VLModel(MegatronModule):
     """
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32,
-                 pre_process: bool = True, post_process: bool = True):
+                 pre_process: bool = True, post_process: bool = True, megatron: dict | None = None):
         tp = ps.get_tensor_model_parallel_world_size()
         pp = ps.get_pipeline_model_parallel_world_size()
-        tc = llm_transformer_config(cfg, dtype, tp, pp)
+        tc = llm_transformer_config(cfg, dtype, tp, pp, megatron)
         super().__init__(config=tc)
         self.cfg, self.pre_process, self.post_process = cfg, pre_process, post_process
         self.model_type = ModelType.encoder_or_decoder  # read by megatron's schedules
@@ -321,11 +343,12 @@ def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-def build_model(cfg: ModelConfig, dtype: str | torch.dtype = "float32") -> Qwen25VLModel:
-    """Build this rank's stage of the model (megatron parallel state must be initialised)."""
+def build_model(cfg: ModelConfig, dtype: str | torch.dtype = "float32", megatron: dict | None = None) -> Qwen25VLModel:
+    """Build this rank's stage of the model (megatron parallel state must be initialised);
+    `megatron`: TransformerConfig fields passed through to the LLM decoder (`megatron:` subtree)."""
     dt = _DTYPES[dtype] if isinstance(dtype, str) else dtype
     model = Qwen25VLModel(cfg, dt, pre_process=ps.is_pipeline_first_stage(),
-                          post_process=ps.is_pipeline_last_stage())
+                          post_process=ps.is_pipeline_last_stage(), megatron=megatron)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model

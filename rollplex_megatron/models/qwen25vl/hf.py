@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from rollplex_megatron.checkpoint import layout as L
+from rollplex_megatron.models.qwen25vl import hf_layout as L
 from rollplex_megatron.config import ModelConfig, VisionConfig
 
 INDEX = "model.safetensors.index.json"
