@@ -8,14 +8,13 @@ place. The learning rate is constant (no scheduler).
 from __future__ import annotations
 
 import torch
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
 from rollplex_megatron.config import OptimConfig
 
 
 def build_optimizer(ddp_model, cfg: OptimConfig, bf16: bool):
     """megatron-core Adam over `ddp_model` (a megatron DistributedDataParallel)."""
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
     ocfg = OptimizerConfig(optimizer="adam", lr=cfg.lr, weight_decay=cfg.weight_decay,
                            adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps,
                            clip_grad=cfg.clip_grad, bf16=bf16,

@@ -14,10 +14,13 @@ import shutil
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
+from transformers import GenerationConfig, Qwen2_5_VLConfig
 
 from rollplex_megatron.models.qwen25vl import hf as H
 from rollplex_megatron.models.qwen25vl import hf_layout as L
-from rollplex_megatron.config import ModelConfig, ParallelConfig, VisionConfig, check_model_parallel
+from rollplex_megatron.checkpoint import train_state as T
+from rollplex_megatron.config import ModelConfig, ParallelConfig, RunConfig, VisionConfig, check_model_parallel
 from rollplex_megatron.data import build_source
 
 META = "rollplex_mcore.json"
@@ -109,8 +112,6 @@ EXPORT_META = "rollplex_export.json"
 
 def hf_config_from_model(cfg: ModelConfig) -> dict:
     """A Qwen2.5-VL config.json for `cfg`, built by transformers' own config class."""
-    from transformers import Qwen2_5_VLConfig
-
     v = cfg.vision
     text = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.ffn_hidden_size,
                 num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_attention_heads,
@@ -139,8 +140,6 @@ def _same_model(a: ModelConfig, b: ModelConfig) -> bool:
 
 
 def _train_checkpoint(run: Path, step: int | None) -> Path:
-    from rollplex_megatron.checkpoint import train_state as T
-
     if step is None:
         ck = T.latest_checkpoint(run) if (run / T.CHECKPOINTS).is_dir() else None
         if ck is None:
@@ -156,8 +155,6 @@ def _train_checkpoint(run: Path, step: int | None) -> Path:
 
 def _actor_states(ck: Path, meta: dict) -> list[list[dict]]:
     """The actor's state per [pp_rank][tp_rank], from the data-parallel rank 0 files (mmap)."""
-    from rollplex_megatron.checkpoint import train_state as T
-
     tp, pp, dp = meta["tp"], meta["pp"], meta["dp"]
     states: list[list[dict | None]] = [[None] * tp for _ in range(pp)]
     for rank in range(meta["world_size"]):
@@ -176,12 +173,6 @@ def train_to_hf(run_dir: str | os.PathLike, out_dir: str | os.PathLike, step: in
                 max_shard_bytes: int = 4 << 30) -> Path:
     """Export the trained actor of a run's checkpoint (latest, or `step`) as an HF directory:
     config.json, safetensors, generation_config.json, and the processor files of `train.init_hf`."""
-    from omegaconf import OmegaConf
-    from transformers import GenerationConfig
-
-    from rollplex_megatron.checkpoint import train_state as T
-    from rollplex_megatron.config import RunConfig
-
     run = Path(run_dir)
     ck = _train_checkpoint(run, step)
     meta = T.read_meta(ck)

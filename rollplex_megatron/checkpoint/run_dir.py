@@ -21,8 +21,10 @@ import socket
 from pathlib import Path
 
 import yaml
+from omegaconf import OmegaConf
 
 from rollplex_megatron.checkpoint import train_state
+from rollplex_megatron.config import RunConfig
 
 LOCK = ".lock"
 METRICS = "metrics.jsonl"
@@ -129,12 +131,14 @@ def _flat(d, prefix: str = "") -> dict:
 
 
 def resume_changes(saved_yaml: str, config_yaml: str) -> list[tuple[str, object, object]]:
-    """(setting, checkpoint value, new value) for every setting that differs and may not on resume."""
+    """(setting, checkpoint value, new value) for every setting that differs and may not on resume.
+    A setting newer than the checkpoint (absent from its config) counts as unchanged at its default."""
     old, new = _flat(yaml.safe_load(saved_yaml) or {}), _flat(yaml.safe_load(config_yaml) or {})
+    defaults = _flat(yaml.safe_load(OmegaConf.to_yaml(OmegaConf.structured(RunConfig))))
     keys = sorted(set(old) | set(new))
     return [(k, old.get(k), new.get(k)) for k in keys
-            if old.get(k) != new.get(k) and not any(k == r or (r.endswith(".") and k.startswith(r))
-                                                    for r in RESUMABLE)]
+            if old.get(k) != new.get(k) and not (k not in old and k in defaults and new.get(k) == defaults[k])
+            and not any(k == r or (r.endswith(".") and k.startswith(r)) for r in RESUMABLE)]
 
 
 def check_start(run: Path, resume: bool, steps: int, config_yaml: str) -> int:

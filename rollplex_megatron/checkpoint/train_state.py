@@ -25,6 +25,8 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
 from rollplex_megatron.runtime import device
 
@@ -50,23 +52,17 @@ def _module(model):
 
 
 def _layout() -> dict:
-    from megatron.core import parallel_state as ps
-
     return {"world_size": dist.get_world_size(), "tp": ps.get_tensor_model_parallel_world_size(),
             "pp": ps.get_pipeline_model_parallel_world_size(), "dp": ps.get_data_parallel_world_size()}
 
 
 def _ranks() -> dict:
-    from megatron.core import parallel_state as ps
-
     return {"tp": ps.get_tensor_model_parallel_rank(), "pp": ps.get_pipeline_model_parallel_rank(),
             "dp": ps.get_data_parallel_rank()}
 
 
 def rng_states() -> dict:
     """Python, numpy, torch CPU, CUDA (if present) and megatron tracker RNG states of this process."""
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
     return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
             "tracker": {k: v.clone() for k, v in get_cuda_rng_tracker().get_states().items()}}
@@ -74,8 +70,6 @@ def rng_states() -> dict:
 
 def set_rng_states(states: dict) -> None:
     """Restore what `rng_states` returned."""
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
     random.setstate(states["python"])
     np.random.set_state(states["numpy"])
     torch.set_rng_state(states["torch"])

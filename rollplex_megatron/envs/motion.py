@@ -21,6 +21,8 @@ import numpy as np
 import torch
 
 from rollplex_megatron.config import TASK_MAX_OBJECTS, TASK_QUESTIONS, MotionTaskConfig
+from rollplex_megatron.envs.vision import normalize, patchify
+from rollplex_megatron.prefix.batch import Prompt
 
 DIRECTIONS = ("left", "right", "up", "down")
 COLORS = {"red": (220, 40, 40), "green": (40, 180, 60), "blue": (50, 80, 220), "yellow": (230, 200, 40),
@@ -132,9 +134,6 @@ class TaskVocab:
 
 def episode_prompt(episode: Episode, model_cfg, vocab: TaskVocab, question: str = "motion"):
     """The episode as a Qwen2.5-VL prompt (prefix.batch.Prompt): text, vision span, question."""
-    from rollplex_megatron.envs.vision import normalize, patchify
-    from rollplex_megatron.prefix.batch import Prompt
-
     m = model_cfg.vision.spatial_merge_size
     pixels, grid = patchify(normalize(episode.frames), model_cfg.vision.patch_size, m,
                             model_cfg.vision.temporal_patch_size)

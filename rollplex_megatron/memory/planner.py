@@ -17,7 +17,7 @@ logits, torch Adam's sqrt buffer) are classes of their one phase.
 """
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 from rollplex_megatron.config import ModelConfig, RunConfig
 from rollplex_megatron.memory.classes import PlanInputs, Shape, TensorClass
@@ -232,8 +232,6 @@ def rollplex_plan(cfg: RunConfig, s: Shape | None = None) -> list[TensorClass]:
 def runtime_cfg(cfg: RunConfig) -> RunConfig:
     """`cfg` with the plan.* layout the trainer really runs: no sequence parallelism, megatron's
     plain optimizer, and torch's Adam unless transformer-engine or apex gives megatron a fused one."""
-    from dataclasses import replace
-
     try:
         from megatron.core.optimizer import USING_PYTORCH_OPTIMIZER as torch_adam
     except ImportError:  # pragma: no cover - older megatron-core

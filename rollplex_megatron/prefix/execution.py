@@ -22,6 +22,7 @@ from typing import Protocol
 import torch
 from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel
+from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.core.utils import get_model_config
@@ -178,8 +179,6 @@ def run_schedule(model, micro_batches: list[MicroBatch], ctx_for, forward_only: 
 
 def finalize(model) -> None:
     """DP gradient reduction and embedding-group sync, after every backward of the step."""
-    from megatron.core.distributed import finalize_model_grads
-
     finalize_model_grads([model])
 
 

@@ -6,6 +6,9 @@ here takes tensors and returns tensors, so it tests on the CPU.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
+from megatron.core import tensor_parallel
+from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
 
 def group_advantages(rewards_NG: torch.Tensor, normalize_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
@@ -58,9 +61,6 @@ def vocab_parallel_entropy(logits_local: torch.Tensor, group=None) -> torch.Tens
     require grad: the sums are reduced with megatron's reduce-from-TP-region (forward all-reduce,
     backward identity: each TP rank's loss copy is the same), and m is a constant shift.
     """
-    import torch.distributed as dist
-    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
-
     x = logits_local.float()
     m = x.detach().max(dim=-1, keepdim=True).values
     split = group is not None and dist.get_world_size(group) > 1
@@ -93,8 +93,6 @@ class GRPOLoss:
 
     def __call__(self, mb, logits_BTV: torch.Tensor):
         """(loss, tokens, {"loss", "logp", "kl", "entropy", "clipfrac"}) for megatron's schedule."""
-        from megatron.core import tensor_parallel
-
         logits = logits_BTV.float()
         mask = mb.label_mask
         # Before the cross-entropy, which overwrites its input in place (logits[mask] is a copy).

@@ -6,6 +6,7 @@ the reference, maximised over ranks (and over parameters for gradients).
 """
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -60,8 +61,6 @@ def _collect(res: list[dict]):
 
 
 def _median_after_first(xs: list[float]) -> float:
-    import statistics
-
     return statistics.median(xs[1:] if len(xs) > 1 else xs)
 
 

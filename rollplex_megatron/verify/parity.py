@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 from megatron.core import parallel_state as ps
+from transformers import Qwen2_5_VLForConditionalGeneration
 
 from rollplex_megatron.models.qwen25vl.hf import HFCheckpoint, load_hf_into_model
 from rollplex_megatron.config import ModelConfig, ParallelConfig, check_model_parallel
@@ -70,8 +71,6 @@ def position_ids_for(cfg: ModelConfig, inputs: dict) -> torch.Tensor:
 
 def hf_logits(hf_dir: str, inputs: dict) -> torch.Tensor:
     """transformers' Qwen2.5-VL logits [B,S,V] in fp32 on the CPU."""
-    from transformers import Qwen2_5_VLForConditionalGeneration
-
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(hf_dir, dtype=torch.float32,
                                                                attn_implementation="sdpa")
     model.eval()
