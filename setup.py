@@ -17,6 +17,6 @@ setup(
         "matplotlib",
     ],
     extras_require={"test": ["pytest"]},
-    entry_points={"console_scripts": ["rollplex=rollplex_megatron.cli:main"]},
+    entry_points={"console_scripts": ["rollplex=rollplex_megatron.__main__:main"]},
     include_package_data=True,
 )

@@ -90,6 +90,13 @@ class PrefixGPT(MegatronModule):
         super().__init__(config=gpt.config)
         if gpt.position_embedding_type != "rope":
             raise ValueError(f"PrefixGPT needs position_embedding_type='rope', got {gpt.position_embedding_type!r}")
+        c = gpt.config
+        if gpt.post_process and not gpt.parallel_output:
+            raise ValueError("PrefixGPT needs GPTModel(parallel_output=True): the loss reads vocab-parallel logits")
+        if c.sequence_parallel or c.context_parallel_size > 1:
+            raise ValueError("PrefixGPT runs without sequence parallelism and context parallelism (packed "
+                             "responses attend to their own group's prefix); set sequence_parallel=False and "
+                             "context_parallel_size=1")
         self.gpt, self.pre_process, self.post_process = gpt, gpt.pre_process, gpt.post_process
         self.model_type = gpt.model_type  # read by megatron's schedules
 

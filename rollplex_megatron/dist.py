@@ -8,6 +8,7 @@ value, re-raise the first failure with its traceback. Workers exit when their la
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import tempfile
 import threading
@@ -127,11 +128,14 @@ def _join(procs, grace_s: float) -> None:
     while live:
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
         done = wait([p.sentinel for p in live], timeout)
-        if not done:  # grace period over
-            for p in live:
+        if not done:  # grace period over; a trainer rank treats SIGTERM as "stop after this step",
+            for p in live:  # so one that does not exit within seconds is killed
                 p.terminate()
             for p in live:
-                p.join()
+                p.join(5)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
             return
         for p in [p for p in live if p.sentinel in done]:
             p.join()
@@ -140,20 +144,28 @@ def _join(procs, grace_s: float) -> None:
                 deadline = time.monotonic() + grace_s
 
 
-def run_local(fn, world_size: int, *args, on_start=None, grace_s: float = 30.0) -> list:
+def run_local(fn, world_size: int, *args, on_start=None, grace_s: float = 30.0, defer_sigterm: bool = False) -> list:
     """Run `fn(*args)` in `world_size` fresh processes; return the per-rank results (rank order).
 
     `fn` must be importable (module level). Each process sees RANK/WORLD_SIZE/MASTER_* like
     under torchrun, so `fn` calls `init_parallel(...)` itself. `on_start(pids)` is called once the
     processes run (the launcher records them in the run directory's lock and forwards signals).
+    `defer_sigterm`: the workers start with SIGTERM ignored (the disposition survives the spawn; a
+    signal mask would not), so a SIGTERM that arrives while they import does not kill them; the
+    launcher re-sends it until their handler (`trainer.loop.Preemption`) has taken it.
     """
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = mp.get_context("spawn")
         port = free_port()
         procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, out_dir))
                  for r in range(world_size)]
-        for p in procs:
-            p.start()
+        old = signal.signal(signal.SIGTERM, signal.SIG_IGN) if defer_sigterm else None
+        try:
+            for p in procs:
+                p.start()
+        finally:
+            if old is not None:
+                signal.signal(signal.SIGTERM, old)
         if on_start is not None:
             on_start([p.pid for p in procs])
         _join(procs, grace_s)
@@ -174,9 +186,9 @@ def run_local(fn, world_size: int, *args, on_start=None, grace_s: float = 30.0) 
         return results
 
 
-def launch_on_ranks(fn, world_size: int, *args, on_start=None) -> list:
+def launch_on_ranks(fn, world_size: int, *args, on_start=None, defer_sigterm: bool = False) -> list:
     """The one way every command runs on its ranks: results of `fn(*args)`, this rank's alone (a
     one-item list) under torchrun, else every local rank's in rank order (`run_local`)."""
     if under_torchrun():
         return [fn(*args)]
-    return run_local(fn, world_size, *args, on_start=on_start)
+    return run_local(fn, world_size, *args, on_start=on_start, defer_sigterm=defer_sigterm)

@@ -17,7 +17,7 @@ from rollplex_megatron.runtime import wrap_ddp
 VOCAB = 256
 
 
-def build_gpt(tp: int, pp: int, tied: bool) -> GPTModel:
+def build_gpt(tp: int, pp: int, tied: bool, parallel_output: bool = True) -> GPTModel:
     """A small GPT stage built the way a Megatron user builds one, with the prefix-attention spec."""
     cfg = TransformerConfig(num_layers=4, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
                             num_query_groups=2, normalization="RMSNorm", gated_linear_unit=True,
@@ -30,7 +30,8 @@ def build_gpt(tp: int, pp: int, tied: bool) -> GPTModel:
     spec = rpx.with_prefix_attention(get_gpt_layer_local_spec(normalization="RMSNorm"))
     return GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=512,
                     pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
-                    share_embeddings_and_output_weights=tied, position_embedding_type="rope")
+                    share_embeddings_and_output_weights=tied, position_embedding_type="rope",
+                    parallel_output=parallel_output)
 
 
 def _batch(seed: int):
@@ -68,7 +69,12 @@ def prefix_vs_full(tp: int, pp: int, tied: bool, seed: int) -> dict:
     ddp = wrap_ddp(model)
     groups = _batch(seed)
     full_lp, full_g = _run(ddp, groups, "full")
-    out = {"stock_forward_err": None}
+    out = {"stock_forward_err": None, "refuses_gathered_logits": False}
+    if ps.is_pipeline_last_stage():
+        try:
+            rpx.PrefixGPT(build_gpt(tp, pp, tied, parallel_output=False))
+        except ValueError as e:
+            out["refuses_gathered_logits"] = "parallel_output=True" in str(e)
     for name, offset in (("exact", 0), ("mutant", 1)):
         lp, g = _run(ddp, groups, "prefix", offset)
         keys = sorted(full_lp)

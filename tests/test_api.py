@@ -20,4 +20,5 @@ def test_prefix_path_on_a_plain_gpt_model_matches_full_sequences(tp, pp, tied):
         if pp == 1:
             assert o["stock_forward_err"] <= 1e-6, o["stock_forward_err"]
     last = [o for o in outs if o["exact"]["logp"] > 0 or o["mutant"]["logp"] > 0]
+    assert all(o["refuses_gathered_logits"] for o in last)
     assert last and all(o["mutant"]["logp"] > 10 * TOL for o in last)

@@ -20,7 +20,9 @@ from rollplex_megatron.checkpoint import convert
 from rollplex_megatron.models.qwen25vl import hf as H
 from rollplex_megatron.checkpoint import run_dir as R
 from rollplex_megatron.checkpoint import train_state as T
+from rollplex_megatron.dist import LocalRunError, run_local
 from rollplex_megatron.recipes import RECIPES_DIR, load_run_config
+from tests import launch_workers
 
 SMALL = ["workload.rollout_batch=8", "workload.responses_per_micro_batch=4", "rollout.group_size=4",
          "train.progress=false"]
@@ -108,6 +110,38 @@ def test_run_directory_reuse_resume_settings_and_records(tmp_path):
     assert "steps: 4" in (out / "config.yaml").read_text()
 
 
+def test_a_failed_rank_stops_the_others_even_if_they_ignore_sigterm():
+    t0 = time.monotonic()
+    with pytest.raises(LocalRunError, match="rank 0 broke"):
+        run_local(launch_workers.one_fails_one_ignores_sigterm, 2, grace_s=1.0)
+    assert time.monotonic() - t0 < 40  # not the 60 s the stuck rank would wait
+
+
+def test_run_dir_edge_cases(tmp_path):
+    """A run that stopped before its first checkpoint: neither restart nor resume, one message for
+    both; a torn last record is dropped on resume; a reused worker pid does not block the lock."""
+    run = tmp_path / "early"
+    run.mkdir()
+    (run / "config.yaml").write_text("seed: 1\n")
+    for resume in (False, True):
+        with pytest.raises(R.RunDirError, match="stopped before its first checkpoint.*remove that directory"):
+            R.check_start(run, resume, 3, "seed: 1\n")
+    (run / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n{"step": 3, "lo')
+    assert R.truncate_metrics(run, 1) == 2 and _steps(run) == [1]
+    other = subprocess.Popen(["sleep", "30"])
+    try:
+        start = R._start_time(other.pid)
+        info = {"pid": 1, "host": os.uname().nodename, "workers": [other.pid]}
+        (run / R.LOCK).write_text(json.dumps({**info, "worker_starts": [start]}))
+        with pytest.raises(R.RunDirError, match="still running"):
+            R.RunLock(run).acquire()
+        (run / R.LOCK).write_text(json.dumps({**info, "worker_starts": [start - 1]}))  # the pid was reused
+        R.RunLock(run).acquire().release()
+    finally:
+        other.kill()
+        other.wait()
+
+
 def test_resume_change_rule_and_its_mutation():
     """Only settings that do not change the computed update may differ on resume."""
     saved = "optim:\n  lr: 0.001\ntrain:\n  steps: 2\nmode:\n  name: rollplex\n"
@@ -171,6 +205,18 @@ def test_kill9_of_the_launcher_stops_its_worker_and_sigterm_checkpoints(tmp_path
     p = _train(f"train.steps={latest + 1}", "train.resume=true", f"train.out={run}")
     assert p.returncode == 0, p.stderr[-3000:]
     assert _steps(run) == list(range(1, latest + 2))
+
+    # SIGTERM while the workers still import: held until the trainer's handler is in, then honoured
+    run = tmp_path / "early_term"
+    proc = _popen_train("train.steps=200", f"train.out={run}")
+    t0 = time.monotonic()
+    while not (run / R.LOCK).exists() or not json.loads((run / R.LOCK).read_text() or "{}").get("workers"):
+        assert time.monotonic() - t0 < 120 and proc.poll() is None
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert T.read_meta(T.latest_checkpoint(run))["step"] == 1 and _steps(run) == [1]
 
 
 def test_launched_process_count_must_match_the_layout(tmp_path):

@@ -52,6 +52,19 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (/proc, Linux), to tell a reused pid apart."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _same_process(pid: int, started: int | None) -> bool:
+    """`pid` is alive and (where /proc tells) is the process recorded, not a later one with its pid."""
+    return _pid_alive(pid) and (started is None or _start_time(pid) in (None, started))
+
+
 class RunLock:
     """Exclusive lock of a run directory for one launcher (and the workers it records).
 
@@ -78,19 +91,22 @@ class RunLock:
                               f"(lock {self.path}); wait for that run to end or stop it") from None
         old = self._read()
         here = socket.gethostname()
-        alive = [p for p in old.get("workers", []) if old.get("host") == here and _pid_alive(p)]
+        workers = old.get("workers", [])
+        starts = old.get("worker_starts") or [None] * len(workers)
+        alive = [p for p, t in zip(workers, starts) if old.get("host") == here and _same_process(p, t)]
         if alive:
             os.close(fd)
             raise RunDirError(f"{self.path.parent}: worker process(es) {alive} of the earlier launcher pid "
                               f"{old.get('pid')} are still running; stop them before starting again")
         self.fd = fd
-        self.info = {"pid": os.getpid(), "host": here, "workers": []}
+        self.info = {"pid": os.getpid(), "host": here, "workers": [], "worker_starts": []}
         self._write()
         return self
 
     def add_workers(self, pids: list[int]) -> None:
-        """Record the worker processes this launcher started."""
-        self.info["workers"] = sorted(set(self.info["workers"]) | set(pids))
+        """Record the worker processes this launcher started (the current ones: earlier modes' exited)."""
+        self.info["workers"] = list(pids)
+        self.info["worker_starts"] = [_start_time(p) for p in pids]
         self._write()
 
     def release(self) -> None:
@@ -144,13 +160,17 @@ def resume_changes(saved_yaml: str, config_yaml: str) -> list[tuple[str, object,
 def check_start(run: Path, resume: bool, steps: int, config_yaml: str) -> int:
     """Before any process starts: the step this run starts at, or RunDirError with the way out."""
     run = Path(run)
+    held = [f for f in RUN_FILES if (run / f).exists()]
+    latest = train_state.latest_checkpoint(run) if run.is_dir() else None
+    if latest is None and held:
+        raise RunDirError(f"train.out={run} holds a run ({', '.join(held)}) that stopped before its first "
+                          f"checkpoint, so there is nothing to resume; remove that directory or choose a new "
+                          f"train.out")
     if not resume:
-        held = [f for f in RUN_FILES if (run / f).exists()]
         if held:
             raise RunDirError(f"train.out={run} already holds a run ({', '.join(held)}); continue it with "
                               f"train.resume=true, or choose a new train.out")
         return 0
-    latest = train_state.latest_checkpoint(run) if run.is_dir() else None
     if latest is None:
         raise RunDirError(f"train.resume=true but {run} has no checkpoint to resume from; drop train.resume "
                           f"to start a new run there, or point train.out at the run to continue")
@@ -185,7 +205,13 @@ def truncate_metrics(run: Path, step: int) -> int:
     if not path.exists():
         return 0
     lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
-    keep = [ln for ln in lines if json.loads(ln)["step"] <= step]
+    whole = lines
+    if lines:
+        try:
+            json.loads(lines[-1])
+        except ValueError:  # a crash in the middle of appending the last record
+            whole = lines[:-1]
+    keep = [ln for ln in whole if json.loads(ln)["step"] <= step]
     if len(keep) != len(lines):
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
         tmp.write_text("".join(ln + "\n" for ln in keep))

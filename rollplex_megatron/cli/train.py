@@ -12,11 +12,11 @@ import dataclasses
 import json
 import os
 import signal
+import threading
 import time
 from contextlib import ExitStack
 from pathlib import Path
 
-import torch.distributed as dist
 
 from rollplex_megatron.checkpoint import run_dir as R
 from rollplex_megatron.checkpoint import train_state
@@ -38,8 +38,17 @@ class _Launcher:
         self._old = signal.signal(signal.SIGTERM, self._on_term)
 
     def _on_term(self, signum, frame) -> None:
-        self.preempted = True
+        first, self.preempted = not self.preempted, True
+        if first:
+            threading.Thread(target=self._resend, name="sigterm-resend", daemon=True).start()
         self._forward()
+
+    def _resend(self) -> None:
+        """Workers ignore SIGTERM until their trainer installs its handler (dist.run_local's
+        defer_sigterm): re-send it until this launch is over, so a signal sent while they import counts."""
+        while self.preempted and self.pids:
+            time.sleep(0.5)
+            self._forward()
 
     def _forward(self) -> None:
         for pid in self.pids:
@@ -62,8 +71,9 @@ class _Launcher:
 
 
 def _launch(cfg: RunConfig, launcher: _Launcher) -> dict:
-    out = launch_on_ranks(train_rank, cfg.parallel.world_size, cfg, on_start=launcher.started)[0]
-    return out if not dist.is_initialized() or dist.get_rank() == 0 else {}
+    """This rank's result under torchrun, rank 0's otherwise (`preempted_at` is agreed by all ranks)."""
+    return launch_on_ranks(train_rank, cfg.parallel.world_size, cfg, on_start=launcher.started,
+                           defer_sigterm=True)[0]
 
 
 def _plan(cfg: RunConfig, root: Path, modes: list[str] | None) -> list[RunConfig]:
@@ -87,7 +97,8 @@ def _plan(cfg: RunConfig, root: Path, modes: list[str] | None) -> list[RunConfig
 def _config(overrides: list[str], modes: list[str] | None) -> RunConfig:
     """The run's config with every check that needs no process (bad input fails here)."""
     cfg = load_run_config(overrides)
-    if cfg.train.init_hf:
+    if cfg.train.init_hf:  # recorded absolute: an export or a resume from another directory finds it
+        cfg.train.init_hf = str(Path(cfg.train.init_hf).resolve())
         cfg.model = HFCheckpoint(cfg.train.init_hf).model_config()
         check_model_parallel(cfg.model, cfg.parallel)
     cfg.check_training()
@@ -143,14 +154,16 @@ def main(overrides: list[str], modes: list[str] | None = None) -> int:
         stopped = None
         for mcfg in plans:
             res = _launch(mcfg, launcher)
-            stopped = res.get("preempted_at") if rank0 else None
+            stopped = res.get("preempted_at")
+            launcher.pids = []  # this mode's workers have exited
             if stopped or launcher.preempted:
                 break
         if not rank0:
             return 0
         _report(root, plans, modes, cfg)
         if stopped or launcher.preempted:
-            print(f"stopped by SIGTERM after step {stopped}: checkpoint written; continue with "
-                  f"train.resume=true train.out={root}")
+            where = f"after step {stopped}" if stopped else "(SIGTERM came as the run ended)"
+            print(f"stopped by SIGTERM {where}: checkpoint written; continue with train.resume=true "
+                  f"train.out={root}")
     print(root)
     return 0

@@ -60,7 +60,7 @@ class Preemption:
 
     def __init__(self):
         self.asked = False
-        self._old = signal.signal(signal.SIGTERM, self._on_term)
+        self._old = signal.signal(signal.SIGTERM, self._on_term)  # replaces a launcher's SIG_IGN (dist.run_local)
 
     def _on_term(self, signum, frame) -> None:
         self.asked = True
@@ -80,23 +80,24 @@ def train_rank(cfg: RunConfig) -> dict:
     """Train on this rank until `train.steps` (or a SIGTERM); rank 0 writes metrics.jsonl and the
     config, every rank its checkpoint shard. The launcher has checked and locked the run directory."""
     preempt = Preemption()
-    rt = Runtime(cfg)
-    mode = get_mode(cfg.mode.name)()
-    run = _run_dir(cfg)
-    start, rank0 = 0, dist.get_rank() == 0
-    if cfg.train.resume:
-        latest = train_state.latest_checkpoint(run)
-        if latest is None:
-            raise FileNotFoundError(f"train.resume=true but {run} has no checkpoint")
-        start, _ = train_state.load_checkpoint(latest, rt.ddp.module, rt.ref, rt.optimizer)
-    if rank0:
-        run_dir.truncate_metrics(run, start)  # steps after the checkpoint are trained again
-        (run / "config.yaml").write_text(to_yaml(cfg))
-        (run / "memory_plan.json").write_text(json.dumps(rt.plan, indent=1))
-    metrics_path = run / run_dir.METRICS
-    bar = _progress(cfg, start, rank0)
-    records, stopped = [], None
+    bar = None
     try:
+        rt = Runtime(cfg)
+        mode = get_mode(cfg.mode.name)()
+        run = _run_dir(cfg)
+        start, rank0 = 0, dist.get_rank() == 0
+        if cfg.train.resume:
+            latest = train_state.latest_checkpoint(run)
+            if latest is None:
+                raise FileNotFoundError(f"train.resume=true but {run} has no checkpoint")
+            start, _ = train_state.load_checkpoint(latest, rt.ddp.module, rt.ref, rt.optimizer)
+        if rank0:
+            run_dir.truncate_metrics(run, start)  # steps after the checkpoint are trained again
+            (run / "config.yaml").write_text(to_yaml(cfg))
+            (run / "memory_plan.json").write_text(json.dumps(rt.plan, indent=1))
+        metrics_path = run / run_dir.METRICS
+        bar = _progress(cfg, start, rank0)
+        records, stopped = [], None
         for step in range(start, cfg.train.steps):
             rec = run_step(rt, mode, step)
             records.append(rec)
@@ -110,7 +111,7 @@ def train_rank(cfg: RunConfig) -> dict:
             if (last and cfg.train.save_final) or stop or every:
                 rt.memory.restore_all()  # offloaded classes come back before their state is written
                 train_state.save_checkpoint(run, step + 1, rt.ddp.module, rt.ref, rt.optimizer, {}, to_yaml(cfg))
-            if stop and not last:
+            if stop:  # every rank agreed: the launcher starts nothing after this run either
                 stopped = step + 1
                 break
     finally:

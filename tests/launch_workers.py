@@ -1,0 +1,15 @@
+"""Rank functions for the launcher tests (importable for spawn)."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+
+def one_fails_one_ignores_sigterm() -> None:
+    """Rank 0 fails at once; rank 1 ignores SIGTERM and would wait a minute (a rank stuck in a
+    collective with the dead one, whose trainer treats SIGTERM as "stop after this step")."""
+    if int(os.environ["RANK"]) == 0:
+        raise RuntimeError("rank 0 broke")
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    time.sleep(60)
