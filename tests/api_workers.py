@@ -69,12 +69,12 @@ def prefix_vs_full(tp: int, pp: int, tied: bool, seed: int) -> dict:
     ddp = wrap_ddp(model)
     groups = _batch(seed)
     full_lp, full_g = _run(ddp, groups, "full")
-    out = {"stock_forward_err": None, "refuses_gathered_logits": False}
-    if ps.is_pipeline_last_stage():
-        try:
-            rpx.PrefixGPT(build_gpt(tp, pp, tied, parallel_output=False))
-        except ValueError as e:
-            out["refuses_gathered_logits"] = "parallel_output=True" in str(e)
+    out = {"stock_forward_err": None, "refuses_gathered_logits": not ps.is_pipeline_last_stage()}
+    gathered = build_gpt(tp, pp, False, parallel_output=False)  # on every rank: untied, no embedding-group sync
+    try:
+        rpx.PrefixGPT(gathered)
+    except ValueError as e:
+        out["refuses_gathered_logits"] = "parallel_output=True" in str(e)
     for name, offset in (("exact", 0), ("mutant", 1)):
         lp, g = _run(ddp, groups, "prefix", offset)
         keys = sorted(full_lp)

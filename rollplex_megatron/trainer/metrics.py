@@ -38,6 +38,7 @@ class PhaseTimer:
 
 
 def peak_bytes(t: PhaseTimer) -> tuple[int, str]:
+    """The step's peak memory and where it was read (the allocator on GPU, the process RSS on CPU)."""
     if torch.cuda.is_available():
         return max(t.peaks.values(), default=0), "cuda max_memory_allocated"
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "cpu process RSS high-water mark"
