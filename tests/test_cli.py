@@ -30,7 +30,7 @@ def test_verify_hf_exits_1_on_mismatch(tiny_hf, monkeypatch, capsys):
 
     real = dist.run_local
     monkeypatch.setattr(dist, "run_local",
-                        lambda fn, n, d, tp, seed, on_start=None: real(_verify_with_plain_qkv, n, d, tp))
+                        lambda fn, n, d, tp, seed, **launch: real(_verify_with_plain_qkv, n, d, tp))
     assert main(["verify-hf", "--hf-dir", tiny_hf, "--json"]) == 1
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert res["ok"] is False and res["max_abs_logit_diff"] > 1e-2
