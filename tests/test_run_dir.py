@@ -216,7 +216,9 @@ def test_kill9_of_the_launcher_stops_its_worker_and_sigterm_checkpoints(tmp_path
     proc.send_signal(signal.SIGTERM)
     stdout, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 0, stderr[-3000:]
-    assert T.read_meta(T.latest_checkpoint(run))["step"] == 1 and _steps(run) == [1]
+    # the step it stops after depends on when the re-sent signal meets the handler (0.5 s period)
+    stop = T.read_meta(T.latest_checkpoint(run))["step"]
+    assert 1 <= stop < 20 and _steps(run) == list(range(1, stop + 1))
 
 
 def test_launched_process_count_must_match_the_layout(tmp_path):
