@@ -109,6 +109,11 @@ class ModelConfig:
             raise ValueError(f"special token ids {ids} must lie inside model.vocab_size ({self.vocab_size})")
 
     @property
+    def vision_token_ids(self) -> tuple[int, int, int, int]:
+        """The vision special tokens (placeholders, span markers): prompts hold them, the policy never emits them."""
+        return (self.image_token_id, self.video_token_id, self.vision_start_token_id, self.vision_end_token_id)
+
+    @property
     def head_dim(self) -> int:
         """LLM attention head dimension."""
         return self.hidden_size // self.num_attention_heads
@@ -362,7 +367,8 @@ class TrainConfig:
     """The GRPO loop: steps, loss, logging and checkpoints."""
 
     steps: int = 60  # RL steps (one optimizer step each)
-    kl_coef: float = 0.0  # coefficient of the k3 KL to the reference
+    kl_coef: float = 0.0  # coefficient of the KL to the reference in the loss
+    kl_estimator: str = "low_var_kl"  # k1 | k2 | k3 | low_var_kl (k3 clamped as verl clamps it); logged as `kl`
     entropy_coef: float = 0.0  # entropy bonus (token mean of the policy entropy) subtracted from the loss
     clip_low: float = 0.2  # PPO ratio clip below 1
     clip_high: float = 0.2  # PPO ratio clip above 1
@@ -373,14 +379,15 @@ class TrainConfig:
     out: str = ""  # run directory (empty: a new one under run_dir)
     init_hf: str = ""  # start actor and reference from this HF checkpoint (its config replaces model)
     progress: bool = True  # progress bar on rank 0
+    val_every: int = 0  # evaluate data.val_files every k steps and after the last (0: never)
 
     def __post_init__(self) -> None:
         if self.steps < 1:
             raise ValueError(f"train.steps must be >= 1, got {self.steps}")
         if min(self.kl_coef, self.entropy_coef, self.clip_low, self.clip_high) < 0:
             raise ValueError("train.kl_coef, train.entropy_coef, train.clip_low and train.clip_high must be >= 0")
-        if self.save_every < 0:
-            raise ValueError(f"train.save_every must be >= 0, got {self.save_every}")
+        if self.save_every < 0 or self.val_every < 0:
+            raise ValueError("train.save_every and train.val_every must be >= 0 (0: off)")
         if self.resume and not self.out:
             raise ValueError("train.resume=true needs train.out=<run directory> to resume from")
 
@@ -414,11 +421,78 @@ class EquivalenceConfig:
             raise ValueError("verify.groups_per_rank and verify.responses_per_micro_batch must be >= 1")
 
 
+DATA_TRUNCATION = ("error", "left")
+
+
 @dataclass(kw_only=True)
 class DataConfig:
-    """Where prompts and rewards come from (data/: the DataSource registry)."""
+    """Where prompts and rewards come from (data/: the DataSource registry).
 
-    source: str = "rendered"  # rendered: the embodied tasks of `task` (envs/motion.py)
+    `source=auto` trains on `train_files` when they are given (verl's RL format: parquet or jsonl rows
+    with `prompt`, `images`, `videos`, `reward_model`, `data_source`, `extra_info`), else on the
+    rendered task of `task`."""
+
+    source: str = "auto"  # auto | rendered (the embodied tasks of `task`, envs/motion.py) | dataset (train_files)
+    train_files: list[str] = field(default_factory=list)  # parquet / jsonl files of training rows
+    val_files: list[str] = field(default_factory=list)  # rows evaluated every train.val_every steps
+    processor: str = ""  # tokenizer + chat template + image/video processor directory (empty: train.init_hf)
+    prompt_key: str = "prompt"  # column of the chat messages
+    image_key: str = "images"  # column of the image list
+    video_key: str = "videos"  # column of the video list
+    min_pixels: int = 0  # per image / video frame after resizing (0: the processor config's)
+    max_pixels: int = 0  # per image / video frame after resizing (0: the processor config's)
+    video_fps: float = 2.0  # frames sampled per second of a video file (frame lists are taken as sampled at this)
+    max_frames: int = 768  # most frames sampled from one video
+    min_frames: int = 4  # fewest frames sampled from one video file
+    shuffle: bool = True  # a new permutation of the rows every epoch (from data.seed and the epoch)
+    seed: int = 1  # the row order's seed (independent of the model's)
+    truncation: str = "error"  # prompt over rollout.max_prompt_len: error (name the row) | left (drop oldest text)
+    prefetch: str = "auto"  # next step's prompts built in a background thread: auto (on with CUDA) | on | off
+
+    def __post_init__(self) -> None:
+        if self.truncation not in DATA_TRUNCATION:
+            raise ValueError(f"data.truncation must be one of {DATA_TRUNCATION}, got {self.truncation!r}")
+        if self.prefetch not in ("auto", "on", "off"):
+            raise ValueError(f"data.prefetch must be auto, on or off, got {self.prefetch!r}")
+        if min(self.min_pixels, self.max_pixels) < 0 or (self.max_pixels and self.min_pixels > self.max_pixels):
+            raise ValueError(f"data.min_pixels ({self.min_pixels}) and data.max_pixels ({self.max_pixels}) must be "
+                             f">= 0 (0: the processor's) with min <= max")
+        if not self.video_fps > 0 or self.max_frames < 1 or not 1 <= self.min_frames <= self.max_frames:
+            raise ValueError("data.video_fps must be > 0 and 1 <= data.min_frames <= data.max_frames")
+        if self.source == "rendered" and (self.train_files or self.val_files):
+            raise ValueError("data.source=rendered trains on the rendered task; drop data.train_files/val_files "
+                             "or set data.source=dataset")
+
+
+@dataclass(kw_only=True)
+class RewardConfig:
+    """Reward functions of dataset rows (data/rewards.py), looked up by the row's `data_source`.
+
+    A function is a built-in name (exact_match | multiple_choice | math_boxed | bbox_iou) or
+    `package.module:function` with signature (response: str, ground_truth, extra_info: dict) -> float | dict
+    (a dict has `score`, optionally `acc` and `answered`). A row whose data_source names a built-in uses it."""
+
+    fn: str = ""  # applies to every row (overrides fns and the built-in lookup)
+    fns: dict[str, str] = field(default_factory=dict)  # data_source -> function
+    format_reward: float = 0.0  # added when a response gives a parsable answer (0: correctness only)
+
+    def __post_init__(self) -> None:
+        if self.format_reward < 0:
+            raise ValueError(f"reward.format_reward must be >= 0, got {self.format_reward}")
+
+
+@dataclass(kw_only=True)
+class ValConfig:
+    """Validation runs on `data.val_files` every `train.val_every` steps."""
+
+    temperature: float = 0.0  # 0: greedy decoding
+    n: int = 1  # responses per validation prompt
+    max_rows: int = 0  # evaluate at most this many rows (0: all)
+    before_train: bool = True  # also evaluate the initial policy (as step 0)
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0 or self.n < 1 or self.max_rows < 0:
+            raise ValueError("val.temperature must be >= 0 (0: greedy), val.n >= 1 and val.max_rows >= 0")
 
 
 @dataclass(kw_only=True)
@@ -431,6 +505,8 @@ class RunConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)  # rollout shape
     verify: EquivalenceConfig = field(default_factory=EquivalenceConfig)  # verify-equivalence batch
     data: DataConfig = field(default_factory=DataConfig)  # data source of the GRPO loop
+    reward: RewardConfig = field(default_factory=RewardConfig)  # reward functions of dataset rows
+    val: ValConfig = field(default_factory=ValConfig)  # validation runs
     task: MotionTaskConfig = field(default_factory=MotionTaskConfig)  # the rendered task (recipes/task/*.yaml)
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)  # step batch shape
     mode: ModeConfig = field(default_factory=ModeConfig)  # execution mode (recipes/mode/*.yaml)
@@ -449,9 +525,6 @@ class RunConfig:
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
         check_model_parallel(self.model, self.parallel)
-        if self.verify.max_response_len > self.rollout.max_response_len:
-            raise ValueError(f"verify.max_response_len ({self.verify.max_response_len}) exceeds "
-                             f"rollout.max_response_len ({self.rollout.max_response_len})")
         m = self.model.vision.spatial_merge_size
         for key, owner in (("image_grid", self.smoke), ("video_grid", self.smoke),
                            ("image_grid", self.verify), ("video_grid", self.verify)):
@@ -459,6 +532,12 @@ class RunConfig:
             if h % m or w % m:
                 raise ValueError(f"{'smoke' if owner is self.smoke else 'verify'}.{key} h and w must be multiples of "
                                  f"model.vision.spatial_merge_size ({m}), got {h}x{w}")
+
+    def check_verify(self) -> None:
+        """Checks that only `verify-equivalence` needs (its random batch must pass the trainer's limits)."""
+        if self.verify.max_response_len > self.rollout.max_response_len:
+            raise ValueError(f"verify.max_response_len ({self.verify.max_response_len}) exceeds "
+                             f"rollout.max_response_len ({self.rollout.max_response_len})")
 
     def check_training(self) -> None:
         """Checks that only training needs (verify/smoke runs use other batch shapes)."""
@@ -469,6 +548,8 @@ class RunConfig:
                              f"0 and nothing trains; set rollout.group_size >= 2")
         if n % g:
             raise ValueError(f"rollout.group_size ({g}) must divide workload.rollout_batch ({n})")
+        if self.train.val_every and not self.data.val_files:
+            raise ValueError("train.val_every > 0 needs data.val_files=[FILE, ...] to evaluate")
         if (n // g) % dp:
             raise ValueError(f"workload.rollout_batch/rollout.group_size = {n // g} prompts must be divisible "
                              f"by parallel.dp ({dp})")

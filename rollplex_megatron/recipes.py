@@ -9,9 +9,11 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
-from rollplex_megatron.config import RunConfig, register_configs
+from rollplex_megatron.config import RunConfig, check_model_parallel, register_configs
 from rollplex_megatron.data import check_source
+from rollplex_megatron.models.qwen25vl.hf import HFCheckpoint
 from rollplex_megatron.models.qwen25vl.model import check_megatron_overrides
+from rollplex_megatron.rl.grpo import check_kl_estimator
 from rollplex_megatron.rollout.window import check_mechanism
 from rollplex_megatron.trainer.modes import get_mode
 
@@ -49,18 +51,59 @@ def check_closed(node, schema: type, path: str = "") -> None:
 
 
 def load_run_config(overrides: list[str] | None = None) -> RunConfig:
-    """A validated RunConfig (cross-field checks run here, before any heavy work)."""
+    """A validated RunConfig (cross-field checks run here, before any heavy work). With
+    `train.init_hf=DIR` the model's shape and special tokens are DIR's config.json (`model_from_hf`)."""
     cfg = compose_config(overrides)
     check_closed(cfg, RunConfig)
     run = OmegaConf.to_object(cfg)
+    if run.train.init_hf:
+        run = model_from_hf(run, list(overrides or []))
     check_registered(run)
     return run
+
+
+# Model fields that are run settings, not the checkpoint's shape: the command line keeps them.
+RUN_MODEL_FIELDS = ("name", "freeze_vision")
+
+
+def model_from_hf(cfg: RunConfig, overrides: list[str]) -> RunConfig:
+    """`cfg` with `train.init_hf` made absolute and `model` read from its config.json. The root recipe's
+    default preset gives way; a `model=` preset or `model.*` value chosen on the command line that
+    disagrees with the checkpoint is an error naming the field."""
+    path = str(Path(cfg.train.init_hf).resolve())  # recorded absolute: exports and resumes elsewhere find it
+    hf = HFCheckpoint(path).model_config()
+    hf = dataclasses.replace(hf, **{k: getattr(cfg.model, k) for k in RUN_MODEL_FIELDS if k != "name"})
+    chosen = [o.lstrip("+~") for o in overrides if o.lstrip("+~").split("=")[0].split(".")[0] == "model"]
+    if any(o.split("=")[0] != "model.freeze_vision" for o in chosen):
+        bad = _differences(cfg.model, hf, "model.")
+        if bad:
+            field_name, mine, theirs = bad[0]
+            raise ValueError(f"{field_name}={mine!r} (from {', '.join(chosen)}) disagrees with {path}/config.json "
+                             f"({theirs!r}); train.init_hf sets the model: drop the model override")
+    out = dataclasses.replace(cfg, model=hf, train=dataclasses.replace(cfg.train, init_hf=path))
+    check_model_parallel(out.model, out.parallel)
+    return out
+
+
+def _differences(a, b, prefix: str) -> list[tuple[str, object, object]]:
+    """(dotted field, a's value, b's value) where two config dataclasses differ (run settings left out)."""
+    out = []
+    for f in dataclasses.fields(a):
+        if f.name in RUN_MODEL_FIELDS:
+            continue
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if dataclasses.is_dataclass(x):
+            out += _differences(x, y, f"{prefix}{f.name}.")
+        elif (list(x) if isinstance(x, (list, tuple)) else x) != (list(y) if isinstance(y, (list, tuple)) else y):
+            out.append((f"{prefix}{f.name}", x, y))
+    return out
 
 
 def check_registered(cfg: RunConfig) -> None:
     """Names that select a registered strategy (config.py knows no registry: it imports nothing above it)."""
     get_mode(cfg.mode.name)
     check_source(cfg.data.source)
+    check_kl_estimator(cfg.train.kl_estimator)
     check_megatron_overrides(cfg.model, cfg.megatron)
     check_mechanism(cfg.mode.window, cfg.parallel.tp, cfg.parallel.pp)
 

@@ -1,7 +1,8 @@
 """Reports of GRPO runs from their `metrics.jsonl`: reward curves, per-phase time bars, a summary table.
 
-Each line of `metrics.jsonl` is one step's JSON object with `step`, `mode`, `reward_mean`, `kl`,
-`loss`, `entropy`, `step_time_s`, `phase_times` ({phase: seconds}) and `peak_mem_bytes`.
+Each line of `metrics.jsonl` is one step's JSON object with `step`, `mode`, `reward_mean`, `accuracy`,
+`kl`, `kl_k1`, `loss`, `entropy`, `step_time_s`, `phase_times` ({phase: seconds}) and `peak_mem_bytes`,
+or a validation run's (`"kind": "val"`, `step`, `val/reward_mean`, `val/<data_source>/reward_mean`).
 The first step is warm-up (compilation, allocator growth) and is left out of timings when a run
 has more than one step. A phase absent from a step counts as 0 s in that step.
 
@@ -23,8 +24,9 @@ METRICS_FILE = "metrics.jsonl"
 REQUIRED_KEYS = ("step", "mode", "reward_mean", "step_time_s", "phase_times", "peak_mem_bytes")
 
 
-def read_metrics(path: str | os.PathLike) -> list[dict]:
-    """Records of a metrics.jsonl, in file order; a malformed line raises ValueError naming file:line."""
+def read_metrics(path: str | os.PathLike, kind: str = "step") -> list[dict]:
+    """Records of a metrics.jsonl, in file order: the steps' (`kind="step"`) or the validation runs'
+    (`kind="val"`, lines with `"kind": "val"`); a malformed line raises ValueError naming file:line."""
     records = []
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
@@ -34,8 +36,13 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{lineno}: malformed JSON ({e.msg} at column {e.colno})") from None
+            if isinstance(rec, dict) and rec.get("kind") == "val":
+                if kind == "val":
+                    records.append(rec)
+                continue
             _check_record(rec, f"{path}:{lineno}")
-            records.append(rec)
+            if kind == "step":
+                records.append(rec)
     return records
 
 
@@ -97,6 +104,8 @@ def summarize(records: list[dict]) -> dict:
         "step_time_s": _mean([r["step_time_s"] for r in _timed(ordered)]),
         "phase_times": mean_phase_times(ordered),
         "peak_mem_bytes": max(int(r["peak_mem_bytes"]) for r in ordered),
+        # share of step time spent waiting for prompts (loading, image/video processing, tokenising)
+        "data_share": _mean([r.get("data_share", 0.0) for r in _timed(ordered)]),
     }
 
 
@@ -137,14 +146,45 @@ def _plot_phases(ax, runs: dict[str, list[dict]]) -> None:
               frameon=False)
 
 
-def plot_runs(runs: dict[str, list[dict]], out_png: str, chance: float | None = None) -> str:
-    """Write a two-panel PNG (reward vs step; per-phase time bars) atomically to `out_png`; return its path."""
+def _plot_curve(ax, runs: dict[str, list[dict]], key: str, title: str, alt: str | None = None) -> None:
+    """`key` vs step, one line per run (and `alt` dotted beside it, when the records hold it)."""
+    for i, (label, records) in enumerate(runs.items()):
+        ordered = [r for r in _by_step(records) if key in r]
+        ax.plot([r["step"] for r in ordered], [r[key] for r in ordered], color=f"C{i}", label=f"{label} {key}")
+        if alt and any(alt in r for r in ordered):
+            ax.plot([r["step"] for r in ordered if alt in r], [r[alt] for r in ordered if alt in r], color=f"C{i}",
+                    linestyle=":", label=f"{label} {alt}")
+    ax.set_xlabel("step")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="x-small")
+
+
+def _plot_val(ax, val_runs: dict[str, list[dict]]) -> None:
+    """Validation reward per data source (dashed, markers) over the reward panel."""
+    for i, (label, records) in enumerate(val_runs.items()):
+        keys = sorted({k for r in records for k in r if k.startswith("val/") and k.endswith("/reward_mean")})
+        for j, k in enumerate(["val/reward_mean", *keys] if len(keys) > 1 else ["val/reward_mean"]):
+            pts = [(r["step"], r[k]) for r in _by_step(records) if k in r]
+            ax.plot(*zip(*pts), color=f"C{i}", linestyle="--", marker="os^v<>"[j % 6], markersize=4,
+                    label=f"{label} {k}")
+    if val_runs:
+        ax.legend(fontsize="x-small")
+
+
+def plot_runs(runs: dict[str, list[dict]], out_png: str, chance: float | None = None,
+              val_runs: dict[str, list[dict]] | None = None) -> str:
+    """Write a four-panel PNG (reward with validation rewards, accuracy, KL, per-phase time bars)
+    atomically to `out_png`; return its path."""
     if not runs or not all(runs.values()):
         raise ValueError("plot_runs: every run needs at least one record")
-    fig = Figure(figsize=(13, 4.8), layout="constrained")
+    fig = Figure(figsize=(13, 9), layout="constrained")
     FigureCanvasAgg(fig)
-    ax_reward, ax_phase = fig.subplots(1, 2, width_ratios=[1.2, 1])
+    (ax_reward, ax_acc), (ax_kl, ax_phase) = fig.subplots(2, 2)
     _plot_rewards(ax_reward, runs, chance)
+    _plot_val(ax_reward, {k: v for k, v in (val_runs or {}).items() if v})
+    _plot_curve(ax_acc, runs, "accuracy", "Accuracy (right answers over all responses)", alt="answered")
+    _plot_curve(ax_kl, runs, "kl", "KL to the reference (the loss's estimator; k1 dotted)", alt="kl_k1")
     _plot_phases(ax_phase, runs)
     out_dir = os.path.dirname(os.path.abspath(out_png))
     fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=".report-", suffix=".png")
@@ -195,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chance", type=float, help="reward of a random policy, drawn as a dashed line")
     args = ap.parse_args(argv)
     runs: dict[str, list[dict]] = {}
+    val_runs: dict[str, list[dict]] = {}
     for run_dir in args.run_dirs:
         try:
             records = read_metrics(run_dir / METRICS_FILE)
@@ -202,9 +243,10 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(str(e))
         if not records:
             ap.error(f"{run_dir / METRICS_FILE}: no records")
-        runs[_run_label(run_dir, records, runs)] = records
+        label = _run_label(run_dir, records, runs)
+        runs[label], val_runs[label] = records, read_metrics(run_dir / METRICS_FILE, kind="val")
     out = args.out or str(args.run_dirs[0] / "report.png")
-    plot_runs(runs, out, chance=args.chance)
+    plot_runs(runs, out, chance=args.chance, val_runs=val_runs)
     print(format_table({label: summarize(records) for label, records in runs.items()}))
     print(out)
     return 0

@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from rollplex_megatron.compat import quiet_known_warnings
+from rollplex_megatron.data.example import make_example
+from rollplex_megatron.recipes import load_run_config
 from tests.hf_models import make_tiny_hf
 
 quiet_known_warnings()
@@ -38,3 +40,10 @@ def tiny_hf_tp4(tmp_path_factory):
                               "rope_parameters": {"rope_type": "default", "rope_theta": 1e6,
                                                   "mrope_section": [1, 1, 2]}},
                         vision={"num_heads": 4})
+
+
+@pytest.fixture(scope="session")
+def example_dir(tmp_path_factory):
+    """`make-example`'s directory (tiny preset checkpoint with its processor; ragged image and video rows)."""
+    return make_example(tmp_path_factory.mktemp("ex") / "example", load_run_config([]).model, train_rows=24,
+                        val_rows=8, videos=True, ragged=True)

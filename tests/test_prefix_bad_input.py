@@ -41,7 +41,7 @@ def test_group_members_with_different_prompts():
 
 def test_verify_response_length_above_rollout_maximum():
     with pytest.raises(ValueError, match=r"verify.max_response_len \(40\) exceeds rollout.max_response_len \(32\)"):
-        load_run_config(["verify.max_response_len=40", "rollout.max_response_len=32"])
+        load_run_config(["verify.max_response_len=40", "rollout.max_response_len=32"]).check_verify()
 
 
 def test_placeholder_count_against_the_grid():

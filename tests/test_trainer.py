@@ -1,6 +1,7 @@
 """The trainer: serial, prefix_shared and rollplex compute the same rollouts and updates (fp32, CPU)."""
 import pytest
 
+from rollplex_megatron.data import build_source
 from rollplex_megatron.dist import run_local
 from rollplex_megatron.recipes import load_run_config
 from tests import trainer_workers as W
@@ -16,6 +17,9 @@ BASE = ["model=tiny", "optim.adam_eps=1e-6", "workload.rollout_batch=32", "workl
         "rollout.group_size=4",
         "train.kl_coef=0.1", "task.format_reward=0.5", "task.max_answer_tokens=6", "optim.lr=3e-4"]
 STEP1_TOL = 1e-6  # the first step starts from identical weights: the mechanism alone
+# Mean |trainer log-prob - sampler log-prob| per token: the sampler decodes with its own K/V cache
+# (another reduction order), so fp32 rounding of log-probs of size ~6 (DESIGN: never bit-exact).
+LOGP_TOL = 1e-5
 
 
 def _cfg(mode, *extra, hf=None):
@@ -71,6 +75,51 @@ def test_modes_match_serial_over_three_steps(tiny_hf, serial_run, mode):
     err, name = _param_err(run, serial_run)
     assert err <= TOL, (name, err)
     assert any(r["reward_mean"] > 0 for r in run["records"])  # the update has signal (nonzero advantages)
+
+
+def _data_cfg(mode, example_dir, *extra):
+    """BASE on `make-example` rows (ragged prompts, images and two-frame videos) at temperature 0.7."""
+    over = [o for o in BASE if not o.startswith(("task.", "model="))]
+    return load_run_config(over + [f"mode.name={mode}", f"train.init_hf={example_dir / 'model'}",
+                                   f"data.train_files=[{example_dir / 'train.parquet'}]", "rollout.temperature=0.7",
+                                   "rollout.max_response_len=6", "reward.format_reward=0.5", *extra])
+
+
+@pytest.fixture(scope="module")
+def data_serial_run(example_dir):
+    return run_local(W.run_steps, 1, _data_cfg("serial", example_dir), 2)[0]
+
+
+def test_dataset_batches_mix_images_and_videos_of_ragged_length(example_dir):
+    src = build_source(_data_cfg("serial", example_dir))
+    rows = [r for step in range(2) for r in src.rows(step, 0, 1, 32 // 4)]
+    assert any(r.prompt.pixel_values_videos is not None for r in rows)
+    assert any(r.prompt.pixel_values is not None for r in rows)
+    assert len({r.prompt.input_ids.numel() for r in rows}) >= 3
+
+
+@pytest.mark.parametrize("mode", ["prefix_shared", "rollplex"])
+def test_modes_match_serial_on_dataset_rows_at_temperature(example_dir, data_serial_run, mode):
+    """Processor-built prompts, sampling at 0.7: same rollouts, same update, and every mode's
+    trainer log-probs equal the sampler's (the loss sees the policy that was sampled)."""
+    run = run_local(W.run_steps, 1, _data_cfg(mode, example_dir), 2)[0]
+    ref = data_serial_run
+    assert run["tokens"] == ref["tokens"]
+    _records_close(run["records"], ref["records"])
+    err, name = _param_err(run, ref)
+    assert err <= TOL, (name, err)
+    for rec in run["records"] + ref["records"]:
+        assert rec["rollout_logp_diff"] <= LOGP_TOL, rec["rollout_logp_diff"]
+    assert any(r["reward_mean"] > 0 for r in run["records"])
+
+
+@pytest.mark.parametrize("mutant", ["untempered", "unbanned"])
+def test_loss_on_another_policy_is_detected(example_dir, data_serial_run, mutant):
+    """Raw logits instead of logits / temperature, or the vision placeholders the sampler bans left in
+    the trainer's softmax: the trainer's log-probs leave the sampler's."""
+    run = run_local(W.run_steps, 1, _data_cfg("rollplex", example_dir), 1, mutant)[0]
+    assert run["records"][0]["rollout_logp_diff"] > 100 * LOGP_TOL
+    assert all(r["rollout_logp_diff"] <= LOGP_TOL for r in data_serial_run["records"])
 
 
 @pytest.mark.parametrize("mutant", ["skip_prefix_backward", "stale_reference"])

@@ -25,6 +25,18 @@ def run_steps(cfg, steps: int, mutant: str = ""):
 
         Runtime.optimizer_step = drift
     rt = Runtime(cfg)
+    if mutant in ("untempered", "unbanned"):  # the loss scores another policy than the one sampled
+        from functools import partial
+
+        from rollplex_megatron.prefix import execution
+        from rollplex_megatron.rl.grpo import GRPOLoss
+
+        temp = 1.0 if mutant == "untempered" else cfg.rollout.temperature
+        banned = () if mutant == "unbanned" else rt.banned
+        rt.score_loss = partial(execution.logprob_loss, temperature=temp, banned=banned)
+        rt.loss = lambda batch: GRPOLoss(cfg.train.kl_coef, cfg.train.clip_low, cfg.train.clip_high,
+                                         batch.total_tokens, rt.tp_group, temperature=temp,
+                                         kl_estimator=cfg.train.kl_estimator, banned=banned)
     mode = MODES[cfg.mode.name]()
     first = {n: p.detach().float().clone() for n, p in rt.ddp.module.named_parameters()}
     tokens, records = [], []

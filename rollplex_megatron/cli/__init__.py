@@ -19,6 +19,9 @@ Commands
                                       analytic HBM per GPU and phase: serial colocation vs the Rollplex
                                       plan (model=qwen2_5_vl_32b alone: the paper's 32-GPU setting)
   print-config [hydra overrides]      the resolved config
+  make-example DIR [--train-rows N] [--val-rows N] [--videos] [model=...]
+                                      a tiny random Qwen2.5-VL checkpoint with its processor (DIR/model)
+                                      and a multiple-choice dataset in verl's format (DIR/*.parquet)
 Commands that take Hydra overrides accept e.g. `model=qwen2_5_vl_3b parallel.tp=2`.
 Multi-process commands launch their own local processes when not started by torchrun.
 Errors print one line (`error: ...`); `--debug` anywhere on the line shows the traceback instead.
@@ -38,6 +41,7 @@ from rollplex_megatron.models.qwen25vl.hf import HFCheckpoint
 from rollplex_megatron.cli.train import main as train_main
 from rollplex_megatron.compat import quiet_known_warnings
 from rollplex_megatron.config import ParallelConfig, check_model_parallel
+from rollplex_megatron.data.example import make_example
 from rollplex_megatron.dist import LocalRunError, launch_on_ranks
 from rollplex_megatron.memory.planner import check_budget, plan_memory
 from rollplex_megatron.recipes import RECIPES_DIR, load_run_config, to_yaml
@@ -113,6 +117,7 @@ def _cmd_verify_equivalence(argv: list[str]) -> int:
     ap.add_argument("--hf-dir", default=None, help="load weights from this HF checkpoint (default: random init)")
     a, overrides = ap.parse_known_args(argv)
     cfg = load_run_config(overrides)
+    cfg.check_verify()
     if a.hf_dir is not None:  # bad checkpoint directory: fail here, before processes start
         check_model_parallel(HFCheckpoint(a.hf_dir).model_config(), cfg.parallel)
     res = launch_on_ranks(run_rank, cfg.parallel.world_size, cfg, a.hf_dir)[0]
@@ -205,13 +210,29 @@ def _cmd_train(argv: list[str]) -> int:
     return train_main(overrides, a.modes.split(",") if a.modes else None)
 
 
+def _cmd_make_example(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="rollplex make-example", description=make_example.__doc__)
+    ap.add_argument("out", help="new directory to write")
+    ap.add_argument("--train-rows", type=int, default=512)
+    ap.add_argument("--val-rows", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--videos", action="store_true", help="every third row a two-frame video")
+    a, overrides = ap.parse_known_args(argv)
+    out = make_example(a.out, load_run_config(overrides).model, a.train_rows, a.val_rows, a.seed, a.videos)
+    print(f"train with: python -m rollplex_megatron train train.init_hf={out / 'model'} "
+          f"data.train_files=[{out / 'train.parquet'}] data.val_files=[{out / 'val.parquet'}] train.val_every=25")
+    print(out)
+    return 0
+
+
 def _cmd_smoke(argv: list[str]) -> int:
     return smoke_main(argv)
 
 
 COMMANDS = {"train": _cmd_train, "smoke": _cmd_smoke, "verify-hf": _cmd_verify_hf,
             "verify-equivalence": _cmd_verify_equivalence, "convert": _cmd_convert,
-            "print-config": _cmd_print_config, "plan-weights": _cmd_plan_weights, "plan-memory": _cmd_plan_memory}
+            "print-config": _cmd_print_config, "make-example": _cmd_make_example, "plan-weights": _cmd_plan_weights,
+            "plan-memory": _cmd_plan_memory}
 
 
 def main(argv: list[str] | None = None) -> int:

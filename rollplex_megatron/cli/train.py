@@ -20,9 +20,8 @@ from pathlib import Path
 
 from rollplex_megatron.checkpoint import run_dir as R
 from rollplex_megatron.checkpoint import train_state
-from rollplex_megatron.models.qwen25vl.hf import HFCheckpoint
-from rollplex_megatron.config import RunConfig, check_model_parallel
-from rollplex_megatron.data import build_source
+from rollplex_megatron.config import RunConfig
+from rollplex_megatron.data import build_source, source_name
 from rollplex_megatron.dist import check_world_size, exit_with_parent, launch_on_ranks, under_torchrun
 from rollplex_megatron.recipes import load_run_config, to_yaml
 from rollplex_megatron.report import plot_runs, read_metrics, summarize
@@ -96,11 +95,7 @@ def _plan(cfg: RunConfig, root: Path, modes: list[str] | None) -> list[RunConfig
 
 def _config(overrides: list[str], modes: list[str] | None) -> RunConfig:
     """The run's config with every check that needs no process (bad input fails here)."""
-    cfg = load_run_config(overrides)
-    if cfg.train.init_hf:  # recorded absolute: an export or a resume from another directory finds it
-        cfg.train.init_hf = str(Path(cfg.train.init_hf).resolve())
-        cfg.model = HFCheckpoint(cfg.train.init_hf).model_config()
-        check_model_parallel(cfg.model, cfg.parallel)
+    cfg = load_run_config(overrides)  # train.init_hf: the model is the checkpoint's (recipes.model_from_hf)
     cfg.check_training()
     bad = [m for m in modes or [] if m not in MODES]
     if bad:
@@ -113,25 +108,37 @@ def _config(overrides: list[str], modes: list[str] | None) -> RunConfig:
 def _report(root: Path, plans: list[RunConfig], modes: list[str] | None, cfg: RunConfig) -> None:
     """summary.json and report.png over every recorded step of each mode (resumed segments too)."""
     names = modes or [cfg.mode.name]
-    runs = {n: read_metrics(root / n / R.METRICS if modes else root / R.METRICS) for n in names}
+    paths = {n: root / n / R.METRICS if modes else root / R.METRICS for n in names}
+    runs = {n: read_metrics(p) for n, p in paths.items() if p.exists()}
     runs = {n: recs for n, recs in runs.items() if recs}
+    val_runs = {n: read_metrics(paths[n], kind="val") for n in runs}
     if not runs:
         return
-    source = build_source(cfg)
-    chance, chance_acc = source.chance_reward, source.chance_accuracy
+    chance = chance_acc = None  # known for the rendered tasks; a dataset's is not
+    if source_name(cfg) == "rendered":
+        source = build_source(cfg)
+        chance, chance_acc = source.chance_reward, source.chance_accuracy
     summary = {name: summarize(recs) for name, recs in runs.items()}
     for name, recs in runs.items():
         recs = sorted(recs, key=lambda r: r["step"])
         k = max(1, len(recs) // 5)
         summary[name]["accuracy_first20"] = sum(r["accuracy"] for r in recs[:k]) / k
         summary[name]["accuracy_last20"] = sum(r["accuracy"] for r in recs[-k:]) / k
-    png = plot_runs(runs, str(root / "report.png"), chance=chance)
+        if val_runs[name]:
+            summary[name]["val"] = {"first": val_runs[name][0], "last": val_runs[name][-1]}
+    png = plot_runs(runs, str(root / "report.png"), chance=chance, val_runs=val_runs)
     (root / "summary.json").write_text(json.dumps({"chance_reward": chance, "chance_accuracy": chance_acc,
                                                    "modes": summary}, indent=1))
     for name, s in summary.items():
-        print(f"{name}: reward {s['reward_first20']:.3f} -> {s['reward_last20']:.3f} (first -> last 20% of steps; "
-              f"random-answer policy {chance:.2f}), accuracy {s['accuracy_first20']:.3f} -> "
-              f"{s['accuracy_last20']:.3f} (chance {chance_acc:.2f}); {s['step_time_s']:.2f} s/step")
+        rnd = f"; random-answer policy {chance:.2f}" if chance is not None else ""
+        acc = f" (chance {chance_acc:.2f})" if chance_acc is not None else ""
+        print(f"{name}: reward {s['reward_first20']:.3f} -> {s['reward_last20']:.3f} (first -> last 20% of steps"
+              f"{rnd}), accuracy {s['accuracy_first20']:.3f} -> {s['accuracy_last20']:.3f}{acc}; "
+              f"{s['step_time_s']:.2f} s/step, {100 * s['data_share']:.1f}% waiting for data")
+        if "val" in s:
+            print(f"{name}: val/reward_mean {s['val']['first']['val/reward_mean']:.3f} (step "
+                  f"{s['val']['first']['step']}) -> {s['val']['last']['val/reward_mean']:.3f} "
+                  f"(step {s['val']['last']['step']})")
     print(f"report: {png}")
 
 

@@ -30,6 +30,7 @@ from megatron.core.utils import get_model_config
 from rollplex_megatron.attention.kv_store import KVStore
 from rollplex_megatron.attention.prefix import PrefixContext
 from rollplex_megatron.prefix.batch import Group, MicroBatch, split_token_values
+from rollplex_megatron.rl.grpo import policy_logits
 from rollplex_megatron.runtime import device
 
 
@@ -143,8 +144,12 @@ def prefix_backward(model, states: list[PrefixState], store: KVStore) -> None:
         store.recompute_drift = max(store.recompute_drift, float(torch.stack(drifts).max()))
 
 
-def _loss(mb: MicroBatch, logits_BTV: torch.Tensor):
-    logp = -tensor_parallel.vocab_parallel_cross_entropy(logits_BTV.float(), mb.labels)
+def logprob_loss(mb: MicroBatch, logits_BTV: torch.Tensor, temperature: float = 1.0, banned: tuple[int, ...] = (),
+                 tp_rank: int = 0):
+    """The scoring phases' loss function: log-probs of the labels under the policy the rollout sampled
+    from (`rl.grpo.policy_logits`), and the advantage-weighted log-likelihood of `mb.weight`."""
+    logits = policy_logits(logits_BTV, temperature, banned, tp_rank)
+    logp = -tensor_parallel.vocab_parallel_cross_entropy(logits, mb.labels)
     loss = -(logp * mb.weight).sum()
     n = mb.label_mask.sum().to(torch.int)
     return loss, n, {"loss": loss.detach(), "logp": logp.detach()[mb.label_mask]}
@@ -161,7 +166,7 @@ def run_schedule(model, micro_batches: list[MicroBatch], ctx_for, forward_only: 
     """Packed micro-batches through megatron's schedule; returns the last stage's per-micro-batch dicts.
 
     `loss_fn(mb, logits) -> (loss, tokens, dict)` (megatron's per-token-loss contract); the default
-    is the advantage-weighted log-likelihood of `mb.weight`. Dicts hold at least "loss" and "logp".
+    is `logprob_loss` at temperature 1. Dicts hold at least "loss" and "logp".
     """
     config = get_model_config(model)
     saved = config.finalize_model_grads_func, config.variable_seq_lengths
@@ -169,7 +174,7 @@ def run_schedule(model, micro_batches: list[MicroBatch], ctx_for, forward_only: 
     config.variable_seq_lengths = True  # packed micro-batches differ in length
     try:
         return get_forward_backward_func()(
-            forward_step_func=partial(_step, micro_batches, ctx_for, loss_fn or _loss),
+            forward_step_func=partial(_step, micro_batches, ctx_for, loss_fn or logprob_loss),
             data_iterator=iter(range(len(micro_batches))), model=[model],
             num_microbatches=len(micro_batches), seq_length=max(mb.input_ids.shape[1] for mb in micro_batches),
             micro_batch_size=1, forward_only=forward_only)
@@ -231,14 +236,15 @@ def per_response(results: list[dict], mbs: list[MicroBatch], groups: list[Group]
 
 
 def reference_response_logprobs(model, micro_batches: list[MicroBatch], store: KVStore,
-                                backend: str = "auto") -> list[dict]:
+                                backend: str = "auto", loss_fn=None) -> list[dict]:
     """The reference response stage over prefix K/V computed earlier (the decode window's); the
     store is emptied after (its last consumer)."""
     dev = device()
     mbs = [mb.to(dev) for mb in micro_batches]
     with torch.no_grad():
         res = run_schedule(model, mbs, lambda mb: PrefixContext(mode="use", layout=mb.layout, store=store,
-                                                                backend=backend), forward_only=True)
+                                                                backend=backend), forward_only=True,
+                           loss_fn=loss_fn)
     store.leaves.clear()
     return res
 

@@ -1,6 +1,6 @@
 """GRPO as pure tensor functions (legend: N prompts, G samples per prompt, T response tokens).
 
-The trainer (not yet written) combines them per token on the last pipeline stage; every function
+The trainer's loss (`GRPOLoss`) combines them per token on the last pipeline stage; every function
 here takes tensors and returns tensors, so it tests on the CPU.
 """
 from __future__ import annotations
@@ -9,6 +9,19 @@ import torch
 import torch.distributed as dist
 from megatron.core import tensor_parallel
 from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+
+def policy_logits(logits_BTV: torch.Tensor, temperature: float = 1.0, banned: tuple[int, ...] = (),
+                  tp_rank: int = 0) -> torch.Tensor:
+    """The sampled policy's logits from this TP rank's vocabulary shard: fp32, divided by the sampling
+    temperature, with the tokens the sampler never emits (`banned`: the vision placeholders) at the
+    fp32 minimum, so the loss and the scoring phases see the distribution the rollout drew from."""
+    x = (logits_BTV.float() / temperature).clamp_min(torch.finfo(torch.float32).min)  # padding /T: not -inf
+    local = x.shape[-1]
+    cols = [t - tp_rank * local for t in banned if 0 <= t - tp_rank * local < local]
+    if cols:
+        x = x.index_fill(-1, torch.tensor(cols, device=x.device), torch.finfo(torch.float32).min)
+    return x
 
 
 def group_advantages(rewards_NG: torch.Tensor, normalize_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
@@ -38,6 +51,33 @@ def kl_k3(logp_T: torch.Tensor, ref_logp_T: torch.Tensor) -> torch.Tensor:
     return torch.exp(d) - d - 1.0
 
 
+def kl_low_var(logp_T: torch.Tensor, ref_logp_T: torch.Tensor) -> torch.Tensor:
+    """k3 clamped as verl's `low_var_kl` clamps it: the log-ratio to [-20, 20], the estimate to [-10, 10]
+    (one token the policy has made very unlikely under the reference cannot dominate the mean)."""
+    d = (ref_logp_T - logp_T).clamp(-20.0, 20.0)
+    return (torch.exp(d) - d - 1.0).clamp(-10.0, 10.0)
+
+
+KL_ESTIMATORS = {
+    "k1": lambda logp, ref: logp - ref,  # unbiased, high variance, can be negative per token
+    "k2": lambda logp, ref: 0.5 * (logp - ref) ** 2,
+    "k3": kl_k3,
+    "low_var_kl": kl_low_var,
+}
+
+
+def check_kl_estimator(name: str) -> None:
+    """`train.kl_estimator` names one of `KL_ESTIMATORS`."""
+    if name not in KL_ESTIMATORS:
+        raise ValueError(f"train.kl_estimator must be one of {tuple(KL_ESTIMATORS)}, got {name!r}")
+
+
+def kl_estimate(logp_T: torch.Tensor, ref_logp_T: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate of KL(policy || reference) with one of `KL_ESTIMATORS`."""
+    check_kl_estimator(estimator)
+    return KL_ESTIMATORS[estimator](logp_T, ref_logp_T)
+
+
 def token_mean(values_T: torch.Tensor, mask_T: torch.Tensor, total_tokens: float | None = None) -> torch.Tensor:
     """Token-mean aggregation over masked tokens; `total_tokens` is the global count (across micro-batches and DP)."""
     denom = float(mask_T.sum()) if total_tokens is None else float(total_tokens)
@@ -45,11 +85,11 @@ def token_mean(values_T: torch.Tensor, mask_T: torch.Tensor, total_tokens: float
 
 
 def grpo_token_loss(logp_T, old_logp_T, ref_logp_T, adv_T, kl_coef: float, clip_low: float = 0.2,
-                    clip_high: float = 0.2) -> torch.Tensor:
-    """Per-token GRPO loss: clipped surrogate plus `kl_coef` times the k3 KL to the reference."""
+                    clip_high: float = 0.2, kl_estimator: str = "k3") -> torch.Tensor:
+    """Per-token GRPO loss: clipped surrogate plus `kl_coef` times the estimated KL to the reference."""
     loss = clipped_ratio_loss(logp_T, old_logp_T, adv_T, clip_low, clip_high)
     if kl_coef:
-        loss = loss + kl_coef * kl_k3(logp_T, ref_logp_T)
+        loss = loss + kl_coef * kl_estimate(logp_T, ref_logp_T, kl_estimator)
     return loss
 
 
@@ -84,24 +124,35 @@ class GRPOLoss:
     Reads `mb.token_data`: "adv" (always), "ref_logp" (when kl_coef > 0) and "old_logp" (absent on
     the single on-policy update that takes old log-probs from its own forward: then old = detached
     current log-probs, ratio 1). The loss is pre-normalised by the global response-token count.
+    Log-probs and entropy are those of the policy the rollout sampled from (`policy_logits`: the
+    temperature and the banned vision placeholders; the scoring phases use the same). "kl" is the mean of `kl_estimator` (what the
+    loss adds), "kl_k1" the plain mean log-ratio beside it.
     """
 
     def __init__(self, kl_coef: float, clip_low: float, clip_high: float, total_tokens: int, tp_group=None,
-                 entropy_coef: float = 0.0):
+                 entropy_coef: float = 0.0, temperature: float = 1.0, kl_estimator: str = "low_var_kl",
+                 banned: tuple[int, ...] = ()):
+        check_kl_estimator(kl_estimator)
         self.kl_coef, self.clip_low, self.clip_high = kl_coef, clip_low, clip_high
         self.total_tokens, self.tp_group, self.entropy_coef = total_tokens, tp_group, entropy_coef
+        self.temperature, self.kl_estimator, self.banned = temperature, kl_estimator, tuple(banned)
+        self.tp_rank = dist.get_rank(tp_group) if tp_group is not None and dist.is_initialized() else 0
 
     def __call__(self, mb, logits_BTV: torch.Tensor):
-        """(loss, tokens, {"loss", "logp", "kl", "entropy", "clipfrac"}) for megatron's schedule."""
-        logits = logits_BTV.float()
+        """(loss, tokens, {"loss", "logp", "kl", "kl_k1", "entropy", "clipfrac"}) for megatron's schedule."""
+        logits = policy_logits(logits_BTV, self.temperature, self.banned, self.tp_rank)
         mask = mb.label_mask
         # Before the cross-entropy, which overwrites its input in place (logits[mask] is a copy).
         with torch.set_grad_enabled(torch.is_grad_enabled() and self.entropy_coef > 0):
             entropy = vocab_parallel_entropy(logits[mask], self.tp_group)
         logp = -tensor_parallel.vocab_parallel_cross_entropy(logits, mb.labels)
-        old = mb.token_data["old_logp"] if "old_logp" in mb.token_data else logp.detach()
-        ref = mb.token_data.get("ref_logp", logp.detach())
-        per_token = grpo_token_loss(logp, old, ref, mb.token_data["adv"], self.kl_coef, self.clip_low, self.clip_high)
+        # Off the loss positions (a full sequence's prompt) old/ref equal logp: no exp() of a stray log-ratio.
+        old = torch.where(mask, mb.token_data["old_logp"], logp.detach()) if "old_logp" in mb.token_data \
+            else logp.detach()
+        ref = torch.where(mask, mb.token_data["ref_logp"], logp.detach()) if "ref_logp" in mb.token_data \
+            else logp.detach()
+        per_token = grpo_token_loss(logp, old, ref, mb.token_data["adv"], self.kl_coef, self.clip_low, self.clip_high,
+                                    self.kl_estimator)
         w = mask.float() / self.total_tokens
         loss = (per_token * w).sum()
         if self.entropy_coef > 0:  # entropy bonus (token mean), against the policy collapsing
@@ -111,6 +162,7 @@ class GRPOLoss:
             ratio = torch.exp(logp - old)
             clipped = ((ratio < 1 - self.clip_low) | (ratio > 1 + self.clip_high)).float()
             stats = {"loss": loss.detach(), "logp": logp.detach()[mask],
-                     "kl": (kl_k3(logp, ref) * w).sum(), "clipfrac": (clipped * w).sum(),
+                     "kl": (kl_estimate(logp, ref, self.kl_estimator) * w).sum(),
+                     "kl_k1": ((logp - ref) * w).sum(), "clipfrac": (clipped * w).sum(),
                      "entropy": (entropy * w[mask]).sum()}
         return loss, mask.sum().to(torch.int), stats

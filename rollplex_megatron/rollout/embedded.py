@@ -294,8 +294,7 @@ class _WaveDecoder:
         self.out_lp = torch.zeros(self.n_rows + 1, self.max_new, dtype=torch.float32, device=dev)
         self.length = torch.zeros(self.n_rows + 1, dtype=torch.long, device=dev)
         self.stopped = torch.zeros(self.n_rows + 1, dtype=torch.bool, device=dev)
-        self.banned = torch.tensor([c.image_token_id, c.video_token_id, c.vision_start_token_id,
-                                    c.vision_end_token_id], device=dev)
+        self.banned = torch.tensor(c.vision_token_ids, device=dev)
         self.graphs, self.pool, self.hooks = {}, None, DecodeHooks()
         self.p2p = p2p_communicator(engine.model) if engine.pp > 1 else None
         self.stats = {"graphs_captured": 0, "graph_replays": 0, "eager_steps": 0, "capture_s": 0.0}

@@ -22,6 +22,7 @@ from rollplex_megatron.runtime import sync
 from rollplex_megatron.trainer.metrics import PhaseTimer, peak_bytes, reduce_metrics
 from rollplex_megatron.trainer.modes import Mode, get_mode
 from rollplex_megatron.trainer.runtime import Runtime
+from rollplex_megatron.trainer.validation import evaluate
 
 
 def run_step(rt: Runtime, mode: Mode, step: int) -> dict:
@@ -35,8 +36,10 @@ def run_step(rt: Runtime, mode: Mode, step: int) -> dict:
         opt = rt.optimizer_step()
     sync()
     peak, src = peak_bytes(t)
+    seconds = time.perf_counter() - t0
     return {"step": step + 1, "mode": mode.name, **reduce_metrics(rt, batch, res),
-            "grad_norm": opt["grad_norm"], "step_time_s": time.perf_counter() - t0,
+            "grad_norm": opt["grad_norm"], "step_time_s": seconds,
+            "data_time_s": rt.data_seconds, "data_share": rt.data_seconds / seconds,
             "phase_times": t.times, "phase_peak_bytes": t.peaks, "peak_mem_bytes": peak, "peak_mem_source": src,
             "memory_plan": rt.cfg.memory.plan, "phase_managed_bytes": dict(rt.memory.phase_bytes),
             "offload_bytes": dict(rt.memory.copy_bytes), "rollout": stats}
@@ -98,15 +101,16 @@ def train_rank(cfg: RunConfig) -> dict:
         metrics_path = run / run_dir.METRICS
         bar = _progress(cfg, start, rank0)
         records, stopped = [], None
+        if cfg.train.val_every and cfg.val.before_train and start == 0:
+            _log(metrics_path, evaluate(rt, 0), bar, rank0)
         for step in range(start, cfg.train.steps):
             rec = run_step(rt, mode, step)
             records.append(rec)
-            if rank0:
-                with metrics_path.open("a") as f:
-                    f.write(json.dumps(rec) + "\n")
-                _show(bar, rec)
-            stop = preempt.agreed(rt.dev)
+            _log(metrics_path, rec, bar, rank0)
             last = step + 1 == cfg.train.steps
+            if cfg.train.val_every and ((step + 1) % cfg.train.val_every == 0 or last):
+                _log(metrics_path, evaluate(rt, step + 1), bar, rank0)
+            stop = preempt.agreed(rt.dev)
             every = cfg.train.save_every and (step + 1) % cfg.train.save_every == 0
             if (last and cfg.train.save_final) or stop or every:
                 rt.memory.restore_all()  # offloaded classes come back before their state is written
@@ -121,6 +125,15 @@ def train_rank(cfg: RunConfig) -> dict:
     return {"run_dir": str(run), "records": records, "preempted_at": stopped}
 
 
+def _log(path: Path, rec: dict, bar, rank0: bool) -> None:
+    """Rank 0 appends one record (a step's, or a validation run's) to metrics.jsonl and shows it."""
+    if not rank0:
+        return
+    with path.open("a") as f:
+        f.write(json.dumps(rec) + "\n")
+    _show(bar, rec)
+
+
 def _progress(cfg: RunConfig, start: int, rank0: bool):
     if not (rank0 and cfg.train.progress):
         return None
@@ -128,8 +141,12 @@ def _progress(cfg: RunConfig, start: int, rank0: bool):
 
 
 def _show(bar, rec: dict) -> None:
+    if rec.get("kind") == "val":
+        per = " ".join(f"{k[4:]}={v:.3f}" for k, v in rec.items() if k.startswith("val/") and k.endswith("reward_mean"))
+        return (print if bar is None else bar.write)(f"val after step {rec['step']}: {per}")
     phases = " ".join(f"{k}={v:.2f}s" for k, v in rec["phase_times"].items())
     line = (f"step {rec['step']:4d} reward {rec['reward_mean']:.3f} acc {rec['accuracy']:.3f} kl {rec['kl']:.2e} "
+            f"(k1 {rec['kl_k1']:+.2e}) "
             f"loss {rec['loss']:+.3e} "
             f"entropy {rec['entropy']:.2f} | {rec['step_time_s']:.2f}s: {phases}")
     if bar is None:

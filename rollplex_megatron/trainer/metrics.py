@@ -45,13 +45,14 @@ def peak_bytes(t: PhaseTimer) -> tuple[int, str]:
 
 
 def reduce_metrics(rt, batch, res: list[dict]) -> dict:
-    """Global (DP-summed) loss, KL, entropy, clip fraction; mean reward and response length
-    (`rt`: the trainer's Runtime, `batch`: its StepBatch)."""
-    keys = ("loss", "kl", "entropy", "clipfrac")
-    vals = torch.tensor([sum(float(r[k]) for r in res) for k in keys]
-                        + [float(batch.rewards.sum()), float(batch.rewards.numel()),
-                           float(sum(t.numel() for g in batch.groups for t in g.responses)),
-                           float(batch.correct.sum()), float(batch.answered.sum())],
+    """Global (DP-summed) loss, KL (the loss's estimator and plain k1), entropy, clip fraction; mean
+    reward, accuracy and response length (`rt`: the trainer's Runtime, `batch`: its StepBatch)."""
+    keys = ("loss", "kl", "kl_k1", "entropy", "clipfrac", "logp_diff")
+    res = [*res, {"logp_diff": logp_diff(batch, res)}]
+    counts = {"reward_sum": float(batch.rewards.sum()), "responses": float(batch.rewards.numel()),
+              "tokens": float(sum(t.numel() for g in batch.groups for t in g.responses)),
+              "correct": float(batch.correct.sum()), "answered": float(batch.answered.sum())}
+    vals = torch.tensor([sum(float(r.get(k, 0.0)) for r in res) for k in keys] + list(counts.values()),
                         dtype=torch.float64, device=rt.dev)
     dist.all_reduce(vals, group=rt.dp_group)
     if rt.pp_size > 1:  # the loss terms exist on the last pipeline stage only
@@ -60,8 +61,21 @@ def reduce_metrics(rt, batch, res: list[dict]) -> dict:
                        group=ps.get_pipeline_model_parallel_group())
         vals[:len(keys)] = loss_terms
     out = {k: float(vals[i]) for i, k in enumerate(keys)}
-    out["reward_mean"] = float(vals[4] / vals[5])
-    out["response_len_mean"] = float(vals[6] / vals[5])
-    out["accuracy"] = float(vals[7] / vals[5])  # right answers over all responses (chance 1/4 once answering)
-    out["answered"] = float(vals[8] / vals[5])
+    c = {k: float(vals[len(keys) + i]) for i, k in enumerate(counts)}
+    out["reward_mean"] = c["reward_sum"] / c["responses"]
+    out["response_len_mean"] = c["tokens"] / c["responses"]
+    out["accuracy"] = c["correct"] / c["responses"]  # right answers over all responses
+    out["answered"] = c["answered"] / c["responses"]
+    out["rollout_logp_diff"] = out.pop("logp_diff") / max(c["tokens"], 1.0)
     return out
+
+
+def logp_diff(batch, res: list[dict]) -> float:
+    """Summed |trainer log-prob - sampler log-prob| over this rank's response tokens (0 on stages
+    before the last, which compute none). The update's current log-probs are the old log-probs (one
+    on-policy update), so this is 0 up to rounding when the trainer scores the policy the rollout
+    sampled from (same weights, same temperature)."""
+    if not res:
+        return 0.0
+    trainer = torch.cat([r["logp"].float().cpu() for r in res])
+    return float((trainer - torch.cat(batch.rollout_logprobs)).abs().sum())

@@ -2,7 +2,9 @@
 the memory manager with the planner's plan for this run."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -17,6 +19,7 @@ from rollplex_megatron.memory.planner import check_budget, plan, runtime_cfg, ru
 from rollplex_megatron.models.qwen25vl import build_model
 from rollplex_megatron.optim import build_optimizer, optimizer_step
 from rollplex_megatron.prefix import batch as B
+from rollplex_megatron.prefix import execution as X
 from rollplex_megatron.prefix.batch import Group, validate_groups
 from rollplex_megatron.rl.grpo import GRPOLoss, group_advantages
 from rollplex_megatron.rollout.embedded import EmbeddedEngine
@@ -37,6 +40,7 @@ class StepBatch:
     correct: torch.Tensor  # [N, G] 1 where the answer is right (reward without shaping)
     answered: torch.Tensor  # [N, G] 1 where the response gives an answer at all
     total_tokens: int  # response tokens over all DP ranks (the token-mean denominator)
+    rollout_logprobs: list  # [R] tensors in (group, response) order: the sampler's log-probs
 
 
 def memory_plan(cfg: RunConfig, source) -> dict:
@@ -82,16 +86,24 @@ class Runtime:
                                      cfg.rollout.decode_attention)
         r = cfg.rollout
         self.sampling = SamplingParams(r.temperature, r.top_p, r.top_k)
+        # every log-prob the loss sees is the sampled policy's: its temperature, its banned tokens (DESIGN 3)
+        self.banned = cfg.model.vision_token_ids  # the engine's sampler bans them too
+        self.score_loss = partial(X.logprob_loss, temperature=r.temperature, banned=self.banned,
+                                  tp_rank=ps.get_tensor_model_parallel_rank())
         self.backend = cfg.mode.attention_backend
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         self.pp_size = ps.get_pipeline_model_parallel_world_size()
         self.dp_group, self.tp_group = ps.get_data_parallel_group(), ps.get_tensor_model_parallel_group()
         self.dev = device()
+        self.data_seconds = 0.0
 
     def requests(self, step: int):
-        """This rank's rows and rollout requests of `step` (deterministic in seed, step and rank)."""
+        """This rank's rows and rollout requests of `step` (deterministic in seed, step and rank);
+        `data_seconds` is the time this rank waited for them (prompt building, or its prefetch)."""
         src, g = self.source, self.cfg.rollout.group_size
+        t0 = time.perf_counter()
         rows = src.rows(step, self.dp_rank, self.dp_size, self.cfg.prompts_per_rank)
+        self.data_seconds = time.perf_counter() - t0
         reqs = [RolloutRequest(r.prompt, g, src.max_new_tokens, src.stop_token_ids, seed=r.seed) for r in rows]
         return rows, reqs
 
@@ -106,7 +118,8 @@ class Runtime:
         validate_groups(self.cfg.model, groups, self.cfg.rollout.max_response_len)
         n_tok = torch.tensor(float(sum(t.numel() for res in rollout.results for t in res.tokens)), device=self.dev)
         dist.all_reduce(n_tok, group=self.dp_group)
-        return StepBatch(rows, requests, groups, rewards, correct, answered, int(n_tok))
+        logprobs = [lp for res in rollout.results for lp in res.logprobs]
+        return StepBatch(rows, requests, groups, rewards, correct, answered, int(n_tok), logprobs)
 
     def micro_batches(self, batch: StepBatch, kind: str):
         """Full-sequence or response-stage micro-batches with the advantages laid per token."""
@@ -120,7 +133,8 @@ class Runtime:
     def loss(self, batch: StepBatch):
         """The GRPO loss of this step (token mean over the global response-token count)."""
         t = self.cfg.train
-        return GRPOLoss(t.kl_coef, t.clip_low, t.clip_high, batch.total_tokens, self.tp_group, t.entropy_coef)
+        return GRPOLoss(t.kl_coef, t.clip_low, t.clip_high, batch.total_tokens, self.tp_group, t.entropy_coef,
+                        self.cfg.rollout.temperature, t.kl_estimator, self.banned)
 
     def optimizer_step(self) -> dict:
         """megatron optimizer step (clipping included); gradients are zeroed for the next step."""

@@ -18,9 +18,11 @@ class PrefixShared(Mode):
         batch, out = self.rollout(rt, *rt.requests(step), t)
         mbs = rt.micro_batches(batch, "response")
         with t("old_logp"):
-            old = X.per_response(X.reference_prefix_logprobs(rt.ddp, batch.groups, mbs, rt.backend), mbs, batch.groups)
+            old = X.per_response(X.reference_prefix_logprobs(rt.ddp, batch.groups, mbs, rt.backend,
+                                                               rt.score_loss), mbs, batch.groups)
         with t("ref_logp"):
-            ref = X.per_response(X.reference_prefix_logprobs(rt.ref, batch.groups, mbs, rt.backend), mbs, batch.groups)
+            ref = X.per_response(X.reference_prefix_logprobs(rt.ref, batch.groups, mbs, rt.backend,
+                                                               rt.score_loss), mbs, batch.groups)
         B.attach_token_data(mbs, "old_logp", old)
         B.attach_token_data(mbs, "ref_logp", ref)
         with t("update"):

@@ -44,7 +44,8 @@ class Rollplex(Mode):
                                   recompute_prefix=rt.recompute)
         mbs = rt.micro_batches(batch, "response")
         with t("ref_logp"):
-            ref = X.per_response(X.reference_response_logprobs(rt.ref, mbs, ref_kv, rt.backend), mbs, batch.groups)
+            ref = X.per_response(X.reference_response_logprobs(rt.ref, mbs, ref_kv, rt.backend,
+                                                                 rt.score_loss), mbs, batch.groups)
         B.attach_token_data(mbs, "ref_logp", ref)
         with t("update"):
             res, kv_stats = X.actor_response_step(rt.ddp, mbs, actor_kv, out.prefix_states, rt.backend,

@@ -20,10 +20,12 @@ class Serial(Mode):
         batch, out = self.rollout(rt, *rt.requests(step), t)
         mbs = rt.micro_batches(batch, "full")
         with t("old_logp"), torch.no_grad():
-            old = X.per_response(X.full_sequence_step(rt.ddp, mbs, forward_only=True, backend=rt.backend), mbs,
+            old = X.per_response(X.full_sequence_step(rt.ddp, mbs, forward_only=True, backend=rt.backend,
+                                                      loss_fn=rt.score_loss), mbs,
                                batch.groups)
         with t("ref_logp"), torch.no_grad():
-            ref = X.per_response(X.full_sequence_step(rt.ref, mbs, forward_only=True, backend=rt.backend), mbs,
+            ref = X.per_response(X.full_sequence_step(rt.ref, mbs, forward_only=True, backend=rt.backend,
+                                                      loss_fn=rt.score_loss), mbs,
                                batch.groups)
         B.attach_token_data(mbs, "old_logp", old)
         B.attach_token_data(mbs, "ref_logp", ref)

@@ -1,0 +1,229 @@
+"""Datasets on disk in verl's RL format as a DataSource (`data.train_files`, `data.val_files`).
+
+A row (parquet or jsonl) holds `prompt` (chat messages whose text has `<image>` / `<video>`
+placeholders), `images` (paths, bytes or `{"image": ...}`), `videos` (frame lists or files),
+`reward_model` (`{"ground_truth": ..., "style": "rule"}`), `data_source` and `extra_info`. Every row
+is checked when the source is built, before any model exists: its images and videos open, its
+placeholders match them, its prompt fits `rollout.max_prompt_len`, and its data_source has a reward
+function. The order is a pure function of (data.seed, epoch, step, rank), so a resumed run reads
+the rows it would have read, and data-parallel ranks read disjoint slices of each step.
+"""
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+
+from rollplex_megatron.config import RunConfig
+from rollplex_megatron.data.processor import VLProcessor
+from rollplex_megatron.data.rewards import RewardRegistry
+from rollplex_megatron.data.source import Row, Score
+from rollplex_megatron.prefix.batch import Prompt
+
+FORMATS = (".parquet", ".jsonl", ".json")
+
+
+@dataclass
+class Record:
+    """One dataset row and where it came from (error messages name `where`)."""
+
+    where: str  # "FILE row K"
+    messages: list
+    images: list
+    videos: list
+    ground_truth: object
+    data_source: str
+    extra_info: dict = field(default_factory=dict)
+
+
+def read_rows(path: str) -> list[dict]:
+    """The rows of one parquet / jsonl file as dicts (a missing file or format is an error naming it)."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"data file {path} does not exist")
+    if p.suffix == ".parquet":
+        return pq.read_table(p).to_pylist()
+    if p.suffix in (".jsonl", ".json"):
+        rows = []
+        for k, line in enumerate(p.read_text(encoding="utf-8").splitlines()):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path} line {k + 1}: malformed JSON ({e.msg})") from None
+        return rows
+    raise ValueError(f"data file {path}: unknown format {p.suffix!r}; use one of {FORMATS}")
+
+
+def _record(row: dict, where: str, keys: tuple[str, str, str]) -> Record:
+    prompt_key, image_key, video_key = keys
+    if not isinstance(row, dict) or prompt_key not in row:
+        raise ValueError(f"{where}: no {prompt_key!r} column (set data.prompt_key to the column of chat messages)")
+    messages = row[prompt_key]
+    if isinstance(messages, str):
+        messages = [{"role": "user", "content": messages}]
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"{where}: {prompt_key!r} must be a non-empty list of chat messages")
+    rm = row.get("reward_model") or {}
+    if "ground_truth" not in rm:
+        raise ValueError(f"{where}: no reward_model.ground_truth")
+    return Record(where, messages, list(row.get(image_key) or []), list(row.get(video_key) or []),
+                  rm["ground_truth"], str(row.get("data_source", "")), dict(row.get("extra_info") or {}))
+
+
+def load_records(files: list[str], keys: tuple[str, str, str], setting: str) -> list[Record]:
+    """Every row of `files` (an empty list or an empty dataset is an error naming `setting`)."""
+    if not files:
+        raise ValueError(f"{setting} is empty: give parquet or jsonl files, e.g. {setting}=[train.parquet]")
+    out = []
+    for f in files:
+        out += [_record(r, f"{f} row {k}", keys) for k, r in enumerate(read_rows(f))]
+    if not out:
+        raise ValueError(f"{setting}: {', '.join(files)} hold no rows")
+    return out
+
+
+class Prefetcher:
+    """Builds the next step's rows in one background thread while the current step runs."""
+
+    def __init__(self, build):
+        self.build, self.pool, self.pending = build, ThreadPoolExecutor(1, thread_name_prefix="data"), {}
+
+    def get(self, key: tuple) -> list:
+        """The rows of `key` (waiting for the prefetched ones), then start on the next step's."""
+        fut: Future | None = self.pending.pop(key, None)
+        rows = fut.result() if fut is not None else self.build(*key)
+        nxt = (key[0] + 1, *key[1:])
+        self.pending = {nxt: self.pool.submit(self.build, *nxt)}
+        return rows
+
+
+class DatasetSource:
+    """Rows of `data.train_files` through the checkpoint's processor, scored by the reward registry."""
+
+    name = "dataset"
+
+    def __init__(self, cfg: RunConfig):
+        d = cfg.data
+        path = d.processor or cfg.train.init_hf
+        if not path:
+            raise ValueError("data.train_files needs the model's processor: set train.init_hf=DIR (a Qwen2.5-VL "
+                             "checkpoint with its tokenizer and processor configs) or data.processor=DIR")
+        self.proc = VLProcessor(path, cfg.model, min_pixels=d.min_pixels or None, max_pixels=d.max_pixels or None,
+                                video_fps=d.video_fps, max_frames=d.max_frames, min_frames=d.min_frames)
+        self.rewards = RewardRegistry(cfg.reward.fn, dict(cfg.reward.fns), cfg.reward.format_reward)
+        self.max_prompt_len, self.truncation = cfg.rollout.max_prompt_len, d.truncation
+        keys = (d.prompt_key, d.image_key, d.video_key)
+        self.lengths: dict[str, int] = {}  # prompt tokens per row (`where`), from the check
+        self.train = self._checked(load_records(d.train_files, keys, "data.train_files"))
+        self.val = self._checked(load_records(d.val_files, keys, "data.val_files")) if d.val_files else []
+        self.seed, self.shuffle, self.data_seed = cfg.seed, d.shuffle, d.seed
+        self.stop_token_ids = self.proc.stop_token_ids
+        self.max_new_tokens = cfg.rollout.max_response_len
+        self.chance_reward = self.chance_accuracy = None
+        self.build_seconds = 0.0  # time spent building prompts (the run record reports its share)
+        prefetch = d.prefetch == "on" or (d.prefetch == "auto" and torch.cuda.is_available())
+        self._prefetch = Prefetcher(self._build_rows) if prefetch else None
+
+    def _checked(self, records: list[Record]) -> list[Record]:
+        """Each row's media, placeholders, prompt length and reward function, before any model work."""
+        self.rewards.check([r.data_source for r in records], records[0].where.rsplit(" row ", 1)[0])
+        for r in records:
+            n = self._length(r)
+            if n > self.max_prompt_len and self.truncation == "error":
+                raise ValueError(f"{r.where}: the prompt is {n} tokens, over rollout.max_prompt_len="
+                                 f"{self.max_prompt_len}; raise it, lower data.max_pixels / data.max_frames, or set "
+                                 f"data.truncation=left")
+            if n > self.max_prompt_len:
+                self._truncate(self.proc.build(r.messages, r.images, r.videos), r)  # fails now, not mid-run
+            self.lengths[r.where] = min(n, self.max_prompt_len)
+        return records
+
+    def _length(self, r: Record) -> int:
+        try:
+            sizes = [self.proc.load_image(i).size[::-1] for i in r.images]
+            shapes = []
+            for v in r.videos:
+                frames, fps = self.proc.load_video(v)
+                shapes.append((frames.shape[0], frames.shape[2], frames.shape[3], fps))
+            return self.proc.prompt_length(r.messages, sizes, shapes)
+        except (ValueError, FileNotFoundError, OSError) as e:
+            raise type(e)(f"{r.where}: {e}") from None
+
+    def _truncate(self, prompt: Prompt, r: Record) -> Prompt:
+        """data.truncation=left: drop the oldest tokens, never part of an image or video."""
+        cut = prompt.input_ids.numel() - self.max_prompt_len
+        if cut <= 0:
+            return prompt
+        m = self.proc.model
+        special = {m.image_token_id, m.video_token_id, m.vision_start_token_id, m.vision_end_token_id}
+        if any(int(t) in special for t in prompt.input_ids[:cut]):
+            raise ValueError(f"{r.where}: the prompt is {prompt.input_ids.numel()} tokens, over rollout.max_prompt_len="
+                             f"{self.max_prompt_len}, and left truncation would cut an image or video; raise "
+                             f"rollout.max_prompt_len or lower data.max_pixels")
+        return Prompt(prompt.input_ids[cut:], prompt.pixel_values, prompt.image_grid_thw, prompt.pixel_values_videos,
+                      prompt.video_grid_thw, prompt.second_per_grid_ts)
+
+    def order(self, epoch: int) -> np.ndarray:
+        """The row order of `epoch` (a fresh permutation per epoch when data.shuffle)."""
+        n = len(self.train)
+        if not self.shuffle:
+            return np.arange(n)
+        return np.random.default_rng([self.data_seed, epoch]).permutation(n)
+
+    def positions(self, step: int, dp_rank: int, dp_size: int, n: int) -> list[int]:
+        """Global stream positions of this rank's `n` rows of `step` (epochs follow each other)."""
+        start = step * n * dp_size + dp_rank * n
+        return list(range(start, start + n))
+
+    def _build_rows(self, step: int, dp_rank: int, dp_size: int, n: int) -> list[Row]:
+        t0 = time.perf_counter()
+        rows, size, orders = [], len(self.train), {}
+        for pos in self.positions(step, dp_rank, dp_size, n):
+            epoch = pos // size
+            if epoch not in orders:
+                orders[epoch] = self.order(epoch)
+            rec = self.train[int(orders[epoch][pos % size])]
+            rows.append(Row(self.prompt(rec), seed=self.seed * 1_000_003 + pos, meta=rec))
+        self.build_seconds += time.perf_counter() - t0
+        return rows
+
+    def prompt(self, rec: Record) -> Prompt:
+        """The processor's prompt of one record (truncated on the left when allowed)."""
+        try:
+            prompt = self.proc.build(rec.messages, rec.images, rec.videos)
+        except (ValueError, FileNotFoundError, OSError) as e:
+            raise type(e)(f"{rec.where}: {e}") from None
+        return self._truncate(prompt, rec)
+
+    def rows(self, step: int, dp_rank: int, dp_size: int, n: int) -> list[Row]:  # noqa: D102
+        if self._prefetch is None:
+            return self._build_rows(step, dp_rank, dp_size, n)
+        return self._prefetch.get((step, dp_rank, dp_size, n))
+
+    def val_rows(self, dp_rank: int, dp_size: int, max_rows: int) -> list[Row]:
+        """This rank's slice of the validation rows (at most `max_rows` in all; 0: every row)."""
+        recs = self.val[:max_rows] if max_rows else self.val
+        return [Row(self.prompt(r), seed=self.seed * 7_919 + k, meta=r) for k, r in enumerate(recs)
+                if k % dp_size == dp_rank]
+
+    def val_sources(self, max_rows: int) -> list[str]:
+        """The data_sources of the validation rows (the same list on every rank)."""
+        recs = self.val[:max_rows] if max_rows else self.val
+        return sorted({r.data_source for r in recs})
+
+    def score(self, row: Row, tokens: torch.Tensor) -> Score:  # noqa: D102
+        rec: Record = row.meta
+        res = self.rewards.score(self.proc.decode(tokens), rec.ground_truth, rec.extra_info, rec.data_source,
+                                 rec.where)
+        return Score(res.score, res.acc, res.answered, dict(res.extra))
+
+    def shape_prompts(self, k: int) -> list[Prompt]:  # noqa: D102
+        longest = sorted(self.train, key=lambda r: -self.lengths[r.where])[:k]
+        return [self.prompt(r) for r in longest]

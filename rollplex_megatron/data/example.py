@@ -1,0 +1,109 @@
+"""`make-example DIR`: what a user brings, written offline: a tiny random Qwen2.5-VL checkpoint with
+its processor (tokenizer, chat template, image and video processor configs) in DIR/model, and a
+multiple-choice dataset in verl's RL format in DIR/train.parquet and DIR/val.parquet.
+
+Each row shows one PIL-drawn square and asks which colour it is; the options are always
+"A red B green C blue D yellow" and the reward is the built-in `multiple_choice` (chance 1/4).
+With `videos=True` every third row is a two-frame video instead (frame lists), and rows vary in
+image size and wording, so prompts are ragged (the tests use that form).
+"""
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from PIL import Image
+from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+from rollplex_megatron.config import ModelConfig
+from rollplex_megatron.data.example_files import write_tiny_processor
+
+COLOURS = {"red": (220, 40, 40), "green": (40, 180, 60), "blue": (50, 80, 220), "yellow": (230, 200, 40)}
+LETTERS = "ABCD"
+QUESTION = "which colour is the square ? A red B green C blue D yellow . answer with the letter ."
+LONGER = "look at the picture carefully . " + QUESTION
+WORDS = sorted(set((QUESTION + " " + LONGER + " you are a helpful assistant . system user assistant "
+                    "look at the picture carefully video").split()) | set(LETTERS))
+
+
+def hf_config(model: ModelConfig) -> Qwen2_5_VLConfig:
+    """transformers' Qwen2.5-VL config of a ModelConfig (the inverse of the HF adapter's import)."""
+    v = model.vision
+    text = dict(vocab_size=model.vocab_size, hidden_size=model.hidden_size, intermediate_size=model.ffn_hidden_size,
+                num_hidden_layers=model.num_layers, num_attention_heads=model.num_attention_heads,
+                num_key_value_heads=model.num_query_groups, rms_norm_eps=model.rms_norm_eps,
+                rope_parameters=dict(rope_type="default", rope_theta=model.rope_theta,
+                                     mrope_section=list(model.mrope_section)),
+                max_position_embeddings=model.max_position_embeddings, tie_word_embeddings=model.tie_word_embeddings,
+                bos_token_id=None, eos_token_id=None, pad_token_id=None)  # the tokenizer's live in its own files
+    vision = dict(depth=v.depth, hidden_size=v.hidden_size, intermediate_size=v.ffn_hidden_size, num_heads=v.num_heads,
+                  out_hidden_size=v.out_hidden_size, patch_size=v.patch_size, temporal_patch_size=v.temporal_patch_size,
+                  spatial_merge_size=v.spatial_merge_size, window_size=v.window_size,
+                  fullatt_block_indexes=list(v.fullatt_block_indexes), tokens_per_second=v.tokens_per_second)
+    return Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=model.tie_word_embeddings,
+                            image_token_id=model.image_token_id, video_token_id=model.video_token_id,
+                            vision_start_token_id=model.vision_start_token_id,
+                            vision_end_token_id=model.vision_end_token_id)
+
+
+def write_model(path: Path, model: ModelConfig, seed: int) -> None:
+    """A randomly initialised checkpoint of `model`'s shape, with its processor, in `path`."""
+    torch.manual_seed(seed)
+    Qwen2_5_VLForConditionalGeneration(hf_config(model)).save_pretrained(str(path))
+    write_tiny_processor(path, WORDS, model, min_pixels=28 * 28, max_pixels=56 * 56)
+
+
+def _png(rgb, size: tuple[int, int], rng: np.random.Generator) -> bytes:
+    """A dark canvas with one coloured square at a random place, as PNG bytes."""
+    h, w = size
+    canvas = np.full((h, w, 3), 20, dtype=np.uint8)
+    side = max(6, min(h, w) // 3)
+    y, x = int(rng.integers(0, h - side + 1)), int(rng.integers(0, w - side + 1))
+    canvas[y:y + side, x:x + side] = rgb
+    buf = io.BytesIO()
+    Image.fromarray(canvas).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def example_rows(n: int, seed: int, videos: bool = False, ragged: bool = False) -> list[dict]:
+    """`n` rows of the colour question in verl's RL format (images as `{"bytes": ...}` dicts)."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for k in range(n):
+        colour = list(COLOURS)[int(rng.integers(len(COLOURS)))]
+        size = [(56, 56), (28, 84), (56, 28)][k % 3] if ragged else (56, 56)
+        text = LONGER if ragged and k % 2 else QUESTION
+        row = {"data_source": "multiple_choice", "ability": "vision",
+               "reward_model": {"style": "rule", "ground_truth": LETTERS[list(COLOURS).index(colour)]},
+               "extra_info": {"index": k, "colour": colour}, "images": [], "videos": []}
+        if videos and k % 3 == 2:
+            frame = {"bytes": _png(COLOURS[colour], size, rng)}
+            row["videos"] = [[frame, frame]]
+            row["prompt"] = [{"role": "user", "content": "<video> " + text}]
+        else:
+            row["images"] = [{"bytes": _png(COLOURS[colour], size, rng)}]
+            row["prompt"] = [{"role": "user", "content": "<image> " + text}]
+        rows.append(row)
+    return rows
+
+
+def write_rows(path: Path, rows: list[dict]) -> None:
+    """Rows to a parquet file (pyarrow infers the nested schema)."""
+    pq.write_table(pa.Table.from_pylist(rows), str(path))
+
+
+def make_example(out: str | Path, model: ModelConfig, train_rows: int = 512, val_rows: int = 64,
+                 seed: int = 0, videos: bool = False, ragged: bool = False) -> Path:
+    """Write DIR/model, DIR/train.parquet and DIR/val.parquet; refuses a DIR that exists."""
+    out = Path(out)
+    if out.exists():
+        raise FileExistsError(f"{out} exists; make-example writes a new directory (choose another path)")
+    (out / "model").mkdir(parents=True)
+    write_model(out / "model", model, seed)
+    write_rows(out / "train.parquet", example_rows(train_rows, seed + 1, videos, ragged))
+    write_rows(out / "val.parquet", example_rows(val_rows, seed + 2, videos, ragged))
+    return out

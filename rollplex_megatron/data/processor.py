@@ -1,0 +1,385 @@
+"""Chat messages with images and videos -> a Qwen2.5-VL `Prompt`, as Qwen2_5_VLProcessor builds it.
+
+Legend: T frames, H x W pixels, p = patch size, m = spatial merge, tp = temporal patch.
+A processor directory is what a checkpoint ships next to config.json: tokenizer files and chat
+template, preprocessor_config.json (images, through transformers' PIL image processor) and
+video_preprocessor_config.json (videos, through `envs.vision.video_patches`, because transformers'
+video processor needs torchvision). Messages come in verl's RL form: string contents whose text
+holds `<image>` / `<video>` placeholders, or content lists as the chat template takes them.
+"""
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+
+import av
+import numpy as np
+import torch
+from PIL import Image
+from transformers import AutoTokenizer
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+from rollplex_megatron.config import ModelConfig
+from rollplex_megatron.envs.vision import CLIP_MEAN, CLIP_STD, sample_frame_indices, smart_resize, video_patches
+from rollplex_megatron.prefix.batch import Prompt
+
+PLACEHOLDER = re.compile(r"(<image>|<video>)")  # verl writes these into message text
+IMAGE_PAD, VIDEO_PAD, IM_END = "<|image_pad|>", "<|video_pad|>", "<|im_end|>"
+# Tokens whose ids the model config fixes, with the config field that holds each.
+SPECIAL_FIELDS = {IMAGE_PAD: "image_token_id", VIDEO_PAD: "video_token_id",
+                  "<|vision_start|>": "vision_start_token_id", "<|vision_end|>": "vision_end_token_id"}
+# Qwen2VLVideoProcessor's class defaults, used for fields a video config leaves out.
+VIDEO_DEFAULTS = {"min_pixels": 128 * 28 * 28, "max_pixels": 768 * 28 * 28, "patch_size": 14,
+                  "temporal_patch_size": 2, "merge_size": 2}
+
+
+@dataclass(frozen=True)
+class PixelSettings:
+    """Resize limits and patch shape read from one processor config file (`file` names it in errors)."""
+
+    file: str  # the config file these came from
+    min_pixels: int  # smallest resized frame area
+    max_pixels: int  # largest resized frame area
+    patch_size: int  # spatial patch in pixels
+    temporal_patch_size: int  # frames per temporal patch
+    merge_size: int  # spatial merge of the vision merger
+
+    def tokens(self, grid_thw: tuple[int, int, int]) -> int:
+        """LLM tokens of one image/video grid: t*h*w // merge**2 (Qwen2_5_VLProcessor.replace_image_token)."""
+        return math.prod(grid_thw) // self.merge_size**2
+
+    def grid(self, frames: int, height: int, width: int) -> tuple[int, int, int]:
+        """The (t, h, w) patch grid of `frames` frames of height x width after smart resize and padding."""
+        h, w = smart_resize(height, width, self.patch_size * self.merge_size, self.min_pixels, self.max_pixels)
+        return -(-frames // self.temporal_patch_size), h // self.patch_size, w // self.patch_size
+
+
+def read_video_config(path: str) -> tuple[str, dict]:
+    """(file, dict) of the video processor config, in transformers' order of precedence.
+
+    processor_config.json's nested "video_processor", then video_preprocessor_config.json, then
+    preprocessor_config.json (transformers/video_processing_utils.py, get_video_processor_dict).
+    """
+    nested = os.path.join(path, "processor_config.json")
+    if os.path.isfile(nested):
+        cfg = _read_json(nested)
+        if "video_processor" in cfg:
+            return nested, cfg["video_processor"]
+    for name in ("video_preprocessor_config.json", "preprocessor_config.json"):
+        file = os.path.join(path, name)
+        if os.path.isfile(file):
+            return file, _read_json(file)
+    raise FileNotFoundError(f"{path} has no video_preprocessor_config.json or preprocessor_config.json "
+                            f"(the Qwen2.5-VL processor configs shipped with the checkpoint)")
+
+
+def _read_json(file: str) -> dict:
+    try:
+        with open(file, encoding="utf-8") as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{file} is not valid JSON ({e.msg} at line {e.lineno})") from None
+
+
+def video_settings(file: str, cfg: dict, min_pixels: int | None, max_pixels: int | None) -> PixelSettings:
+    """Video PixelSettings from a config dict: `size` {shortest_edge, longest_edge} or min/max_pixels."""
+    size = cfg.get("size") or {}
+    lo = size.get("shortest_edge", cfg.get("min_pixels", VIDEO_DEFAULTS["min_pixels"]))
+    hi = size.get("longest_edge", cfg.get("max_pixels", VIDEO_DEFAULTS["max_pixels"]))
+    for field, want in (("image_mean", CLIP_MEAN), ("image_std", CLIP_STD)):
+        got = cfg.get(field, want)
+        if not np.allclose(got, want, atol=1e-6):
+            raise ValueError(f"{file} has {field} {got}, but videos are normalised with CLIP's {list(want)}")
+    return PixelSettings(file, min_pixels or lo, max_pixels or hi,
+                         *(cfg.get(k, VIDEO_DEFAULTS[k]) for k in ("patch_size", "temporal_patch_size", "merge_size")))
+
+
+def check_settings(s: PixelSettings, model: ModelConfig) -> None:
+    """The config file's patch, temporal patch and merge sizes equal the model's vision tower's."""
+    v = model.vision
+    for field, got, want, name in (("patch_size", s.patch_size, v.patch_size, "patch_size"),
+                                   ("temporal_patch_size", s.temporal_patch_size, v.temporal_patch_size,
+                                    "temporal_patch_size"),
+                                   ("merge_size", s.merge_size, v.spatial_merge_size, "spatial_merge_size")):
+        if got != want:
+            raise ValueError(f"{s.file} has {field} {got} but model.vision.{name} is {want}")
+    if not 0 < s.min_pixels <= s.max_pixels:
+        raise ValueError(f"{s.file}: min_pixels ({s.min_pixels}) must be positive and at most max_pixels "
+                         f"({s.max_pixels})")
+
+
+def check_tokenizer(tokenizer, path: str, model: ModelConfig) -> None:
+    """The tokenizer's ids of the vision special tokens equal the model config's."""
+    vocab = tokenizer.get_vocab()
+    for token, field in SPECIAL_FIELDS.items():
+        want = getattr(model, field)
+        if token not in vocab:
+            raise ValueError(f"tokenizer in {path} has no {token} token but config.json's {field} is {want}")
+        if vocab[token] != want:
+            raise ValueError(f"tokenizer in {path} maps {token} to {vocab[token]} but config.json's {field} is {want}")
+
+
+def chat_template(tokenizer, path: str) -> str:
+    """The tokenizer's chat template, else the processor's chat_template.json (older Qwen2.5-VL releases)."""
+    if tokenizer.chat_template:
+        return tokenizer.chat_template
+    file = os.path.join(path, "chat_template.json")
+    if os.path.isfile(file):
+        return _read_json(file)["chat_template"]
+    raise FileNotFoundError(f"{path} has no chat template (chat_template.jinja, tokenizer_config.json's "
+                            f"chat_template, or chat_template.json)")
+
+
+def to_content(messages: list[dict]) -> tuple[list[dict], int, int]:
+    """verl messages -> (chat-template messages with content lists, number of images, number of videos).
+
+    String contents are split at `<image>` / `<video>` (empty pieces dropped, as verl's RLHFDataset
+    does); content lists are kept as they are.
+    """
+    out, n_img, n_vid = [], 0, 0
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, str):
+            content = [{"type": "image"} if s == "<image>" else {"type": "video"} if s == "<video>"
+                       else {"type": "text", "text": s} for s in PLACEHOLDER.split(content) if s]
+        elif not isinstance(content, list):
+            raise ValueError(f"a {m.get('role')!r} message's content must be a string or a list, "
+                             f"got {type(content).__name__}")
+        n_img += sum(c.get("type") == "image" or "image" in c for c in content)
+        n_vid += sum(c.get("type") == "video" or "video" in c for c in content)
+        out.append({**m, "content": content})
+    return out, n_img, n_vid
+
+
+def to_rgb(img: Image.Image) -> Image.Image:
+    """RGB, compositing transparency onto white as transformers' convert_to_rgb does (image_transforms.py)."""
+    if "A" in img.getbands() or img.info.get("transparency") is not None:
+        rgba = img.convert("RGBA")
+        return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
+    return img.convert("RGB")
+
+
+def open_image(source, name: str) -> Image.Image:
+    """An RGB image from a path or a file-like object (unreadable -> ValueError naming `name`)."""
+    try:
+        with Image.open(source) as img:
+            return to_rgb(img)
+    except (OSError, ValueError, Image.DecompressionBombError) as e:
+        raise ValueError(f"cannot read image {name}: {e}") from None
+
+
+def read_video(path: str, visit) -> float:
+    """Decode every frame of a video file, calling `visit(av.VideoFrame)` on each; returns the stream's average fps.
+
+    A missing file is a FileNotFoundError and an unreadable one a ValueError, both naming the path.
+    """
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"video file {path} does not exist")
+    count = 0
+    try:
+        with av.open(path) as container:
+            if not container.streams.video:
+                raise ValueError("it has no video stream")
+            stream = container.streams.video[0]
+            for frame in container.decode(stream):
+                visit(frame)
+                count += 1
+            rate = stream.average_rate
+    except (av.FFmpegError, ValueError, OSError) as e:
+        raise ValueError(f"cannot read video {path}: {e}") from None
+    if not count or not rate:
+        raise ValueError(f"cannot read video {path}: no frames or no frame rate")
+    return float(rate)
+
+
+def decode_video(path: str) -> tuple[torch.Tensor, float]:
+    """Every frame of a video file as uint8 RGB [T,3,H,W], with the stream's average fps (PyAV)."""
+    frames = []
+    fps = read_video(path, lambda f: frames.append(torch.from_numpy(f.to_ndarray(format="rgb24"))))
+    return torch.stack(frames).permute(0, 3, 1, 2).contiguous(), fps
+
+
+def probe_video(path: str) -> tuple[int, int, int, float]:
+    """(frames, height, width, fps) of a video file, decoding every frame but keeping none."""
+    shapes = []
+    fps = read_video(path, lambda f: shapes.append((f.height, f.width)))
+    return len(shapes), *shapes[-1], fps
+
+
+def expand_pads(ids: torch.Tensor, pad_ids: tuple[int, int], counts: tuple[list[int], list[int]]) -> torch.Tensor:
+    """Repeat the k-th image (video) pad token counts[0][k] (counts[1][k]) times, in order."""
+    repeats = torch.ones_like(ids)
+    for pad, n in zip(pad_ids, counts):
+        where = (ids == pad).nonzero().flatten()
+        repeats[where] = torch.tensor(n, dtype=ids.dtype)
+    return torch.repeat_interleave(ids, repeats)
+
+
+class VLProcessor:
+    """A checkpoint's tokenizer, chat template and processor configs, checked against the model config.
+
+    `min_pixels` / `max_pixels` override both config files' limits (None: each file's own); videos
+    are sampled at `video_fps`, between `min_frames` and `max_frames` frames.
+    """
+
+    def __init__(self, path: str, model: ModelConfig, *, min_pixels: int | None = None,
+                 max_pixels: int | None = None, video_fps: float = 2.0, max_frames: int = 768,
+                 min_frames: int = 4):
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"processor directory {path} does not exist")
+        self.path, self.model = path, model
+        self.video_fps, self.max_frames, self.min_frames = video_fps, max_frames, min_frames
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.chat_template = chat_template(self.tokenizer, path)
+        check_tokenizer(self.tokenizer, path, model)
+        self.image_processor = ip = self._image_processor()
+        self.image = PixelSettings(os.path.join(path, "preprocessor_config.json"), min_pixels or ip.size.shortest_edge,
+                                   max_pixels or ip.size.longest_edge, ip.patch_size, ip.temporal_patch_size,
+                                   ip.merge_size)
+        self.video = video_settings(*read_video_config(path), min_pixels, max_pixels)
+        check_settings(self.image, model)
+        check_settings(self.video, model)
+        vocab = self.tokenizer.get_vocab()
+        stops = [self.tokenizer.eos_token_id, vocab.get(IM_END)]
+        self.stop_token_ids: tuple[int, ...] = tuple(dict.fromkeys(i for i in stops if i is not None))
+
+    def _image_processor(self) -> Qwen2VLImageProcessorPil:
+        names = ("preprocessor_config.json", "processor_config.json")
+        if not any(os.path.isfile(os.path.join(self.path, n)) for n in names):
+            raise FileNotFoundError(f"{self.path} has no preprocessor_config.json (the Qwen2.5-VL image "
+                                    f"processor config shipped with the checkpoint)")
+        return Qwen2VLImageProcessorPil.from_pretrained(self.path)
+
+    def load_image(self, item) -> Image.Image:
+        """An RGB PIL image from a path, bytes, {"bytes", "path"} (verl / HF datasets), {"image": x} or a PIL image."""
+        if isinstance(item, Image.Image):
+            return to_rgb(item)
+        if isinstance(item, dict):
+            if item.get("bytes") is not None:
+                return open_image(io.BytesIO(item["bytes"]), item.get("path") or "<bytes>")
+            if item.get("path") is not None:
+                return self.load_image(item["path"])
+            if "image" in item:
+                return self.load_image(item["image"])
+            raise ValueError(f"an image item needs 'bytes', 'path' or 'image', got keys {sorted(item)}")
+        if isinstance(item, (bytes, bytearray)):
+            return open_image(io.BytesIO(item), "<bytes>")
+        if isinstance(item, torch.Tensor) and item.dim() == 3 and item.dtype == torch.uint8:
+            return Image.fromarray(item.permute(1, 2, 0).contiguous().numpy())  # one [3,H,W] frame
+        if isinstance(item, (str, os.PathLike)):
+            path = os.fspath(item).removeprefix("file://")
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"image file {path} does not exist")
+            return open_image(path, path)
+        raise ValueError(f"unsupported image item of type {type(item).__name__}")
+
+    def load_video(self, item) -> tuple[torch.Tensor, float]:
+        """(uint8 frames [T,3,H,W], fps they were taken at) of a frame list, {"video": x, "fps": f} or a file.
+
+        A frame list counts as a clip already sampled at `video_fps`, so `sample` keeps it whole up to
+        `max_frames` (floored to a multiple of the temporal patch, as for a file); a file gives every
+        decoded frame and its stream's average fps.
+        """
+        if isinstance(item, dict) and "video" in item:
+            frames, fps = self.load_video(item["video"])
+            return frames, float(item.get("fps") or fps)
+        if isinstance(item, torch.Tensor) and item.dim() == 4 and item.dtype == torch.uint8:
+            return item, self.video_fps
+        if isinstance(item, (list, tuple)):
+            if not item:
+                raise ValueError("a video frame list is empty")
+            frames = [torch.from_numpy(np.array(self.load_image(f))).permute(2, 0, 1) for f in item]
+            sizes = sorted({tuple(f.shape[1:]) for f in frames})
+            if len(sizes) > 1:
+                raise ValueError(f"a video's frames must share one size, got {sizes}")
+            return torch.stack(frames), self.video_fps
+        if isinstance(item, (str, os.PathLike)):
+            return decode_video(os.fspath(item).removeprefix("file://"))
+        raise ValueError(f"unsupported video item of type {type(item).__name__}")
+
+    def video_shape(self, item) -> tuple[int, int, int, float]:
+        """(T, H, W, fps) of a video item as `load_video` gives it, keeping no decoded frames of a file."""
+        if isinstance(item, dict) and "video" in item and isinstance(item["video"], (str, os.PathLike)):
+            t, h, w, fps = self.video_shape(item["video"])
+            return t, h, w, float(item.get("fps") or fps)
+        if isinstance(item, (str, os.PathLike)):
+            return probe_video(os.fspath(item).removeprefix("file://"))
+        frames, fps = self.load_video(item)
+        return frames.shape[0], frames.shape[2], frames.shape[3], fps
+
+    def sample(self, total_frames: int, fps: float) -> tuple[torch.Tensor, float]:
+        """(frame indices, sampled fps) of a clip of `total_frames` at `fps`, sampled at `video_fps`.
+
+        A clip shorter than one temporal patch keeps every frame (transformers would divide by zero).
+        """
+        tp = self.video.temporal_patch_size
+        if total_frames < tp:
+            return torch.arange(total_frames), fps
+        return sample_frame_indices(total_frames, fps, self.video_fps, self.min_frames, self.max_frames, tp)
+
+    def _template_ids(self, messages: list[dict], n_images: int, n_videos: int) -> torch.Tensor:
+        """Token ids of the chat template's text, one pad token per image / video (checked against the counts)."""
+        conv, n_img, n_vid = to_content(messages)
+        for kind, placed, given in (("image", n_img, n_images), ("video", n_vid, n_videos)):
+            if placed != given:
+                raise ValueError(f"the messages have {placed} <{kind}> placeholders but {given} {kind}s were given")
+        text = self.tokenizer.apply_chat_template(conv, chat_template=self.chat_template, tokenize=False,
+                                                  add_generation_prompt=True)
+        ids = torch.tensor(self.tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+        for kind, pad, given in (("image", IMAGE_PAD, n_images), ("video", VIDEO_PAD, n_videos)):
+            rendered = int((ids == getattr(self.model, SPECIAL_FIELDS[pad])).sum())
+            if rendered != given:
+                raise ValueError(f"the chat template in {self.path} rendered {rendered} {pad} tokens for "
+                                 f"{given} {kind}s")
+        return ids
+
+    def _images(self, images: list) -> tuple[torch.Tensor, torch.Tensor]:
+        pils = [self.load_image(i) for i in images]
+        size = {"shortest_edge": self.image.min_pixels, "longest_edge": self.image.max_pixels}
+        out = self.image_processor(images=pils, size=size, return_tensors="pt")
+        return out["pixel_values"].float(), out["image_grid_thw"].long()
+
+    def _videos(self, videos: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        rows, grids, seconds = [], [], []
+        s = self.video
+        for item in videos:
+            frames, fps = self.load_video(item)
+            keep, sampled_fps = self.sample(frames.shape[0], fps)
+            r, grid = video_patches(frames[keep], s.patch_size, s.merge_size, s.temporal_patch_size,
+                                    s.min_pixels, s.max_pixels)
+            rows.append(r)
+            grids.append(grid)
+            # Qwen2_5_VLProcessor._process_videos: temporal_patch_size / VideoMetadata.sampled_fps.
+            seconds.append(s.temporal_patch_size / sampled_fps)
+        return torch.cat(rows), torch.tensor(grids, dtype=torch.long), torch.tensor(seconds, dtype=torch.float32)
+
+    def build(self, messages: list[dict], images: list, videos: list) -> Prompt:
+        """The prompt's token ids (placeholders expanded, generation prompt appended) and pixel tensors."""
+        ids = self._template_ids(messages, len(images), len(videos))
+        prompt = Prompt(ids)
+        if images:
+            prompt.pixel_values, prompt.image_grid_thw = self._images(images)
+        if videos:
+            prompt.pixel_values_videos, prompt.video_grid_thw, prompt.second_per_grid_ts = self._videos(videos)
+        counts = ([self.image.tokens(g) for g in (prompt.image_grid_thw.tolist() if images else [])],
+                  [self.video.tokens(g) for g in (prompt.video_grid_thw.tolist() if videos else [])])
+        prompt.input_ids = expand_pads(ids, (self.model.image_token_id, self.model.video_token_id), counts)
+        return prompt
+
+    def prompt_length(self, messages: list[dict], image_sizes: list[tuple[int, int]],
+                      video_shapes: list[tuple[int, int, int, float]]) -> int:
+        """len(build(...).input_ids) from image (h, w) and video (T, h, w, fps) sizes, without pixel work."""
+        ids = self._template_ids(messages, len(image_sizes), len(video_shapes))
+        tokens = [self.image.tokens(self.image.grid(1, h, w)) for h, w in image_sizes]
+        for t, h, w, fps in video_shapes:
+            kept = len(self.sample(int(t), float(fps))[0])
+            tokens.append(self.video.tokens(self.video.grid(kept, h, w)))
+        return ids.numel() + sum(n - 1 for n in tokens)
+
+    def decode(self, tokens: torch.Tensor) -> str:
+        """Text of generated tokens, special tokens dropped."""
+        return self.tokenizer.decode(tokens.tolist(), skip_special_tokens=True)

@@ -1,0 +1,167 @@
+"""Datasets in verl's RL format: row order (seed, step, rank, resume), prefetch, the model from
+`train.init_hf`, and bad input, each failing before any model is built with a message naming the row
+or setting."""
+import json
+
+import pytest
+import torch
+
+from rollplex_megatron.data import build_source, source_name
+from rollplex_megatron.data.dataset import DatasetSource
+from rollplex_megatron.data.example import example_rows
+from rollplex_megatron.recipes import load_run_config
+
+
+def _cfg(example, *extra, rows="train.parquet"):
+    return load_run_config([f"train.init_hf={example / 'model'}", f"data.train_files=[{example / rows}]",
+                            "rollout.max_response_len=4", *extra])
+
+
+def _ids(rows):
+    return [r.meta.where for r in rows]
+
+
+def test_rows_are_deterministic_disjoint_over_ranks_and_cover_epochs(example_dir):
+    cfg = _cfg(example_dir)
+    assert source_name(cfg) == "dataset"
+    a, b = DatasetSource(cfg), DatasetSource(cfg)
+    n, dp = 4, 2
+    step3 = [_ids(a.rows(3, r, dp, n)) for r in range(dp)]
+    assert step3 == [_ids(b.rows(3, r, dp, n)) for r in range(dp)]  # a resumed run reads the same rows
+    assert not set(step3[0]) & set(step3[1])  # ranks read disjoint rows
+    size = len(a.train)
+    seen = [w for s in range(size // (n * dp)) for r in range(dp) for w in _ids(a.rows(s, r, dp, n))]
+    assert len(seen) == len(set(seen)) == size - size % (n * dp)  # one epoch: no row twice
+    first = a.rows(0, 0, 1, 2)
+    assert torch.equal(first[0].prompt.input_ids, b.prompt(first[0].meta).input_ids)
+    assert first[0].seed != first[1].seed
+    other = DatasetSource(_cfg(example_dir, "data.seed=2"))
+    assert _ids(other.rows(0, 0, 1, 8)) != _ids(a.rows(0, 0, 1, 8))  # data.seed changes the order
+    plain = DatasetSource(_cfg(example_dir, "data.shuffle=false"))
+    assert _ids(plain.rows(0, 0, 1, 3)) == [f"{example_dir / 'train.parquet'} row {k}" for k in range(3)]
+
+
+def test_prefetch_gives_the_same_rows(example_dir):
+    off = DatasetSource(_cfg(example_dir, "data.prefetch=off"))
+    on = DatasetSource(_cfg(example_dir, "data.prefetch=on"))
+    for step in range(3):
+        a, b = off.rows(step, 0, 1, 3), on.rows(step, 0, 1, 3)
+        assert _ids(a) == _ids(b)
+        assert all(torch.equal(x.prompt.input_ids, y.prompt.input_ids) for x, y in zip(a, b))
+    assert (2 + 1, 0, 1, 3) in on._prefetch.pending  # the next step is already being built
+
+
+def test_model_comes_from_init_hf(example_dir):
+    cfg = _cfg(example_dir, "model.freeze_vision=true")
+    hf = json.loads((example_dir / "model" / "config.json").read_text())
+    assert cfg.model.image_token_id == hf["image_token_id"] and cfg.model.freeze_vision
+    with pytest.raises(ValueError, match=r"model\.vocab_size=151936 \(from model=qwen2_5_vl_3b\) disagrees"):
+        _cfg(example_dir, "model=qwen2_5_vl_3b")
+    with pytest.raises(ValueError, match=r"model\.num_layers=.*disagrees"):
+        _cfg(example_dir, "model.num_layers=2")
+
+
+def test_scores_go_through_the_tokenizer_and_the_reward(example_dir):
+    src = DatasetSource(_cfg(example_dir, "reward.format_reward=0.5"))
+    row = src.rows(0, 0, 1, 1)[0]
+    tok = src.proc.tokenizer
+    right = torch.tensor(tok.convert_tokens_to_ids([row.meta.ground_truth]))
+    wrong = torch.tensor(tok.convert_tokens_to_ids(["A" if row.meta.ground_truth != "A" else "B"]))
+    s = src.score(row, right)
+    assert (s.reward, s.correct, s.answered) == (1.5, 1.0, 1.0)
+    s = src.score(row, wrong)
+    assert (s.reward, s.correct, s.answered) == (0.5, 0.0, 1.0)
+    assert src.score(row, torch.tensor(tok.convert_tokens_to_ids(["red"]))).answered == 0.0
+    assert src.max_new_tokens == 4 and tok.convert_tokens_to_ids("<|im_end|>") in src.stop_token_ids
+
+
+def _as_files(rows, tmp):
+    """Rows with their images and frames as PNG files (jsonl holds paths, not bytes)."""
+    for k, r in enumerate(rows):
+        for i, im in enumerate(r["images"]):
+            (tmp / f"r{k}_{i}.png").write_bytes(im["bytes"])
+            r["images"][i] = str(tmp / f"r{k}_{i}.png")
+        for v, frames in enumerate(r["videos"]):
+            for i, fr in enumerate(frames):
+                (tmp / f"r{k}_v{v}_{i}.png").write_bytes(fr["bytes"])
+            r["videos"][v] = [str(tmp / f"r{k}_v{v}_{i}.png") for i in range(len(frames))]
+    return rows
+
+
+def _write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def _bad(tmp_path, example_dir, edit, *extra):
+    rows = _as_files(example_rows(6, seed=5, videos=True), tmp_path)
+    edit(rows, tmp_path)
+    _write_jsonl(tmp_path / "bad.jsonl", rows)
+    cfg = load_run_config([f"train.init_hf={example_dir / 'model'}", f"data.train_files=[{tmp_path / 'bad.jsonl'}]",
+                           *extra])
+    return lambda: build_source(cfg)
+
+
+def _missing_image(rows, tmp):
+    rows[3]["images"] = [str(tmp / "nowhere.png")]
+
+
+def _bad_video(rows, tmp):
+    (tmp / "broken.mp4").write_bytes(b"not a video at all" * 10)
+    rows[2]["videos"] = [{"video": str(tmp / "broken.mp4")}]
+
+
+def _two_placeholders(rows, tmp):
+    rows[1]["prompt"] = [{"role": "user", "content": "<image> <image> which colour ?"}]
+
+
+def _no_reward(rows, tmp):
+    rows[4]["data_source"] = "my_lab/colours"
+
+
+@pytest.mark.parametrize("edit,match", [
+    (_missing_image, r"bad\.jsonl row 3: .*nowhere\.png"),
+    (_bad_video, r"bad\.jsonl row 2: .*broken\.mp4"),
+    (_two_placeholders, r"bad\.jsonl row 1: .*2.*1"),
+    (_no_reward, r"my_lab/colours.*reward\.fns"),
+])
+def test_bad_rows_fail_naming_the_row(tmp_path, example_dir, edit, match):
+    with pytest.raises((ValueError, FileNotFoundError), match=match):
+        _bad(tmp_path, example_dir, edit)()
+
+
+def test_prompt_length_and_truncation(tmp_path, example_dir):
+    src = DatasetSource(_cfg(example_dir))
+    longest = max(src.lengths.values())
+    row0 = src.lengths[f"{example_dir / 'train.parquet'} row 0"]
+    with pytest.raises(ValueError, match=rf"parquet row 0: the prompt is {row0} tokens, over rollout.max_prompt_len=20"):
+        DatasetSource(_cfg(example_dir, "rollout.max_prompt_len=20"))
+    # left truncation keeps the image: the cut lies in the system prompt's text
+    cut = DatasetSource(_cfg(example_dir, f"rollout.max_prompt_len={longest - 3}", "data.truncation=left"))
+    row = cut.rows(0, 0, 1, 1)[0]
+    full = src.prompt(row.meta)
+    assert row.prompt.input_ids.numel() <= longest - 3
+    assert torch.equal(row.prompt.input_ids, full.input_ids[full.input_ids.numel() - row.prompt.input_ids.numel():])
+    with pytest.raises(ValueError, match="would cut an image or video"):
+        DatasetSource(_cfg(example_dir, "rollout.max_prompt_len=12", "data.truncation=left"))
+
+
+def test_empty_dataset_and_missing_settings(tmp_path, example_dir):
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(ValueError, match=r"data.train_files: .*empty\.jsonl hold no rows"):
+        build_source(load_run_config([f"train.init_hf={example_dir / 'model'}",
+                                      f"data.train_files=[{tmp_path / 'empty.jsonl'}]"]))
+    with pytest.raises(ValueError, match="needs the model's processor"):
+        build_source(load_run_config([f"data.train_files=[{example_dir / 'train.parquet'}]"]))
+    with pytest.raises(ValueError, match=r"reward\.fn.*no_such_module"):
+        build_source(_cfg(example_dir, "reward.fn=no_such_module:score"))
+    with pytest.raises(ValueError, match="train.val_every > 0 needs data.val_files"):
+        _cfg(example_dir, "train.val_every=2").check_training()
+
+
+def test_jsonl_rows_with_image_paths(tmp_path, example_dir):
+    _write_jsonl(tmp_path / "rows.jsonl", _as_files(example_rows(4, seed=9), tmp_path))
+    src = build_source(load_run_config([f"train.init_hf={example_dir / 'model'}",
+                                        f"data.train_files=[{tmp_path / 'rows.jsonl'}]", "data.shuffle=false"]))
+    got = src.rows(0, 0, 1, 4)
+    assert [r.meta.where.rsplit(" ", 1)[1] for r in got] == ["0", "1", "2", "3"]
+    assert all(r.prompt.pixel_values is not None and r.prompt.image_grid_thw.shape == (1, 3) for r in got)
