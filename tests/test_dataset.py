@@ -133,7 +133,7 @@ def test_prompt_length_and_truncation(tmp_path, example_dir):
     src = DatasetSource(_cfg(example_dir))
     longest = max(src.lengths.values())
     row0 = src.lengths[f"{example_dir / 'train.parquet'} row 0"]
-    with pytest.raises(ValueError, match=rf"parquet row 0: the prompt is {row0} tokens, over rollout.max_prompt_len=20"):
+    with pytest.raises(ValueError, match=rf"row 0: the prompt is {row0} tokens, over rollout.max_prompt_len=20"):
         DatasetSource(_cfg(example_dir, "rollout.max_prompt_len=20"))
     # left truncation keeps the image: the cut lies in the system prompt's text
     cut = DatasetSource(_cfg(example_dir, f"rollout.max_prompt_len={longest - 3}", "data.truncation=left"))

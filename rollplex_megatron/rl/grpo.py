@@ -125,8 +125,8 @@ class GRPOLoss:
     the single on-policy update that takes old log-probs from its own forward: then old = detached
     current log-probs, ratio 1). The loss is pre-normalised by the global response-token count.
     Log-probs and entropy are those of the policy the rollout sampled from (`policy_logits`: the
-    temperature and the banned vision placeholders; the scoring phases use the same). "kl" is the mean of `kl_estimator` (what the
-    loss adds), "kl_k1" the plain mean log-ratio beside it.
+    temperature and the banned vision placeholders; the scoring phases use the same). "kl" is the
+    mean of `kl_estimator` (what the loss adds), "kl_k1" the plain mean log-ratio beside it.
     """
 
     def __init__(self, kl_coef: float, clip_low: float, clip_high: float, total_tokens: int, tp_group=None,
