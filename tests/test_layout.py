@@ -145,7 +145,7 @@ def test_a_new_data_source_is_one_class_and_one_registry_line(monkeypatch):
     src = D.build_source(cfg)
     rows = src.rows(3, 1, 2, 2)
     assert [r.seed for r in rows] == [302, 303] and src.score(rows[0], torch.tensor([4, 7])).reward == 1.0
-    with pytest.raises(ValueError, match="data.source must be one of"):
+    with pytest.raises(ValueError, match="data.source must be auto or one of"):
         load_run_config(["data.source=nope"])
 
 
