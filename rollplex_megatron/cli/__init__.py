@@ -219,8 +219,9 @@ def _cmd_make_example(argv: list[str]) -> int:
     ap.add_argument("--videos", action="store_true", help="every third row a two-frame video")
     a, overrides = ap.parse_known_args(argv)
     out = make_example(a.out, load_run_config(overrides).model, a.train_rows, a.val_rows, a.seed, a.videos)
-    print(f"train with: python -m rollplex_megatron train train.init_hf={out / 'model'} "
-          f"data.train_files=[{out / 'train.parquet'}] data.val_files=[{out / 'val.parquet'}] train.val_every=25")
+    train, val = (next(out.glob(f"{name}.*")) for name in ("train", "val"))  # .parquet, or .jsonl without pyarrow
+    print(f"train with: python -m rollplex_megatron train train.init_hf={out / 'model'} data.train_files=[{train}] "
+          f"data.val_files=[{val}] train.val_every=25 rollout.max_response_len=4 reward.format_reward=0.5")
     print(out)
     return 0
 

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import pyarrow.parquet as pq
 import torch
 
 from rollplex_megatron.config import RunConfig
@@ -25,6 +24,11 @@ from rollplex_megatron.data.processor import VLProcessor
 from rollplex_megatron.data.rewards import RewardRegistry
 from rollplex_megatron.data.source import Row, Score
 from rollplex_megatron.prefix.batch import Prompt
+
+try:  # parquet files only (pinned in constraints.txt); jsonl rows and the package itself need no pyarrow
+    import pyarrow.parquet as pq
+except ImportError:
+    pq = None
 
 FORMATS = (".parquet", ".jsonl", ".json")
 
@@ -48,6 +52,8 @@ def read_rows(path: str) -> list[dict]:
     if not p.is_file():
         raise FileNotFoundError(f"data file {path} does not exist")
     if p.suffix == ".parquet":
+        if pq is None:
+            raise ValueError(f"reading {path} needs pyarrow: pip install pyarrow (or convert the rows to jsonl)")
         return pq.read_table(p).to_pylist()
     if p.suffix in (".jsonl", ".json"):
         rows = []

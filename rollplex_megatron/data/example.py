@@ -12,15 +12,21 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
+import json
+
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 from PIL import Image
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
 from rollplex_megatron.config import ModelConfig
 from rollplex_megatron.data.example_files import write_tiny_processor
+
+try:  # parquet output; without pyarrow the rows are written as jsonl with image files beside them
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+except ImportError:
+    pa = pq = None
 
 COLOURS = {"red": (220, 40, 40), "green": (40, 180, 60), "blue": (50, 80, 220), "yellow": (230, 200, 40)}
 LETTERS = "ABCD"
@@ -91,14 +97,31 @@ def example_rows(n: int, seed: int, videos: bool = False, ragged: bool = False) 
     return rows
 
 
-def write_rows(path: Path, rows: list[dict]) -> None:
-    """Rows to a parquet file (pyarrow infers the nested schema)."""
-    pq.write_table(pa.Table.from_pylist(rows), str(path))
+def write_rows(path: Path, rows: list[dict]) -> Path:
+    """Rows to `path` as parquet (pyarrow infers the nested schema), or, without pyarrow, to
+    `path` with suffix .jsonl and the images and frames as PNG files in a folder beside it."""
+    if pq is not None:
+        pq.write_table(pa.Table.from_pylist(rows), str(path))
+        return path
+    media = path.with_suffix("")
+    media.mkdir()
+    for k, r in enumerate(rows):
+        r["images"] = [_save(media / f"{k}_{i}.png", im) for i, im in enumerate(r["images"])]
+        r["videos"] = [[_save(media / f"{k}_v{v}_{i}.png", f) for i, f in enumerate(fr)]
+                       for v, fr in enumerate(r["videos"])]
+    out = path.with_suffix(".jsonl")
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return out
+
+
+def _save(path: Path, image: dict) -> str:
+    path.write_bytes(image["bytes"])
+    return str(path)
 
 
 def make_example(out: str | Path, model: ModelConfig, train_rows: int = 512, val_rows: int = 64,
                  seed: int = 0, videos: bool = False, ragged: bool = False) -> Path:
-    """Write DIR/model, DIR/train.parquet and DIR/val.parquet; refuses a DIR that exists."""
+    """Write DIR/model, DIR/train.parquet and DIR/val.parquet (.jsonl without pyarrow); refuses an existing DIR."""
     out = Path(out)
     if out.exists():
         raise FileExistsError(f"{out} exists; make-example writes a new directory (choose another path)")

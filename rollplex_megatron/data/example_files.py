@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 
-import av
 import numpy as np
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -18,6 +17,11 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 
 from rollplex_megatron.config import ModelConfig
 from rollplex_megatron.envs.vision import CLIP_MEAN, CLIP_STD
+
+try:  # only `write_video` needs PyAV
+    import av
+except ImportError:
+    av = None
 
 UNK, PAD, IM_START, IM_END = "<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 DEFAULT_SYSTEM = "You are a helpful assistant."
@@ -119,6 +123,8 @@ def write_tiny_processor(path: str, words: list[str], model: ModelConfig, min_pi
 
 def write_video(path: str, frames_TCHW_uint8: torch.Tensor, fps: int = 4, codec: str = "mpeg4") -> str:
     """Encode uint8 RGB frames [T,3,H,W] (even H and W) into a video file with PyAV. Returns `path`."""
+    if av is None:
+        raise ValueError("write_video needs PyAV: pip install av")
     with av.open(path, mode="w") as container:
         stream = container.add_stream(codec, rate=fps)
         stream.height, stream.width = frames_TCHW_uint8.shape[-2:]

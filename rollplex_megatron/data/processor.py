@@ -16,7 +16,6 @@ import os
 import re
 from dataclasses import dataclass
 
-import av
 import numpy as np
 import torch
 from PIL import Image
@@ -26,6 +25,11 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 from rollplex_megatron.config import ModelConfig
 from rollplex_megatron.envs.vision import CLIP_MEAN, CLIP_STD, sample_frame_indices, smart_resize, video_patches
 from rollplex_megatron.prefix.batch import Prompt
+
+try:  # video files only (pinned in constraints.txt); frame lists, images and the package itself need no PyAV
+    import av
+except ImportError:
+    av = None
 
 PLACEHOLDER = re.compile(r"(<image>|<video>)")  # verl writes these into message text
 IMAGE_PAD, VIDEO_PAD, IM_END = "<|image_pad|>", "<|video_pad|>", "<|im_end|>"
@@ -179,6 +183,8 @@ def read_video(path: str, visit) -> float:
     """
     if not os.path.isfile(path):
         raise FileNotFoundError(f"video file {path} does not exist")
+    if av is None:
+        raise ValueError(f"reading the video file {path} needs PyAV: pip install av (or give its frames as a list)")
     count = 0
     try:
         with av.open(path) as container:
