@@ -2,6 +2,7 @@
 `train.init_hf`, and bad input, each failing before any model is built with a message naming the row
 or setting."""
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -165,3 +166,15 @@ def test_jsonl_rows_with_image_paths(tmp_path, example_dir):
     got = src.rows(0, 0, 1, 4)
     assert [r.meta.where.rsplit(" ", 1)[1] for r in got] == ["0", "1", "2", "3"]
     assert all(r.prompt.pixel_values is not None and r.prompt.image_grid_thw.shape == (1, 3) for r in got)
+
+
+def test_the_readme_example_file_loads(example_dir):
+    """examples/colour_squares/train.jsonl (the README's 10 lines): relative image paths are read from
+    the file's folder, images and two-frame videos both build."""
+    path = Path(__file__).resolve().parent.parent / "examples" / "colour_squares" / "train.jsonl"
+    src = build_source(load_run_config([f"train.init_hf={example_dir / 'model'}", f"data.train_files=[{path}]",
+                                        "data.shuffle=false"]))
+    rows = src.rows(0, 0, 1, 10)
+    assert len(src.train) == 10 and len(path.read_text().splitlines()) == 10
+    assert sum(r.prompt.pixel_values_videos is not None for r in rows) == 3
+    assert all(r.meta.images[0].startswith(str(path.parent)) for r in rows if r.meta.images)

@@ -1,7 +1,8 @@
 """Datasets on disk in verl's RL format as a DataSource (`data.train_files`, `data.val_files`).
 
 A row (parquet or jsonl) holds `prompt` (chat messages whose text has `<image>` / `<video>`
-placeholders), `images` (paths, bytes or `{"image": ...}`), `videos` (frame lists or files),
+placeholders), `images` (paths, bytes or `{"image": ...}`), `videos` (frame lists or files; relative
+paths are read from the data file's folder),
 `reward_model` (`{"ground_truth": ..., "style": "rule"}`), `data_source` and `extra_info`. Every row
 is checked when the source is built, before any model exists: its images and videos open, its
 placeholders match them, its prompt fits `rollout.max_prompt_len`, and its data_source has a reward
@@ -67,7 +68,18 @@ def read_rows(path: str) -> list[dict]:
     raise ValueError(f"data file {path}: unknown format {p.suffix!r}; use one of {FORMATS}")
 
 
-def _record(row: dict, where: str, keys: tuple[str, str, str]) -> Record:
+def _resolve(item, base: Path):
+    """Relative media paths (plain, in frame lists, under "image"/"video"/"path") against the data file's folder."""
+    if isinstance(item, str) and not Path(item).is_absolute():
+        return str(base / item)
+    if isinstance(item, list):
+        return [_resolve(x, base) for x in item]
+    if isinstance(item, dict):
+        return {k: _resolve(v, base) if k in ("image", "video", "path") else v for k, v in item.items()}
+    return item
+
+
+def _record(row: dict, where: str, keys: tuple[str, str, str], base: Path) -> Record:
     prompt_key, image_key, video_key = keys
     if not isinstance(row, dict) or prompt_key not in row:
         raise ValueError(f"{where}: no {prompt_key!r} column (set data.prompt_key to the column of chat messages)")
@@ -79,8 +91,10 @@ def _record(row: dict, where: str, keys: tuple[str, str, str]) -> Record:
     rm = row.get("reward_model") or {}
     if "ground_truth" not in rm:
         raise ValueError(f"{where}: no reward_model.ground_truth")
-    return Record(where, messages, list(row.get(image_key) or []), list(row.get(video_key) or []),
-                  rm["ground_truth"], str(row.get("data_source", "")), dict(row.get("extra_info") or {}))
+    images = [_resolve(x, base) for x in row.get(image_key) or []]
+    videos = [_resolve(x, base) for x in row.get(video_key) or []]
+    return Record(where, messages, images, videos, rm["ground_truth"], str(row.get("data_source", "")),
+                  dict(row.get("extra_info") or {}))
 
 
 def load_records(files: list[str], keys: tuple[str, str, str], setting: str) -> list[Record]:
@@ -89,7 +103,7 @@ def load_records(files: list[str], keys: tuple[str, str, str], setting: str) -> 
         raise ValueError(f"{setting} is empty: give parquet or jsonl files, e.g. {setting}=[train.parquet]")
     out = []
     for f in files:
-        out += [_record(r, f"{f} row {k}", keys) for k, r in enumerate(read_rows(f))]
+        out += [_record(r, f"{f} row {k}", keys, Path(f).parent) for k, r in enumerate(read_rows(f))]
     if not out:
         raise ValueError(f"{setting}: {', '.join(files)} hold no rows")
     return out
