@@ -7,10 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from rollplex_megatron.cli import main as cli_main
 from rollplex_megatron.data import build_source, source_name
 from rollplex_megatron.data.dataset import DatasetSource
 from rollplex_megatron.data.example import example_rows
 from rollplex_megatron.recipes import load_run_config
+from rollplex_megatron.report import read_metrics
 
 
 def _cfg(example, *extra, rows="train.parquet"):
@@ -178,3 +180,21 @@ def test_the_readme_example_file_loads(example_dir):
     assert len(src.train) == 10 and len(path.read_text().splitlines()) == 10
     assert sum(r.prompt.pixel_values_videos is not None for r in rows) == 3
     assert all(r.meta.images[0].startswith(str(path.parent)) for r in rows if r.meta.images)
+
+
+def test_train_on_a_dataset_with_validation_runs(tmp_path, example_dir):
+    """`train` on dataset rows: validation before training, every 2 steps and after the last, per
+    data_source; the step records carry the data share and both KL numbers; the report has them."""
+    run = tmp_path / "run"
+    rc = cli_main(["train", f"train.init_hf={example_dir / 'model'}",
+                   f"data.train_files=[{example_dir / 'train.parquet'}]",
+                   f"data.val_files=[{example_dir / 'val.parquet'}]", "train.val_every=2", "train.steps=3",
+                   "rollout.max_response_len=4", "workload.rollout_batch=16", "rollout.group_size=4",
+                   "workload.responses_per_micro_batch=8", f"train.out={run}", "train.progress=false"])
+    assert rc == 0
+    steps, vals = read_metrics(run / "metrics.jsonl"), read_metrics(run / "metrics.jsonl", kind="val")
+    assert [r["step"] for r in steps] == [1, 2, 3] and [v["step"] for v in vals] == [0, 2, 3]
+    assert all(v["val/responses"] == 8 and 0 <= v["val/multiple_choice/reward_mean"] <= 1 for v in vals)
+    assert all(0 <= r["data_share"] < 1 and "kl_k1" in r and r["rollout_logp_diff"] < 1e-5 for r in steps)
+    summary = json.loads((run / "summary.json").read_text())["modes"]["rollplex"]
+    assert summary["val"]["last"]["step"] == 3 and (run / "report.png").stat().st_size > 0

@@ -119,3 +119,30 @@ def test_entropy_bonus_enters_the_loss_only_when_set():
 
     base, bonus, h, h2 = run_local(_bonus_worker, 1)[0]
     assert torch.allclose(bonus, base - 0.1 * h, atol=1e-6) and torch.allclose(h, h2) and h > 1.0
+
+
+def test_kl_estimators_by_formula_and_clamp():
+    g = torch.Generator().manual_seed(3)
+    logp = -torch.rand(1000, generator=g) * 8
+    ref = logp + torch.randn(1000, generator=g) * 0.3
+    d = logp - ref
+    assert torch.allclose(grpo.kl_estimate(logp, ref, "k1"), d)
+    assert torch.allclose(grpo.kl_estimate(logp, ref, "k2"), 0.5 * d**2)
+    assert torch.allclose(grpo.kl_estimate(logp, ref, "k3"), torch.exp(-d) + d - 1)
+    assert torch.allclose(grpo.kl_estimate(logp, ref, "low_var_kl"), torch.exp(-d) + d - 1)  # no clamp needed here
+    # a token the policy made far less likely than the reference: k3 explodes, low_var_kl is clamped at 10
+    far = grpo.kl_estimate(torch.tensor([-40.0]), torch.tensor([-1.0]), "k3")
+    assert float(far) > 1e16 and float(grpo.kl_estimate(torch.tensor([-40.0]), torch.tensor([-1.0]),
+                                                        "low_var_kl")) == 10.0
+    with pytest.raises(ValueError, match="train.kl_estimator must be one of"):
+        grpo.kl_estimate(logp, ref, "k4")
+
+
+def test_policy_logits_temperature_and_banned_tokens_per_tp_shard():
+    g = torch.Generator().manual_seed(4)
+    full = torch.randn(2, 3, 16, generator=g)
+    ref = (full / 0.7).index_fill(-1, torch.tensor([5, 12]), torch.finfo(torch.float32).min)
+    shards = [grpo.policy_logits(part, 0.7, (5, 12), rank) for rank, part in enumerate(full.chunk(2, dim=-1))]
+    assert torch.equal(torch.cat(shards, dim=-1), ref)
+    masked = torch.full_like(full, torch.finfo(torch.float32).min)  # padded columns divided by T stay finite
+    assert torch.isfinite(grpo.policy_logits(masked, 0.5)).all()
