@@ -148,7 +148,7 @@ def test_resume_change_rule_and_its_mutation():
     assert R.resume_changes(saved, saved.replace("steps: 2", "steps: 9").replace("rollplex", "serial")) == []
     assert R.resume_changes(saved, saved.replace("0.001", "0.5")) == [("optim.lr", 0.001, 0.5)]
     assert R.resume_changes(saved, saved + "seed: 3\n") == [("seed", None, 3)]  # the default seed is 1234
-    assert R.resume_changes(saved, saved + "seed: 1234\ndata:\n  source: rendered\n") == []  # newer, at default
+    assert R.resume_changes(saved, saved + "seed: 1234\ndata:\n  source: auto\n") == []  # newer, at default
     assert R.resume_changes(saved, saved + "data:\n  source: other\n") == [("data.source", None, "other")]
 
 

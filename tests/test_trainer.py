@@ -23,15 +23,11 @@ LOGP_TOL = 1e-5
 
 
 def _cfg(mode, *extra, hf=None):
+    """BASE in `mode`; with `hf` the model is the checkpoint's (train.init_hf), not the tiny preset."""
     over = BASE + [f"mode.name={mode}"] + list(extra)
     if hf is not None:
-        over.append(f"train.init_hf={hf}")
-    cfg = load_run_config(over)
-    if hf is not None:
-        from rollplex_megatron.models.qwen25vl.hf import HFCheckpoint
-
-        cfg.model = HFCheckpoint(hf).model_config()
-    return cfg
+        over = [o for o in over if o != "model=tiny"] + [f"train.init_hf={hf}"]
+    return load_run_config(over)
 
 
 def _rel(a, b):
@@ -79,7 +75,7 @@ def test_modes_match_serial_over_three_steps(tiny_hf, serial_run, mode):
 
 def _data_cfg(mode, example_dir, *extra):
     """BASE on `make-example` rows (ragged prompts, images and two-frame videos) at temperature 0.7."""
-    over = [o for o in BASE if not o.startswith(("task.", "model="))]
+    over = [o for o in BASE if not o.startswith(("task.", "model="))]  # the example's checkpoint sets the model
     return load_run_config(over + [f"mode.name={mode}", f"train.init_hf={example_dir / 'model'}",
                                    f"data.train_files=[{example_dir / 'train.parquet'}]", "rollout.temperature=0.7",
                                    "rollout.max_response_len=6", "reward.format_reward=0.5", *extra])

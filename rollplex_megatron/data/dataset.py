@@ -168,10 +168,7 @@ class DatasetSource:
     def _length(self, r: Record) -> int:
         try:
             sizes = [self.proc.load_image(i).size[::-1] for i in r.images]
-            shapes = []
-            for v in r.videos:
-                frames, fps = self.proc.load_video(v)
-                shapes.append((frames.shape[0], frames.shape[2], frames.shape[3], fps))
+            shapes = [self.proc.video_shape(v) for v in r.videos]  # a file is decoded, its frames not kept
             return self.proc.prompt_length(r.messages, sizes, shapes)
         except (ValueError, FileNotFoundError, OSError) as e:
             raise type(e)(f"{r.where}: {e}") from None
