@@ -163,7 +163,8 @@ def _plot_curve(ax, runs: dict[str, list[dict]], key: str, title: str, alt: str 
 def _plot_val(ax, val_runs: dict[str, list[dict]]) -> None:
     """Validation reward per data source (dashed, markers) over the reward panel."""
     for i, (label, records) in enumerate(val_runs.items()):
-        keys = sorted({k for r in records for k in r if k.startswith("val/") and k.endswith("/reward_mean")})
+        keys = sorted({k for r in records for k in r if k.startswith("val/") and k.endswith("/reward_mean")}
+                      - {"val/reward_mean"})
         for j, k in enumerate(["val/reward_mean", *keys] if len(keys) > 1 else ["val/reward_mean"]):
             pts = [(r["step"], r[k]) for r in _by_step(records) if k in r]
             ax.plot(*zip(*pts), color=f"C{i}", linestyle="--", marker="os^v<>"[j % 6], markersize=4,

@@ -12,7 +12,6 @@ the rows it would have read, and data-parallel ranks read disjoint slices of eac
 from __future__ import annotations
 
 import json
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -147,7 +146,6 @@ class DatasetSource:
         self.stop_token_ids = self.proc.stop_token_ids
         self.max_new_tokens = cfg.rollout.max_response_len
         self.chance_reward = self.chance_accuracy = None
-        self.build_seconds = 0.0  # time spent building prompts (the run record reports its share)
         prefetch = d.prefetch == "on" or (d.prefetch == "auto" and torch.cuda.is_available())
         self._prefetch = Prefetcher(self._build_rows) if prefetch else None
 
@@ -200,7 +198,6 @@ class DatasetSource:
         return list(range(start, start + n))
 
     def _build_rows(self, step: int, dp_rank: int, dp_size: int, n: int) -> list[Row]:
-        t0 = time.perf_counter()
         rows, size, orders = [], len(self.train), {}
         for pos in self.positions(step, dp_rank, dp_size, n):
             epoch = pos // size
@@ -208,7 +205,6 @@ class DatasetSource:
                 orders[epoch] = self.order(epoch)
             rec = self.train[int(orders[epoch][pos % size])]
             rows.append(Row(self.prompt(rec), seed=self.seed * 1_000_003 + pos, meta=rec))
-        self.build_seconds += time.perf_counter() - t0
         return rows
 
     def prompt(self, rec: Record) -> Prompt:

@@ -2,7 +2,8 @@
 its processor (tokenizer, chat template, image and video processor configs) in DIR/model, and a
 multiple-choice dataset in verl's RL format in DIR/train.parquet and DIR/val.parquet.
 
-Each row shows one PIL-drawn square and asks which colour it is; the options are always
+Each row shows one PIL-drawn square (14 px on a 28x28 image by default: one merged vision token)
+and asks which colour it is; the options are always
 "A red B green C blue D yellow" and the reward is the built-in `multiple_choice` (chance 1/4).
 With `videos=True` every third row is a two-frame video instead (frame lists), and rows vary in
 image size and wording, so prompts are ragged (the tests use that form).
@@ -63,11 +64,11 @@ def write_model(path: Path, model: ModelConfig, seed: int) -> None:
     write_tiny_processor(path, WORDS, model, min_pixels=28 * 28, max_pixels=56 * 56)
 
 
-def _png(rgb, size: tuple[int, int], rng: np.random.Generator) -> bytes:
-    """A dark canvas with one coloured square at a random place, as PNG bytes."""
+def _png(rgb, size: tuple[int, int], rng: np.random.Generator, side: int) -> bytes:
+    """A dark canvas with one coloured square of `side` pixels at a random place, as PNG bytes."""
     h, w = size
     canvas = np.full((h, w, 3), 20, dtype=np.uint8)
-    side = max(6, min(h, w) // 3)
+    side = min(side, h, w)
     y, x = int(rng.integers(0, h - side + 1)), int(rng.integers(0, w - side + 1))
     canvas[y:y + side, x:x + side] = rgb
     buf = io.BytesIO()
@@ -75,23 +76,25 @@ def _png(rgb, size: tuple[int, int], rng: np.random.Generator) -> bytes:
     return buf.getvalue()
 
 
-def example_rows(n: int, seed: int, videos: bool = False, ragged: bool = False) -> list[dict]:
-    """`n` rows of the colour question in verl's RL format (images as `{"bytes": ...}` dicts)."""
+def example_rows(n: int, seed: int, videos: bool = False, ragged: bool = False, image_px: int = 28,
+                 square_px: int = 14) -> list[dict]:
+    """`n` rows of the colour question in verl's RL format (images as `{"bytes": ...}` dicts of
+    `image_px` squares, or 56x56 / 28x84 / 56x28 when `ragged`)."""
     rng = np.random.default_rng(seed)
     rows = []
     for k in range(n):
         colour = list(COLOURS)[int(rng.integers(len(COLOURS)))]
-        size = [(56, 56), (28, 84), (56, 28)][k % 3] if ragged else (56, 56)
+        size = [(56, 56), (28, 84), (56, 28)][k % 3] if ragged else (image_px, image_px)
         text = LONGER if ragged and k % 2 else QUESTION
         row = {"data_source": "multiple_choice", "ability": "vision",
                "reward_model": {"style": "rule", "ground_truth": LETTERS[list(COLOURS).index(colour)]},
                "extra_info": {"index": k, "colour": colour}, "images": [], "videos": []}
         if videos and k % 3 == 2:
-            frame = {"bytes": _png(COLOURS[colour], size, rng)}
+            frame = {"bytes": _png(COLOURS[colour], size, rng, square_px)}
             row["videos"] = [[frame, frame]]
             row["prompt"] = [{"role": "user", "content": "<video> " + text}]
         else:
-            row["images"] = [{"bytes": _png(COLOURS[colour], size, rng)}]
+            row["images"] = [{"bytes": _png(COLOURS[colour], size, rng, square_px)}]
             row["prompt"] = [{"role": "user", "content": "<image> " + text}]
         rows.append(row)
     return rows
@@ -120,13 +123,14 @@ def _save(path: Path, image: dict) -> str:
 
 
 def make_example(out: str | Path, model: ModelConfig, train_rows: int = 512, val_rows: int = 64,
-                 seed: int = 0, videos: bool = False, ragged: bool = False) -> Path:
+                 seed: int = 0, videos: bool = False, ragged: bool = False, image_px: int = 28,
+                 square_px: int = 14) -> Path:
     """Write DIR/model, DIR/train.parquet and DIR/val.parquet (.jsonl without pyarrow); refuses an existing DIR."""
     out = Path(out)
     if out.exists():
         raise FileExistsError(f"{out} exists; make-example writes a new directory (choose another path)")
     (out / "model").mkdir(parents=True)
     write_model(out / "model", model, seed)
-    write_rows(out / "train.parquet", example_rows(train_rows, seed + 1, videos, ragged))
-    write_rows(out / "val.parquet", example_rows(val_rows, seed + 2, videos, ragged))
+    write_rows(out / "train.parquet", example_rows(train_rows, seed + 1, videos, ragged, image_px, square_px))
+    write_rows(out / "val.parquet", example_rows(val_rows, seed + 2, videos, ragged, image_px, square_px))
     return out

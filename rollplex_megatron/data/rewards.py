@@ -468,7 +468,7 @@ class RewardRegistry:
     def _missing(self, data_source: str, where: str) -> ValueError:
         """The error for a data_source that has no function."""
         return ValueError(f"{where}: data_source {data_source!r} has no reward function; set "
-                          f"reward.fns={{{data_source}: package.module:function}} or reward.fn=..., "
+                          f"+reward.fns={{{data_source}: 'package.module:function'}} or reward.fn=..., "
                           f"or name a built-in: {', '.join(BUILTINS)}")
 
     def check(self, data_sources: Iterable[str], where: str) -> None:
