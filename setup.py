@@ -18,6 +18,7 @@ setup(
         "pyarrow",
         "av",
         "pillow",
+        "tensorboard",
     ],
     extras_require={"test": ["pytest"]},
     entry_points={"console_scripts": ["rollplex=rollplex_megatron.__main__:main"]},

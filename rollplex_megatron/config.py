@@ -344,22 +344,38 @@ class PlanConfig:
             raise ValueError(f"plan.serial_engine must be separate or embedded, got {self.serial_engine!r}")
 
 
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")  # megatron's OptimizerParamScheduler
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")  # verl's
+
+
 @dataclass(kw_only=True)
 class OptimConfig:
     """megatron-core optimizer (Adam) settings."""
 
-    lr: float = 1e-3  # learning rate (constant)
-    weight_decay: float = 0.0  # decoupled weight decay
+    lr: float = 1e-3  # peak learning rate (after warm-up)
+    weight_decay: float = 0.0  # decoupled weight decay (megatron: not on biases and norms)
     adam_beta1: float = 0.9  # Adam beta1
     adam_beta2: float = 0.999  # Adam beta2
     adam_eps: float = 1e-8  # Adam epsilon
     clip_grad: float = 1.0  # global gradient-norm clip (0: off)
+    # megatron-core's OptimizerParamScheduler, stepped once per optimizer step and checkpointed
+    lr_warmup_steps: int = 0  # linear warm-up from lr_warmup_init to lr over this many optimizer steps
+    lr_warmup_init: float = 0.0  # learning rate at the first step of the warm-up
+    lr_decay_style: str = "constant"  # constant | linear | cosine | inverse-square-root (after warm-up)
+    lr_decay_steps: int = 0  # optimizer steps to decay over (0: train.steps)
+    min_lr: float = 0.0  # learning rate at the end of the decay
 
     def __post_init__(self) -> None:
         if not self.lr > 0:
             raise ValueError(f"optim.lr must be > 0, got {self.lr}")
         if self.clip_grad < 0:
             raise ValueError(f"optim.clip_grad must be >= 0, got {self.clip_grad}")
+        if self.lr_decay_style not in LR_DECAY_STYLES:
+            raise ValueError(f"optim.lr_decay_style must be one of {LR_DECAY_STYLES}, got {self.lr_decay_style!r}")
+        if min(self.lr_warmup_steps, self.lr_decay_steps) < 0 or not 0 <= self.min_lr <= self.lr \
+                or not 0 <= self.lr_warmup_init <= self.lr:
+            raise ValueError("optim.lr_warmup_steps and optim.lr_decay_steps must be >= 0, and optim.min_lr and "
+                             "optim.lr_warmup_init within [0, optim.lr]")
 
 
 @dataclass(kw_only=True)
@@ -372,6 +388,12 @@ class TrainConfig:
     entropy_coef: float = 0.0  # entropy bonus (token mean of the policy entropy) subtracted from the loss
     clip_low: float = 0.2  # PPO ratio clip below 1
     clip_high: float = 0.2  # PPO ratio clip above 1
+    clip_ratio_c: float = 0.0  # dual clip: negative-advantage tokens' loss capped at clip_ratio_c * |A| (0: off; > 1)
+    # token-mean (every response token weighs the same) | seq-mean-token-mean (every response the same) |
+    # seq-mean-token-sum | seq-mean-token-sum-norm (Dr. GRPO: token sums over responses x rollout.max_response_len)
+    loss_agg_mode: str = "token-mean"
+    tensorboard: bool = False  # TensorBoard event files (tensorboard/ in the run directory): metrics.jsonl's scalars
+    wandb: bool = False  # wandb in offline mode (wandb/ in the run directory; needs the wandb package)
     normalize_std: bool = True  # divide group-centred rewards by the group std
     save_every: int = 0  # checkpoint every k steps (0: only at the end)
     save_final: bool = True  # checkpoint after the last step (benchmark runs turn it off)
@@ -388,6 +410,10 @@ class TrainConfig:
             raise ValueError("train.kl_coef, train.entropy_coef, train.clip_low and train.clip_high must be >= 0")
         if self.save_every < 0 or self.val_every < 0:
             raise ValueError("train.save_every and train.val_every must be >= 0 (0: off)")
+        if self.loss_agg_mode not in LOSS_AGG_MODES:
+            raise ValueError(f"train.loss_agg_mode must be one of {LOSS_AGG_MODES}, got {self.loss_agg_mode!r}")
+        if self.clip_ratio_c and self.clip_ratio_c <= 1:
+            raise ValueError(f"train.clip_ratio_c must be > 1 (or 0: off), got {self.clip_ratio_c}")
         if self.resume and not self.out:
             raise ValueError("train.resume=true needs train.out=<run directory> to resume from")
 
@@ -550,6 +576,10 @@ class RunConfig:
                              f"0 and nothing trains; set rollout.group_size >= 2")
         if n % g:
             raise ValueError(f"rollout.group_size ({g}) must divide workload.rollout_batch ({n})")
+        decay = self.optim.lr_decay_steps or self.train.steps
+        if self.optim.lr_warmup_steps >= decay:
+            raise ValueError(f"optim.lr_warmup_steps ({self.optim.lr_warmup_steps}) must be below the decay length "
+                             f"({decay}: optim.lr_decay_steps, or train.steps when 0)")
         if self.train.val_every and not self.data.val_files:
             raise ValueError("train.val_every > 0 needs data.val_files=[FILE, ...] to evaluate")
         if (n // g) % dp:

@@ -18,7 +18,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   # torch first and alone: the pinned 2.13.0 is the CPU wheel; nothing else may pull a CUDA build.
   .venv/bin/python -m pip install -q -c constraints.txt torch
   .venv/bin/python -m pip install -q -c constraints.txt megatron-core hydra-core omegaconf \
-    transformers safetensors numpy pytest matplotlib tqdm PyYAML ruff pyarrow av pillow
+    transformers safetensors numpy pytest matplotlib tqdm PyYAML ruff pyarrow av pillow tensorboard
   .venv/bin/python -m pip install -q -c constraints.txt --no-deps -e .
   echo "$want" > "$stamp"
 fi

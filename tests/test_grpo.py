@@ -146,3 +146,26 @@ def test_policy_logits_temperature_and_banned_tokens_per_tp_shard():
     assert torch.equal(torch.cat(shards, dim=-1), ref)
     masked = torch.full_like(full, torch.finfo(torch.float32).min)  # padded columns divided by T stay finite
     assert torch.isfinite(grpo.policy_logits(masked, 0.5)).all()
+
+
+def test_loss_weights_by_hand():
+    lens, s, t, lmax = [2, 4, 6], 3, 12, 8
+    assert grpo.loss_weights(lens, "token-mean", s, t, lmax) == [1 / 12] * 3
+    assert grpo.loss_weights(lens, "seq-mean-token-sum", s, t, lmax) == [1 / 3] * 3
+    assert grpo.loss_weights(lens, "seq-mean-token-mean", s, t, lmax) == [1 / 6, 1 / 12, 1 / 18]
+    assert grpo.loss_weights(lens, "seq-mean-token-sum-norm", s, t, lmax) == [1 / 24] * 3
+    # seq-mean-token-mean: every response's token mean counts once, whatever its length
+    per_token = [torch.full((n,), float(i + 1)) for i, n in enumerate(lens)]
+    w = grpo.loss_weights(lens, "seq-mean-token-mean", s, t, lmax)
+    assert abs(sum(float((x * wi).sum()) for x, wi in zip(per_token, w)) - (1 + 2 + 3) / 3) < 1e-6  # fp32 sums
+
+
+def test_dual_clip_caps_negative_advantage_losses():
+    logp, old = torch.tensor([2.0, 2.0, 2.0]), torch.zeros(3)  # ratio e^2 = 7.39
+    adv = torch.tensor([-1.0, 1.0, -0.5])
+    plain = grpo.clipped_ratio_loss(logp, old, adv)
+    dual = grpo.clipped_ratio_loss(logp, old, adv, clip_ratio_c=3.0)
+    assert torch.allclose(plain, torch.tensor([7.389056, -1.2, 3.694528]), atol=1e-5)
+    assert torch.allclose(dual, torch.tensor([3.0, -1.2, 1.5]))  # capped at 3|A| where A < 0
+    assert torch.equal(grpo.clipped_ratio_loss(torch.zeros(3), old, adv, clip_ratio_c=3.0),
+                       grpo.clipped_ratio_loss(torch.zeros(3), old, adv))  # ratio 1: nothing to cap

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from rollplex_megatron.checkpoint import convert
 from rollplex_megatron.models.qwen25vl import hf as H
@@ -22,6 +23,7 @@ from rollplex_megatron.checkpoint import run_dir as R
 from rollplex_megatron.checkpoint import train_state as T
 from rollplex_megatron.dist import LocalRunError, run_local
 from rollplex_megatron.recipes import RECIPES_DIR, load_run_config
+from rollplex_megatron.report import read_metrics
 from tests import launch_workers
 
 SMALL = ["workload.rollout_batch=8", "workload.responses_per_micro_batch=4", "rollout.group_size=4",
@@ -344,3 +346,25 @@ def test_train_to_hf_without_init_builds_config_with_transformers(tmp_path):
     real = lambda n, t: t[:v] if "word_embeddings" in n or "output_layer" in n else t  # noqa: E731
     bad = [n for n, t in back.items() if not torch.equal(real(n, t), real(n, state["model"][n]))]
     assert not bad and len(back) == len([k for k in state["model"] if not k.endswith("_extra_state")]), bad
+
+
+def test_lr_schedule_resumes_with_the_checkpoint_and_tensorboard_gets_the_scalars(tmp_path):
+    """Warm-up + linear decay: a run stopped at step 2 and resumed to 4 takes the same learning rates
+    (the scheduler state is in the checkpoint) and the same weights as an uninterrupted run; the
+    TensorBoard event files hold metrics.jsonl's scalars."""
+    sched = ["optim.lr_warmup_steps=2", "optim.lr_decay_style=linear", "optim.lr_decay_steps=4", "optim.min_lr=1e-4",
+             "train.tensorboard=true"]
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    assert _train(*sched, "train.steps=4", f"train.out={whole}").returncode == 0
+    assert _train(*sched, "train.steps=2", f"train.out={part}").returncode == 0
+    p = _train(*sched, "train.steps=4", "train.resume=true", f"train.out={part}")
+    assert p.returncode == 0, p.stderr[-2000:]
+    a, b = read_metrics(whole / R.METRICS), read_metrics(part / R.METRICS)
+    assert [r["lr"] for r in a] == pytest.approx([0.0, 5e-4, 1e-3, 1e-4 + (1e-3 - 1e-4) * 0.5])
+    assert [r["lr"] for r in b] == [r["lr"] for r in a] and [r["loss"] for r in b] == [r["loss"] for r in a]
+    acc = EventAccumulator(str(whole / "tensorboard"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("lr")] == [r["step"] for r in a]
+    assert [e.value for e in acc.Scalars("lr")] == pytest.approx([r["lr"] for r in a])
+    assert [e.value for e in acc.Scalars("phase_times/update")] == pytest.approx(
+        [r["phase_times"]["update"] for r in a])

@@ -118,6 +118,29 @@ def test_loss_on_another_policy_is_detected(example_dir, data_serial_run, mutant
     assert all(r["rollout_logp_diff"] <= LOGP_TOL for r in data_serial_run["records"])
 
 
+KNOBS = ["train.loss_agg_mode=seq-mean-token-mean", "train.clip_ratio_c=3", "optim.lr_warmup_steps=1",
+         "optim.lr_decay_style=cosine", "optim.min_lr=1e-5", "train.steps=3"]
+
+
+def test_rollplex_matches_serial_with_the_grpo_knobs_on(tiny_hf):
+    """Per-response loss aggregation, dual clip and a warm-up + cosine schedule: the modes still agree,
+    and the knobs change the update (the learning rates follow megatron's scheduler)."""
+    serial = run_local(W.run_steps, 1, _cfg("serial", *KNOBS, hf=tiny_hf), 3)[0]
+    rollplex = run_local(W.run_steps, 1, _cfg("rollplex", *KNOBS, hf=tiny_hf), 3)[0]
+    assert rollplex["tokens"] == serial["tokens"]
+    # seq-mean-token-mean at ratio 1 makes the loss the mean of group-centred advantages: 0 up to fp32
+    # rounding (~1e-8), so it is compared absolutely; the gradient and the weights carry the comparison
+    _records_close(rollplex["records"], serial["records"], keys=("kl", "entropy", "grad_norm", "reward_mean"))
+    assert all(abs(a["loss"] - b["loss"]) < 1e-6 for a, b in zip(rollplex["records"], serial["records"]))
+    err, name = _param_err(rollplex, serial)
+    assert err <= TOL, (name, err)
+    assert [r["lr"] for r in serial["records"]] == pytest.approx([0.0, 3e-4, 1e-5 + (3e-4 - 1e-5) * 0.5])
+    plain = run_local(W.run_steps, 1, _cfg("serial", "train.loss_agg_mode=seq-mean-token-mean", hf=tiny_hf), 1)[0]
+    token = run_local(W.run_steps, 1, _cfg("serial", hf=tiny_hf), 1)[0]
+    assert abs(plain["records"][0]["grad_norm"] - token["records"][0]["grad_norm"]) > 1e-3 * token["records"][0][
+        "grad_norm"]  # the aggregation reaches the gradient
+
+
 @pytest.mark.parametrize("mutant", ["skip_prefix_backward", "stale_reference"])
 def test_mode_equivalence_detects_breakage(tiny_hf, serial_run, mutant):
     run = run_local(W.run_steps, 1, _cfg("rollplex", hf=tiny_hf), 3, mutant)[0]

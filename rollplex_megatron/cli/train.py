@@ -27,6 +27,7 @@ from rollplex_megatron.recipes import load_run_config, to_yaml
 from rollplex_megatron.report import plot_runs, read_metrics, summarize
 from rollplex_megatron.trainer.loop import train_rank
 from rollplex_megatron.trainer.modes import MODES
+from rollplex_megatron.trainer.tracking import check_tracking
 
 
 class _Launcher:
@@ -101,6 +102,7 @@ def _config(overrides: list[str], modes: list[str] | None) -> RunConfig:
     if bad:
         raise ValueError(f"--modes: unknown mode(s) {bad}; choose from {', '.join(MODES)}")
     check_world_size(cfg.parallel.world_size)
+    check_tracking(cfg.train.wandb)
     build_source(cfg)  # bad data settings (a task/model mismatch, ...) fail before any process starts
     return cfg
 

@@ -38,11 +38,15 @@ def group_advantages(rewards_NG: torch.Tensor, normalize_std: bool = True, eps: 
 
 
 def clipped_ratio_loss(logp_T: torch.Tensor, old_logp_T: torch.Tensor, adv_T: torch.Tensor,
-                       clip_low: float = 0.2, clip_high: float = 0.2) -> torch.Tensor:
-    """Per-token PPO/GRPO surrogate: -min(r A, clip(r, 1-low, 1+high) A), r = exp(logp - old_logp)."""
+                       clip_low: float = 0.2, clip_high: float = 0.2, clip_ratio_c: float = 0.0) -> torch.Tensor:
+    """Per-token PPO/GRPO surrogate: -min(r A, clip(r, 1-low, 1+high) A), r = exp(logp - old_logp); with
+    dual clip (`clip_ratio_c` > 1) a negative-advantage token's loss is at most -clip_ratio_c * A."""
     ratio = torch.exp(logp_T - old_logp_T)
     clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    return -torch.minimum(ratio * adv_T, clipped * adv_T)
+    loss = -torch.minimum(ratio * adv_T, clipped * adv_T)
+    if clip_ratio_c:
+        loss = torch.where(adv_T < 0, torch.minimum(loss, -clip_ratio_c * adv_T), loss)
+    return loss
 
 
 def kl_k3(logp_T: torch.Tensor, ref_logp_T: torch.Tensor) -> torch.Tensor:
@@ -78,6 +82,22 @@ def kl_estimate(logp_T: torch.Tensor, ref_logp_T: torch.Tensor, estimator: str) 
     return KL_ESTIMATORS[estimator](logp_T, ref_logp_T)
 
 
+def loss_weights(lengths: list[int], mode: str, responses: int, total_tokens: int, max_len: int) -> list[float]:
+    """Per-token loss weight of each response under verl's `loss_agg_mode` (`responses` and
+    `total_tokens` are global counts, over every micro-batch and data-parallel rank):
+    token-mean 1/T; seq-mean-token-sum 1/S; seq-mean-token-mean 1/(S n_i); seq-mean-token-sum-norm
+    1/(S L_max) (Dr. GRPO's constant normaliser, L_max = rollout.max_response_len)."""
+    if mode == "token-mean":
+        return [1.0 / total_tokens] * len(lengths)
+    if mode == "seq-mean-token-sum":
+        return [1.0 / responses] * len(lengths)
+    if mode == "seq-mean-token-mean":
+        return [1.0 / (responses * n) for n in lengths]
+    if mode == "seq-mean-token-sum-norm":
+        return [1.0 / (responses * max_len)] * len(lengths)
+    raise ValueError(f"train.loss_agg_mode: unknown mode {mode!r}")
+
+
 def token_mean(values_T: torch.Tensor, mask_T: torch.Tensor, total_tokens: float | None = None) -> torch.Tensor:
     """Token-mean aggregation over masked tokens; `total_tokens` is the global count (across micro-batches and DP)."""
     denom = float(mask_T.sum()) if total_tokens is None else float(total_tokens)
@@ -85,9 +105,9 @@ def token_mean(values_T: torch.Tensor, mask_T: torch.Tensor, total_tokens: float
 
 
 def grpo_token_loss(logp_T, old_logp_T, ref_logp_T, adv_T, kl_coef: float, clip_low: float = 0.2,
-                    clip_high: float = 0.2, kl_estimator: str = "k3") -> torch.Tensor:
+                    clip_high: float = 0.2, kl_estimator: str = "k3", clip_ratio_c: float = 0.0) -> torch.Tensor:
     """Per-token GRPO loss: clipped surrogate plus `kl_coef` times the estimated KL to the reference."""
-    loss = clipped_ratio_loss(logp_T, old_logp_T, adv_T, clip_low, clip_high)
+    loss = clipped_ratio_loss(logp_T, old_logp_T, adv_T, clip_low, clip_high, clip_ratio_c)
     if kl_coef:
         loss = loss + kl_coef * kl_estimate(logp_T, ref_logp_T, kl_estimator)
     return loss
@@ -121,9 +141,11 @@ def vocab_parallel_entropy(logits_local: torch.Tensor, group=None) -> torch.Tens
 class GRPOLoss:
     """Megatron loss function of one packed micro-batch (per-token-loss contract).
 
-    Reads `mb.token_data`: "adv" (always), "ref_logp" (when kl_coef > 0) and "old_logp" (absent on
+    Reads `mb.token_data`: "adv" (always), "ref_logp" (when kl_coef > 0), "old_logp" (absent on
     the single on-policy update that takes old log-probs from its own forward: then old = detached
-    current log-probs, ratio 1). The loss is pre-normalised by the global response-token count.
+    current log-probs, ratio 1) and "loss_w" (per-token weights of `loss_weights`; absent: token-mean,
+    pre-normalised by the global response-token count). The logged kl, entropy and clip fraction are
+    token means whatever the aggregation.
     Log-probs and entropy are those of the policy the rollout sampled from (`policy_logits`: the
     temperature and the banned vision placeholders; the scoring phases use the same). "kl" is the
     mean of `kl_estimator` (what the loss adds), "kl_k1" the plain mean log-ratio beside it.
@@ -131,11 +153,12 @@ class GRPOLoss:
 
     def __init__(self, kl_coef: float, clip_low: float, clip_high: float, total_tokens: int, tp_group=None,
                  entropy_coef: float = 0.0, temperature: float = 1.0, kl_estimator: str = "low_var_kl",
-                 banned: tuple[int, ...] = ()):
+                 banned: tuple[int, ...] = (), clip_ratio_c: float = 0.0):
         check_kl_estimator(kl_estimator)
         self.kl_coef, self.clip_low, self.clip_high = kl_coef, clip_low, clip_high
         self.total_tokens, self.tp_group, self.entropy_coef = total_tokens, tp_group, entropy_coef
         self.temperature, self.kl_estimator, self.banned = temperature, kl_estimator, tuple(banned)
+        self.clip_ratio_c = clip_ratio_c
         self.tp_rank = dist.get_rank(tp_group) if tp_group is not None and dist.is_initialized() else 0
 
     def __call__(self, mb, logits_BTV: torch.Tensor):
@@ -152,11 +175,12 @@ class GRPOLoss:
         ref = torch.where(mask, mb.token_data["ref_logp"], logp.detach()) if "ref_logp" in mb.token_data \
             else logp.detach()
         per_token = grpo_token_loss(logp, old, ref, mb.token_data["adv"], self.kl_coef, self.clip_low, self.clip_high,
-                                    self.kl_estimator)
-        w = mask.float() / self.total_tokens
-        loss = (per_token * w).sum()
-        if self.entropy_coef > 0:  # entropy bonus (token mean), against the policy collapsing
-            loss = loss - self.entropy_coef * (entropy * w[mask]).sum()
+                                    self.kl_estimator, self.clip_ratio_c)
+        w = mask.float() / self.total_tokens  # token mean: the logged statistics
+        lw = mb.token_data.get("loss_w", w)  # the loss's aggregation
+        loss = (per_token * lw).sum()
+        if self.entropy_coef > 0:  # entropy bonus, aggregated as the loss, against the policy collapsing
+            loss = loss - self.entropy_coef * (entropy * lw[mask]).sum()
         entropy = entropy.detach()
         with torch.no_grad():
             ratio = torch.exp(logp - old)

@@ -5,6 +5,7 @@ rollout engine runs the actor's modules in place, so there is no weight sync aft
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -22,6 +23,7 @@ from rollplex_megatron.runtime import sync
 from rollplex_megatron.trainer.metrics import PhaseTimer, peak_bytes, reduce_metrics
 from rollplex_megatron.trainer.modes import Mode, get_mode
 from rollplex_megatron.trainer.runtime import Runtime
+from rollplex_megatron.trainer.tracking import Tracker
 from rollplex_megatron.trainer.validation import evaluate
 
 
@@ -38,7 +40,7 @@ def run_step(rt: Runtime, mode: Mode, step: int) -> dict:
     peak, src = peak_bytes(t)
     seconds = time.perf_counter() - t0
     return {"step": step + 1, "mode": mode.name, **reduce_metrics(rt, batch, res),
-            "grad_norm": opt["grad_norm"], "step_time_s": seconds,
+            "grad_norm": opt["grad_norm"], "lr": opt["lr"], "step_time_s": seconds,
             "data_time_s": rt.data_seconds, "data_share": rt.data_seconds / seconds,
             "phase_times": t.times, "phase_peak_bytes": t.peaks, "peak_mem_bytes": peak, "peak_mem_source": src,
             "memory_plan": rt.cfg.memory.plan, "phase_managed_bytes": dict(rt.memory.phase_bytes),
@@ -83,7 +85,7 @@ def train_rank(cfg: RunConfig) -> dict:
     """Train on this rank until `train.steps` (or a SIGTERM); rank 0 writes metrics.jsonl and the
     config, every rank its checkpoint shard. The launcher has checked and locked the run directory."""
     preempt = Preemption()
-    bar = None
+    bar = tracker = None
     try:
         rt = Runtime(cfg)
         mode = get_mode(cfg.mode.name)()
@@ -93,28 +95,32 @@ def train_rank(cfg: RunConfig) -> dict:
             latest = train_state.latest_checkpoint(run)
             if latest is None:
                 raise FileNotFoundError(f"train.resume=true but {run} has no checkpoint")
-            start, _ = train_state.load_checkpoint(latest, rt.ddp.module, rt.ref, rt.optimizer)
+            start, extra = train_state.load_checkpoint(latest, rt.ddp.module, rt.ref, rt.optimizer)
+            restore_scheduler(rt.scheduler, extra, start)
         if rank0:
             run_dir.truncate_metrics(run, start)  # steps after the checkpoint are trained again
             (run / "config.yaml").write_text(to_yaml(cfg))
             (run / "memory_plan.json").write_text(json.dumps(rt.plan, indent=1))
         metrics_path = run / run_dir.METRICS
         bar = _progress(cfg, start, rank0)
+        if rank0 and (cfg.train.tensorboard or cfg.train.wandb):
+            tracker = Tracker(run, cfg.train.tensorboard, cfg.train.wandb, dataclasses.asdict(cfg), run.name)
         records, stopped = [], None
         if cfg.train.val_every and cfg.val.before_train and start == 0:
-            _log(metrics_path, evaluate(rt, 0), bar, rank0)
+            _log(metrics_path, evaluate(rt, 0), bar, rank0, tracker)
         for step in range(start, cfg.train.steps):
             rec = run_step(rt, mode, step)
             records.append(rec)
-            _log(metrics_path, rec, bar, rank0)
+            _log(metrics_path, rec, bar, rank0, tracker)
             last = step + 1 == cfg.train.steps
             if cfg.train.val_every and ((step + 1) % cfg.train.val_every == 0 or last):
-                _log(metrics_path, evaluate(rt, step + 1), bar, rank0)
+                _log(metrics_path, evaluate(rt, step + 1), bar, rank0, tracker)
             stop = preempt.agreed(rt.dev)
             every = cfg.train.save_every and (step + 1) % cfg.train.save_every == 0
             if (last and cfg.train.save_final) or stop or every:
                 rt.memory.restore_all()  # offloaded classes come back before their state is written
-                train_state.save_checkpoint(run, step + 1, rt.ddp.module, rt.ref, rt.optimizer, {}, to_yaml(cfg))
+                train_state.save_checkpoint(run, step + 1, rt.ddp.module, rt.ref, rt.optimizer,
+                                            {"lr_scheduler": rt.scheduler.state_dict()}, to_yaml(cfg))
             if stop:  # every rank agreed: the launcher starts nothing after this run either
                 stopped = step + 1
                 break
@@ -122,15 +128,32 @@ def train_rank(cfg: RunConfig) -> dict:
         preempt.close()
         if bar is not None:
             bar.close()
+        if tracker is not None:
+            tracker.close()
     return {"run_dir": str(run), "records": records, "preempted_at": stopped}
 
 
-def _log(path: Path, rec: dict, bar, rank0: bool) -> None:
-    """Rank 0 appends one record (a step's, or a validation run's) to metrics.jsonl and shows it."""
+def restore_scheduler(scheduler, extra: dict, step: int) -> None:
+    """The checkpoint's learning-rate schedule state (checkpoints written before it existed held a
+    constant rate: the schedule is then advanced to `step`); it must stand at the checkpoint's step."""
+    if "lr_scheduler" in extra:
+        scheduler.load_state_dict(extra["lr_scheduler"])
+    else:
+        scheduler.step(increment=step)
+    if scheduler.num_steps != step:
+        raise ValueError(f"the checkpoint's learning-rate schedule is at step {scheduler.num_steps}, its weights at "
+                         f"{step}; the checkpoint is inconsistent")
+
+
+def _log(path: Path, rec: dict, bar, rank0: bool, tracker=None) -> None:
+    """Rank 0 appends one record (a step's, or a validation run's) to metrics.jsonl, the trackers, and
+    shows it."""
     if not rank0:
         return
     with path.open("a") as f:
         f.write(json.dumps(rec) + "\n")
+    if tracker is not None:
+        tracker.log(rec)
     _show(bar, rec)
 
 

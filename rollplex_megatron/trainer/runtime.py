@@ -17,11 +17,11 @@ from rollplex_megatron.dist import init_parallel
 from rollplex_megatron.memory.manager import MemoryManager
 from rollplex_megatron.memory.planner import check_budget, plan, runtime_cfg, runtime_plan, summarize, workload_shape
 from rollplex_megatron.models.qwen25vl import build_model
-from rollplex_megatron.optim import build_optimizer, optimizer_step
+from rollplex_megatron.optim import build_optimizer, build_scheduler, current_lr, optimizer_step
 from rollplex_megatron.prefix import batch as B
 from rollplex_megatron.prefix import execution as X
 from rollplex_megatron.prefix.batch import Group, validate_groups
-from rollplex_megatron.rl.grpo import GRPOLoss, group_advantages
+from rollplex_megatron.rl.grpo import GRPOLoss, group_advantages, loss_weights
 from rollplex_megatron.rollout.embedded import EmbeddedEngine
 from rollplex_megatron.rollout.engine import RolloutRequest
 from rollplex_megatron.rollout.sampling import SamplingParams
@@ -79,6 +79,7 @@ class Runtime:
         self.ref.requires_grad_(False)
         self.ddp = wrap_ddp(actor)
         self.optimizer = build_optimizer(self.ddp, cfg.optim, bf16=cfg.dtype == "bfloat16")
+        self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
         self.memory = MemoryManager(cfg.memory.plan, cfg.mode.name, self.ddp, self.optimizer, self.ref)
         self.recompute = cfg.memory.plan == "phase"  # the actor prefix keeps no graph
         self.engine = EmbeddedEngine(self.ddp, cfg.model, cfg.rollout.max_prompt_len, cfg.rollout.max_response_len,
@@ -128,17 +129,27 @@ class Runtime:
         adv = {(gi, ri): torch.full((r.numel(),), float(g.advantages[ri]))
                for gi, g in enumerate(batch.groups) for ri, r in enumerate(g.responses)}
         B.attach_token_data(mbs, "adv", adv)
+        t = self.cfg.train
+        if t.loss_agg_mode != "token-mean":  # token-mean is GRPOLoss's own weighting (no tensor needed)
+            keys = [(gi, ri) for gi, g in enumerate(batch.groups) for ri in range(len(g.responses))]
+            lens = [batch.groups[gi].responses[ri].numel() for gi, ri in keys]
+            ws = loss_weights(lens, t.loss_agg_mode, self.cfg.workload.rollout_batch, batch.total_tokens,
+                              self.cfg.rollout.max_response_len)
+            B.attach_token_data(mbs, "loss_w", {k: torch.full((n,), w) for k, n, w in zip(keys, lens, ws)})
         return mbs
 
     def loss(self, batch: StepBatch):
         """The GRPO loss of this step (token mean over the global response-token count)."""
         t = self.cfg.train
         return GRPOLoss(t.kl_coef, t.clip_low, t.clip_high, batch.total_tokens, self.tp_group, t.entropy_coef,
-                        self.cfg.rollout.temperature, t.kl_estimator, self.banned)
+                        self.cfg.rollout.temperature, t.kl_estimator, self.banned, t.clip_ratio_c)
 
     def optimizer_step(self) -> dict:
-        """megatron optimizer step (clipping included); gradients are zeroed for the next step."""
-        out = optimizer_step(self.optimizer)
+        """megatron optimizer step (clipping included) at the scheduler's learning rate, then the
+        scheduler's step; gradients are zeroed for the next step."""
+        lr = current_lr(self.optimizer)
+        out = {**optimizer_step(self.optimizer), "lr": lr}
+        self.scheduler.step(increment=1)
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
         return out
