@@ -182,7 +182,7 @@ def test_the_readme_example_file_loads(example_dir):
     assert all(r.meta.images[0].startswith(str(path.parent)) for r in rows if r.meta.images)
 
 
-def test_train_on_a_dataset_with_validation_runs(tmp_path, example_dir):
+def test_train_on_a_dataset_with_validation_runs(tmp_path, example_dir, capsys):
     """`train` on dataset rows: validation before training, every 2 steps and after the last, per
     data_source; the step records carry the data share and both KL numbers; the report has them."""
     run = tmp_path / "run"
@@ -190,14 +190,28 @@ def test_train_on_a_dataset_with_validation_runs(tmp_path, example_dir):
                    f"data.train_files=[{example_dir / 'train.parquet'}]",
                    f"data.val_files=[{example_dir / 'val.parquet'}]", "train.val_every=2", "train.steps=3",
                    "rollout.max_response_len=4", "workload.rollout_batch=16", "rollout.group_size=4",
-                   "workload.responses_per_micro_batch=8", f"train.out={run}", "train.progress=false"])
+                   "workload.responses_per_micro_batch=8", f"train.out={run}", "train.progress=false",
+                   "val.temperature=1.0", "val.n=4", "reward.format_reward=0.5"])
     assert rc == 0
     steps, vals = read_metrics(run / "metrics.jsonl"), read_metrics(run / "metrics.jsonl", kind="val")
     assert [r["step"] for r in steps] == [1, 2, 3] and [v["step"] for v in vals] == [0, 2, 3]
-    assert all(v["val/responses"] == 8 and 0 <= v["val/multiple_choice/reward_mean"] <= 1 for v in vals)
+    assert all(v["val/responses"] == 32 and 0 <= v["val/multiple_choice/reward_mean"] <= 1.5 for v in vals)
+    assert vals[-1]["val/reward_mean"] > 0  # sampled at temperature 1: some answers (eval below is not 0 == 0)
     assert all(0 <= r["data_share"] < 1 and "kl_k1" in r and r["rollout_logp_diff"] < 1e-5 for r in steps)
     summary = json.loads((run / "summary.json").read_text())["modes"]["rollplex"]
     assert summary["val"]["last"]["step"] == 3 and (run / "report.png").stat().st_size > 0
+    # `eval` on the run's final checkpoint (exported to HF) answers the validation rows as training did
+    out = tmp_path / "eval.json"
+    assert cli_main(["eval", "--run", str(run), f"data.val_files=[{example_dir / 'val.parquet'}]",
+                     "rollout.max_response_len=4", "val.temperature=1.0", "val.n=4", "reward.format_reward=0.5",
+                     f"--out={out}"]) == 0
+    got = json.loads(out.read_text())
+    assert {k: got[k] for k in vals[-1] if k.startswith("val/")} == {k: v for k, v in vals[-1].items()
+                                                                     if k.startswith("val/")}
+    assert cli_main(["generate", "--run", str(run), f"data.val_files=[{example_dir / 'val.parquet'}]",
+                     "rollout.max_response_len=4", "--rows=2", "val.n=2", "val.temperature=1.0"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.count("-- response") == 4 and "<|vision_start|>" in printed
 
 
 def test_per_source_reward_functions_from_the_command_line(tmp_path, example_dir, monkeypatch):

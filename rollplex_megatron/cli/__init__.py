@@ -19,6 +19,10 @@ Commands
                                       analytic HBM per GPU and phase: serial colocation vs the Rollplex
                                       plan (model=qwen2_5_vl_32b alone: the paper's 32-GPU setting)
   print-config [hydra overrides]      the resolved config
+  eval (--hf-dir DIR | --run DIR [--step N]) data.val_files=[FILE] [val.*] [--out JSON]
+                                      a checkpoint's per-data_source scores on a validation set
+  generate (--hf-dir DIR | --run DIR [--step N]) data.val_files=[FILE] [--rows K] [val.n=N]
+                                      print a checkpoint's responses to the first K rows, for reading
   make-example DIR [--train-rows N] [--val-rows N] [--videos] [model=...]
                                       a tiny random Qwen2.5-VL checkpoint with its processor (DIR/model)
                                       and a multiple-choice dataset in verl's format (DIR/*.parquet)
@@ -31,6 +35,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
+from pathlib import Path
 
 import torch.distributed as dist
 from hydra.errors import HydraException
@@ -41,10 +47,13 @@ from rollplex_megatron.models.qwen25vl.hf import HFCheckpoint
 from rollplex_megatron.cli.train import main as train_main
 from rollplex_megatron.compat import quiet_known_warnings
 from rollplex_megatron.config import ParallelConfig, check_model_parallel
+from rollplex_megatron.data.dataset import DatasetSource
 from rollplex_megatron.data.example import make_example
-from rollplex_megatron.dist import LocalRunError, launch_on_ranks
+from rollplex_megatron.dist import LocalRunError, check_world_size, launch_on_ranks
 from rollplex_megatron.memory.planner import check_budget, plan_memory
 from rollplex_megatron.recipes import RECIPES_DIR, load_run_config, to_yaml
+from rollplex_megatron.runtime import environment_record
+from rollplex_megatron.trainer.validation import eval_rank, generate_rank
 from rollplex_megatron.verify.equivalence import run_rank
 from rollplex_megatron.verify.parity import verify_rank
 from rollplex_megatron.verify.smoke import main as smoke_main
@@ -226,13 +235,68 @@ def _cmd_make_example(argv: list[str]) -> int:
     return 0
 
 
+def _checkpoint_args(prog: str, description: str) -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=prog, description=description)
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--hf-dir", help="a Hugging Face Qwen2.5-VL directory with its processor files")
+    src.add_argument("--run", help="a training run directory (its actor is exported to HF first)")
+    ap.add_argument("--step", type=int, default=None, help="with --run: this checkpoint step (default: latest)")
+    return ap
+
+
+def _eval_config(a, overrides: list[str], tmp: str):
+    """The run config of an eval/generate command: the checkpoint as train.init_hf, the val files as rows."""
+    files = [o.split("=", 1)[1] for o in overrides if o.startswith("data.val_files=")]
+    if not files:
+        raise ValueError("give the rows to answer: data.val_files=[FILE, ...] (parquet or jsonl, verl's format)")
+    hf = a.hf_dir or str(convert.train_to_hf(a.run, f"{tmp}/export", a.step))
+    cfg = load_run_config([*overrides, f"train.init_hf={hf}", f"data.train_files={files[-1]}"])  # rows are checked
+    check_world_size(cfg.parallel.world_size)
+    DatasetSource(cfg)  # every row checked before a process starts
+    return cfg
+
+
+def _cmd_eval(argv: list[str]) -> int:
+    ap = _checkpoint_args("rollplex eval", "per-data_source scores of a checkpoint on data.val_files")
+    ap.add_argument("--out", default=None, help="write the JSON record here too")
+    a, overrides = ap.parse_known_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = _eval_config(a, overrides, tmp)
+        rec = launch_on_ranks(eval_rank, cfg.parallel.world_size, cfg)[0]
+    rec.pop("step")
+    out = {"checkpoint": a.hf_dir or a.run, "checkpoint_step": a.step, "val_files": list(cfg.data.val_files),
+           "temperature": cfg.val.temperature, "n": cfg.val.n, **rec, "env": environment_record()}
+    if a.out:
+        Path(a.out).write_text(json.dumps(out, indent=1))
+    for k, v in rec.items():
+        if k.startswith("val/"):
+            print(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}")
+    print(json.dumps(out))
+    return 0
+
+
+def _cmd_generate(argv: list[str]) -> int:
+    ap = _checkpoint_args("rollplex generate", "a checkpoint's responses to the first rows of data.val_files")
+    ap.add_argument("--rows", type=int, default=4, help="how many rows to answer")
+    a, overrides = ap.parse_known_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = _eval_config(a, overrides, tmp)
+        rows = launch_on_ranks(generate_rank, cfg.parallel.world_size, cfg, a.rows)[0]
+    for r in rows:
+        print(f"== {r['row']} (ground truth {r['ground_truth']!r})\n{r['prompt']}")
+        for k, (text, reward) in enumerate(zip(r["responses"], r["rewards"])):
+            print(f"-- response {k} (reward {reward:g}): {text}")
+    return 0
+
+
 def _cmd_smoke(argv: list[str]) -> int:
     return smoke_main(argv)
 
 
 COMMANDS = {"train": _cmd_train, "smoke": _cmd_smoke, "verify-hf": _cmd_verify_hf,
             "verify-equivalence": _cmd_verify_equivalence, "convert": _cmd_convert,
-            "print-config": _cmd_print_config, "make-example": _cmd_make_example, "plan-weights": _cmd_plan_weights,
+            "print-config": _cmd_print_config, "make-example": _cmd_make_example, "eval": _cmd_eval,
+            "generate": _cmd_generate, "plan-weights": _cmd_plan_weights,
             "plan-memory": _cmd_plan_memory}
 
 

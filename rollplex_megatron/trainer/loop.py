@@ -107,6 +107,7 @@ def train_rank(cfg: RunConfig) -> dict:
             tracker = Tracker(run, cfg.train.tensorboard, cfg.train.wandb, dataclasses.asdict(cfg), run.name)
         records, stopped = [], None
         if cfg.train.val_every and cfg.val.before_train and start == 0:
+            rt.memory.enter("rollout")  # validation decodes under the rollout's residency
             _log(metrics_path, evaluate(rt, 0), bar, rank0, tracker)
         for step in range(start, cfg.train.steps):
             rec = run_step(rt, mode, step)
@@ -114,6 +115,7 @@ def train_rank(cfg: RunConfig) -> dict:
             _log(metrics_path, rec, bar, rank0, tracker)
             last = step + 1 == cfg.train.steps
             if cfg.train.val_every and ((step + 1) % cfg.train.val_every == 0 or last):
+                rt.memory.enter("rollout")
                 _log(metrics_path, evaluate(rt, step + 1), bar, rank0, tracker)
             stop = preempt.agreed(rt.dev)
             every = cfg.train.save_every and (step + 1) % cfg.train.save_every == 0

@@ -1,14 +1,24 @@
 """Validation runs: the policy answers `data.val_files` (greedy, or at `val.temperature`) and the
-rewards are reduced per data_source over the data-parallel ranks."""
+rewards are reduced per data_source over the data-parallel ranks. `evaluate` runs inside training
+(the trainer's Runtime) and in the `eval` / `generate` commands (`EvalRuntime`: a Hugging Face
+checkpoint, the embedded engine, no optimizer or reference)."""
 from __future__ import annotations
 
 import time
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
 
+from rollplex_megatron.config import RunConfig
+from rollplex_megatron.data.dataset import DatasetSource
+from rollplex_megatron.dist import init_parallel
+from rollplex_megatron.models.qwen25vl import build_model
+from rollplex_megatron.models.qwen25vl.hf import HFCheckpoint, load_hf_into_model
+from rollplex_megatron.rollout.embedded import EmbeddedEngine
 from rollplex_megatron.rollout.engine import RolloutRequest
 from rollplex_megatron.rollout.sampling import SamplingParams
+from rollplex_megatron.runtime import device
 
 
 def val_sampling(cfg) -> SamplingParams:
@@ -23,7 +33,6 @@ def evaluate(rt, step: int) -> dict:
     `val/<data_source>/reward_mean` (every rank returns the same record)."""
     t0 = time.perf_counter()
     src, v = rt.source, rt.cfg.val
-    rt.memory.enter("rollout")  # the residency the engine decodes under
     rows = src.val_rows(rt.dp_rank, rt.dp_size, v.max_rows)
     sources = src.val_sources(v.max_rows)
     reqs = [RolloutRequest(r.prompt, v.n, src.max_new_tokens, src.stop_token_ids, seed=r.seed) for r in rows]
@@ -47,3 +56,40 @@ def evaluate(rt, step: int) -> dict:
         rec[f"val/{name}/accuracy"] = float(sums[k, 1] / sums[k, 2])
     rec["val_time_s"] = time.perf_counter() - t0
     return rec
+
+
+class EvalRuntime:
+    """What `evaluate` needs, for a Hugging Face checkpoint (`train.init_hf`): the model on this rank's
+    TP/PP shard, the embedded engine and the dataset source of `data.val_files`."""
+
+    def __init__(self, cfg: RunConfig):
+        self.cfg = cfg
+        init_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.seed, cfg.parallel.backend)
+        self.source = DatasetSource(cfg)
+        model = build_model(cfg.model, cfg.dtype, cfg.megatron)
+        load_hf_into_model(model, HFCheckpoint(cfg.train.init_hf), cfg.model, ps.get_tensor_model_parallel_rank(),
+                           cfg.parallel.tp, ps.get_pipeline_model_parallel_rank(), cfg.parallel.pp)
+        model.eval()
+        self.engine = EmbeddedEngine(model, cfg.model, cfg.rollout.max_prompt_len, cfg.rollout.max_response_len,
+                                     cfg.memory.kv_cache_gib, cfg.rollout.cuda_graphs, cfg.rollout.decode_attention)
+        self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        self.dp_group, self.dev = ps.get_data_parallel_group(), device()
+
+
+def eval_rank(cfg: RunConfig) -> dict:
+    """The `eval` command on one rank: the validation record of the checkpoint."""
+    return evaluate(EvalRuntime(cfg), 0)
+
+
+def generate_rank(cfg: RunConfig, rows: int) -> list[dict]:
+    """The `generate` command on one rank: prompt text and decoded responses of the first `rows` rows."""
+    rt = EvalRuntime(cfg)
+    src = rt.source
+    picked = src.val_rows(0, 1, rows)
+    reqs = [RolloutRequest(r.prompt, cfg.val.n, src.max_new_tokens, src.stop_token_ids, seed=r.seed) for r in picked]
+    with torch.no_grad():
+        out = rt.engine.generate(reqs, val_sampling(cfg))
+    return [{"row": r.meta.where, "prompt": src.proc.tokenizer.decode(r.prompt.input_ids, skip_special_tokens=False),
+             "ground_truth": r.meta.ground_truth,
+             "responses": [src.proc.decode(t) for t in res.tokens],
+             "rewards": [src.score(r, t).reward for t in res.tokens]} for r, res in zip(picked, out.results)]
