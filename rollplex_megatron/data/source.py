@@ -3,7 +3,9 @@
 A source hands each data-parallel rank its rows of a step (deterministic in seed, step and rank),
 says when a response ends, and scores responses. Rendered tasks (`rendered.py`) are one source;
 datasets on disk are others. A new source is one file in this folder plus one line in `SOURCES`
-(`data/__init__.py`); `data.source` selects it.
+(`data/__init__.py`); `data.source` selects it. Validation runs (`trainer/validation.py`) also ask
+for `val_rows(dp_rank, dp_size, max_rows)` and `val_sources(max_rows)`, which the dataset source has
+(`data.val_files` requires it).
 """
 from __future__ import annotations
 
