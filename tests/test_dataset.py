@@ -216,10 +216,10 @@ def test_train_on_a_dataset_with_validation_runs(tmp_path, example_dir, capsys):
 
 def test_per_source_reward_functions_from_the_command_line(tmp_path, example_dir, monkeypatch):
     """The README's form `+reward.fns={SOURCE: 'package.module:function'}` reaches the registry."""
-    (tmp_path / "my_rewards.py").write_text("def first_letter(response, ground_truth, extra_info):\n"
+    (tmp_path / "cli_form_rewards.py").write_text("def first_letter(response, ground_truth, extra_info):\n"
                                             "    return float(response.strip()[:1] == ground_truth)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    src = build_source(_cfg(example_dir, "+reward.fns={multiple_choice: 'my_rewards:first_letter'}"))
+    src = build_source(_cfg(example_dir, "+reward.fns={multiple_choice: 'cli_form_rewards:first_letter'}"))
     row = src.rows(0, 0, 1, 1)[0]
     tok = src.proc.tokenizer
     assert src.score(row, torch.tensor(tok.convert_tokens_to_ids([row.meta.ground_truth, "red"]))).reward == 1.0

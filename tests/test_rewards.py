@@ -312,7 +312,7 @@ def test_registry_format_weight():
 def test_registry_missing_source():
     reg = RewardRegistry(fns={"geo": "math_boxed"})
     with pytest.raises(ValueError, match=r"^val\.jsonl: data_source 'chartqa' has no reward function; set "
-                                         r"reward\.fns=\{chartqa: package\.module:function\} or reward\.fn=\.\.\., "
+                                         r"\+reward\.fns=\{chartqa: 'package\.module:function'\} or reward\.fn=\.\.\., "
                                          r"or name a built-in: exact_match"):
         reg.check(["geo", "chartqa", "other"], "val.jsonl")
     with pytest.raises(ValueError, match=r"^train\.parquet row 4: data_source 'chartqa' has no reward function"):
