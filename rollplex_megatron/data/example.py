@@ -20,6 +20,7 @@ import torch
 from PIL import Image
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
+from rollplex_megatron.checkpoint.convert import hf_config_from_model
 from rollplex_megatron.config import ModelConfig
 from rollplex_megatron.data.example_files import write_tiny_processor
 
@@ -37,30 +38,11 @@ WORDS = sorted(set((QUESTION + " " + LONGER + " you are a helpful assistant . sy
                     "look at the picture carefully video").split()) | set(LETTERS))
 
 
-def hf_config(model: ModelConfig) -> Qwen2_5_VLConfig:
-    """transformers' Qwen2.5-VL config of a ModelConfig (the inverse of the HF adapter's import)."""
-    v = model.vision
-    text = dict(vocab_size=model.vocab_size, hidden_size=model.hidden_size, intermediate_size=model.ffn_hidden_size,
-                num_hidden_layers=model.num_layers, num_attention_heads=model.num_attention_heads,
-                num_key_value_heads=model.num_query_groups, rms_norm_eps=model.rms_norm_eps,
-                rope_parameters=dict(rope_type="default", rope_theta=model.rope_theta,
-                                     mrope_section=list(model.mrope_section)),
-                max_position_embeddings=model.max_position_embeddings, tie_word_embeddings=model.tie_word_embeddings,
-                bos_token_id=None, eos_token_id=None, pad_token_id=None)  # the tokenizer's live in its own files
-    vision = dict(depth=v.depth, hidden_size=v.hidden_size, intermediate_size=v.ffn_hidden_size, num_heads=v.num_heads,
-                  out_hidden_size=v.out_hidden_size, patch_size=v.patch_size, temporal_patch_size=v.temporal_patch_size,
-                  spatial_merge_size=v.spatial_merge_size, window_size=v.window_size,
-                  fullatt_block_indexes=list(v.fullatt_block_indexes), tokens_per_second=v.tokens_per_second)
-    return Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=model.tie_word_embeddings,
-                            image_token_id=model.image_token_id, video_token_id=model.video_token_id,
-                            vision_start_token_id=model.vision_start_token_id,
-                            vision_end_token_id=model.vision_end_token_id)
-
-
 def write_model(path: Path, model: ModelConfig, seed: int) -> None:
     """A randomly initialised checkpoint of `model`'s shape, with its processor, in `path`."""
     torch.manual_seed(seed)
-    Qwen2_5_VLForConditionalGeneration(hf_config(model)).save_pretrained(str(path))
+    hf = Qwen2_5_VLConfig.from_dict(hf_config_from_model(model))
+    Qwen2_5_VLForConditionalGeneration(hf).save_pretrained(str(path))
     write_tiny_processor(path, WORDS, model, min_pixels=28 * 28, max_pixels=56 * 56)
 
 
