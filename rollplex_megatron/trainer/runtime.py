@@ -61,6 +61,22 @@ def memory_plan(cfg: RunConfig, source) -> dict:
     return {**summary, "shape": vars(shape)}
 
 
+def build_policy(cfg: RunConfig):
+    """This rank's stage of the model, with `train.init_hf`'s weights when it is set (else megatron's init)."""
+    model = build_model(cfg.model, cfg.dtype, cfg.megatron)
+    if cfg.train.init_hf:
+        load_hf_into_model(model, HFCheckpoint(cfg.train.init_hf), cfg.model, ps.get_tensor_model_parallel_rank(),
+                           cfg.parallel.tp, ps.get_pipeline_model_parallel_rank(), cfg.parallel.pp)
+    return model
+
+
+def build_engine(model, cfg: RunConfig) -> EmbeddedEngine:
+    """The embedded rollout engine over `model`'s modules with the run's rollout and KV settings."""
+    r = cfg.rollout
+    return EmbeddedEngine(model, cfg.model, r.max_prompt_len, r.max_response_len, cfg.memory.kv_cache_gib,
+                          r.cuda_graphs, r.decode_attention)
+
+
 class Runtime:
     """What every mode uses: actor (DDP), reference, optimizer, rollout engine, data source, loss."""
 
@@ -70,10 +86,7 @@ class Runtime:
         init_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.seed, cfg.parallel.backend)
         self.source = build_source(cfg)  # bad data settings fail before building models
         self.plan = memory_plan(cfg, self.source)  # over memory.budget_gib: fails here, before any model
-        actor = build_model(cfg.model, cfg.dtype, cfg.megatron)
-        if cfg.train.init_hf:
-            load_hf_into_model(actor, HFCheckpoint(cfg.train.init_hf), cfg.model, ps.get_tensor_model_parallel_rank(),
-                               cfg.parallel.tp, ps.get_pipeline_model_parallel_rank(), cfg.parallel.pp)
+        actor = build_policy(cfg)
         self.ref = build_model(cfg.model, cfg.dtype, cfg.megatron)
         self.ref.load_state_dict(actor.state_dict())  # the reference is the initial policy, frozen
         self.ref.requires_grad_(False)
@@ -82,9 +95,7 @@ class Runtime:
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
         self.memory = MemoryManager(cfg.memory.plan, cfg.mode.name, self.ddp, self.optimizer, self.ref)
         self.recompute = cfg.memory.plan == "phase"  # the actor prefix keeps no graph
-        self.engine = EmbeddedEngine(self.ddp, cfg.model, cfg.rollout.max_prompt_len, cfg.rollout.max_response_len,
-                                     cfg.memory.kv_cache_gib, cfg.rollout.cuda_graphs,
-                                     cfg.rollout.decode_attention)
+        self.engine = build_engine(self.ddp, cfg)
         r = cfg.rollout
         self.sampling = SamplingParams(r.temperature, r.top_p, r.top_k)
         # every log-prob the loss sees is the sampled policy's: its temperature, its banned tokens (DESIGN 3)

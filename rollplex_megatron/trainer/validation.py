@@ -13,12 +13,10 @@ from megatron.core import parallel_state as ps
 from rollplex_megatron.config import RunConfig
 from rollplex_megatron.data.dataset import DatasetSource
 from rollplex_megatron.dist import init_parallel
-from rollplex_megatron.models.qwen25vl import build_model
-from rollplex_megatron.models.qwen25vl.hf import HFCheckpoint, load_hf_into_model
-from rollplex_megatron.rollout.embedded import EmbeddedEngine
 from rollplex_megatron.rollout.engine import RolloutRequest
 from rollplex_megatron.rollout.sampling import SamplingParams
 from rollplex_megatron.runtime import device
+from rollplex_megatron.trainer.runtime import build_engine, build_policy
 
 
 def val_sampling(cfg) -> SamplingParams:
@@ -66,12 +64,9 @@ class EvalRuntime:
         self.cfg = cfg
         init_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.seed, cfg.parallel.backend)
         self.source = DatasetSource(cfg)
-        model = build_model(cfg.model, cfg.dtype, cfg.megatron)
-        load_hf_into_model(model, HFCheckpoint(cfg.train.init_hf), cfg.model, ps.get_tensor_model_parallel_rank(),
-                           cfg.parallel.tp, ps.get_pipeline_model_parallel_rank(), cfg.parallel.pp)
+        model = build_policy(cfg)
         model.eval()
-        self.engine = EmbeddedEngine(model, cfg.model, cfg.rollout.max_prompt_len, cfg.rollout.max_response_len,
-                                     cfg.memory.kv_cache_gib, cfg.rollout.cuda_graphs, cfg.rollout.decode_attention)
+        self.engine = build_engine(model, cfg)
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         self.dp_group, self.dev = ps.get_data_parallel_group(), device()
 
