@@ -16,11 +16,12 @@ def policy_logits(logits_BTV: torch.Tensor, temperature: float = 1.0, banned: tu
     """The sampled policy's logits from this TP rank's vocabulary shard: fp32, divided by the sampling
     temperature, with the tokens the sampler never emits (`banned`: the vision placeholders) at the
     fp32 minimum, so the loss and the scoring phases see the distribution the rollout drew from."""
-    x = (logits_BTV.float() / temperature).clamp_min(torch.finfo(torch.float32).min)  # padding /T: not -inf
+    lowest = torch.finfo(torch.float32).min
+    x = (logits_BTV.float() / temperature).clamp_min(lowest)  # padding / T: the minimum, not -inf
     local = x.shape[-1]
-    cols = [t - tp_rank * local for t in banned if 0 <= t - tp_rank * local < local]
-    if cols:
-        x = x.index_fill(-1, torch.tensor(cols, device=x.device), torch.finfo(torch.float32).min)
+    for t in banned:  # integer columns: no index tensor copied to the device per micro-batch
+        if 0 <= t - tp_rank * local < local:
+            x[..., t - tp_rank * local] = lowest  # x is this function's own tensor (clamp_min's output)
     return x
 
 

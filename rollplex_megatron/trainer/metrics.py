@@ -47,12 +47,13 @@ def peak_bytes(t: PhaseTimer) -> tuple[int, str]:
 def reduce_metrics(rt, batch, res: list[dict]) -> dict:
     """Global (DP-summed) loss, KL (the loss's estimator and plain k1), entropy, clip fraction; mean
     reward, accuracy and response length (`rt`: the trainer's Runtime, `batch`: its StepBatch)."""
-    keys = ("loss", "kl", "kl_k1", "entropy", "clipfrac", "logp_diff")
-    res = [*res, {"logp_diff": logp_diff(batch, res)}]
+    summed = ("loss", "kl", "kl_k1", "entropy", "clipfrac")  # over this rank's micro-batches
+    keys = (*summed, "logp_diff")
+    terms = [sum(float(r[k]) for r in res) for k in summed] + [logp_diff(batch, res)]
     counts = {"reward_sum": float(batch.rewards.sum()), "responses": float(batch.rewards.numel()),
               "tokens": float(sum(t.numel() for g in batch.groups for t in g.responses)),
               "correct": float(batch.correct.sum()), "answered": float(batch.answered.sum())}
-    vals = torch.tensor([sum(float(r.get(k, 0.0)) for r in res) for k in keys] + list(counts.values()),
+    vals = torch.tensor(terms + list(counts.values()),
                         dtype=torch.float64, device=rt.dev)
     dist.all_reduce(vals, group=rt.dp_group)
     if rt.pp_size > 1:  # the loss terms exist on the last pipeline stage only
