@@ -72,7 +72,7 @@ def model_from_hf(cfg: RunConfig, overrides: list[str]) -> RunConfig:
     disagrees with the checkpoint is an error naming the field."""
     path = str(Path(cfg.train.init_hf).resolve())  # recorded absolute: exports and resumes elsewhere find it
     hf = HFCheckpoint(path).model_config()
-    hf = dataclasses.replace(hf, **{k: getattr(cfg.model, k) for k in RUN_MODEL_FIELDS if k != "name"})
+    hf = dataclasses.replace(hf, freeze_vision=cfg.model.freeze_vision)  # a run setting (RUN_MODEL_FIELDS)
     chosen = [o.lstrip("+~") for o in overrides if o.lstrip("+~").split("=")[0].split(".")[0] == "model"]
     if any(o.split("=")[0] != "model.freeze_vision" for o in chosen):
         bad = _differences(cfg.model, hf, "model.")

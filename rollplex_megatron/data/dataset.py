@@ -151,8 +151,8 @@ class DatasetSource:
 
     def _checked(self, records: list[Record]) -> list[Record]:
         """Each row's media, placeholders, prompt length and reward function, before any model work."""
-        self.rewards.check([r.data_source for r in records], records[0].where.rsplit(" row ", 1)[0])
         for r in records:
+            self.rewards.check([r.data_source], r.where)  # the error names the first row without a function
             n = self._length(r)
             if n > self.max_prompt_len and self.truncation == "error":
                 raise ValueError(f"{r.where}: the prompt is {n} tokens, over rollout.max_prompt_len="
@@ -220,16 +220,17 @@ class DatasetSource:
             return self._build_rows(step, dp_rank, dp_size, n)
         return self._prefetch.get((step, dp_rank, dp_size, n))
 
+    def _val(self, max_rows: int) -> list[Record]:
+        return self.val[:max_rows] if max_rows else self.val
+
     def val_rows(self, dp_rank: int, dp_size: int, max_rows: int) -> list[Row]:
         """This rank's slice of the validation rows (at most `max_rows` in all; 0: every row)."""
-        recs = self.val[:max_rows] if max_rows else self.val
-        return [Row(self.prompt(r), seed=self.seed * 7_919 + k, meta=r) for k, r in enumerate(recs)
+        return [Row(self.prompt(r), seed=self.seed * 7_919 + k, meta=r) for k, r in enumerate(self._val(max_rows))
                 if k % dp_size == dp_rank]
 
     def val_sources(self, max_rows: int) -> list[str]:
         """The data_sources of the validation rows (the same list on every rank)."""
-        recs = self.val[:max_rows] if max_rows else self.val
-        return sorted({r.data_source for r in recs})
+        return sorted({r.data_source for r in self._val(max_rows)})
 
     def score(self, row: Row, tokens: torch.Tensor) -> Score:  # noqa: D102
         rec: Record = row.meta
