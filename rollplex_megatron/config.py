@@ -206,8 +206,18 @@ class RolloutConfig:
     top_k: int = 0  # keep the k most likely tokens (0: all)
     cuda_graphs: bool = True  # GPU: replay each decode step as a CUDA graph (per batch-size bucket)
     decode_attention: str = "auto"  # flash (CUDA, bf16/fp16) | math (fp32 torch) | auto (flash where it can run)
+    # Benchmarks on random weights (which never stop by themselves): "lognormal" draws each request's
+    # maximum length (mean length_mean, log-std length_sigma, capped at the source's maximum) from a
+    # seeded stream, and stop tokens are ignored, so every response has exactly its drawn length.
+    length_dist: str = ""  # "" (off: the model stops) | lognormal
+    length_mean: int = 256  # mean of the drawn lengths before the cap
+    length_sigma: float = 0.8  # log-space standard deviation (0.8: a long tail, p99 about 5x the median)
 
     def __post_init__(self) -> None:
+        if self.length_dist not in ("", "lognormal"):
+            raise ValueError(f"rollout.length_dist must be '' (off) or lognormal, got {self.length_dist!r}")
+        if self.length_mean < 1 or self.length_sigma < 0:
+            raise ValueError("rollout.length_mean must be >= 1 and rollout.length_sigma >= 0")
         if self.group_size < 1:
             raise ValueError(f"rollout.group_size must be >= 1, got {self.group_size}")
         if self.max_response_len < 1:
@@ -382,7 +392,12 @@ class OptimConfig:
 class TrainConfig:
     """The GRPO loop: steps, loss, logging and checkpoints."""
 
-    steps: int = 60  # RL steps (one optimizer step each)
+    steps: int = 60  # RL steps (ppo_epochs x ppo_mini_batches optimizer steps each)
+    ppo_mini_batches: int = 1  # optimizer steps per pass over the rollout batch (whole groups each; must divide
+    # the prompts per DP rank); only the first reuses the rollout's prefix, later ones recompute theirs
+    ppo_epochs: int = 1  # passes over the rollout batch; old log-probs stay the rollout policy's
+    dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, sample more prompts to refill
+    max_resample_rounds: int = 3  # dynamic sampling: extra rollout rounds per step at most (then fill, and log it)
     kl_coef: float = 0.0  # coefficient of the KL to the reference in the loss
     kl_estimator: str = "low_var_kl"  # k1 | k2 | k3 | low_var_kl (k3 clamped as verl clamps it); logged as `kl`
     entropy_coef: float = 0.0  # entropy bonus (token mean of the policy entropy) subtracted from the loss
@@ -408,6 +423,11 @@ class TrainConfig:
             raise ValueError(f"train.steps must be >= 1, got {self.steps}")
         if min(self.kl_coef, self.entropy_coef, self.clip_low, self.clip_high) < 0:
             raise ValueError("train.kl_coef, train.entropy_coef, train.clip_low and train.clip_high must be >= 0")
+        if self.ppo_mini_batches < 1 or self.ppo_epochs < 1:
+            raise ValueError(f"train.ppo_mini_batches ({self.ppo_mini_batches}) and train.ppo_epochs "
+                             f"({self.ppo_epochs}) must be >= 1")
+        if self.max_resample_rounds < 0:
+            raise ValueError(f"train.max_resample_rounds must be >= 0, got {self.max_resample_rounds}")
         if self.save_every < 0 or self.val_every < 0:
             raise ValueError("train.save_every and train.val_every must be >= 0 (0: off)")
         if self.loss_agg_mode not in LOSS_AGG_MODES:
@@ -585,6 +605,11 @@ class RunConfig:
         if (n // g) % dp:
             raise ValueError(f"workload.rollout_batch/rollout.group_size = {n // g} prompts must be divisible "
                              f"by parallel.dp ({dp})")
+        m = self.train.ppo_mini_batches
+        if (n // g) % dp == 0 and self.prompts_per_rank % m:
+            raise ValueError(f"train.ppo_mini_batches ({m}) must divide the {self.prompts_per_rank} prompts per "
+                             f"data-parallel rank (workload.rollout_batch / rollout.group_size / parallel.dp): a "
+                             f"mini-batch holds whole groups")
 
     @property
     def prompts_per_rank(self) -> int:

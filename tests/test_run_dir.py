@@ -349,11 +349,13 @@ def test_train_to_hf_without_init_builds_config_with_transformers(tmp_path):
 
 
 def test_lr_schedule_resumes_with_the_checkpoint_and_tensorboard_gets_the_scalars(tmp_path):
-    """Warm-up + linear decay: a run stopped at step 2 and resumed to 4 takes the same learning rates
-    (the scheduler state is in the checkpoint) and the same weights as an uninterrupted run; the
-    TensorBoard event files hold metrics.jsonl's scalars."""
+    """Warm-up + linear decay, two PPO mini-batches and dynamic sampling: a run stopped at step 2 and
+    resumed to 4 takes the same learning rates (the scheduler state is in the checkpoint), the same
+    prompts (the data stream's position, moved on by the resampling rounds, is in it too) and the same
+    weights as an uninterrupted run; the TensorBoard event files hold metrics.jsonl's scalars."""
     sched = ["optim.lr_warmup_steps=2", "optim.lr_decay_style=linear", "optim.lr_decay_steps=4", "optim.min_lr=1e-4",
-             "train.tensorboard=true"]
+             "train.tensorboard=true", "train.ppo_mini_batches=2", "train.dynamic_sampling=true",
+             "train.max_resample_rounds=2"]
     whole, part = tmp_path / "whole", tmp_path / "part"
     assert _train(*sched, "train.steps=4", f"train.out={whole}").returncode == 0
     assert _train(*sched, "train.steps=2", f"train.out={part}").returncode == 0
@@ -362,6 +364,9 @@ def test_lr_schedule_resumes_with_the_checkpoint_and_tensorboard_gets_the_scalar
     a, b = read_metrics(whole / R.METRICS), read_metrics(part / R.METRICS)
     assert [r["lr"] for r in a] == pytest.approx([0.0, 5e-4, 1e-3, 1e-4 + (1e-3 - 1e-4) * 0.5])
     assert [r["lr"] for r in b] == [r["lr"] for r in a] and [r["loss"] for r in b] == [r["loss"] for r in a]
+    assert all(r["optimizer_steps"] == 2 for r in a)
+    rounds = [r["rollout"]["dynamic_sampling"]["rounds_mean"] for r in a]
+    assert max(rounds[:2]) > 1, rounds  # the stream moved past one batch per step before the checkpoint
     acc = EventAccumulator(str(whole / "tensorboard"))
     acc.Reload()
     assert [e.step for e in acc.Scalars("lr")] == [r["step"] for r in a]

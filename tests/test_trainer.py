@@ -141,6 +141,46 @@ def test_rollplex_matches_serial_with_the_grpo_knobs_on(tiny_hf):
         "grad_norm"]  # the aggregation reaches the gradient
 
 
+PPO = ["train.ppo_mini_batches=2", "train.ppo_epochs=2", "train.dynamic_sampling=true", "train.max_resample_rounds=2"]
+
+
+@pytest.fixture(scope="module")
+def ppo_serial_run(tiny_hf):
+    return run_local(W.run_steps, 1, _cfg("serial", *PPO, hf=tiny_hf), 2)[0]
+
+
+@pytest.mark.parametrize("mode", ["prefix_shared", "rollplex"])
+def test_modes_match_serial_with_mini_batches_epochs_and_dynamic_sampling(tiny_hf, ppo_serial_run, mode):
+    """Two mini-batches x two epochs (4 optimizer steps a step) over a batch refilled by dynamic
+    sampling: same groups trained, same update; the old log-probs of every mini-batch are the rollout
+    policy's (they equal the sampler's), although the weights move between the updates."""
+    run, ref = run_local(W.run_steps, 1, _cfg(mode, *PPO, hf=tiny_hf), 2)[0], ppo_serial_run
+    assert run["tokens"] == ref["tokens"]
+    _records_close(run["records"], ref["records"])
+    err, name = _param_err(run, ref)
+    assert err <= TOL, (name, err)
+    need = 32 // 4  # groups trained a step
+    for rec, informative in zip(run["records"], run["informative"]):
+        ds = rec["rollout"]["dynamic_sampling"]
+        assert rec["optimizer_steps"] == 4 and rec["rollout_logp_diff"] <= LOGP_TOL
+        found = ds["sampled_groups"] - ds["uninformative_groups"]
+        assert informative == min(need, found) and ds["filled_groups"] == max(need - found, 0)
+        assert ds["rounds_mean"] > 1  # the tiny model's groups are mostly all-equal: it resampled
+        if mode == "rollplex":  # the prefix work done for groups not trained on is on the record
+            assert ds["dropped_prefix_groups"] == ds["sampled_groups"] - need > 0
+        assert {k: v for k, v in ds.items() if not k.startswith("dropped")} == \
+            ref["records"][run["records"].index(rec)]["rollout"]["dynamic_sampling"]
+
+
+def test_later_mini_batch_on_the_rollout_prefix_is_detected(tiny_hf, ppo_serial_run):
+    """The second mini-batch reading the prefix K/V the rollout computed (at the weights before the
+    first optimizer step) instead of recomputing it: the update leaves serial's."""
+    run = run_local(W.run_steps, 1, _cfg("rollplex", *PPO, hf=tiny_hf), 2, "stale_prefix")[0]
+    assert run["tokens"][0] == ppo_serial_run["tokens"][0]
+    err, _ = _param_err(run, ppo_serial_run)
+    assert err > 10 * TOL
+
+
 @pytest.mark.parametrize("mutant", ["skip_prefix_backward", "stale_reference"])
 def test_mode_equivalence_detects_breakage(tiny_hf, serial_run, mutant):
     run = run_local(W.run_steps, 1, _cfg("rollplex", hf=tiny_hf), 3, mutant)[0]

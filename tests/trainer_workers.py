@@ -17,13 +17,38 @@ def run_steps(cfg, steps: int, mutant: str = ""):
     if mutant == "stale_reference":  # the reference drifts with the actor (is not the initial policy)
         Runtime.optimizer_step_orig = Runtime.optimizer_step
 
-        def drift(self):
-            out = Runtime.optimizer_step_orig(self)
+        def drift(self, advance=True):
+            out = Runtime.optimizer_step_orig(self, advance)
             self.memory.restore_all()  # under memory.plan=phase the reference may be offloaded here
             self.ref.load_state_dict(self.ddp.module.state_dict())
             return out
 
         Runtime.optimizer_step = drift
+    if mutant == "stale_prefix":  # later PPO mini-batches read the rollout's prefix K/V (no recompute)
+        from rollplex_megatron.attention.kv_store import KVStore
+        from rollplex_megatron.prefix import execution
+        from rollplex_megatron.trainer.modes.rollplex import Rollplex
+
+        prepare, update = Rollplex.prepare, Rollplex.update
+
+        def keep_all(self, rt, step, t):
+            release, KVStore.release = KVStore.release, lambda store, group: None
+            try:
+                prep = prepare(self, rt, step, t)
+            finally:
+                KVStore.release = release
+            prep.state["stale"] = (prep.state["actor_kv"], list(prep.state["states"]))
+            return prep
+
+        def stale(self, rt, prep, m, fresh):
+            if fresh or m == 0 or "stale" not in prep.state:  # the first epoch's second mini-batch goes stale
+                return update(self, rt, prep, m, fresh)
+            store, states = prep.state.pop("stale")
+            own = set(prep.minis[m].groups)
+            return execution.actor_response_step(rt.ddp, prep.mbs[m], store, [s for s in states if s.group in own],
+                                                 rt.backend, loss_fn=rt.loss(prep.minis[m]))[0]
+
+        Rollplex.prepare, Rollplex.update = keep_all, stale
     rt = Runtime(cfg)
     if mutant in ("untempered", "unbanned"):  # the loss scores another policy than the one sampled
         from functools import partial
@@ -39,10 +64,12 @@ def run_steps(cfg, steps: int, mutant: str = ""):
                                          kl_estimator=cfg.train.kl_estimator, banned=banned)
     mode = MODES[cfg.mode.name]()
     first = {n: p.detach().float().clone() for n, p in rt.ddp.module.named_parameters()}
-    tokens, records = [], []
+    tokens, records, informative = [], [], []
     for step in range(steps):
         records.append(run_step(rt, mode, step))
         tokens.append([[t.tolist() for t in g.responses] for g in rt.last_batch.groups])
+        informative.append(sum(rt.last_batch.informative()))
     last = {n: p.detach().float().clone() for n, p in rt.ddp.module.named_parameters()}
     keep = ps.get_tensor_model_parallel_world_size() == 1 and ps.get_pipeline_model_parallel_world_size() == 1
-    return {"tokens": tokens, "records": records, "first": first if keep else None, "last": last if keep else None}
+    return {"tokens": tokens, "records": records, "informative": informative, "first": first if keep else None,
+            "last": last if keep else None}

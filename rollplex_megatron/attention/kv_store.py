@@ -61,6 +61,14 @@ class KVStore:
         grads = sum(t.grad.nbytes for pair in self.leaves.values() for t in pair if t.grad is not None)
         return kv, grads
 
+    def adopt(self, other: "KVStore", src: int, dst: int) -> None:
+        """Move group `src` of `other` into this store as group `dst` (a batch assembled from several
+        rollout rounds, each with its own store)."""
+        for key in [k for k in other.leaves if k[1] == src]:
+            self.leaves[(key[0], dst)] = other.leaves.pop(key)
+            if key in other.graph:
+                self.graph[(key[0], dst)] = other.graph.pop(key)
+
     def release(self, group: int) -> None:
         """Drop a group's K/V and graph once its prefix backward is done."""
         for key in [k for k in self.leaves if k[1] == group]:

@@ -18,6 +18,10 @@ Commands
   plan-memory [hydra overrides] [--json]
                                       analytic HBM per GPU and phase: serial colocation vs the Rollplex
                                       plan (model=qwen2_5_vl_32b alone: the paper's 32-GPU setting)
+  bench SUITE [--modes serial,prefix_shared,rollplex,rollplex:stream,...] [--warmup K] [--out JSON]
+        [--merge JSON] [hydra overrides]
+                                      every mode of recipes/bench/SUITE.yaml, one process each; one JSON
+                                      per suite (benchmarks/results/) and BENCHMARKS.md generated from them
   print-config [hydra overrides]      the resolved config
   eval (--hf-dir DIR | --run DIR [--step N]) data.val_files=[FILE] [val.*] [--out JSON]
                                       a checkpoint's per-data_source scores on a validation set
@@ -42,6 +46,7 @@ import torch.distributed as dist
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
+from rollplex_megatron.bench import main as bench_main
 from rollplex_megatron.checkpoint import convert
 from rollplex_megatron.models.qwen25vl.hf import HFCheckpoint
 from rollplex_megatron.cli.train import main as train_main
@@ -289,6 +294,10 @@ def _cmd_generate(argv: list[str]) -> int:
     return 0
 
 
+def _cmd_bench(argv: list[str]) -> int:
+    return bench_main(argv)
+
+
 def _cmd_smoke(argv: list[str]) -> int:
     return smoke_main(argv)
 
@@ -297,7 +306,7 @@ COMMANDS = {"train": _cmd_train, "smoke": _cmd_smoke, "verify-hf": _cmd_verify_h
             "verify-equivalence": _cmd_verify_equivalence, "convert": _cmd_convert,
             "print-config": _cmd_print_config, "make-example": _cmd_make_example, "eval": _cmd_eval,
             "generate": _cmd_generate, "plan-weights": _cmd_plan_weights,
-            "plan-memory": _cmd_plan_memory}
+            "plan-memory": _cmd_plan_memory, "bench": _cmd_bench}
 
 
 def main(argv: list[str] | None = None) -> int:

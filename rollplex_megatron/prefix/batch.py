@@ -95,20 +95,23 @@ def check_group_prompts(groups: list[Group], group_ids: list[list[int]]) -> None
                 raise ValueError(f"samples {members[0]} and {m} are in one group but have different prompts")
 
 
-def _chunks(groups: list[Group], per_mb: int) -> list[list[tuple[int, int]]]:
-    flat = [(gi, ri) for gi, g in enumerate(groups) for ri in range(len(g.responses))]
+def _chunks(groups: list[Group], per_mb: int, select: list[int] | None) -> list[list[tuple[int, int]]]:
+    ids = range(len(groups)) if select is None else select
+    flat = [(gi, ri) for gi in ids for ri in range(len(groups[gi].responses))]
     return [flat[i:i + per_mb] for i in range(0, len(flat), per_mb)]
 
 
 def response_micro_batches(cfg: ModelConfig, groups: list[Group], per_mb: int, total_tokens: int,
-                           position_offset: int = 0) -> list[MicroBatch]:
+                           position_offset: int = 0, select: list[int] | None = None) -> list[MicroBatch]:
     """Response-stage micro-batches: [prompt[-1], response[:-1]] packed, positions after the prefix.
 
+    `select`: only these groups' responses (a PPO mini-batch), still named by their index in `groups`.
     `position_offset` exists only for mutation tests (a wrong offset must be detected).
     """
-    last_pos = [prompt_positions(cfg, g.prompt)[:, :, -1:] for g in groups]  # [3,1,1]
+    ids = range(len(groups)) if select is None else select
+    last_pos = {gi: prompt_positions(cfg, groups[gi].prompt)[:, :, -1:] for gi in ids}  # [3,1,1]
     out = []
-    for members in _chunks(groups, per_mb):
+    for members in _chunks(groups, per_mb, select):
         ids, pos, lab, w, seg, p, grp = [], [], [], [], [], [], []
         for s, (gi, ri) in enumerate(members):
             r = groups[gi].responses[ri]
@@ -130,10 +133,12 @@ def response_micro_batches(cfg: ModelConfig, groups: list[Group], per_mb: int, t
     return out
 
 
-def full_micro_batches(cfg: ModelConfig, groups: list[Group], per_mb: int, total_tokens: int) -> list[MicroBatch]:
-    """Full-sequence micro-batches: each response with its whole prompt (the serial baseline)."""
+def full_micro_batches(cfg: ModelConfig, groups: list[Group], per_mb: int, total_tokens: int,
+                       select: list[int] | None = None) -> list[MicroBatch]:
+    """Full-sequence micro-batches: each response with its whole prompt (the serial baseline);
+    `select` as in `response_micro_batches`."""
     out = []
-    for members in _chunks(groups, per_mb):
+    for members in _chunks(groups, per_mb, select):
         ids, pos, lab, w, msk, seg, p = [], [], [], [], [], [], []
         vis: dict[str, list] = {}
         for s, (gi, ri) in enumerate(members):

@@ -188,14 +188,18 @@ def finalize(model) -> None:
 
 
 def actor_prefix_step(model, groups: list[Group], micro_batches: list[MicroBatch],
-                      backend: str = "auto", loss_fn=None, recompute: bool = False) -> list[dict]:
+                      backend: str = "auto", loss_fn=None, recompute: bool = False,
+                      select: list[int] | None = None) -> list[dict]:
     """Prefix/response forward+backward of the actor; gradients finalised. Returns loss dicts.
 
-    `recompute`: keep no prefix graph; each group's prefix is recomputed at its prefix backward."""
+    `recompute`: keep no prefix graph; each group's prefix is recomputed at its prefix backward.
+    `select`: the micro-batches hold only these groups (a PPO mini-batch); only their prefixes run."""
     dev = device()
     mbs = [mb.to(dev) for mb in micro_batches]
     store = KVStore()
-    states = prefix_forward(model, groups, store, keep_graph=not recompute, recompute=recompute)
+    ids = list(range(len(groups))) if select is None else list(select)
+    states = prefix_forward(model, [groups[i] for i in ids], store, keep_graph=not recompute, recompute=recompute,
+                            group_ids=ids)
     res = run_schedule(model, mbs, lambda mb: PrefixContext(mode="use", layout=mb.layout, store=store,
                                                             backend=backend), forward_only=False, loss_fn=loss_fn)
     prefix_backward(model, states, store)
@@ -235,17 +239,19 @@ def per_response(results: list[dict], mbs: list[MicroBatch], groups: list[Group]
     return split_token_values(results, mbs, groups, "logp")
 
 
-def reference_response_logprobs(model, micro_batches: list[MicroBatch], store: KVStore,
-                                backend: str = "auto", loss_fn=None) -> list[dict]:
-    """The reference response stage over prefix K/V computed earlier (the decode window's); the
-    store is emptied after (its last consumer)."""
+def response_logprobs(model, micro_batches: list[MicroBatch], store: KVStore, backend: str = "auto",
+                      loss_fn=None, release: bool = True) -> list[dict]:
+    """A forward-only response stage over prefix K/V computed earlier: the reference's (the decode
+    window's; `release`: the store is emptied after, its last consumer) or the rollout's actor
+    prefix (the old log-probs of later PPO mini-batches; the store stays for the update)."""
     dev = device()
     mbs = [mb.to(dev) for mb in micro_batches]
     with torch.no_grad():
         res = run_schedule(model, mbs, lambda mb: PrefixContext(mode="use", layout=mb.layout, store=store,
                                                                 backend=backend), forward_only=True,
                            loss_fn=loss_fn)
-    store.leaves.clear()
+    if release:
+        store.leaves.clear()
     return res
 
 

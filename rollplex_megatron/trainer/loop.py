@@ -28,23 +28,31 @@ from rollplex_megatron.trainer.validation import evaluate
 
 
 def run_step(rt: Runtime, mode: Mode, step: int) -> dict:
-    """One RL step; returns its metrics record."""
+    """One RL step; returns its metrics record. The mode prepares (rollout and scoring phases), then
+    `train.ppo_epochs` passes over its `train.ppo_mini_batches` mini-batches, one update and one
+    optimizer step each; the learning-rate schedule advances once per RL step."""
     rt.memory.new_step()
+    rt.data_seconds = 0.0
     t = PhaseTimer(rt.memory)
     t0 = time.perf_counter()
-    batch, res, stats = mode.step(rt, step, t)
-    rt.last_batch = batch  # kept for inspection (tests compare rollouts across modes)
-    with t("optimizer"):
-        opt = rt.optimizer_step()
+    prep = mode.prepare(rt, step, t)
+    rt.last_batch = prep.batch  # kept for inspection (tests compare rollouts across modes)
+    res, opts, n = [], [], rt.cfg.train.ppo_epochs * len(prep.minis)
+    for k in range(n):
+        with t("update"):
+            res.append(mode.update(rt, prep, k % len(prep.minis), fresh=k == 0))
+        with t("optimizer"):
+            opts.append(rt.optimizer_step(advance=k == n - 1))
     sync()
     peak, src = peak_bytes(t)
     seconds = time.perf_counter() - t0
-    return {"step": step + 1, "mode": mode.name, **reduce_metrics(rt, batch, res),
-            "grad_norm": opt["grad_norm"], "lr": opt["lr"], "step_time_s": seconds,
+    return {"step": step + 1, "mode": mode.name, **reduce_metrics(rt, prep, res),
+            "grad_norm": sum(o["grad_norm"] for o in opts) / n, "lr": opts[0]["lr"], "optimizer_steps": n,
+            "step_time_s": seconds,
             "data_time_s": rt.data_seconds, "data_share": rt.data_seconds / seconds,
             "phase_times": t.times, "phase_peak_bytes": t.peaks, "peak_mem_bytes": peak, "peak_mem_source": src,
             "memory_plan": rt.cfg.memory.plan, "phase_managed_bytes": dict(rt.memory.phase_bytes),
-            "offload_bytes": dict(rt.memory.copy_bytes), "rollout": stats}
+            "offload_bytes": dict(rt.memory.copy_bytes), "rollout": prep.stats}
 
 
 def _run_dir(cfg: RunConfig) -> Path:
@@ -97,6 +105,7 @@ def train_rank(cfg: RunConfig) -> dict:
                 raise FileNotFoundError(f"train.resume=true but {run} has no checkpoint")
             start, extra = train_state.load_checkpoint(latest, rt.ddp.module, rt.ref, rt.optimizer)
             restore_scheduler(rt.scheduler, extra, start)
+            rt.data_cursor = extra.get("data_cursor", start)  # checkpoints before dynamic sampling: one batch a step
         if rank0:
             run_dir.truncate_metrics(run, start)  # steps after the checkpoint are trained again
             (run / "config.yaml").write_text(to_yaml(cfg))
@@ -122,7 +131,8 @@ def train_rank(cfg: RunConfig) -> dict:
             if (last and cfg.train.save_final) or stop or every:
                 rt.memory.restore_all()  # offloaded classes come back before their state is written
                 train_state.save_checkpoint(run, step + 1, rt.ddp.module, rt.ref, rt.optimizer,
-                                            {"lr_scheduler": rt.scheduler.state_dict()}, to_yaml(cfg))
+                                            {"lr_scheduler": rt.scheduler.state_dict(), "data_cursor": rt.data_cursor},
+                                            to_yaml(cfg))
             if stop:  # every rank agreed: the launcher starts nothing after this run either
                 stopped = step + 1
                 break

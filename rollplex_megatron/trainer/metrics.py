@@ -10,6 +10,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from rollplex_megatron.runtime import sync
+from rollplex_megatron.verify.flops import batch_fwd_flops
 
 
 class PhaseTimer:
@@ -44,15 +45,21 @@ def peak_bytes(t: PhaseTimer) -> tuple[int, str]:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "cpu process RSS high-water mark"
 
 
-def reduce_metrics(rt, batch, res: list[dict]) -> dict:
-    """Global (DP-summed) loss, KL (the loss's estimator and plain k1), entropy, clip fraction; mean
-    reward, accuracy and response length (`rt`: the trainer's Runtime, `batch`: its StepBatch)."""
+def reduce_metrics(rt, prep, updates: list[list[dict]]) -> dict:
+    """Global (DP-summed) loss, KL (the loss's estimator and plain k1), entropy, clip fraction, each the
+    mean over the step's updates (one per mini-batch and epoch; each a token mean over its
+    mini-batch); mean reward, accuracy and response length of the batch trained on (`rt`: the
+    trainer's Runtime, `prep`: the mode's Prepared step)."""
+    batch = prep.batch
     summed = ("loss", "kl", "kl_k1", "entropy", "clipfrac")  # over this rank's micro-batches
     keys = (*summed, "logp_diff")
-    terms = [sum(float(r[k]) for r in res) for k in summed] + [logp_diff(batch, res)]
+    terms = [sum(float(r[k]) for u in updates for r in u) / len(updates) for k in summed] + [logp_diff(batch, prep.old)]
+    fwd = batch_fwd_flops(rt.cfg.model, batch.groups)
     counts = {"reward_sum": float(batch.rewards.sum()), "responses": float(batch.rewards.numel()),
               "tokens": float(sum(t.numel() for g in batch.groups for t in g.responses)),
-              "correct": float(batch.correct.sum()), "answered": float(batch.answered.sum())}
+              "prompt_tokens": float(sum(g.prompt.input_ids.numel() for g in batch.groups)),
+              "correct": float(batch.correct.sum()), "answered": float(batch.answered.sum()),
+              **{f"fwd_flops_{k}": v for k, v in fwd.items()}}
     vals = torch.tensor(terms + list(counts.values()),
                         dtype=torch.float64, device=rt.dev)
     dist.all_reduce(vals, group=rt.dp_group)
@@ -68,15 +75,17 @@ def reduce_metrics(rt, batch, res: list[dict]) -> dict:
     out["accuracy"] = c["correct"] / c["responses"]  # right answers over all responses
     out["answered"] = c["answered"] / c["responses"]
     out["rollout_logp_diff"] = out.pop("logp_diff") / max(c["tokens"], 1.0)
+    out["response_tokens"], out["prompt_tokens"] = int(c["tokens"]), int(c["prompt_tokens"])  # every DP rank's
+    out["fwd_flops"] = {k: c[f"fwd_flops_{k}"] for k in fwd}  # analytic, by part (verify.flops.batch_fwd_flops)
     return out
 
 
-def logp_diff(batch, res: list[dict]) -> float:
+def logp_diff(batch, old: dict | None) -> float:
     """Summed |trainer log-prob - sampler log-prob| over this rank's response tokens (0 on stages
-    before the last, which compute none). The update's current log-probs are the old log-probs (one
-    on-policy update), so this is 0 up to rounding when the trainer scores the policy the rollout
+    before the last, which compute none). `old`: the trainer's log-probs of the rollout policy per
+    (group, response), so this is 0 up to rounding when the trainer scores the policy the rollout
     sampled from (same weights, same temperature)."""
-    if not res:
+    if not old:
         return 0.0
-    trainer = torch.cat([r["logp"].float().cpu() for r in res])
-    return float((trainer - torch.cat(batch.rollout_logprobs)).abs().sum())
+    return float(sum((old[(gi, ri)].float().cpu() - lp.float().cpu()).abs().sum()
+                     for gi, lps in enumerate(batch.rollout_logprobs) for ri, lp in enumerate(lps)))

@@ -2,6 +2,7 @@
 the memory manager with the planner's plan for this run."""
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -31,7 +32,7 @@ from rollplex_megatron.runtime import device, wrap_ddp
 @dataclass
 class StepBatch:
     """This rank's rollout batch: the data source's rows, the requests and the sampled groups with
-    their advantages."""
+    their advantages (one entry per group in every list)."""
 
     rows: list  # data.source.Row
     requests: list
@@ -39,8 +40,44 @@ class StepBatch:
     rewards: torch.Tensor  # [N, G]
     correct: torch.Tensor  # [N, G] 1 where the answer is right (reward without shaping)
     answered: torch.Tensor  # [N, G] 1 where the response gives an answer at all
+    rollout_logprobs: list  # [N] lists of G tensors [R]: the sampler's log-probs
+
+    def take(self, picks: list[int]) -> "StepBatch":
+        """The groups at `picks`, in that order."""
+        return StepBatch([self.rows[i] for i in picks], [self.requests[i] for i in picks],
+                         [self.groups[i] for i in picks], self.rewards[picks], self.correct[picks],
+                         self.answered[picks], [self.rollout_logprobs[i] for i in picks])
+
+    @staticmethod
+    def concat(batches: list["StepBatch"]) -> "StepBatch":
+        """Several rounds' batches as one (groups in round order)."""
+        cat = lambda k: [x for b in batches for x in getattr(b, k)]  # noqa: E731
+        return StepBatch(cat("rows"), cat("requests"), cat("groups"), torch.cat([b.rewards for b in batches]),
+                         torch.cat([b.correct for b in batches]), torch.cat([b.answered for b in batches]),
+                         cat("rollout_logprobs"))
+
+    def informative(self) -> list[bool]:
+        """Per group: its rewards are not all equal (its advantages are not all 0)."""
+        return [bool((r != r[0]).any()) for r in self.rewards]
+
+
+@dataclass
+class MiniBatch:
+    """One PPO mini-batch: whole groups of the step's batch, and its global counts (every DP rank's
+    share of it), which normalise its loss."""
+
+    groups: list[int]  # indices into StepBatch.groups
     total_tokens: int  # response tokens over all DP ranks (the token-mean denominator)
-    rollout_logprobs: list  # [R] tensors in (group, response) order: the sampler's log-probs
+    responses: int  # responses over all DP ranks (the seq-mean denominator)
+
+
+def drawn_lengths(mean: float, sigma: float, cap: int, n: int, seed: int) -> list[int]:
+    """`n` response lengths from a lognormal of mean `mean` and log-std `sigma` (a seeded stream),
+    rounded and clipped to [1, cap] (`rollout.length_dist=lognormal`)."""
+    g = torch.Generator().manual_seed(seed)
+    mu = math.log(mean) - sigma**2 / 2  # E[exp(N(mu, sigma^2))] = mean
+    x = torch.exp(mu + sigma * torch.randn(n, generator=g, dtype=torch.float64))
+    return [int(v) for v in x.round().clamp(1, cap)]
 
 
 def memory_plan(cfg: RunConfig, source) -> dict:
@@ -108,16 +145,23 @@ class Runtime:
         self.dp_group, self.tp_group = ps.get_data_parallel_group(), ps.get_tensor_model_parallel_group()
         self.dev = device()
         self.data_seconds = 0.0
+        self.data_cursor = 0  # the data stream's next batch index (the step, unless dynamic sampling resampled)
 
-    def requests(self, step: int):
-        """This rank's rows and rollout requests of `step` (deterministic in seed, step and rank);
-        `data_seconds` is the time this rank waited for them (prompt building, or its prefetch)."""
+    def requests(self, index: int):
+        """This rank's rows and rollout requests of the data stream's batch `index` (deterministic in
+        seed, index and rank; without dynamic sampling the index is the step); `data_seconds` adds the
+        time this rank waited for them (prompt building, or its prefetch)."""
         src, g = self.source, self.cfg.rollout.group_size
         t0 = time.perf_counter()
-        rows = src.rows(step, self.dp_rank, self.dp_size, self.cfg.prompts_per_rank)
-        self.data_seconds = time.perf_counter() - t0
-        reqs = [RolloutRequest(r.prompt, g, src.max_new_tokens, src.stop_token_ids, seed=r.seed) for r in rows]
-        return rows, reqs
+        rows = src.rows(index, self.dp_rank, self.dp_size, self.cfg.prompts_per_rank)
+        self.data_seconds += time.perf_counter() - t0
+        r = self.cfg.rollout
+        if not r.length_dist:
+            return rows, [RolloutRequest(q.prompt, g, src.max_new_tokens, src.stop_token_ids, seed=q.seed)
+                          for q in rows]
+        lens = drawn_lengths(r.length_mean, r.length_sigma, src.max_new_tokens, len(rows),
+                             self.cfg.seed * 1_000_003 + index * self.dp_size + self.dp_rank)
+        return rows, [RolloutRequest(q.prompt, g, n, (), seed=q.seed) for q, n in zip(rows, lens)]
 
     def score(self, rows, requests, rollout) -> StepBatch:
         """Rewards, group advantages and Groups from the rollout."""
@@ -128,39 +172,50 @@ class Runtime:
         adv = group_advantages(rewards, self.cfg.train.normalize_std)
         groups = [Group(r.prompt, res.tokens, a) for r, res, a in zip(requests, rollout.results, adv)]
         validate_groups(self.cfg.model, groups, self.cfg.rollout.max_response_len)
-        n_tok = torch.tensor(float(sum(t.numel() for res in rollout.results for t in res.tokens)), device=self.dev)
-        dist.all_reduce(n_tok, group=self.dp_group)
-        logprobs = [lp for res in rollout.results for lp in res.logprobs]
-        return StepBatch(rows, requests, groups, rewards, correct, answered, int(n_tok), logprobs)
+        return StepBatch(rows, requests, groups, rewards, correct, answered,
+                         [list(res.logprobs) for res in rollout.results])
 
-    def micro_batches(self, batch: StepBatch, kind: str):
-        """Full-sequence or response-stage micro-batches with the advantages laid per token."""
+    def mini_batches(self, batch: StepBatch) -> list[MiniBatch]:
+        """`train.ppo_mini_batches` consecutive slices of whole groups, with their global counts."""
+        n, m = len(batch.groups), self.cfg.train.ppo_mini_batches
+        slices = [list(range(i * n // m, (i + 1) * n // m)) for i in range(m)]
+        counts = torch.tensor([[float(sum(r.numel() for gi in sl for r in batch.groups[gi].responses)),
+                                float(sum(len(batch.groups[gi].responses) for gi in sl))] for sl in slices],
+                              dtype=torch.float64, device=self.dev)
+        dist.all_reduce(counts, group=self.dp_group)
+        return [MiniBatch(sl, int(c[0]), int(c[1])) for sl, c in zip(slices, counts.tolist())]
+
+    def micro_batches(self, batch: StepBatch, kind: str, mini: MiniBatch):
+        """Full-sequence or response-stage micro-batches of one mini-batch, with the advantages (and
+        the loss aggregation's weights) laid per token."""
         build = B.full_micro_batches if kind == "full" else B.response_micro_batches
-        mbs = build(self.cfg.model, batch.groups, self.cfg.workload.responses_per_micro_batch, batch.total_tokens)
-        adv = {(gi, ri): torch.full((r.numel(),), float(g.advantages[ri]))
-               for gi, g in enumerate(batch.groups) for ri, r in enumerate(g.responses)}
-        B.attach_token_data(mbs, "adv", adv)
+        mbs = build(self.cfg.model, batch.groups, self.cfg.workload.responses_per_micro_batch, mini.total_tokens,
+                    select=mini.groups)
+        keys = [(gi, ri) for gi in mini.groups for ri in range(len(batch.groups[gi].responses))]
+        lens = [batch.groups[gi].responses[ri].numel() for gi, ri in keys]
+        B.attach_token_data(mbs, "adv", {(gi, ri): torch.full((n,), float(batch.groups[gi].advantages[ri]))
+                                         for (gi, ri), n in zip(keys, lens)})
         t = self.cfg.train
         if t.loss_agg_mode != "token-mean":  # token-mean is GRPOLoss's own weighting (no tensor needed)
-            keys = [(gi, ri) for gi, g in enumerate(batch.groups) for ri in range(len(g.responses))]
-            lens = [batch.groups[gi].responses[ri].numel() for gi, ri in keys]
-            ws = loss_weights(lens, t.loss_agg_mode, self.cfg.workload.rollout_batch, batch.total_tokens,
+            ws = loss_weights(lens, t.loss_agg_mode, mini.responses, mini.total_tokens,
                               self.cfg.rollout.max_response_len)
             B.attach_token_data(mbs, "loss_w", {k: torch.full((n,), w) for k, n, w in zip(keys, lens, ws)})
         return mbs
 
-    def loss(self, batch: StepBatch):
-        """The GRPO loss of this step (token mean over the global response-token count)."""
+    def loss(self, mini: MiniBatch):
+        """The GRPO loss of one mini-batch (its statistics are token means over its global token count)."""
         t = self.cfg.train
-        return GRPOLoss(t.kl_coef, t.clip_low, t.clip_high, batch.total_tokens, self.tp_group, t.entropy_coef,
+        return GRPOLoss(t.kl_coef, t.clip_low, t.clip_high, mini.total_tokens, self.tp_group, t.entropy_coef,
                         self.cfg.rollout.temperature, t.kl_estimator, self.banned, t.clip_ratio_c)
 
-    def optimizer_step(self) -> dict:
-        """megatron optimizer step (clipping included) at the scheduler's learning rate, then the
-        scheduler's step; gradients are zeroed for the next step."""
+    def optimizer_step(self, advance: bool = True) -> dict:
+        """megatron optimizer step (clipping included) at the scheduler's learning rate, then (with
+        `advance`: after an RL step's last mini-batch) the scheduler's step: the schedule counts RL
+        steps, as verl's does. Gradients are zeroed for the next update."""
         lr = current_lr(self.optimizer)
         out = {**optimizer_step(self.optimizer), "lr": lr}
-        self.scheduler.step(increment=1)
+        if advance:
+            self.scheduler.step(increment=1)
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
         return out

@@ -33,6 +33,8 @@ def vision(cfg: ModelConfig, grids: torch.Tensor) -> float:
     """Forward FLOPs of the vision tower (patch embed, blocks, merger) on images/videos `grids`."""
     v = cfg.vision
     n = int(grids.prod(-1).sum())
+    if n == 0:  # a text-only prompt
+        return 0.0
     vh, vf = v.hidden_size, v.ffn_hidden_size
     patch = 2 * v.in_channels * v.temporal_patch_size * v.patch_size**2 * vh * n
     dense = (2 * vh * 3 * vh + 2 * vh * vh + 2 * 3 * vh * vf) * n * v.depth
@@ -60,14 +62,36 @@ def full_sequence_fwd(cfg: ModelConfig, prompt_len: int, grids: torch.Tensor, re
     return total
 
 
+def prefix_fwd(cfg: ModelConfig, prompt_len: int, grids: torch.Tensor) -> float:
+    """Forward FLOPs of one group's prefix stage: the vision tower and the LLM over prompt[:-1]."""
+    pre = prompt_len - 1
+    return llm_dense_per_token(cfg) * pre + llm_attention(cfg, _causal_pairs(pre)) + vision(cfg, grids)
+
+
+def response_fwd(cfg: ModelConfig, prompt_len: int, resp_lens: list[int]) -> float:
+    """Forward FLOPs of one group's response stage over its stored prefix (logits included)."""
+    pre = prompt_len - 1
+    return sum(llm_dense_per_token(cfg) * r + llm_attention(cfg, r * pre + _causal_pairs(r)) + logits(cfg, r)
+               for r in resp_lens)
+
+
 def prefix_response_fwd(cfg: ModelConfig, prompt_len: int, grids: torch.Tensor, resp_lens: list[int]) -> float:
     """Forward FLOPs of one group on the prefix/response path: prefix once, responses on top."""
-    pre = prompt_len - 1
-    total = llm_dense_per_token(cfg) * pre + llm_attention(cfg, _causal_pairs(pre)) + vision(cfg, grids)
-    for r in resp_lens:
-        total += (llm_dense_per_token(cfg) * r + llm_attention(cfg, r * pre + _causal_pairs(r))
-                  + logits(cfg, r))
-    return total
+    return prefix_fwd(cfg, prompt_len, grids) + response_fwd(cfg, prompt_len, resp_lens)
+
+
+def batch_fwd_flops(cfg: ModelConfig, groups) -> dict:
+    """Forward FLOPs of a batch of groups by part: whole sequences ("full"), the prefix stages
+    ("prefix") and the response stages ("response"); the trainer records them every step."""
+    out = {"full": 0.0, "prefix": 0.0, "response": 0.0}
+    for g in groups:
+        grids = [t for t in (g.prompt.image_grid_thw, g.prompt.video_grid_thw) if t is not None]
+        grids = torch.cat(grids) if grids else torch.zeros(0, 3, dtype=torch.long)
+        n, lens = g.prompt.input_ids.numel(), [int(r.numel()) for r in g.responses]
+        out["full"] += full_sequence_fwd(cfg, n, grids, lens)
+        out["prefix"] += prefix_fwd(cfg, n, grids)
+        out["response"] += response_fwd(cfg, n, lens)
+    return out
 
 
 def group_flops(cfg: ModelConfig, groups) -> dict:

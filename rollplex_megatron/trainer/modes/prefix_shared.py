@@ -2,9 +2,8 @@
 from __future__ import annotations
 
 from rollplex_megatron.memory.classes import PlanInputs, TensorClass
-from rollplex_megatron.prefix import batch as B
 from rollplex_megatron.prefix import execution as X
-from rollplex_megatron.trainer.modes.base import Mode, response_stage_activations, scoring_workspaces
+from rollplex_megatron.trainer.modes.base import Mode, Prepared, response_stage_activations, scoring_workspaces
 
 
 class PrefixShared(Mode):
@@ -14,21 +13,22 @@ class PrefixShared(Mode):
     phases = ("rollout", "old_logp", "ref_logp", "update", "optimizer")
     reference_phases = ("ref_logp",)
 
-    def step(self, rt, step, t):  # noqa: D102
-        batch, out = self.rollout(rt, *rt.requests(step), t)
-        mbs = rt.micro_batches(batch, "response")
+    def prepare(self, rt, step, t):  # noqa: D102
+        batch, _, _, stats = self.rollout(rt, t)
+        minis = rt.mini_batches(batch)
+        prep = Prepared(batch, minis, [rt.micro_batches(batch, "response", m) for m in minis], None, stats)
+        mbs = prep.flat()
         with t("old_logp"):
-            old = X.per_response(X.reference_prefix_logprobs(rt.ddp, batch.groups, mbs, rt.backend,
-                                                               rt.score_loss), mbs, batch.groups)
+            prep.record_old(X.per_response(X.reference_prefix_logprobs(rt.ddp, batch.groups, mbs, rt.backend,
+                                                                       rt.score_loss), mbs, batch.groups))
         with t("ref_logp"):
-            ref = X.per_response(X.reference_prefix_logprobs(rt.ref, batch.groups, mbs, rt.backend,
-                                                               rt.score_loss), mbs, batch.groups)
-        B.attach_token_data(mbs, "old_logp", old)
-        B.attach_token_data(mbs, "ref_logp", ref)
-        with t("update"):
-            res = X.actor_prefix_step(rt.ddp, batch.groups, mbs, rt.backend, loss_fn=rt.loss(batch),
-                                      recompute=rt.recompute)
-        return batch, res, out.stats
+            prep.attach("ref_logp", X.per_response(X.reference_prefix_logprobs(rt.ref, batch.groups, mbs, rt.backend,
+                                                                               rt.score_loss), mbs, batch.groups))
+        return prep
+
+    def update(self, rt, prep, m, fresh):  # noqa: D102
+        return X.actor_prefix_step(rt.ddp, prep.batch.groups, prep.mbs[m], rt.backend, loss_fn=rt.loss(prep.minis[m]),
+                                   recompute=rt.recompute, select=prep.minis[m].groups)
 
     @staticmethod
     def memory_classes(p: PlanInputs) -> list[TensorClass]:  # noqa: D102

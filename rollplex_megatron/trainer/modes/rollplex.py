@@ -3,20 +3,27 @@
 The rollout's prefill *is* the actor prefix stage; the reference prefix stage of every group runs
 in the decode window; then the reference response stage, the actor response stage (old log-probs
 are its own detached forward) and the prefix backward once per group.
+
+With PPO mini-batches only the first update reads the rollout's actor prefix; the old log-probs of
+the other mini-batches come from a forward-only response stage over that prefix before any
+optimizer step (`old_logp`), and their updates recompute the prefix at the updated weights. With
+dynamic sampling every round has its own stores; the kept groups' K/V are gathered into one, and
+the prefix work of the groups not trained on is reported (`dropped_prefix_*`).
 """
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 
 import torch
 
 from rollplex_megatron.attention.kv_store import KVStore
 from rollplex_megatron.memory.classes import PlanInputs, TensorClass
-from rollplex_megatron.prefix import batch as B
 from rollplex_megatron.prefix import execution as X
 from rollplex_megatron.prefix.batch import Group
 from rollplex_megatron.rollout.window import DecodeWindow
-from rollplex_megatron.trainer.modes.base import Mode, response_stage_activations, scoring_workspaces
+from rollplex_megatron.trainer.modes.base import (Mode, Prepared, response_stage_activations, scoring_workspaces,
+                                                  sum_stats)
 
 
 def reference_prefix_item(ref, prompt, store: KVStore, group: int) -> None:
@@ -29,38 +36,78 @@ class Rollplex(Mode):
     """Prefix stages inside the rollout: prefill = actor prefix, reference prefixes in the decode window."""
 
     name = "rollplex"
-    phases = ("rollout", "ref_logp", "update", "optimizer")
+    phases = ("rollout", "ref_logp", "old_logp", "update", "optimizer")  # old_logp: train.ppo_mini_batches > 1
     # the reference stays through `reward`, between its two readers (the window's reference prefixes
     # in the rollout, the reference response stage)
     reference_phases = ("rollout", "reward", "ref_logp")
 
-    def step(self, rt, step, t):  # noqa: D102
-        actor_kv, ref_kv = KVStore(), KVStore()
-        window = DecodeWindow.from_config(rt.cfg.mode, rt.cfg.parallel)
-        rows, reqs = rt.requests(step)
-        for i, r in enumerate(reqs):
-            window.submit(f"reference_prefix[{i}]", partial(reference_prefix_item, rt.ref, r.prompt, ref_kv, i))
-        batch, out = self.rollout(rt, rows, reqs, t, hooks=window, actor_prefix=actor_kv,
-                                  recompute_prefix=rt.recompute)
-        mbs = rt.micro_batches(batch, "response")
+    def prepare(self, rt, step, t):  # noqa: D102
+        stores, windows = [], []
+
+        def round_kwargs(r, reqs):
+            actor_kv, ref_kv = KVStore(), KVStore()
+            window = DecodeWindow.from_config(rt.cfg.mode, rt.cfg.parallel)
+            for i, q in enumerate(reqs):
+                window.submit(f"reference_prefix[{r}.{i}]", partial(reference_prefix_item, rt.ref, q.prompt, ref_kv, i))
+            stores.append((actor_kv, ref_kv))
+            windows.append(window)
+            return {"hooks": window, "actor_prefix": actor_kv, "recompute_prefix": rt.recompute}
+
+        batch, picks, outs, stats = self.rollout(rt, t, round_kwargs)
+        actor_kv, ref_kv, states = KVStore(), KVStore(), []
+        for gi, (r, i) in enumerate(picks):  # the kept groups' K/V under their index in the batch
+            actor_kv.adopt(stores[r][0], i, gi)
+            ref_kv.adopt(stores[r][1], i, gi)
+            states += [dataclasses.replace(st, group=gi) for st in outs[r].prefix_states if st.group == i]
+        stats.update(sum_stats([w.stats() for w in windows]))
+        if rt.cfg.train.dynamic_sampling:
+            kept = set(picks)
+            lost = [st.length for r, o in enumerate(outs) for st in o.prefix_states if (r, st.group) not in kept]
+            stats["dynamic_sampling"].update(dropped_prefix_groups=len(lost), dropped_prefix_tokens=int(sum(lost)),
+                                             dropped_prefix_work="actor prefill + reference prefix, each")
+        stores.clear()  # the rounds' stores hold only the groups not trained on now
+        del outs
+        minis = rt.mini_batches(batch)
+        prep = Prepared(batch, minis, [rt.micro_batches(batch, "response", m) for m in minis], None, stats,
+                        {"actor_kv": actor_kv, "states": states})
+        mbs = prep.flat()
         with t("ref_logp"):
-            ref = X.per_response(X.reference_response_logprobs(rt.ref, mbs, ref_kv, rt.backend,
-                                                                 rt.score_loss), mbs, batch.groups)
-        B.attach_token_data(mbs, "ref_logp", ref)
-        with t("update"):
-            res, kv_stats = X.actor_response_step(rt.ddp, mbs, actor_kv, out.prefix_states, rt.backend,
-                                                  loss_fn=rt.loss(batch))
-        return batch, res, {**out.stats, **window.stats(), **kv_stats}
+            prep.attach("ref_logp", X.per_response(X.response_logprobs(rt.ref, mbs, ref_kv, rt.backend, rt.score_loss),
+                                                   mbs, batch.groups))
+        if len(minis) > 1:  # later mini-batches: the rollout policy's log-probs before any optimizer step
+            later = list(range(1, len(minis)))
+            with t("old_logp"):
+                res = X.response_logprobs(rt.ddp, prep.flat(later), actor_kv, rt.backend, rt.score_loss, release=False)
+                prep.record_old(X.per_response(res, prep.flat(later), batch.groups), later)
+            for m in later:  # their updates recompute the prefix at the updated weights
+                for gi in minis[m].groups:
+                    actor_kv.release(gi)
+        return prep
+
+    def update(self, rt, prep, m, fresh):  # noqa: D102
+        mini = prep.minis[m]
+        if not fresh:  # the weights moved since the rollout: the prefix is recomputed (DESIGN section 2)
+            return X.actor_prefix_step(rt.ddp, prep.batch.groups, prep.mbs[m], rt.backend, loss_fn=rt.loss(mini),
+                                       recompute=rt.recompute, select=mini.groups)
+        own = set(mini.groups)
+        states = [st for st in prep.state.pop("states") if st.group in own]
+        res, kv_stats = X.actor_response_step(rt.ddp, prep.mbs[m], prep.state.pop("actor_kv"), states, rt.backend,
+                                              loss_fn=rt.loss(mini))
+        prep.stats.update(kv_stats)
+        prep.record_old(X.per_response(res, prep.mbs[m], prep.batch.groups), [m])  # its own detached forward
+        return res
 
     @staticmethod
     def memory_classes(p: PlanInputs) -> list[TensorClass]:  # noqa: D102
         s = p.shape
-        out = [TensorClass("actor_prefix_kv", p.prefix_kv_fp32, ("rollout", "ref_logp", "update"), "free",
-                           "fp32 K/V leaves of every group, from the prefill (decode reads them)"),
+        out = [TensorClass("actor_prefix_kv", p.prefix_kv_fp32, ("rollout", "ref_logp", "old_logp", "update"),
+                           "free", "fp32 K/V leaves of every group, from the prefill (decode reads them)"),
                TensorClass("reference_prefix_kv", p.prefix_kv, ("rollout", "ref_logp"), "free",
                            "computed in the decode window"),
                TensorClass("prefix_kv_grads", p.prefix_kv_fp32, ("update",), "free", "fp32 gK/gV")]
         if p.keep:
-            out.append(TensorClass("actor_prefix_graph", s.prompts * p.prefix_graph, ("rollout", "ref_logp", "update"),
-                                   "keep", "every group's saved prefix activations"))
-        return out + scoring_workspaces(p, ("ref_logp",), s.mb * s.R) + [response_stage_activations(p)]
+            out.append(TensorClass("actor_prefix_graph", s.prompts * p.prefix_graph,
+                                   ("rollout", "ref_logp", "old_logp", "update"), "keep",
+                                   "every group's saved prefix activations"))
+        return out + scoring_workspaces(p, ("ref_logp", "old_logp"), s.mb * s.R) + [response_stage_activations(p)]
+

@@ -4,9 +4,8 @@ from __future__ import annotations
 import torch
 
 from rollplex_megatron.memory.classes import PlanInputs, TensorClass
-from rollplex_megatron.prefix import batch as B
 from rollplex_megatron.prefix import execution as X
-from rollplex_megatron.trainer.modes.base import Mode, scoring_workspaces
+from rollplex_megatron.trainer.modes.base import Mode, Prepared, scoring_workspaces
 
 
 class Serial(Mode):
@@ -16,22 +15,22 @@ class Serial(Mode):
     phases = ("rollout", "old_logp", "ref_logp", "update", "optimizer")
     reference_phases = ("ref_logp",)
 
-    def step(self, rt, step, t):  # noqa: D102
-        batch, out = self.rollout(rt, *rt.requests(step), t)
-        mbs = rt.micro_batches(batch, "full")
+    def prepare(self, rt, step, t):  # noqa: D102
+        batch, _, _, stats = self.rollout(rt, t)
+        minis = rt.mini_batches(batch)
+        prep = Prepared(batch, minis, [rt.micro_batches(batch, "full", m) for m in minis], None, stats)
+        mbs = prep.flat()
         with t("old_logp"), torch.no_grad():
-            old = X.per_response(X.full_sequence_step(rt.ddp, mbs, forward_only=True, backend=rt.backend,
-                                                      loss_fn=rt.score_loss), mbs,
-                               batch.groups)
+            prep.record_old(X.per_response(X.full_sequence_step(rt.ddp, mbs, forward_only=True, backend=rt.backend,
+                                                                loss_fn=rt.score_loss), mbs, batch.groups))
         with t("ref_logp"), torch.no_grad():
-            ref = X.per_response(X.full_sequence_step(rt.ref, mbs, forward_only=True, backend=rt.backend,
-                                                      loss_fn=rt.score_loss), mbs,
-                               batch.groups)
-        B.attach_token_data(mbs, "old_logp", old)
-        B.attach_token_data(mbs, "ref_logp", ref)
-        with t("update"):
-            res = X.full_sequence_step(rt.ddp, mbs, loss_fn=rt.loss(batch), backend=rt.backend)
-        return batch, res, out.stats
+            prep.attach("ref_logp", X.per_response(X.full_sequence_step(rt.ref, mbs, forward_only=True,
+                                                                        backend=rt.backend, loss_fn=rt.score_loss),
+                                                   mbs, batch.groups))
+        return prep
+
+    def update(self, rt, prep, m, fresh):  # noqa: D102
+        return X.full_sequence_step(rt.ddp, prep.mbs[m], loss_fn=rt.loss(prep.minis[m]), backend=rt.backend)
 
     @staticmethod
     def memory_classes(p: PlanInputs) -> list[TensorClass]:  # noqa: D102

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# GPU machine: one `bench` suite (or part of one). Run from the repo root with .whl/ carried:
+#   ROLLPLEX_COMMIT=<sha> bash benchmarks/gpu_bench.sh SUITE MODES [overrides]
+# The JSON is kept in runs/bench/ (ignored, so it stays on a warm machine between calls) and copied
+# to $OUT. A later call on the same machine merges its modes into it (bench accepts a merge only from
+# the same host, GPU UUIDs and commit), so a suite can be split over calls of the 10-minute limit.
+set -euo pipefail
+source benchmarks/gpu_env.sh
+suite=$1 modes=$2
+shift 2
+export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+mkdir -p runs/bench
+json=runs/bench/bench_$suite.json
+merge=()
+[ -f "$json" ] && merge=(--merge "$json")
+nvidia-smi --query-gpu=name,uuid,memory.used,memory.total --format=csv > "$out/bench_${suite}_nvidia_smi.csv" || true
+status=0
+python3 -m rollplex_megatron bench "$suite" --modes "$modes" --out "$json" "${merge[@]}" "$@" > /tmp/bench.log 2>&1 || status=$?
+grep -v -i warn /tmp/bench.log | tail -40
+cp "$json" runs/bench/BENCHMARKS.md "$out/" 2>/dev/null || true
+exit $status

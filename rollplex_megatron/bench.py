@@ -1,0 +1,261 @@
+"""`bench SUITE`: every mode of a suite on one workload, each in its own process from the same seed;
+one JSON per suite under benchmarks/results/ and BENCHMARKS.md generated from those JSONs.
+
+A suite is a recipe `recipes/bench/SUITE.yaml` (model, workload, drawn response lengths). A mode is
+`serial`, `prefix_shared`, `rollplex`, or a rollplex variant `rollplex:<window>` (interleave, stream,
+tail, green, auto) or `rollplex:keep` (memory.plan=keep). Every figure is a median of the steady
+steps (after `--warmup`); the warm-up steps are kept apart with the phases that hold their excess.
+Ratios compare medians of one JSON, whose modes ran on one machine (`machine`: host and GPU UUIDs;
+`--merge` adds modes only to a JSON of the same machine).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from rollplex_megatron.recipes import RECIPES_DIR, load_run_config, to_yaml
+from rollplex_megatron.report import read_metrics
+from rollplex_megatron.runtime import environment_record
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+WINDOWS = ("interleave", "stream", "tail", "green", "auto")
+GIB = 2**30
+# Analytic forward FLOPs each phase executes, as multiples of the recorded parts (verify.flops:
+# "full" whole sequences, "prefix" the prefix stages, "response" the response stages); backward is
+# twice the forward. `recompute` (memory.plan=phase) adds one prefix forward to the update. Valid for
+# one update per step (train.ppo_mini_batches = train.ppo_epochs = 1).
+PHASE_FLOPS = {
+    "serial": {"old_logp": {"full": 1}, "ref_logp": {"full": 1}, "update": {"full": 3}},
+    "prefix_shared": {"old_logp": {"prefix": 1, "response": 1}, "ref_logp": {"prefix": 1, "response": 1},
+                      "update": {"prefix": 3, "response": 3}},
+    # the actor prefill and the reference prefixes run inside the rollout phase
+    "rollplex": {"ref_logp": {"response": 1}, "update": {"prefix": 2, "response": 3}},
+}
+
+
+def parse_modes(spec: str) -> list[tuple[str, list[str]]]:
+    """`serial,rollplex:stream,...` -> [(label, overrides)]; a clear error for an unknown entry."""
+    out = []
+    for label in [s.strip() for s in spec.split(",") if s.strip()]:
+        name, _, variant = label.partition(":")
+        if name not in PHASE_FLOPS:
+            raise ValueError(f"--modes: unknown mode {name!r} in {label!r}; choose from {', '.join(PHASE_FLOPS)}")
+        over = [f"mode.name={name}"]
+        if variant:
+            if name != "rollplex" or variant not in (*WINDOWS, "keep"):
+                raise ValueError(f"--modes: {label!r}: a variant is rollplex:<{'|'.join(WINDOWS)}|keep>")
+            over.append("memory.plan=keep" if variant == "keep" else f"mode.window={variant}")
+        out.append((label, over))
+    if not out:
+        raise ValueError("--modes: no mode given")
+    return out
+
+
+def machine() -> dict:
+    """The machine's identity: ratios are only taken between modes that ran on the same one."""
+    gpus = [str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())]
+    return {"host": socket.gethostname(), "gpu_uuids": gpus, "device_count": max(len(gpus), 1)}
+
+
+def run_mode(suite: str, overrides: list[str], mode_over: list[str], out: Path, timeout: float | None) -> list[dict]:
+    """Train one mode in its own process; its step records."""
+    cmd = [sys.executable, "-m", "rollplex_megatron", "train", f"+bench={suite}", *overrides, *mode_over,
+           f"train.out={out}", "train.save_final=false", "train.progress=false"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    if p.returncode != 0:
+        tail = [ln for ln in p.stderr.splitlines() if ln.strip() and "warn" not in ln.lower()][-8:]
+        raise RuntimeError(f"bench: {' '.join(mode_over)} failed (exit {p.returncode}):\n" + "\n".join(tail))
+    return [r for r in read_metrics(out / "metrics.jsonl") if r.get("kind") != "val"]
+
+
+def _median(xs):
+    return statistics.median(xs) if xs else None
+
+
+def phase_flops(mode: str, rec: dict, recompute: bool) -> dict:
+    """Forward+backward FLOPs of each phase of one step record."""
+    parts, out = rec["fwd_flops"], {}
+    for phase, mult in PHASE_FLOPS[mode].items():
+        f = sum(parts[k] * m for k, m in mult.items())
+        if phase == "update" and recompute and mode != "serial":
+            f += parts["prefix"]
+        out[phase] = f
+    return out
+
+
+def summarize_mode(label: str, records: list[dict], warmup: int, recompute: bool) -> dict:
+    """Step times, the steady medians, the warm-up steps apart, per-phase times, memory, tokens/s,
+    achieved TFLOP/s and the decode window's record of one mode."""
+    mode = label.split(":")[0]
+    steady, first = records[warmup:], records[:warmup]
+    med = _median([r["step_time_s"] for r in steady])
+    phases = list(dict.fromkeys(k for r in records for k in r["phase_times"]))
+    phase_med = {p: _median([r["phase_times"].get(p, 0.0) for r in steady]) for p in phases}
+    flops = [phase_flops(mode, r, recompute) for r in steady]
+    tflops = {p: _median([f[p] / r["phase_times"][p] / 1e12 for f, r in zip(flops, steady)
+                          if r["phase_times"].get(p)]) for p in PHASE_FLOPS[mode]}
+    warm = []
+    for r in first:  # one-time costs: the phases holding the excess over the steady median
+        excess = {p: r["phase_times"].get(p, 0.0) - phase_med[p] for p in phases}
+        top = max(excess, key=excess.get)
+        warm.append({"step": r["step"], "step_time_s": r["step_time_s"], "excess_s": r["step_time_s"] - med,
+                     "phase_excess_s": excess, "largest_in": top, "capture_s": r["rollout"].get("capture_s"),
+                     "offload_bytes": r.get("offload_bytes")})
+    ro = [r["rollout"] for r in steady]
+    window = None
+    if mode == "rollplex":
+        inside, after = _median([x.get("window_s", 0.0) for x in ro]), _median([x.get("after_s", 0.0) for x in ro])
+        window = {"mechanism": ro[-1].get("window_mechanism"), "items_in_window": _median([x.get("items_in_window", 0)
+                                                                                            for x in ro]),
+                  "items_after": _median([x.get("items_after", 0) for x in ro]),
+                  "side_work_in_window_s": inside, "side_work_after_s": after,
+                  "hidden_share": inside / (inside + after) if inside + after > 0 else None}
+    return {
+        "label": label, "step_times_s": [r["step_time_s"] for r in records], "warmup_steps": warm,
+        "steady": {"steps": [r["step"] for r in steady], "median_s": med,
+                   "min_s": min(r["step_time_s"] for r in steady), "max_s": max(r["step_time_s"] for r in steady)},
+        "phase_median_s": phase_med,
+        "phase_peak_gib": {p: max(r["phase_peak_bytes"].get(p, 0) for r in steady) / GIB
+                           for p in phases if any(p in r["phase_peak_bytes"] for r in steady)},
+        "peak_mem_gib": max(r["peak_mem_bytes"] for r in steady) / GIB,
+        "peak_mem_source": steady[-1]["peak_mem_source"],
+        "response_tokens": _median([r["response_tokens"] for r in steady]),
+        "prompt_tokens": _median([r["prompt_tokens"] for r in steady]),
+        "decode_tokens_per_s": _median([r["response_tokens"] / r["phase_times"]["rollout"] for r in steady]),
+        "step_response_tokens_per_s": _median([r["response_tokens"] / r["step_time_s"] for r in steady]),
+        "step_prompt_tokens_per_s": _median([r["prompt_tokens"] / r["step_time_s"] for r in steady]),
+        "achieved_tflops": tflops,
+        "rollout": {k: _median([x.get(k, 0) for x in ro]) for k in ("decode_steps", "capture_s", "graphs_captured",
+                                                                    "prefill_s", "decode_s")},
+        "window": window,
+    }
+
+
+def ratios(modes: dict) -> dict:
+    """`a/b` = median step of a over median step of b: every non-rollplex mode over every rollplex
+    variant, and each variant over plain rollplex."""
+    med = {k: m["steady"]["median_s"] for k, m in modes.items()}
+    fast = [k for k in modes if k.split(":")[0] == "rollplex"]
+    out = {f"{a}/{b}": med[a] / med[b] for b in fast for a in modes if a not in fast}
+    if "rollplex" in med:
+        out.update({f"{b}/rollplex": med[b] / med["rollplex"] for b in fast if b != "rollplex"})
+    return out
+
+
+def render_markdown(results: Path) -> str:
+    """BENCHMARKS.md: one table per suite JSON (generated; edit the JSONs' runs, not this file)."""
+    lines = ["# Benchmarks", "",
+             "Generated by `python -m rollplex_megatron bench` from `benchmarks/results/bench_*.json`;",
+             "do not edit by hand. Medians of the steady steps; warm-up steps are listed apart.", ""]
+    for path in sorted(results.glob("bench_*.json")):
+        d = json.loads(path.read_text())
+        env = d["environment"]
+        lines += [f"## {d['suite']}", "", d.get("description", ""), "",
+                  f"`{path.name}`: {env['device']} x{d['machine']['device_count']}, commit {env['commit']}, "
+                  f"{env['date']}, torch {env['torch']}, megatron-core {env['megatron_core']}, CUDA {env['cuda']}.",
+                  f"Command: `{d['command']}`", ""]
+        phases = list(dict.fromkeys(p for m in d["modes"].values() for p in m["phase_median_s"]))
+        lines += ["| mode | step (s) | min-max | " + " | ".join(phases) + " | peak GiB | decode tok/s | window |",
+                  "|---" * (5 + len(phases)) + "|"]
+        for label, m in d["modes"].items():
+            s, w = m["steady"], m["window"]
+            win = f"{w['mechanism']} ({w['hidden_share']:.0%} in window)" if w and w["hidden_share"] is not None \
+                else (w["mechanism"] if w else "-")
+            lines.append(f"| {label} | {s['median_s']:.2f} | {s['min_s']:.2f}-{s['max_s']:.2f} | "
+                         + " | ".join(f"{m['phase_median_s'].get(p, 0):.2f}" for p in phases)
+                         + f" | {m['peak_mem_gib']:.1f} | {m['decode_tokens_per_s']:.0f} | {win} |")
+        lines += ["", "Ratios (median step of the first over the second): "
+                  + ", ".join(f"{k} {v:.2f}x" for k, v in d["ratios"].items()), "",
+                  "Achieved TFLOP/s (analytic FLOPs / phase time): "
+                  + "; ".join(f"{label}: " + ", ".join(f"{p} {v:.3g}" for p, v in m["achieved_tflops"].items()
+                                                       if v is not None) for label, m in d["modes"].items()), ""]
+        warm = [f"{label} step {w['step']} {w['excess_s']:+.2f} s (largest in {w['largest_in']}, "
+                f"{w['phase_excess_s'][w['largest_in']]:+.2f} s)" for label, m in d["modes"].items()
+                for w in m["warmup_steps"]]
+        lines += ["Warm-up steps (excess over the steady median): " + "; ".join(warm), ""]
+        if d.get("notes"):
+            lines += [f"Note: {d['notes']}", ""]
+    return "\n".join(lines)
+
+
+def _write(out: Path, result: dict) -> None:
+    """The JSON, atomically (never half-written)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(result, indent=1))
+    os.replace(tmp, out)
+
+
+def main(argv: list[str]) -> int:
+    """The `bench` command."""
+    ap = argparse.ArgumentParser(prog="rollplex bench", description=__doc__)
+    ap.add_argument("suite", nargs="?", help="recipes/bench/SUITE.yaml")
+    ap.add_argument("--modes", default="serial,prefix_shared,rollplex", help="comma-separated modes / variants")
+    ap.add_argument("--warmup", type=int, default=2, help="first steps kept apart from the steady figures")
+    ap.add_argument("--out", help="the suite's JSON (default benchmarks/results/bench_SUITE.json)")
+    ap.add_argument("--merge", help="a JSON of this suite from the same machine: its modes are kept")
+    ap.add_argument("--md", help="BENCHMARKS.md to regenerate from the JSONs beside --out")
+    ap.add_argument("--render", action="store_true", help="only regenerate BENCHMARKS.md from benchmarks/results")
+    ap.add_argument("--timeout", type=float, default=None, help="seconds per mode")
+    a, overrides = ap.parse_known_args(argv)
+    if a.render:
+        (Path(a.md) if a.md else ROOT / "BENCHMARKS.md").write_text(render_markdown(RESULTS))
+        return 0
+    if not a.suite or not (RECIPES_DIR / "bench" / f"{a.suite}.yaml").exists():
+        have = sorted(p.stem for p in (RECIPES_DIR / "bench").glob("*.yaml"))
+        raise ValueError(f"bench: name a suite, one of {have} (recipes/bench/SUITE.yaml)")
+    specs = parse_modes(a.modes)
+    cfg = load_run_config([f"+bench={a.suite}", *overrides])
+    steps = cfg.train.steps
+    if steps < a.warmup + 3:
+        raise ValueError(f"bench: train.steps={steps} leaves fewer than 3 steady steps after --warmup {a.warmup}; "
+                         f"raise train.steps")
+    out = Path(a.out) if a.out else RESULTS / f"bench_{a.suite}.json"
+    prev = json.loads(Path(a.merge).read_text()) if a.merge else None
+    here = machine()
+    if prev is not None and (prev["suite"] != a.suite or prev["machine"]["host"] != here["host"]
+                             or prev["machine"]["gpu_uuids"] != here["gpu_uuids"]):
+        raise ValueError(f"--merge {a.merge}: another suite or machine ({prev['machine']['host']}); ratios never mix "
+                         f"machines: run every mode here, or write a new JSON with --out")
+    if out.exists() and (prev is None or Path(a.merge).resolve() != out.resolve()):
+        raise FileExistsError(f"{out} exists; pass --merge {out} to add modes run on the same machine, or --out NEW")
+    settings, env = to_yaml(cfg), environment_record()
+    if prev is not None and prev["environment"]["commit"] != env["commit"]:
+        raise ValueError(f"--merge {a.merge}: ran at commit {prev['environment']['commit']}, this is {env['commit']}; "
+                         f"a suite's modes run at one commit")
+    if prev is not None and prev["settings"] != settings:
+        raise ValueError(f"--merge {a.merge}: the settings differ from this run's (same suite and overrides needed)")
+    modes = dict(prev["modes"]) if prev else {}
+    recompute = cfg.memory.plan == "phase"
+    desc = (RECIPES_DIR / "bench" / f"{a.suite}.yaml").read_text().splitlines()
+    command = " ".join(["python -m rollplex_megatron bench", *argv])
+    result = {"suite": a.suite, "description": " ".join(ln.lstrip("# ") for ln in desc[1:] if ln.startswith("#")),
+              "command": command, "commands": (prev or {}).get("commands", []) + [command],
+              "environment": env, "machine": here, "warmup": a.warmup, "settings": settings,
+              "modes": modes, "ratios": {}, "notes": (prev or {}).get("notes", "")}
+    md = Path(a.md) if a.md else (ROOT / "BENCHMARKS.md" if out.parent.resolve() == RESULTS.resolve()
+                                  else out.parent / "BENCHMARKS.md")
+    with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
+        for label, over in specs:
+            print(f"bench {a.suite}: {label} ...", flush=True)
+            recs = run_mode(a.suite, overrides, over, Path(tmp) / label.replace(":", "_"), a.timeout)
+            modes[label] = summarize_mode(label, recs, a.warmup, recompute and "memory.plan=keep" not in over)
+            print(f"  median {modes[label]['steady']['median_s']:.2f} s over steps {modes[label]['steady']['steps']}",
+                  flush=True)
+            result["ratios"] = ratios(modes)
+            _write(out, result)  # after every mode: a later failure or time-out keeps what ran
+            md.write_text(render_markdown(out.parent))
+    for k, v in result["ratios"].items():
+        print(f"{k}: {v:.2f}x")
+    print(out)
+    return 0

@@ -1,0 +1,67 @@
+"""The `bench` driver on the tiny suite: every mode in its own process, one JSON, BENCHMARKS.md from it."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from rollplex_megatron import bench
+from rollplex_megatron.trainer.runtime import drawn_lengths
+
+
+def _bench(*args):
+    return subprocess.run([sys.executable, "-m", "rollplex_megatron", "bench", "tiny", *args], capture_output=True,
+                          text=True, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def tiny_bench(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "bench_tiny.json"
+    p = _bench("--warmup", "1", "--modes", "serial,rollplex", "--out", str(out))
+    assert p.returncode == 0, p.stderr[-3000:]
+    return out
+
+
+def test_bench_json_schema_and_markdown(tiny_bench):
+    d = json.loads(tiny_bench.read_text())
+    assert d["suite"] == "tiny" and set(d["modes"]) == {"serial", "rollplex"}
+    for k in ("commit", "date", "device", "torch", "megatron_core", "cuda"):
+        assert k in d["environment"]
+    assert d["machine"]["host"] and "rollout:" in d["settings"]
+    for label, m in d["modes"].items():
+        assert len(m["step_times_s"]) == 4 and m["steady"]["steps"] == [2, 3, 4]
+        assert m["steady"]["min_s"] <= m["steady"]["median_s"] <= m["steady"]["max_s"]
+        assert [w["step"] for w in m["warmup_steps"]] == [1]
+        assert {"rollout", "update", "optimizer"} <= set(m["phase_median_s"])
+        assert m["decode_tokens_per_s"] > 0 and m["prompt_tokens"] > 0
+        assert all(v > 0 for v in m["achieved_tflops"].values()) and "update" in m["achieved_tflops"]
+    # drawn lengths with stop tokens ignored: every response has its request's drawn length
+    assert d["modes"]["serial"]["response_tokens"] == d["modes"]["rollplex"]["response_tokens"]
+    assert d["modes"]["rollplex"]["window"]["mechanism"] == "interleave"
+    assert d["ratios"]["serial/rollplex"] == pytest.approx(
+        d["modes"]["serial"]["steady"]["median_s"] / d["modes"]["rollplex"]["steady"]["median_s"])
+    md = (tiny_bench.parent / "BENCHMARKS.md").read_text()
+    assert "## tiny" in md and "| serial |" in md and "serial/rollplex" in md
+
+
+def test_bench_refuses_to_overwrite_and_to_merge_another_machine(tiny_bench, tmp_path):
+    before = tiny_bench.read_bytes()
+    p = _bench("--warmup", "1", "--modes", "serial", "--out", str(tiny_bench))
+    assert p.returncode == 1 and "--merge" in p.stderr and tiny_bench.read_bytes() == before
+    other = json.loads(before)
+    other["machine"]["host"] = "elsewhere"
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    p = _bench("--warmup", "1", "--modes", "serial", "--merge", str(tmp_path / "other.json"), "--out",
+               str(tmp_path / "m.json"))
+    assert p.returncode == 1 and "machine" in p.stderr and not (tmp_path / "m.json").exists()
+
+
+def test_modes_and_lengths_parse():
+    assert bench.parse_modes("serial,rollplex:stream,rollplex:keep") == [
+        ("serial", ["mode.name=serial"]), ("rollplex:stream", ["mode.name=rollplex", "mode.window=stream"]),
+        ("rollplex:keep", ["mode.name=rollplex", "memory.plan=keep"])]
+    with pytest.raises(ValueError, match="variant"):
+        bench.parse_modes("serial:stream")
+    lens = drawn_lengths(256, 0.8, 1024, 20000, seed=3)
+    assert lens == drawn_lengths(256, 0.8, 1024, 20000, seed=3) and max(lens) == 1024 and min(lens) >= 1
+    assert abs(sum(min(x, 10**9) for x in drawn_lengths(256, 0.8, 10**9, 20000, seed=3)) / 20000 - 256) < 8
