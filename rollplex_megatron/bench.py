@@ -119,7 +119,9 @@ def summarize_mode(label: str, records: list[dict], warmup: int, recompute: bool
                                                                                             for x in ro]),
                   "items_after": _median([x.get("items_after", 0) for x in ro]),
                   "side_work_in_window_s": inside, "side_work_after_s": after,
-                  "hidden_share": inside / (inside + after) if inside + after > 0 else None}
+                  # the share of the side work that ran inside the decode window (not the share of it
+                  # hidden behind decode: compare rollout_excess_s with side_work_in_window_s for that)
+                  "in_window_share": inside / (inside + after) if inside + after > 0 else None}
     return {
         "label": label, "step_times_s": [r["step_time_s"] for r in records], "warmup_steps": warm,
         "steady": {"steps": [r["step"] for r in steady], "median_s": med,
@@ -139,6 +141,17 @@ def summarize_mode(label: str, records: list[dict], warmup: int, recompute: bool
                                                                     "prefill_s", "decode_s")},
         "window": window,
     }
+
+
+def window_cost(modes: dict) -> None:
+    """Each rollplex variant's rollout time over prefix_shared's (same decode without side work): what
+    the window's side work and the actor prefill's K/V leaves added to the rollout phase."""
+    if "prefix_shared" not in modes:
+        return
+    base = modes["prefix_shared"]["phase_median_s"]["rollout"]
+    for k, m in modes.items():
+        if m.get("window"):
+            m["window"]["rollout_excess_s"] = m["phase_median_s"]["rollout"] - base
 
 
 def ratios(modes: dict) -> dict:
@@ -169,8 +182,9 @@ def render_markdown(results: Path) -> str:
                   "|---" * (5 + len(phases)) + "|"]
         for label, m in d["modes"].items():
             s, w = m["steady"], m["window"]
-            win = f"{w['mechanism']} ({w['hidden_share']:.0%} in window)" if w and w["hidden_share"] is not None \
-                else (w["mechanism"] if w else "-")
+            win = (f"{w['mechanism']}: side work {w['side_work_in_window_s']:.2f} s, rollout "
+                   f"{w['rollout_excess_s']:+.2f} s vs prefix_shared" if w and w.get("rollout_excess_s") is not None
+                   else (w["mechanism"] if w else "-"))
             lines.append(f"| {label} | {s['median_s']:.2f} | {s['min_s']:.2f}-{s['max_s']:.2f} | "
                          + " | ".join(f"{m['phase_median_s'].get(p, 0):.2f}" for p in phases)
                          + f" | {m['peak_mem_gib']:.1f} | {m['decode_tokens_per_s']:.0f} | {win} |")
@@ -252,6 +266,7 @@ def main(argv: list[str]) -> int:
             modes[label] = summarize_mode(label, recs, a.warmup, recompute and "memory.plan=keep" not in over)
             print(f"  median {modes[label]['steady']['median_s']:.2f} s over steps {modes[label]['steady']['steps']}",
                   flush=True)
+            window_cost(modes)
             result["ratios"] = ratios(modes)
             _write(out, result)  # after every mode: a later failure or time-out keeps what ran
             md.write_text(render_markdown(out.parent))

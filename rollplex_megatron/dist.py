@@ -40,6 +40,7 @@ def init_parallel(tp: int = 1, pp: int = 1, seed: int = 1234, backend: str = "au
         raise ValueError(
             f"world size {world} is not divisible by parallel.tp*parallel.pp = {tp}*{pp}; launch "
             f"tp*pp*dp processes")
+    check_tp_in_node(tp, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     if not dist.is_initialized():
         if backend == "auto":
             backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -54,6 +55,14 @@ def init_parallel(tp: int = 1, pp: int = 1, seed: int = 1234, backend: str = "au
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
+
+
+def check_tp_in_node(tp: int, world: int, per_node: int) -> None:
+    """Tensor-parallel groups (consecutive ranks; node-major ranks under scripts/torchrun.sh) must not
+    span nodes: their collectives run every layer and need the node's own links."""
+    if per_node < world and per_node % tp:
+        raise ValueError(f"parallel.tp={tp} does not divide the {per_node} processes per node: a tensor-parallel "
+                         f"group would span nodes; launch a multiple of {tp} processes per node")
 
 
 def check_world_size(world_size: int, what: str = "parallel.tp*parallel.pp*parallel.dp") -> None:

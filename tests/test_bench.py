@@ -37,7 +37,8 @@ def test_bench_json_schema_and_markdown(tiny_bench):
         assert all(v > 0 for v in m["achieved_tflops"].values()) and "update" in m["achieved_tflops"]
     # drawn lengths with stop tokens ignored: every response has its request's drawn length
     assert d["modes"]["serial"]["response_tokens"] == d["modes"]["rollplex"]["response_tokens"]
-    assert d["modes"]["rollplex"]["window"]["mechanism"] == "interleave"
+    w = d["modes"]["rollplex"]["window"]
+    assert w["mechanism"] == "interleave" and w["in_window_share"] == 1.0 and w["items_in_window"] == 4
     assert d["ratios"]["serial/rollplex"] == pytest.approx(
         d["modes"]["serial"]["steady"]["median_s"] / d["modes"]["rollplex"]["steady"]["median_s"])
     md = (tiny_bench.parent / "BENCHMARKS.md").read_text()

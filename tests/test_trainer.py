@@ -247,6 +247,45 @@ def test_torchrun_two_processes_dp2(tmp_path):
     assert (tmp_path / "dp2" / "metrics.jsonl").read_text().count("\n") == 1
 
 
+def test_two_torchrun_nodes_equal_one_four_process_launch(tmp_path):
+    """scripts/torchrun.sh's multi-node rendezvous on loopback: two launches of 2 processes acting as
+    two nodes (TP=2 groups inside each, DP=2 across) train the same 2 steps as one 4-process launch."""
+    import os
+    import subprocess
+    import sys
+
+    from rollplex_megatron.dist import free_port
+    from rollplex_megatron.recipes import RECIPES_DIR
+    from rollplex_megatron.report import read_metrics
+
+    script = str(RECIPES_DIR.parent / "scripts" / "torchrun.sh")
+    args = ["train", "parallel.tp=2", "parallel.dp=2", *SMALL, "train.steps=2", "train.save_final=false",
+            "train.progress=false"]
+    env = {**os.environ, "PYTHON_BIN": sys.executable}
+    one = subprocess.run(["bash", script, "4", *args, f"train.out={tmp_path / 'one'}"], capture_output=True,
+                         text=True, timeout=900, env=env)
+    assert one.returncode == 0, one.stderr[-3000:]
+    nodes = {**env, "NNODES": "2", "RDZV_ENDPOINT": f"127.0.0.1:{free_port()}"}
+    procs = [subprocess.Popen(["bash", script, "2", *args, f"train.out={tmp_path / 'two'}"],
+                              env={**nodes, "NODE_RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for r in (0, 1)]
+    outs = [p.communicate(timeout=900) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
+    a, b = read_metrics(tmp_path / "one" / "metrics.jsonl"), read_metrics(tmp_path / "two" / "metrics.jsonl")
+    assert len(a) == len(b) == 2
+    for ra, rb in zip(a, b):  # the same ranks, groups and reduction order: the same numbers
+        assert (ra["loss"], ra["grad_norm"], ra["reward_mean"]) == (rb["loss"], rb["grad_norm"], rb["reward_mean"])
+
+
+def test_tp_groups_never_span_nodes():
+    from rollplex_megatron.dist import check_tp_in_node
+
+    check_tp_in_node(2, 4, 2)
+    check_tp_in_node(4, 4, 4)
+    with pytest.raises(ValueError, match="span nodes"):
+        check_tp_in_node(4, 8, 2)
+
+
 def test_bad_training_config_fails_before_processes_start():
     p = _cli("workload.rollout_batch=10", "rollout.group_size=4")
     assert p.returncode != 0 and "rollout.group_size (4) must divide workload.rollout_batch (10)" in p.stderr
