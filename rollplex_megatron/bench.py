@@ -32,7 +32,7 @@ WINDOWS = ("interleave", "stream", "tail", "green", "auto")
 GIB = 2**30
 # Analytic forward FLOPs each phase executes, as multiples of the recorded parts (verify.flops:
 # "full" whole sequences, "prefix" the prefix stages, "response" the response stages); backward is
-# twice the forward. `recompute` (memory.plan=phase) adds one prefix forward to the update. Valid for
+# twice the forward. `recompute` (the record's prefix_recompute) adds one prefix forward to the update. Valid for
 # one update per step (train.ppo_mini_batches = train.ppo_epochs = 1).
 PHASE_FLOPS = {
     "serial": {"old_logp": {"full": 1}, "ref_logp": {"full": 1}, "update": {"full": 3}},
@@ -250,7 +250,6 @@ def main(argv: list[str]) -> int:
     if prev is not None and prev["settings"] != settings:
         raise ValueError(f"--merge {a.merge}: the settings differ from this run's (same suite and overrides needed)")
     modes = dict(prev["modes"]) if prev else {}
-    recompute = cfg.memory.plan == "phase"
     desc = (RECIPES_DIR / "bench" / f"{a.suite}.yaml").read_text().splitlines()
     command = " ".join(["python -m rollplex_megatron bench", *argv])
     result = {"suite": a.suite, "description": " ".join(ln.lstrip("# ") for ln in desc[1:] if ln.startswith("#")),
@@ -263,7 +262,7 @@ def main(argv: list[str]) -> int:
         for label, over in specs:
             print(f"bench {a.suite}: {label} ...", flush=True)
             recs = run_mode(a.suite, overrides, over, Path(tmp) / label.replace(":", "_"), a.timeout)
-            modes[label] = summarize_mode(label, recs, a.warmup, recompute and "memory.plan=keep" not in over)
+            modes[label] = summarize_mode(label, recs, a.warmup, bool(recs[-1].get("prefix_recompute")))
             print(f"  median {modes[label]['steady']['median_s']:.2f} s over steps {modes[label]['steady']['steps']}",
                   flush=True)
             window_cost(modes)

@@ -320,11 +320,17 @@ class MemoryConfig:
     # Residency plan (memory/manager.py): keep = everything stays on the device (naive colocation);
     # phase = main weights and Adam states offloaded outside the optimizer step, gradients freed
     # outside the update, the reference offloaded where unused, the actor prefix recomputed.
+    # auto = release only what the budget needs (memory/planner.py RELEASE_ORDER), class by class, nothing
+    # when everything fits: the budget is memory.budget_gib, or with 0 the device's free memory at start-up
+    # minus memory.auto_margin_gib (on CPU, without a budget, auto keeps everything)
     plan: str = "phase"
+    auto_margin_gib: float = 4.0  # memory.plan=auto without a budget: free device memory left unplanned
 
     def __post_init__(self) -> None:
-        if self.plan not in ("keep", "phase"):
-            raise ValueError(f"memory.plan must be keep or phase, got {self.plan!r}")
+        if self.plan not in ("keep", "phase", "auto"):
+            raise ValueError(f"memory.plan must be keep, phase or auto, got {self.plan!r}")
+        if self.auto_margin_gib < 0:
+            raise ValueError(f"memory.auto_margin_gib must be >= 0, got {self.auto_margin_gib}")
         if not self.kv_cache_gib > 0:
             raise ValueError(f"memory.kv_cache_gib must be > 0, got {self.kv_cache_gib}")
         if self.budget_gib < 0:

@@ -93,6 +93,55 @@ def test_budget_error_names_the_class_and_fires_before_models_are_built():
     assert p.returncode != 0 and "over memory.budget_gib=0.0001" in p.stderr and "to fit:" in p.stderr
 
 
+def test_auto_plan_releases_only_what_the_budget_needs():
+    """memory.plan=auto on the 3B serial workload: nothing released when everything fits; under a
+    tighter budget a prefix of the release order, the shortest that fits; an error when nothing fits."""
+    from rollplex_megatron.data import build_source
+    from rollplex_megatron.memory.planner import RELEASE_ORDER, plan, runtime_cfg, summarize
+    from rollplex_megatron.trainer.runtime import memory_plan
+
+    base = ["model=qwen2_5_vl_3b", "dtype=bfloat16", "task=motion_long", "workload=vlm_gpu", "mode.name=serial"]
+    src = build_source(load_run_config(base))
+    keep = memory_plan(load_run_config(base + ["memory.plan=keep"]), src)
+    assert memory_plan(load_run_config(base + ["memory.plan=auto", f"memory.budget_gib={keep['peak_gib'] + 1}"]),
+                       src)["released"] == []
+    for budget in (keep["peak_gib"] - 1, 90, 78):  # phase (all released) needs 76.9 GiB
+        cfg = load_run_config(base + ["memory.plan=auto", f"memory.budget_gib={budget}"])
+        got = memory_plan(cfg, src)
+        k = len(got["released"])
+        assert got["released"] == list(RELEASE_ORDER[:k]) and k >= 1 and got["peak_gib"] <= budget
+        one_less = summarize(plan(runtime_cfg(cfg), "serial", frozenset(RELEASE_ORDER[:k - 1]), "embedded",
+                                  _shape(got)), "serial")
+        assert one_less["peak_gib"] > budget, (budget, k)  # not one class more than needed
+    with pytest.raises(ValueError, match="memory.plan=auto"):
+        memory_plan(load_run_config(base + ["memory.plan=auto", "memory.budget_gib=20"]), src)
+
+
+def _shape(summary):
+    from rollplex_megatron.memory.classes import Shape
+
+    return Shape(**summary["shape"])
+
+
+def test_auto_plan_gives_the_same_update_as_keep_and_keeps_all_without_a_budget(tiny_hf, keep_run):
+    """On CPU without a budget auto releases nothing; under a budget between keep's and phase's peaks
+    it releases some classes and trains the same 3 steps as keep."""
+    from rollplex_megatron.data import build_source
+    from rollplex_megatron.trainer.runtime import memory_plan
+    from tests.test_trainer import _cfg
+
+    probe = _cfg("rollplex", "memory.plan=keep", hf=tiny_hf)
+    peak = memory_plan(probe, build_source(probe))["peak_gib"]
+    assert memory_plan(_cfg("rollplex", "memory.plan=auto", hf=tiny_hf), build_source(probe))["released"] == []
+    run = _plan_run(tiny_hf, "auto", f"memory.budget_gib={peak * 0.999}")
+    rel = run["records"][-1]["memory_released"]
+    assert rel and "optimizer_states" in rel and len(rel) < 5
+    assert run["tokens"] == keep_run["tokens"]
+    err, name = _param_err(run, keep_run)
+    assert err <= TOL, (name, err)
+    assert run["records"][-1]["offload_bytes"]["d2h"] > 0
+
+
 def _saved_bytes(overrides):
     """Bytes autograd saves in one prefix forward with a graph (parameters excluded)."""
     from rollplex_megatron.attention.kv_store import KVStore

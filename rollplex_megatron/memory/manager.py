@@ -33,9 +33,9 @@ from typing import Callable
 
 import torch
 
-from rollplex_megatron.memory.planner import resident_phases
+from rollplex_megatron.memory.planner import released, resident_phases
 
-PLANS = ("keep", "phase")
+PLANS = ("keep", "phase")  # or an explicit set of released class names (memory.plan=auto's choice)
 
 
 def _storages(tensors) -> list[torch.UntypedStorage]:
@@ -75,12 +75,14 @@ class OffloadClass:
 
 
 class MemoryManager:
-    """Runs a residency plan (`keep` or `phase`) over the runtime's managed classes."""
+    """Runs a residency plan (`keep`, `phase`, or the set of classes `auto` releases) over the runtime's
+    managed classes."""
 
-    def __init__(self, plan: str, mode: str, ddp, optimizer, reference):
-        if plan not in PLANS:
+    def __init__(self, plan, mode: str, ddp, optimizer, reference):
+        if isinstance(plan, str) and plan not in PLANS:
             raise ValueError(f"memory.plan must be one of {PLANS}, got {plan!r}")
         self.plan, self.mode, self.ddp = plan, mode, ddp
+        self.released = released(plan)  # the classes this plan releases outside their phases
         self.cuda = torch.cuda.is_available()
         self.device = torch.cuda.current_device() if self.cuda else "cpu"
         self.copy_stream = torch.cuda.Stream() if self.cuda else None
@@ -100,7 +102,7 @@ class MemoryManager:
 
     def resident_in(self, name: str, phase: str) -> bool:
         """Whether the plan wants class `name` on the device during `phase`."""
-        return self.plan == "keep" or phase in resident_phases(name, self.mode)
+        return name not in self.released or phase in resident_phases(name, self.mode)
 
     def enter(self, phase: str) -> None:
         """Release what `phase` does not need, then bring back what it does (in that order)."""

@@ -34,6 +34,23 @@ PHASE_RESIDENCY = {
 }
 
 
+# What a residency plan may release outside its phases, in the order `memory.plan=auto` releases
+# them: Adam's states and the fp32 masters first (needed in the optimizer step only: one round trip
+# per step), then the reference (read-only: after its first offload only host-to-device copies),
+# then the actor prefix graphs (recomputed: one more prefix forward per group), then the gradients
+# (freed and re-zeroed every step).
+RELEASE_ORDER = ("optimizer_states", "main_weights", "reference_weights", "actor_prefix_graph", "grads")
+
+
+def released(residency) -> frozenset:
+    """The classes a residency releases: keep none, phase all of RELEASE_ORDER, or an explicit set."""
+    if residency == "keep":
+        return frozenset()
+    if residency == "phase":
+        return frozenset(RELEASE_ORDER)
+    return frozenset(residency)
+
+
 def phases(mode: str) -> tuple[str, ...]:
     """The phases of one step of `mode`, in order (the mode's declaration)."""
     return get_mode(mode).phases
@@ -168,7 +185,8 @@ def plan(cfg: RunConfig, mode: str, residency: str, engine: str, s: Shape | None
     classes of its prefix work, scoring and update (trainer/modes/, DESIGN section 2).
     residency: keep (everything stays) | phase (the plan of memory/manager.py: main weights and Adam
     states on the device only for the optimizer step, gradients from the update on, the reference
-    only where it is read, the actor prefix recomputed one group at a time instead of kept).
+    only where it is read, the actor prefix recomputed one group at a time instead of kept) | a set
+    of RELEASE_ORDER names released that way, the rest kept (what `memory.plan=auto` chose).
     engine: embedded (rollout on the actor's weights, one prefix K/V per group) | separate (naive
     colocation of an inference engine: its own weight copy at plan.rollout_tp, and every sample
     holds its prompt's K/V).
@@ -179,22 +197,24 @@ def plan(cfg: RunConfig, mode: str, residency: str, engine: str, s: Shape | None
     e = 2 if cfg.dtype == "bfloat16" else 4
     allp = phases(mode)
     w = _weights(cfg)
-    keep = residency == "keep"
+    rel = released(residency)
     kv_tok = kv_bytes_per_token(m, par.tp, m.num_layers // par.pp, e)
     kv32 = kv_bytes_per_token(m, par.tp, m.num_layers // par.pp, 4)
-    where = lambda name: allp if keep else resident_phases(name, mode)  # noqa: E731
+    where = lambda name: resident_phases(name, mode) if name in rel else allp  # noqa: E731
+    act = lambda name, how: how if name in rel else "keep"  # noqa: E731
     out = [
         TensorClass("actor_weights", w["actor_weights"], allp, "keep", "the rollout runs on them"
                     if engine == "embedded" else ""),
-        TensorClass("main_weights", w["main_weights"], where("main_weights"), "keep" if keep else "offload",
+        TensorClass("main_weights", w["main_weights"], where("main_weights"), act("main_weights", "offload"),
                     "fp32 masters of megatron's Float16 optimizer"),
         TensorClass("optimizer_states", w["optimizer_states"], where("optimizer_states"),
-                    "keep" if keep else "offload", "Adam exp_avg and exp_avg_sq"),
-        TensorClass("grads", w["grads"], where("grads"), "keep" if keep else "free",
+                    act("optimizer_states", "offload"), "Adam exp_avg and exp_avg_sq"),
+        TensorClass("grads", w["grads"], where("grads"), act("grads", "free"),
                     "megatron DDP's fp32 grad buffers"),
         TensorClass("reference_weights", w["reference_weights"], where("reference_weights"),
-                    "keep" if keep else "offload"),
+                    act("reference_weights", "offload")),
     ]
+    keep = "actor_prefix_graph" not in rel  # the prefix graphs stay (else: recomputed one group at a time)
     if engine == "separate":
         rtp = cfg.plan.rollout_tp or par.tp
         out.append(TensorClass("rollout_weights", e * params_per_gpu(m, rtp, 1), allp, "keep",
@@ -243,6 +263,21 @@ def runtime_cfg(cfg: RunConfig) -> RunConfig:
 def runtime_plan(cfg: RunConfig, s: Shape) -> list[TensorClass]:
     """What the trainer's run of `cfg` holds: its mode and `memory.plan`, the embedded engine."""
     return plan(runtime_cfg(cfg), cfg.mode.name, cfg.memory.plan, "embedded", s)
+
+
+def auto_release(cfg: RunConfig, s: Shape, budget_gib: float) -> frozenset:
+    """`memory.plan=auto`: release classes in RELEASE_ORDER until the run's peak fits `budget_gib`
+    (nothing when everything fits); raises, naming the class and the fix, when even all released do not."""
+    rc, mode = runtime_cfg(cfg), cfg.mode.name
+    chosen: list[str] = []
+    for name in (None, *RELEASE_ORDER):
+        if name is not None:
+            chosen.append(name)
+        summary = summarize(plan(rc, mode, frozenset(chosen), "embedded", s), mode)
+        if summary["peak_gib"] <= budget_gib:
+            return frozenset(chosen)
+    check_budget(summary, budget_gib, f"{mode} (memory.plan=auto, everything releasable released)", runtime=True)
+    return frozenset(chosen)  # pragma: no cover - check_budget raised
 
 
 def summarize(classes: list[TensorClass], mode: str) -> dict:

@@ -51,7 +51,8 @@ def run_step(rt: Runtime, mode: Mode, step: int) -> dict:
             "step_time_s": seconds,
             "data_time_s": rt.data_seconds, "data_share": rt.data_seconds / seconds,
             "phase_times": t.times, "phase_peak_bytes": t.peaks, "peak_mem_bytes": peak, "peak_mem_source": src,
-            "memory_plan": rt.cfg.memory.plan, "phase_managed_bytes": dict(rt.memory.phase_bytes),
+            "memory_plan": rt.cfg.memory.plan, "memory_released": sorted(rt.memory.released),
+            "prefix_recompute": rt.recompute, "phase_managed_bytes": dict(rt.memory.phase_bytes),
             "offload_bytes": dict(rt.memory.copy_bytes), "rollout": prep.stats}
 
 

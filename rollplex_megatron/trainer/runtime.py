@@ -16,7 +16,8 @@ from rollplex_megatron.config import RunConfig
 from rollplex_megatron.data import build_source
 from rollplex_megatron.dist import init_parallel
 from rollplex_megatron.memory.manager import MemoryManager
-from rollplex_megatron.memory.planner import check_budget, plan, runtime_cfg, runtime_plan, summarize, workload_shape
+from rollplex_megatron.memory.planner import (RELEASE_ORDER, auto_release, check_budget, plan, released, runtime_cfg,
+                                              runtime_plan, summarize, workload_shape)
 from rollplex_megatron.models.qwen25vl import build_model
 from rollplex_megatron.optim import build_optimizer, build_scheduler, current_lr, optimizer_step
 from rollplex_megatron.prefix import batch as B
@@ -87,6 +88,12 @@ def memory_plan(cfg: RunConfig, source) -> dict:
     patches = max(sum(getattr(p, k).shape[0] for k in ("pixel_values", "pixel_values_videos")
                       if getattr(p, k) is not None) for p in prompts)
     shape = workload_shape(cfg, max(p.input_ids.numel() - 1 for p in prompts), patches, source.max_new_tokens)
+    if cfg.memory.plan == "auto":
+        budget = auto_budget_gib(cfg)
+        rel = frozenset() if budget is None else auto_release(cfg, shape, budget)
+        summary = summarize(plan(runtime_cfg(cfg), cfg.mode.name, rel, "embedded", shape), cfg.mode.name)
+        return {**summary, "shape": vars(shape), "released": [n for n in RELEASE_ORDER if n in rel],
+                "auto_budget_gib": budget}
     summary = summarize(runtime_plan(cfg, shape), cfg.mode.name)
     try:
         check_budget(summary, cfg.memory.budget_gib, f"{cfg.mode.name} (memory.plan={cfg.memory.plan})", runtime=True)
@@ -95,7 +102,18 @@ def memory_plan(cfg: RunConfig, source) -> dict:
             raise
         alt = summarize(plan(runtime_cfg(cfg), cfg.mode.name, "phase", "embedded", shape), cfg.mode.name)["peak_gib"]
         raise ValueError(f"{e}; memory.plan=phase would need {alt:.1f} GiB") from None
-    return {**summary, "shape": vars(shape)}
+    return {**summary, "shape": vars(shape), "released": [n for n in RELEASE_ORDER if n in released(cfg.memory.plan)]}
+
+
+def auto_budget_gib(cfg: RunConfig) -> float | None:
+    """`memory.plan=auto`'s budget: `memory.budget_gib`, else the device's free memory now minus
+    `memory.auto_margin_gib` (None on CPU: no budget, nothing released)."""
+    if cfg.memory.budget_gib > 0:
+        return cfg.memory.budget_gib
+    if not torch.cuda.is_available():
+        return None
+    free, _ = torch.cuda.mem_get_info()
+    return free / 2**30 - cfg.memory.auto_margin_gib
 
 
 def build_policy(cfg: RunConfig):
@@ -130,8 +148,9 @@ class Runtime:
         self.ddp = wrap_ddp(actor)
         self.optimizer = build_optimizer(self.ddp, cfg.optim, bf16=cfg.dtype == "bfloat16")
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
-        self.memory = MemoryManager(cfg.memory.plan, cfg.mode.name, self.ddp, self.optimizer, self.ref)
-        self.recompute = cfg.memory.plan == "phase"  # the actor prefix keeps no graph
+        rel = frozenset(self.plan["released"])  # what memory.plan releases (auto: what the budget needs)
+        self.memory = MemoryManager(rel, cfg.mode.name, self.ddp, self.optimizer, self.ref)
+        self.recompute = "actor_prefix_graph" in rel  # the actor prefix keeps no graph
         self.engine = build_engine(self.ddp, cfg)
         r = cfg.rollout
         self.sampling = SamplingParams(r.temperature, r.top_p, r.top_k)
