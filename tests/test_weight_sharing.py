@@ -20,10 +20,11 @@ def test_shared_rollout_weights_match_a_full_copy(request, t, r):
             assert res["allocated"] == 0 and res["classes"] == ["view"]
 
 
-@pytest.mark.parametrize("t,r", [(2, 1), (4, 2)])
+@pytest.mark.parametrize("t,r", [(2, 1), (4, 2), (1, 2), (2, 4)])
 def test_split_gemm_over_local_views_and_remote_pieces(request, t, r):
-    """Gathered linears run as several GEMMs over [local views | received pieces]: same logits
-    (up to fp32 summation order), and only the remote pieces are allocated."""
+    """Gathered linears run as several GEMMs over [local views | received pieces], and locally permuted
+    ones (the gated fc1 at rollout TP > training TP: two row blocks) over views alone: same logits (up
+    to fp32 summation order), and only the remote pieces are allocated."""
     hf = request.getfixturevalue("tiny_hf_tp4" if 4 in (t, r) else "tiny_hf")
     full = run_local(shared_vs_full, max(t, r), hf, t, r)
     split = run_local(shared_vs_full, max(t, r), hf, t, r, False, True)

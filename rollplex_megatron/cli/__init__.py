@@ -170,8 +170,9 @@ def _cmd_plan_weights(argv: list[str]) -> int:
         print(f"{kind:48s} {k['class']:14s} {k['count']:7d} {k['shard_bytes'] / gib:11.3f} "
               f"{k['alloc_bytes'] / gib:9.3f}")
     print(f"per GPU (worst): full second copy {s['full_copy_bytes'] / gib:.3f} GiB, this plan allocates "
-          f"{s['allocated_bytes'] / gib:.3f} GiB ({s['allocated_bytes_split_gemm'] / gib:.3f} GiB with split GEMMs "
-          f"for gathered tensors); saved {100 * s['saved_fraction']:.1f}%")
+          f"{s['allocated_bytes'] / gib:.3f} GiB ({s['allocated_bytes_split_gemm'] / gib:.3f} GiB, "
+          f"{100 * s['allocated_bytes_split_gemm'] / max(s['full_copy_bytes'], 1):.1f}% of a copy, with split GEMMs "
+          f"over views for gathered and locally permuted linears); saved {100 * s['saved_fraction']:.1f}%")
     if a.json:
         print(json.dumps(s))
     return 0

@@ -16,6 +16,9 @@ Classes, per tensor and GPU:
   inside the GPU, the shard's bytes.
 - `gather`: needs other training ranks' data: the shard's bytes (or only the remote pieces'
   bytes when the layer runs as several GEMMs over [local view | received pieces]).
+With split GEMMs a `local_permute` tensor of a tensor-parallel linear whose elements are all local
+(the gated fc1 at rollout TP > training TP: [gate; up] are two row blocks of the training shard)
+allocates nothing: the layer runs one GEMM per block over views.
 """
 from __future__ import annotations
 
@@ -60,8 +63,7 @@ class WeightPlan:
     def summary(self) -> dict:
         """Totals per GPU (the max over GPUs) and per kind (bytes: the GPU that needs the most)."""
         per_gpu = [{"full_copy_bytes": sum(p.shard_bytes for p in g), "allocated_bytes": sum(p.alloc_bytes for p in g),
-                    "allocated_bytes_split_gemm": sum(p.remote_bytes if p.klass == "gather" and split_capable(p.name)
-                                                      else p.alloc_bytes for p in g)} for g in self.gpus]
+                    "allocated_bytes_split_gemm": sum(split_gemm_bytes(p) for p in g)} for g in self.gpus]
         worst = max(per_gpu, key=lambda x: x["allocated_bytes"])
         by_kind: dict[str, dict] = {}
         for gi, g in enumerate(self.gpus):
@@ -84,7 +86,7 @@ class WeightPlan:
         full = worst["full_copy_bytes"]
         return {"train_tp": self.t, "rollout_tp": self.r, "layout": self.layout, "gpus": len(self.gpus),
                 "full_copy_bytes": full, "allocated_bytes": worst["allocated_bytes"],
-                "allocated_bytes_split_gemm": worst["allocated_bytes_split_gemm"],
+                "allocated_bytes_split_gemm": max(x["allocated_bytes_split_gemm"] for x in per_gpu),
                 "saved_fraction": 1 - worst["allocated_bytes"] / full if full else 0.0,
                 "per_gpu": per_gpu, "by_kind": by_kind}
 
@@ -96,6 +98,23 @@ SPLIT_CAPABLE = ("linear_qkv.weight", "linear_proj.weight", "linear_fc1.weight",
 def split_capable(name: str) -> bool:
     """Weights of megatron's tensor-parallel linears: the split-GEMM executor can run them."""
     return name.endswith(SPLIT_CAPABLE)
+
+
+def split_local(p: "TensorPlan") -> bool:
+    """A `local_permute` tensor the split-GEMM executor serves from views alone: every element is in
+    the local shard (no padding to make up) and the layer is a tensor-parallel linear."""
+    return (p.klass == "local_permute" and split_capable(p.name) and p.positions is not None
+            and bool((p.positions >= 0).all()))
+
+
+def split_gemm_bytes(p: "TensorPlan") -> int:
+    """What a tensor allocates when split-capable layers run as GEMMs over views: the remote pieces of
+    a gathered weight, nothing for a local permutation the views cover, else the plan's bytes."""
+    if p.klass == "gather" and split_capable(p.name):
+        return p.remote_bytes
+    if split_local(p):
+        return 0
+    return p.alloc_bytes
 
 
 def positions_in(have: WL.ShardIndex, need: WL.ShardIndex) -> torch.Tensor:

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from rollplex_megatron.config import ModelConfig
 from rollplex_megatron.weights import layout as WL
 from rollplex_megatron.weights import split
-from rollplex_megatron.weights.plan import TensorPlan, plan_weights, positions_in
+from rollplex_megatron.weights.plan import TensorPlan, plan_weights, positions_in, split_local
 
 BUCKET_BYTES = 256 << 20
 
@@ -69,6 +69,15 @@ class SharedRolloutWeights:
                     split.install(mod, tp.data, self.remote[p.name], split.runs(p.positions), p.dim)
                     rp.data = torch.empty(0, dtype=rp.dtype, device=rp.device)  # never read again
                     continue
+            if p.klass == "local_permute" and split_gemm and split_local(p):
+                # every element is here in another order (gated fc1 at rollout TP > training TP: the
+                # rollout's [gate; up] are two row blocks of the training shard): one GEMM per block
+                mod = modules[p.name.rsplit(".", 1)[0]]
+                if split.supports(mod):
+                    self.remote[p.name] = torch.empty(0, dtype=rp.dtype, device=rp.device)
+                    split.install(mod, tp.data, self.remote[p.name], split.runs(p.positions), p.dim)
+                    rp.data = torch.empty(0, dtype=rp.dtype, device=rp.device)  # never read again
+                    continue
             if p.klass in ("local_permute", "gather"):
                 rp.data = torch.empty_like(rp.data)
         self._bound_storage = {p.name: self.train[p.name].untyped_storage().data_ptr() for p in self.plan}
@@ -115,7 +124,7 @@ class SharedRolloutWeights:
     def _rebuild(self) -> None:
         with torch.no_grad():
             for p in self.plan:
-                if p.klass == "local_permute":
+                if p.klass == "local_permute" and p.name not in self.remote:
                     self.roll[p.name].data.copy_(_select(self.train[p.name].data, p.dim, p.positions))
             self._gather_all()
 
