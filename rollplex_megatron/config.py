@@ -423,6 +423,8 @@ class TrainConfig:
     init_hf: str = ""  # start actor and reference from this HF checkpoint (its config replaces model)
     progress: bool = True  # progress bar on rank 0
     val_every: int = 0  # evaluate data.val_files every k steps and after the last (0: never)
+    profile_step: int = 0  # profile this step (1-based) with torch.profiler: top kernels per phase in
+    # <run dir>/profile_step<K>.json (0: off); the profiled step's times include the profiler's overhead
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -432,6 +434,8 @@ class TrainConfig:
         if self.ppo_mini_batches < 1 or self.ppo_epochs < 1:
             raise ValueError(f"train.ppo_mini_batches ({self.ppo_mini_batches}) and train.ppo_epochs "
                              f"({self.ppo_epochs}) must be >= 1")
+        if self.profile_step < 0:
+            raise ValueError(f"train.profile_step must be >= 0 (0: off), got {self.profile_step}")
         if self.max_resample_rounds < 0:
             raise ValueError(f"train.max_resample_rounds must be >= 0, got {self.max_resample_rounds}")
         if self.save_every < 0 or self.val_every < 0:

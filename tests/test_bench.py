@@ -17,7 +17,7 @@ def _bench(*args):
 @pytest.fixture(scope="module")
 def tiny_bench(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "bench_tiny.json"
-    p = _bench("--warmup", "1", "--modes", "serial,rollplex", "--out", str(out))
+    p = _bench("--warmup", "1", "--modes", "serial,rollplex", "--out", str(out), "--profile")
     assert p.returncode == 0, p.stderr[-3000:]
     return out
 
@@ -41,6 +41,10 @@ def test_bench_json_schema_and_markdown(tiny_bench):
     assert w["mechanism"] == "interleave" and w["in_window_share"] == 1.0 and w["items_in_window"] == 4
     assert d["ratios"]["serial/rollplex"] == pytest.approx(
         d["modes"]["serial"]["steady"]["median_s"] / d["modes"]["rollplex"]["steady"]["median_s"])
+    prof = json.loads((tiny_bench.parent / d["modes"]["rollplex"]["profile"]).read_text())
+    assert prof["step"] == 5 and {"rollout", "update"} <= set(prof["top_ops_per_phase"])  # the extra step
+    assert all(row["count"] >= 1 and row["cpu_ms"] >= 0 for row in prof["top_ops_per_phase"]["update"])
+    assert any("mm" in row["name"] or "linear" in row["name"] for row in prof["top_ops_per_phase"]["update"])
     md = (tiny_bench.parent / "BENCHMARKS.md").read_text()
     assert "## tiny" in md and "| serial |" in md and "serial/rollplex" in md
 

@@ -33,7 +33,7 @@ def run_step(rt: Runtime, mode: Mode, step: int) -> dict:
     optimizer step each; the learning-rate schedule advances once per RL step."""
     rt.memory.new_step()
     rt.data_seconds = 0.0
-    t = PhaseTimer(rt.memory)
+    t = PhaseTimer(rt.memory, profile=rt.cfg.train.profile_step == step + 1)
     t0 = time.perf_counter()
     prep = mode.prepare(rt, step, t)
     rt.last_batch = prep.batch  # kept for inspection (tests compare rollouts across modes)
@@ -53,7 +53,8 @@ def run_step(rt: Runtime, mode: Mode, step: int) -> dict:
             "phase_times": t.times, "phase_peak_bytes": t.peaks, "peak_mem_bytes": peak, "peak_mem_source": src,
             "memory_plan": rt.cfg.memory.plan, "memory_released": sorted(rt.memory.released),
             "prefix_recompute": rt.recompute, "phase_managed_bytes": dict(rt.memory.phase_bytes),
-            "offload_bytes": dict(rt.memory.copy_bytes), "rollout": prep.stats}
+            "offload_bytes": dict(rt.memory.copy_bytes), "rollout": prep.stats,
+            **({"profile": t.kernel_table()} if t.profile else {})}
 
 
 def _run_dir(cfg: RunConfig) -> Path:
@@ -121,6 +122,12 @@ def train_rank(cfg: RunConfig) -> dict:
             _log(metrics_path, evaluate(rt, 0), bar, rank0, tracker)
         for step in range(start, cfg.train.steps):
             rec = run_step(rt, mode, step)
+            if "profile" in rec:  # the profiled step's kernel table goes beside metrics.jsonl, not into it
+                if rank0:
+                    (run / f"profile_step{step + 1}.json").write_text(json.dumps(
+                        {"step": step + 1, "mode": mode.name, "phase_times": rec["phase_times"],
+                         "top_ops_per_phase": rec.pop("profile")}, indent=1))
+                rec.pop("profile", None)
             records.append(rec)
             _log(metrics_path, rec, bar, rank0, tracker)
             last = step + 1 == cfg.train.steps

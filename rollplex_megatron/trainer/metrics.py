@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import resource
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
@@ -17,10 +17,12 @@ class PhaseTimer:
     """Per named phase of one step: wall seconds (device-synchronised), the allocator's peak, and the
     memory manager's residency actions on entry (their copies count in the phase's time)."""
 
-    def __init__(self, memory=None):
+    def __init__(self, memory=None, profile: bool = False):
         self.memory = memory
         self.times: dict[str, float] = {}
         self.peaks: dict[str, int] = {}
+        self.profile = profile  # each phase under its own torch.profiler; `kernels` holds the top ops
+        self.kernels: dict[str, dict] = {}
 
     @contextmanager
     def __call__(self, name: str):
@@ -31,11 +33,42 @@ class PhaseTimer:
             self.memory.enter(name)
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()  # after the releases, so the peak is this phase's
-        yield
-        sync()
+        prof = _profiler() if self.profile else nullcontext()
+        with prof:
+            yield
+            sync()
         self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
         if torch.cuda.is_available():
             self.peaks[name] = max(self.peaks.get(name, 0), torch.cuda.max_memory_allocated())
+        if self.profile:
+            self.kernels.setdefault(name, {})
+            for row in top_ops(prof):
+                acc = self.kernels[name].setdefault(row["name"], {**row, "count": 0, "device_ms": 0.0, "cpu_ms": 0.0})
+                for k in ("count", "device_ms", "cpu_ms"):
+                    acc[k] += row[k]
+
+    def kernel_table(self, top: int = 15) -> dict:
+        """Per phase: its `top` ops by device time (GPU kernels) or, on CPU, by self CPU time."""
+        key = "device_ms" if torch.cuda.is_available() else "cpu_ms"
+        return {ph: sorted(rows.values(), key=lambda r: -r[key])[:top] for ph, rows in self.kernels.items()}
+
+
+def _profiler():
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    return torch.profiler.profile(activities=acts)
+
+
+def top_ops(prof, limit: int = 40) -> list[dict]:
+    """The profiled ops with their count, self device time and self CPU time (ms)."""
+    rows = []
+    for e in prof.key_averages():
+        dev = getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0))
+        rows.append({"name": e.key, "count": int(e.count), "device_ms": float(dev) / 1e3,
+                     "cpu_ms": float(e.self_cpu_time_total) / 1e3})
+    key = "device_ms" if torch.cuda.is_available() else "cpu_ms"
+    return sorted(rows, key=lambda r: -r[key])[:limit]
 
 
 def peak_bytes(t: PhaseTimer) -> tuple[int, str]:
