@@ -53,7 +53,8 @@ def run_step(rt: Runtime, mode: Mode, step: int) -> dict:
             "phase_times": t.times, "phase_peak_bytes": t.peaks, "peak_mem_bytes": peak, "peak_mem_source": src,
             "memory_plan": rt.cfg.memory.plan, "memory_released": sorted(rt.memory.released),
             "prefix_recompute": rt.recompute, "phase_managed_bytes": dict(rt.memory.phase_bytes),
-            "offload_bytes": dict(rt.memory.copy_bytes), "rollout": prep.stats,
+            "offload_bytes": dict(rt.memory.copy_bytes), "host_allocations": rt.memory.host_allocations,
+            "rollout": prep.stats,
             **({"profile": t.kernel_table()} if t.profile else {})}
 
 

@@ -150,6 +150,7 @@ class Runtime:
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
         rel = frozenset(self.plan["released"])  # what memory.plan releases (auto: what the budget needs)
         self.memory = MemoryManager(rel, cfg.mode.name, self.ddp, self.optimizer, self.ref)
+        self.plan["host_buffers_s"] = self.memory.reserve_host()  # a start-up cost, not step 1's and 2's
         self.recompute = "actor_prefix_graph" in rel  # the actor prefix keeps no graph
         self.engine = build_engine(self.ddp, cfg)
         r = cfg.rollout
