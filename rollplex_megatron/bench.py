@@ -107,9 +107,12 @@ def summarize_mode(label: str, records: list[dict], warmup: int, recompute: bool
     med = _median([r["step_time_s"] for r in steady])
     phases = list(dict.fromkeys(k for r in records for k in r["phase_times"]))
     phase_med = {p: _median([r["phase_times"].get(p, 0.0) for r in steady]) for p in phases}
+    one_update = all(r.get("optimizer_steps", 1) == 1 and "dynamic_sampling" not in r["rollout"] for r in steady)
     flops = [phase_flops(mode, r, recompute) for r in steady]
+    # PHASE_FLOPS holds for one update per step on the batch sampled; fwd_flops are the whole job's
+    # (every DP rank; divide by the GPU count for per-GPU figures)
     tflops = {p: _median([f[p] / r["phase_times"][p] / 1e12 for f, r in zip(flops, steady)
-                          if r["phase_times"].get(p)]) for p in PHASE_FLOPS[mode]}
+                          if r["phase_times"].get(p)]) for p in PHASE_FLOPS[mode]} if one_update else {}
     warm = []
     for r in first:  # one-time costs: the phases holding the excess over the steady median
         excess = {p: r["phase_times"].get(p, 0.0) - phase_med[p] for p in phases}
@@ -196,7 +199,7 @@ def render_markdown(results: Path) -> str:
                          + f" | {m['peak_mem_gib']:.1f} | {m['decode_tokens_per_s']:.0f} | {win} |")
         lines += ["", "Ratios (median step of the first over the second): "
                   + ", ".join(f"{k} {v:.2f}x" for k, v in d["ratios"].items()), "",
-                  "Achieved TFLOP/s (analytic FLOPs / phase time): "
+                  "Achieved TFLOP/s (analytic FLOPs of every GPU / phase time; one update a step only): "
                   + "; ".join(f"{label}: " + ", ".join(f"{p} {v:.3g}" for p, v in m["achieved_tflops"].items()
                                                        if v is not None) for label, m in d["modes"].items()), ""]
         warm = [f"{label} step {w['step']} {w['excess_s']:+.2f} s (largest in {w['largest_in']}, "

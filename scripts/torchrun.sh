@@ -20,10 +20,14 @@ if [ -z "${NNODES:-}" ] && [ -n "${SLURM_NNODES:-}" ] && [ "${SLURM_NNODES}" -gt
   NODE_RANK=$SLURM_NODEID
   RDZV_ENDPOINT=${RDZV_ENDPOINT:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1):${RDZV_PORT:-29500}}
 fi
+if [ -n "${NNODES:-}" ] && ! [[ "$NNODES" =~ ^[1-9][0-9]*$ ]]; then
+  echo "torchrun.sh: NNODES=$NNODES is not a node count (a positive integer)" >&2; exit 2
+fi
 if [ -z "${NNODES:-}" ] || [ "$NNODES" -eq 1 ]; then
   exec "$py" -m torch.distributed.run --standalone --nproc_per_node "$n" -m rollplex_megatron "$@"
 fi
 : "${NODE_RANK:?NNODES=$NNODES needs NODE_RANK (0..NNODES-1) on every node}"
 : "${RDZV_ENDPOINT:?NNODES=$NNODES needs RDZV_ENDPOINT=host:port of node 0}"
+[[ "$RDZV_ENDPOINT" == *:* ]] || RDZV_ENDPOINT="$RDZV_ENDPOINT:${RDZV_PORT:-29500}"
 exec "$py" -m torch.distributed.run --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc_per_node "$n" \
   --master-addr "${RDZV_ENDPOINT%:*}" --master-port "${RDZV_ENDPOINT##*:}" -m rollplex_megatron "$@"

@@ -187,8 +187,17 @@ class MemoryManager:
         versions = tuple(t._version for t in tensors)  # in-place writes (e.g. load_state_dict) bump these
         if not (c.read_only and c.host_valid and c.versions == versions and len(c.host) == len(storages)):
             if [h.numel() for h in c.host] != [s.nbytes() for s in storages]:
-                c.host = [torch.empty(s.nbytes(), dtype=torch.uint8, pin_memory=self.cuda) for s in storages]
-                self.host_allocations += len(storages)
+                spare = {}  # reserved buffers of the right size are kept; only the others are allocated
+                for h in c.host:
+                    spare.setdefault(h.numel(), []).append(h)
+                new = []
+                for st in storages:
+                    if spare.get(st.nbytes()):
+                        new.append(spare[st.nbytes()].pop())
+                    else:
+                        new.append(torch.empty(st.nbytes(), dtype=torch.uint8, pin_memory=self.cuda))
+                        self.host_allocations += 1
+                c.host = new
             self._copy(c, [_bytes(s, self.device) for s in storages], c.host, "d2h")
             c.host_valid, c.versions = True, versions
         c.sizes = [s.nbytes() for s in storages]
@@ -199,10 +208,10 @@ class MemoryManager:
         c.resident = False
 
     def _prefetch(self, c: OffloadClass) -> None:
-        storages = _storages(c.tensors())
-        if not storages:  # nothing was offloaded (see _offload): the reserved buffers stay unread
-            c.resident = True
+        if not c.sizes:  # nothing was offloaded (see _offload): the reserved buffers stay unread, and
+            c.resident = True  # tensors created meanwhile (Adam's first step) are left as they are
             return
+        storages = _storages(c.tensors())
         for s, n in zip(storages, c.sizes):
             s.resize_(n)
         self._copy(c, c.host, [_bytes(s, self.device) for s in storages], "h2d")
@@ -247,5 +256,6 @@ def _adam_state_sizes(optimizer) -> list[int]:
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         for group in opt.optimizer.param_groups:
             for p in group["params"]:
-                out += [p.numel() * p.element_size()] * 2
+                if p.numel() > 1:  # `_optimizer_states` leaves out the states of one-element parameters
+                    out += [p.numel() * p.element_size()] * 2
     return out

@@ -113,7 +113,10 @@ def auto_budget_gib(cfg: RunConfig) -> float | None:
     if not torch.cuda.is_available():
         return None
     free, _ = torch.cuda.mem_get_info()
-    return free / 2**30 - cfg.memory.auto_margin_gib
+    budget = torch.tensor([free / 2**30 - cfg.memory.auto_margin_gib], dtype=torch.float64, device="cuda")
+    if dist.is_initialized():  # every rank takes the same release set (the prefix recompute has collectives)
+        dist.all_reduce(budget, op=dist.ReduceOp.MIN)
+    return float(budget)
 
 
 def build_policy(cfg: RunConfig):
@@ -186,14 +189,24 @@ class Runtime:
     def score(self, rows, requests, rollout) -> StepBatch:
         """Rewards, group advantages and Groups from the rollout."""
         scores = [[self.source.score(row, t) for t in res.tokens] for row, res in zip(rows, rollout.results)]
-        rewards = torch.tensor([[s.reward for s in row] for row in scores])
-        correct = torch.tensor([[s.correct for s in row] for row in scores])
-        answered = torch.tensor([[s.answered for s in row] for row in scores])
+        rewards, correct, answered = self._agreed(torch.tensor([[[s.reward, s.correct, s.answered] for s in row]
+                                                                for row in scores], dtype=torch.float64)).unbind(-1)
         adv = group_advantages(rewards, self.cfg.train.normalize_std)
         groups = [Group(r.prompt, res.tokens, a) for r, res, a in zip(requests, rollout.results, adv)]
         validate_groups(self.cfg.model, groups, self.cfg.rollout.max_response_len)
         return StepBatch(rows, requests, groups, rewards, correct, answered,
                          [list(res.logprobs) for res in rollout.results])
+
+    def _agreed(self, scores: torch.Tensor) -> torch.Tensor:
+        """The model replica's first rank's scores on every rank of it (TP and PP peers score the same
+        tokens, but a reward function need not be deterministic: one replica must train on one set of
+        advantages and take the same dynamic-sampling decisions, or its collectives would diverge)."""
+        group = ps.get_model_parallel_group()
+        if dist.get_world_size(group) == 1:
+            return scores
+        t = scores.to(self.dev)
+        dist.broadcast(t, dist.get_global_rank(group, 0), group=group)
+        return t.cpu()
 
     def mini_batches(self, batch: StepBatch) -> list[MiniBatch]:
         """`train.ppo_mini_batches` consecutive slices of whole groups, with their global counts."""

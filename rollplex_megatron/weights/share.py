@@ -151,9 +151,11 @@ class SharedRolloutWeights:
             p = by_name[n]
             union = torch.cat([part[off:off + k].view_as(shard) for part in parts], dim=p.dim)
             off += k
+            if p.klass != "gather":  # gathered elsewhere; here served from local views (split GEMMs)
+                continue
             if n in self.remote:
                 self.remote[n].copy_(_select(union, p.dim, self.union_pos[n]))
-            elif p.klass == "gather":
+            else:
                 self.roll[n].data.copy_(_select(union, p.dim, self.union_pos[n]))
 
     def allocated_bytes(self) -> int:

@@ -65,7 +65,11 @@ class Rollplex(Mode):
             lost = [st.length for r, o in enumerate(outs) for st in o.prefix_states if (r, st.group) not in kept]
             stats["dynamic_sampling"].update(dropped_prefix_groups=len(lost), dropped_prefix_tokens=int(sum(lost)),
                                              dropped_prefix_work="actor prefill + reference prefix, each")
-        stores.clear()  # the rounds' stores hold only the groups not trained on now
+        for store in (x for pair in stores for x in pair):  # what is left there: groups not trained on
+            store.leaves.clear()
+            store.graph.clear()
+        stores.clear()
+        windows.clear()  # finished window items reference the rounds' stores
         del outs
         minis = rt.mini_batches(batch)
         prep = Prepared(batch, minis, [rt.micro_batches(batch, "response", m) for m in minis], None, stats,
