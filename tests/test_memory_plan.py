@@ -104,3 +104,18 @@ def test_runtime_plan_uses_what_the_trainer_runs():
                                                             "plan.distributed_optimizer=true"]), s), "rollplex")
     off = M.summarize(M.runtime_plan(load_run_config(base + ["plan.sequence_parallel=false"]), s), "rollplex")
     assert on["phase_gib"] == off["phase_gib"]
+
+
+@pytest.mark.parametrize("residency", ["phase", "keep"])
+def test_dynamic_sampling_rounds_hold_their_prefixes_until_selection(residency):
+    """Rollplex with dynamic sampling: the rollout phase holds every round's actor and reference
+    prefix K/V (and, under keep, graphs); after the selection only the trained groups' remain."""
+    base = ["model=qwen2_5_vl_3b", "dtype=bfloat16", "task=motion_long", "workload=vlm_gpu"]
+    one = M.summarize(M.plan(load_run_config(base), "rollplex", residency, "embedded"), "rollplex")
+    cfg = load_run_config(base + ["train.dynamic_sampling=true", "train.max_resample_rounds=2"])
+    three = M.summarize(M.plan(cfg, "rollplex", residency, "embedded"), "rollplex")
+    per_round = sum(one["by_phase_gib"]["rollout"][k] for k in ("actor_prefix_kv", "reference_prefix_kv")
+                    + (("actor_prefix_graph",) if residency == "keep" else ()))
+    assert three["phase_gib"]["rollout"] == pytest.approx(one["phase_gib"]["rollout"] + 2 * per_round)
+    for ph in ("ref_logp", "update", "optimizer"):
+        assert three["phase_gib"][ph] == pytest.approx(one["phase_gib"][ph])

@@ -48,3 +48,4 @@ class PlanInputs:
     prefix_graph: int  # one group's saved prefix activations
     logits: Callable[[int], int]  # loss workspace of a forward over `tokens`
     activations: Callable[[int, int], int]  # a training forward's saved tensors over (tokens, patches)
+    rounds: int = 1  # rollout rounds a step may sample (dynamic sampling: 1 + train.max_resample_rounds)

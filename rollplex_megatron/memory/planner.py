@@ -233,7 +233,8 @@ def plan(cfg: RunConfig, mode: str, residency: str, engine: str, s: Shape | None
                         prefix_graph=prefix_graph_bytes(m, par.tp, par.pp, sp, s.P, s.patches),
                         logits=lambda tokens: logits_bytes(m, par.tp, tokens),
                         activations=lambda tokens, patches: training_forward_bytes(m, par.tp, par.pp, sp, tokens,
-                                                                                   patches))
+                                                                                   patches),
+                        rounds=1 + cfg.train.max_resample_rounds if cfg.train.dynamic_sampling else 1)
     out += get_mode(mode).memory_classes(inputs)
     adam = 0 if cfg.plan.fused_adam else w["optimizer_states"] // 2
     out.append(TensorClass("optimizer_workspace", adam, ("optimizer",), "free",

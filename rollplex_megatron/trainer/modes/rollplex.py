@@ -103,15 +103,24 @@ class Rollplex(Mode):
 
     @staticmethod
     def memory_classes(p: PlanInputs) -> list[TensorClass]:  # noqa: D102
-        s = p.shape
-        out = [TensorClass("actor_prefix_kv", p.prefix_kv_fp32, ("rollout", "ref_logp", "old_logp", "update"),
-                           "free", "fp32 K/V leaves of every group, from the prefill (decode reads them)"),
-               TensorClass("reference_prefix_kv", p.prefix_kv, ("rollout", "ref_logp"), "free",
-                           "computed in the decode window"),
+        s, k = p.shape, p.rounds
+        # dynamic sampling: every round's prefix K/V (and graphs) stay until the batch is selected, at
+        # the end of the rollout phase; after it only the kept groups' (one round's worth) remain
+        rounds = f", x{k} rollout rounds in the rollout phase" if k > 1 else ""
+        out = [TensorClass("actor_prefix_kv", p.prefix_kv_fp32 * k, ("rollout",), "free",
+                           "fp32 K/V leaves of every group, from the prefill (decode reads them)" + rounds),
+               TensorClass("actor_prefix_kv_kept", p.prefix_kv_fp32, ("reward", "ref_logp", "old_logp", "update"),
+                           "free", "the trained groups' fp32 K/V leaves, after the rollout"),
+               TensorClass("reference_prefix_kv", p.prefix_kv * k, ("rollout",), "free",
+                           "computed in the decode window" + rounds),
+               TensorClass("reference_prefix_kv_kept", p.prefix_kv, ("reward", "ref_logp"), "free",
+                           "the trained groups' reference K/V, until the reference response stage"),
                TensorClass("prefix_kv_grads", p.prefix_kv_fp32, ("update",), "free", "fp32 gK/gV")]
         if p.keep:
-            out.append(TensorClass("actor_prefix_graph", s.prompts * p.prefix_graph,
-                                   ("rollout", "ref_logp", "old_logp", "update"), "keep",
-                                   "every group's saved prefix activations"))
+            out.append(TensorClass("actor_prefix_graph", s.prompts * p.prefix_graph * k, ("rollout",), "keep",
+                                   "every group's saved prefix activations" + rounds))
+            out.append(TensorClass("actor_prefix_graph_kept", s.prompts * p.prefix_graph,
+                                   ("reward", "ref_logp", "old_logp", "update"), "keep",
+                                   "the trained groups' saved prefix activations"))
         return out + scoring_workspaces(p, ("ref_logp", "old_logp"), s.mb * s.R) + [response_stage_activations(p)]
 
