@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import socket
 import statistics
 import subprocess
@@ -24,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from rollplex_megatron.models.qwen25vl.hf import atomic_write_text
 from rollplex_megatron.recipes import RECIPES_DIR, load_run_config, to_yaml
 from rollplex_megatron.report import read_metrics
 from rollplex_megatron.runtime import environment_record
@@ -217,9 +217,7 @@ def render_markdown(results: Path) -> str:
 def _write(out: Path, result: dict) -> None:
     """The JSON, atomically (never half-written)."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(result, indent=1))
-    os.replace(tmp, out)
+    atomic_write_text(out, json.dumps(result, indent=1))
 
 
 def main(argv: list[str]) -> int:

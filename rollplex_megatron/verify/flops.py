@@ -96,10 +96,6 @@ def batch_fwd_flops(cfg: ModelConfig, groups) -> dict:
 
 def group_flops(cfg: ModelConfig, groups) -> dict:
     """Forward+backward FLOPs of both paths over `groups` (prefix.batch.Group list)."""
-    full = pref = 0.0
-    for g in groups:
-        grids = torch.cat([t for t in (g.prompt.image_grid_thw, g.prompt.video_grid_thw) if t is not None])
-        lens = [int(r.numel()) for r in g.responses]
-        full += 3 * full_sequence_fwd(cfg, g.prompt.input_ids.numel(), grids, lens)
-        pref += 3 * prefix_response_fwd(cfg, g.prompt.input_ids.numel(), grids, lens)
+    f = batch_fwd_flops(cfg, groups)
+    full, pref = 3 * f["full"], 3 * (f["prefix"] + f["response"])
     return {"full_fwd_bwd_flops": full, "prefix_fwd_bwd_flops": pref, "flop_ratio_full_over_prefix": full / pref}
