@@ -190,7 +190,7 @@ class Runtime:
         """Rewards, group advantages and Groups from the rollout."""
         scores = [[self.source.score(row, t) for t in res.tokens] for row, res in zip(rows, rollout.results)]
         rewards, correct, answered = self._agreed(torch.tensor([[[s.reward, s.correct, s.answered] for s in row]
-                                                                for row in scores], dtype=torch.float64)).unbind(-1)
+                                                                for row in scores])).unbind(-1)
         adv = group_advantages(rewards, self.cfg.train.normalize_std)
         groups = [Group(r.prompt, res.tokens, a) for r, res, a in zip(requests, rollout.results, adv)]
         validate_groups(self.cfg.model, groups, self.cfg.rollout.max_response_len)
