@@ -36,8 +36,6 @@ import torch
 
 from rollplex_megatron.memory.planner import released, resident_phases
 
-PLANS = ("keep", "phase")  # or an explicit set of released class names (memory.plan=auto's choice)
-
 
 def _storages(tensors) -> list[torch.UntypedStorage]:
     """Unique storages behind `tensors` (views of one buffer count once, released or not)."""
@@ -82,10 +80,8 @@ class MemoryManager:
     host_allocations = 0  # host buffers allocated by an offload (stays 0 after `reserve_host`)
 
     def __init__(self, plan, mode: str, ddp, optimizer, reference):
-        if isinstance(plan, str) and plan not in PLANS:
-            raise ValueError(f"memory.plan must be one of {PLANS}, got {plan!r}")
         self.plan, self.mode, self.ddp = plan, mode, ddp
-        self.released = released(plan)  # the classes this plan releases outside their phases
+        self.released = released(plan)  # the classes this plan releases outside their phases (checked there)
         self.cuda = torch.cuda.is_available()
         self.device = torch.cuda.current_device() if self.cuda else "cpu"
         self.copy_stream = torch.cuda.Stream() if self.cuda else None

@@ -49,7 +49,7 @@ def released(residency) -> frozenset:
     if residency == "phase":
         return frozenset(RELEASE_ORDER)
     if isinstance(residency, str) or not set(residency) <= set(RELEASE_ORDER):
-        raise ValueError(f"residency must be keep, phase or a set of {RELEASE_ORDER}, got {residency!r}")
+        raise ValueError(f"memory.plan (residency) must be keep, phase or a set of {RELEASE_ORDER}, got {residency!r}")
     return frozenset(residency)
 
 

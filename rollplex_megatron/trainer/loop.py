@@ -123,12 +123,11 @@ def train_rank(cfg: RunConfig) -> dict:
             _log(metrics_path, evaluate(rt, 0), bar, rank0, tracker)
         for step in range(start, cfg.train.steps):
             rec = run_step(rt, mode, step)
-            if "profile" in rec:  # the profiled step's kernel table goes beside metrics.jsonl, not into it
-                if rank0:
-                    (run / f"profile_step{step + 1}.json").write_text(json.dumps(
-                        {"step": step + 1, "mode": mode.name, "phase_times": rec["phase_times"],
-                         "top_ops_per_phase": rec.pop("profile")}, indent=1))
-                rec.pop("profile", None)
+            profile = rec.pop("profile", None)  # the profiled step's kernel table goes beside metrics.jsonl
+            if profile is not None and rank0:
+                (run / f"profile_step{step + 1}.json").write_text(json.dumps(
+                    {"step": step + 1, "mode": mode.name, "phase_times": rec["phase_times"],
+                     "top_ops_per_phase": profile}, indent=1))
             records.append(rec)
             _log(metrics_path, rec, bar, rank0, tracker)
             last = step + 1 == cfg.train.steps
