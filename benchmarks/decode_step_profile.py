@@ -24,6 +24,9 @@ def main() -> int:
     ap.add_argument("--max-new", type=int, default=128)
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--decode-attention", default="math,flash", help="engine decode attention paths to profile")
+    ap.add_argument("--split-halves", action="store_true",
+                    help="also profile with every LLM linear run as two GEMMs over views of its halves (the split-GEMM "
+                         "executor of weights/split.py, as a rollout at another TP runs gathered or permuted linears)")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
 
@@ -48,7 +51,11 @@ def main() -> int:
     rows = {}
     cases = [(f"{case}_{impl}", groups, n, impl) for impl in a.decode_attention.split(",")
              for case, groups, n in (("shared_16x8", 16, 8), ("unshared_128x1", 128, 1))]
+    if a.split_halves:
+        cases += [(f"{name}_split", groups, n, impl) for name, groups, n, impl in cases]
     for name, groups, n, impl in cases:
+        if name.endswith("_split") and not getattr(model, "_split_halves", False):
+            split_halves(model)
         eng = EmbeddedEngine(model, cfg, 4096, a.max_new, kv_cache_gib=60.0, decode_attention=impl)
         store = KVStore(leaves={(layer, g): kv for (layer, _), kv in one.leaves.items() for g in range(groups)})
         reqs = [RolloutRequest(prompt, n, a.max_new, (), seed=g) for g in range(groups)]
@@ -72,7 +79,7 @@ def main() -> int:
         total = sum(e.self_device_time_total for e in kernels) / 3 / 1e3
         top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:20]
         rows[name] = {"groups": groups, "samples_per_group": n, "decode_attention": impl, "step_ms": step_ms,
-                      "kernel_ms_per_step": total,
+                      "kernel_ms_per_step": total, "kernels_per_step": sum(e.count for e in kernels) / 3,
                       "cuda_graphs": eng.cuda_graphs, "graph_error": eng.graph_error, "window": key[2],
                       "top_kernels_ms_per_step": {e.key[:140]: round(e.self_device_time_total / 3 / 1e3, 3)
                                                   for e in top}}
@@ -85,6 +92,22 @@ def main() -> int:
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1)
     return 0
+
+
+def split_halves(model) -> None:
+    """Install the split-GEMM executor on every decoder linear: two local runs (the halves of the weight
+    along its TP dim), no remote piece; the same numbers up to the row-parallel sum's order."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    from rollplex_megatron.weights import split
+
+    for mod in model.language_model.decoder.modules():
+        if isinstance(mod, (ColumnParallelLinear, RowParallelLinear)):
+            dim = 0 if isinstance(mod, ColumnParallelLinear) else 1
+            n = mod.weight.shape[dim]
+            halves = [("local", 0, n // 2), ("local", n // 2, n - n // 2)]
+            split.install(mod, mod.weight.data, mod.weight.data[:0], halves, dim)
+    model._split_halves = True
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 one JSON per suite under benchmarks/results/ and BENCHMARKS.md generated from those JSONs.
 
 A suite is a recipe `recipes/bench/SUITE.yaml` (model, workload, drawn response lengths). A mode is
-`serial`, `prefix_shared`, `rollplex`, or a rollplex variant `rollplex:<window>` (interleave, stream,
+`serial`, `prefix_shared`, `rollplex`, `<mode>:bound` (the rollout on a model of its own bound to the
+training storage, `rollout.bound_model`), or a rollplex variant `rollplex:<window>` (interleave, stream,
 tail, green, auto) or `rollplex:keep` (memory.plan=keep). Every figure is a median of the steady
 steps (after `--warmup`); the warm-up steps are kept apart with the phases that hold their excess.
 `--profile` runs one more step per mode under torch.profiler and saves its top ops per phase beside
@@ -53,9 +54,12 @@ def parse_modes(spec: str) -> list[tuple[str, list[str]]]:
         if name not in PHASE_FLOPS:
             raise ValueError(f"--modes: unknown mode {name!r} in {label!r}; choose from {', '.join(PHASE_FLOPS)}")
         over = [f"mode.name={name}"]
-        if variant:
+        if variant == "bound":  # any mode: the rollout on a model of its own bound to the training storage
+            over.append("rollout.bound_model=true")
+        elif variant:
             if name != "rollplex" or variant not in (*WINDOWS, "keep"):
-                raise ValueError(f"--modes: {label!r}: a variant is rollplex:<{'|'.join(WINDOWS)}|keep>")
+                raise ValueError(f"--modes: {label!r}: a variant is rollplex:<{'|'.join(WINDOWS)}|keep> or "
+                                 f"<mode>:bound")
             over.append("memory.plan=keep" if variant == "keep" else f"mode.window={variant}")
         out.append((label, over))
     if not out:
@@ -149,6 +153,7 @@ def summarize_mode(label: str, records: list[dict], warmup: int, recompute: bool
         "rollout": {k: _median([x.get(k, 0) for x in ro]) for k in ("decode_steps", "capture_s", "graphs_captured",
                                                                     "prefill_s", "decode_s")},
         "window": window,
+        "rollout_layout": steady[-1].get("rollout_layout"),  # a rollout model of its own: bytes it owns, replicas
     }
 
 
@@ -171,6 +176,8 @@ def ratios(modes: dict) -> dict:
     out = {f"{a}/{b}": med[a] / med[b] for b in fast for a in modes if a not in fast}
     if "rollplex" in med:
         out.update({f"{b}/rollplex": med[b] / med["rollplex"] for b in fast if b != "rollplex"})
+    out.update({f"{k}/{k[:-len(':bound')]}": med[k] / med[k[:-len(":bound")]] for k in med
+                if k.endswith(":bound") and k[:-len(":bound")] in med})  # what the shared path costs
     return out
 
 

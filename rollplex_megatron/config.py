@@ -173,6 +173,26 @@ def check_model_parallel(model: ModelConfig, parallel: ParallelConfig) -> None:
         )
 
 
+def check_rollout_layout(model: ModelConfig, parallel: ParallelConfig, rollout_tp: int) -> None:
+    """`rollout.tp` nests with parallel.tp, divides the world, and the model splits at it."""
+    r, t = rollout_tp or parallel.tp, parallel.tp
+    if r == t:
+        return
+    if max(r, t) % min(r, t):
+        raise ValueError(f"rollout.tp={r} and parallel.tp={t}: one must divide the other (the rollout shards are "
+                         f"views of, or are rebuilt from, the training shards)")
+    if parallel.world_size % r:
+        raise ValueError(f"rollout.tp={r} does not divide the {parallel.world_size} ranks (parallel.tp*pp*dp); "
+                         f"choose a rollout TP that divides it")
+    if parallel.pp > 1:
+        raise ValueError(f"rollout.tp={r} != parallel.tp={t} needs parallel.pp=1 (a rollout replica holds whole "
+                         f"layers; pipeline stages would have to send theirs); set rollout.tp=0 or parallel.pp=1")
+    try:
+        check_model_parallel(model, ParallelConfig(tp=r))
+    except ValueError as e:
+        raise ValueError(str(e).replace("parallel.tp", "rollout.tp")) from None
+
+
 @dataclass(kw_only=True)
 class SmokeConfig:
     """Workload of the `smoke` command: forward+backward on synthetic image+video prompts."""
@@ -212,8 +232,18 @@ class RolloutConfig:
     length_dist: str = ""  # "" (off: the model stops) | lognormal
     length_mean: int = 256  # mean of the drawn lengths before the cap
     length_sigma: float = 0.8  # log-space standard deviation (0.8: a long tail, p99 about 5x the median)
+    # The rollout's TP degree (0: parallel.tp). When it differs, the engine decodes on a rollout model bound
+    # to the training storage (weights/share.py), world / tp replicas, no PP; plan-memory and plan-weights
+    # read it too.
+    tp: int = 0
+    split_gemm: bool = False  # rollout.tp != parallel.tp: gathered and locally permuted linears run as GEMMs over views
+    # decode on a rollout model of its own bound to the training storage even at rollout.tp == parallel.tp
+    # (every tensor a view): what the shared path costs where the layouts agree
+    bound_model: bool = False
 
     def __post_init__(self) -> None:
+        if self.tp < 0:
+            raise ValueError(f"rollout.tp must be >= 0 (0: parallel.tp), got {self.tp}")
         if self.length_dist not in ("", "lognormal"):
             raise ValueError(f"rollout.length_dist must be '' (off) or lognormal, got {self.length_dist!r}")
         if self.length_mean < 1 or self.length_sigma < 0:
@@ -346,7 +376,6 @@ class PlanConfig:
     response_tokens: int = 256  # tokens of one response
     distributed_optimizer: bool = False  # shard fp32 main weights and Adam states over DP
     sequence_parallel: bool = True  # activations split over the TP ranks
-    rollout_tp: int = 0  # rollout engine TP degree for the serial baseline's weight copy (0: training TP)
     serial_engine: str = "separate"  # serial baseline's engine: separate (own weights, K/V per sample) | embedded
     fused_adam: bool = False  # Adam without a workspace (TE/apex FusedAdam); false: torch Adam (foreach)
 
@@ -354,8 +383,6 @@ class PlanConfig:
         for key in ("prefix_tokens", "vision_patches", "response_tokens"):
             if getattr(self, key) < 1:
                 raise ValueError(f"plan.{key} must be >= 1, got {getattr(self, key)}")
-        if self.rollout_tp < 0:
-            raise ValueError(f"plan.rollout_tp must be >= 0 (0: the training TP), got {self.rollout_tp}")
         if self.serial_engine not in ("separate", "embedded"):
             raise ValueError(f"plan.serial_engine must be separate or embedded, got {self.serial_engine!r}")
 
@@ -583,6 +610,7 @@ class RunConfig:
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
         check_model_parallel(self.model, self.parallel)
+        check_rollout_layout(self.model, self.parallel, self.rollout.tp)
         m = self.model.vision.spatial_merge_size
         for key, owner in (("image_grid", self.smoke), ("video_grid", self.smoke),
                            ("image_grid", self.verify), ("video_grid", self.verify)):

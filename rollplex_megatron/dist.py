@@ -14,6 +14,7 @@ import tempfile
 import threading
 import time
 import traceback
+from contextlib import contextmanager
 from datetime import timedelta
 from multiprocessing.connection import wait
 
@@ -29,8 +30,9 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def init_parallel(tp: int = 1, pp: int = 1, seed: int = 1234, backend: str = "auto") -> None:
-    """Initialise torch.distributed from the environment and megatron's model-parallel groups."""
+def init_parallel(tp: int = 1, pp: int = 1, seed: int = 1234, backend: str = "auto", rollout_tp: int = 0) -> None:
+    """Initialise torch.distributed from the environment and megatron's model-parallel groups (and
+    the rollout layout's, `rollout_tp` ranks per replica, when it differs: `ParallelLayouts`)."""
     apply_cpu_shims()
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -52,9 +54,121 @@ def init_parallel(tp: int = 1, pp: int = 1, seed: int = 1234, backend: str = "au
         os.environ.setdefault("WORLD_SIZE", "1")
         dist.init_process_group(backend, timeout=timedelta(minutes=10))
     if not ps.model_parallel_is_initialized():
-        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        global _LAYOUTS
+        _LAYOUTS = ParallelLayouts(tp, pp, rollout_tp or tp)
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
+
+
+DP_FIRST_ORDER = "dp-tp-cp-ep-pp"  # megatron initialize_model_parallel(order=...): strided TP groups
+DEFAULT_ORDER = "tp-cp-ep-dp-pp"
+
+
+def parallel_orders(t: int, r: int, mapping: str = "aligned") -> tuple[str, str]:
+    """Megatron `order` strings of the training side and the rollout side. Aligned: the side with the
+    larger TP degree takes consecutive TP groups, the other strided ones, so each rollout shard nests
+    inside (or contains) the training shard on its GPU (weights/plan.py)."""
+    if mapping == "consecutive" or t == r:
+        return DEFAULT_ORDER, DEFAULT_ORDER
+    return (DP_FIRST_ORDER, DEFAULT_ORDER) if r > t else (DEFAULT_ORDER, DP_FIRST_ORDER)
+
+
+def tp_rank_on_gpu(g: int, d: int, world: int, order: str) -> int:
+    """The TP rank that GPU g holds at degree d under a megatron order (PP=1)."""
+    return g // (world // d) if order == DP_FIRST_ORDER else g % d
+
+
+def _state_names(ps) -> list[str]:
+    """megatron parallel_state's module globals (groups, ranks, sizes, buffers)."""
+    return [k for k, v in vars(ps).items() if k.startswith("_") and k.lstrip("_")[:1].isupper()
+            and k.replace("_", "").isupper() and not callable(v) and not isinstance(v, type(os))]
+
+
+class ParallelLayouts:
+    """Megatron's parallel state at the training layout and at the rollout layout, swapped in around
+    the work of each.
+
+    The rollout layout (`rollout.tp` ranks per replica, no PP, replicas = world / rollout.tp) exists
+    when it differs from the training TP. Megatron keeps its groups in module globals, and every
+    megatron module keeps the groups it was built with, so: both layouts are built at start-up (group
+    creation is collective: every rank builds both, in this order), a model is built inside the layout
+    it runs at, and code that reads the globals at run time (the engine, vocab gathers, the schedules)
+    runs inside `use(...)` of its layout."""
+
+    def __init__(self, tp: int, pp: int, rollout_tp: int):
+        from megatron.core import parallel_state as ps
+
+        self.tp, self.pp, self.rollout_tp = tp, pp, rollout_tp
+        t_order, r_order = parallel_orders(tp, rollout_tp)
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, order=t_order)
+        self._states = {"train": self._snapshot()}
+        if rollout_tp != tp:
+            ps.destroy_model_parallel()  # forgets the globals; the groups themselves stay alive
+            ps.initialize_model_parallel(tensor_model_parallel_size=rollout_tp, order=r_order)
+            self._states["rollout"] = self._snapshot()
+            self._restore(self._states["train"])
+        else:
+            self._states["rollout"] = self._states["train"]
+        self.current = "train"
+
+    @classmethod
+    def adopt(cls) -> "ParallelLayouts":
+        """The parallel state megatron holds now, as both layouts (initialised outside init_parallel)."""
+        from megatron.core import parallel_state as ps
+
+        self = cls.__new__(cls)
+        self.tp = self.rollout_tp = ps.get_tensor_model_parallel_world_size()
+        self.pp = ps.get_pipeline_model_parallel_world_size()
+        self._states = dict.fromkeys(("train", "rollout"), self._snapshot())
+        self.current = "train"
+        return self
+
+    @property
+    def differ(self) -> bool:
+        """The rollout runs at its own layout (rollout.tp != parallel.tp)."""
+        return self.rollout_tp != self.tp
+
+    @staticmethod
+    def _snapshot() -> dict:
+        from megatron.core import parallel_state as ps
+
+        return {k: (dict(v) if isinstance(v, dict) else v) for k in _state_names(ps) for v in [getattr(ps, k)]}
+
+    @staticmethod
+    def _restore(state: dict) -> None:
+        from megatron.core import parallel_state as ps
+
+        for k, v in state.items():
+            setattr(ps, k, v)
+
+    @contextmanager
+    def use(self, name: str):
+        """Megatron's globals at layout `name` (train | rollout) inside the block."""
+        prev = self.current
+        if name != prev:
+            self._restore(self._states[name])
+            self.current = name
+        try:
+            yield
+        finally:
+            if name != prev:
+                self._restore(self._states[prev])
+                self.current = prev
+
+
+_LAYOUTS: ParallelLayouts | None = None
+
+
+def layouts() -> ParallelLayouts:
+    """The layouts `init_parallel` built (training and rollout)."""
+    global _LAYOUTS
+    from megatron.core import parallel_state as ps
+
+    if _LAYOUTS is None or not ps.model_parallel_is_initialized():
+        if not ps.model_parallel_is_initialized():
+            raise RuntimeError("init_parallel has not run in this process")
+        _LAYOUTS = ParallelLayouts.adopt()  # megatron was initialised directly: one layout
+    return _LAYOUTS
 
 
 def check_tp_in_node(tp: int, world: int, per_node: int) -> None:
@@ -90,7 +204,9 @@ def destroy_parallel() -> None:
     """Tear down megatron's groups and the process group."""
     from megatron.core import parallel_state as ps
 
+    global _LAYOUTS
     ps.destroy_model_parallel()
+    _LAYOUTS = None
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -105,7 +105,7 @@ def check_registered(cfg: RunConfig) -> None:
     check_source(cfg.data.source)
     check_kl_estimator(cfg.train.kl_estimator)
     check_megatron_overrides(cfg.model, cfg.megatron)
-    check_mechanism(cfg.mode.window, cfg.parallel.tp, cfg.parallel.pp)
+    check_mechanism(cfg.mode.window, max(cfg.parallel.tp, cfg.rollout.tp), cfg.parallel.pp)
 
 
 def to_yaml(cfg: RunConfig) -> str:

@@ -62,9 +62,10 @@ def test_bench_refuses_to_overwrite_and_to_merge_another_machine(tiny_bench, tmp
 
 
 def test_modes_and_lengths_parse():
-    assert bench.parse_modes("serial,rollplex:stream,rollplex:keep") == [
+    assert bench.parse_modes("serial,rollplex:stream,rollplex:keep,serial:bound") == [
         ("serial", ["mode.name=serial"]), ("rollplex:stream", ["mode.name=rollplex", "mode.window=stream"]),
-        ("rollplex:keep", ["mode.name=rollplex", "memory.plan=keep"])]
+        ("rollplex:keep", ["mode.name=rollplex", "memory.plan=keep"]),
+        ("serial:bound", ["mode.name=serial", "rollout.bound_model=true"])]
     with pytest.raises(ValueError, match="variant"):
         bench.parse_modes("serial:stream")
     lens = drawn_lengths(256, 0.8, 1024, 20000, seed=3)

@@ -104,7 +104,7 @@ def test_plan_weights_cli_json():
     import sys
 
     p = subprocess.run([sys.executable, "-m", "rollplex_megatron", "plan-weights", "model=qwen2_5_vl_7b",
-                        "train_tp=4", "rollout_tp=4", "layout=sglang", "--json"], capture_output=True, text=True,
+                        "parallel.tp=4", "rollout.tp=4", "layout=sglang", "--json"], capture_output=True, text=True,
                        timeout=300)
     assert p.returncode == 0, p.stderr
     s = json.loads(p.stdout.strip().splitlines()[-1])

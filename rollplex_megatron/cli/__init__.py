@@ -13,7 +13,7 @@ Commands
                                       export a training run's actor (latest checkpoint or step N) to HF
   verify-equivalence [hydra overrides] [--hf-dir DIR] [--json]
                                       prefix/response execution vs full sequences (exit 0 = exact)
-  plan-weights [model=...] train_tp=T rollout_tp=R [layout=megatron|sglang] [--json]
+  plan-weights [model=...] parallel.tp=T rollout.tp=R [parallel.dp=D] [layout=megatron|sglang] [--json]
                                       rollout weights on the training storage: class and bytes per kind
   plan-memory [hydra overrides] [--json]
                                       analytic HBM per GPU and phase: serial colocation vs the Rollplex
@@ -151,16 +151,19 @@ def _cmd_plan_weights(argv: list[str]) -> int:
                                  description="rollout weights on the training storage: class and bytes per kind")
     ap.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     a, rest = ap.parse_known_args(argv)
-    own = {"train_tp": "1", "rollout_tp": "1", "layout": "megatron", "mapping": "aligned", "dtype_bytes": "2"}
+    own = {"layout": "megatron", "mapping": "aligned", "dtype_bytes": "2"}
     overrides = []
     for item in rest:
         key, _, value = item.partition("=")
+        if key in ("train_tp", "rollout_tp"):
+            raise SystemExit(f"plan-weights: {key}= is gone; it reads the run's own settings: parallel.tp=T "
+                             f"rollout.tp=R (and parallel.dp so that rollout.tp divides tp*pp*dp)")
         if key in own:
             own[key] = value
         else:
             overrides.append(item)
     cfg = load_run_config(overrides)
-    s = plan_weights(cfg.model, int(own["train_tp"]), int(own["rollout_tp"]), own["layout"],
+    s = plan_weights(cfg.model, cfg.parallel.tp, cfg.rollout.tp or cfg.parallel.tp, own["layout"],
                      int(own["dtype_bytes"]), own["mapping"]).summary()
     gib = 2**30
     print(f"model {cfg.model.name}: train TP={s['train_tp']} -> rollout TP={s['rollout_tp']} ({s['layout']} layout, "

@@ -22,6 +22,7 @@ from dataclasses import asdict, replace
 from rollplex_megatron.config import ModelConfig, RunConfig
 from rollplex_megatron.memory.classes import PlanInputs, Shape, TensorClass
 from rollplex_megatron.trainer.modes import get_mode
+from rollplex_megatron.weights.plan import plan_pairs, rank_pairs, split_gemm_bytes
 
 GIB = 2**30
 # Plan `phase` (what memory/manager.py does at run time): the phases of one step in which each
@@ -180,6 +181,18 @@ def _largest_wave(cfg: RunConfig, s: Shape, kv_tok: int) -> int:
     return fit * per_group
 
 
+def shared_rollout_bytes(cfg: RunConfig) -> int:
+    """Bytes the rollout model owns on the fullest rank when `rollout.tp` differs from the training TP:
+    its rebuilt tensors (local permutations, gathers; with `rollout.split_gemm` only the remote pieces),
+    for the (training TP rank, rollout TP rank) pairs the run's layouts put on its ranks."""
+    t, r, e = cfg.parallel.tp, cfg.rollout.tp or cfg.parallel.tp, 2 if cfg.dtype == "bfloat16" else 4
+    if r == t:
+        return 0
+    pairs = sorted(set(rank_pairs(t, r, cfg.parallel.world_size)))
+    cost = split_gemm_bytes if cfg.rollout.split_gemm else (lambda p: p.alloc_bytes)
+    return max(sum(cost(p) for p in g) for g in plan_pairs(cfg.model, t, r, pairs, "megatron", e))
+
+
 def plan(cfg: RunConfig, mode: str, residency: str, engine: str, s: Shape | None = None) -> list[TensorClass]:
     """Tensor classes of one step on the fullest GPU.
 
@@ -189,8 +202,9 @@ def plan(cfg: RunConfig, mode: str, residency: str, engine: str, s: Shape | None
     states on the device only for the optimizer step, gradients from the update on, the reference
     only where it is read, the actor prefix recomputed one group at a time instead of kept) | a set
     of RELEASE_ORDER names released that way, the rest kept (what `memory.plan=auto` chose).
-    engine: embedded (rollout on the actor's weights, one prefix K/V per group) | separate (naive
-    colocation of an inference engine: its own weight copy at plan.rollout_tp, and every sample
+    engine: embedded (rollout on the actor's weights, one prefix K/V per group; at `rollout.tp` !=
+    parallel.tp on a rollout model bound to them, whose rebuilt tensors count) | separate (naive
+    colocation of an inference engine: its own weight copy at rollout.tp, and every sample
     holds its prompt's K/V).
     Phase workspaces (loss, Adam, the micro-batch's activations) are classes of their one phase.
     """
@@ -218,11 +232,19 @@ def plan(cfg: RunConfig, mode: str, residency: str, engine: str, s: Shape | None
     ]
     keep = "actor_prefix_graph" not in rel  # the prefix graphs stay (else: recomputed one group at a time)
     if engine == "separate":
-        rtp = cfg.plan.rollout_tp or par.tp
+        rtp = cfg.rollout.tp or par.tp
         out.append(TensorClass("rollout_weights", e * params_per_gpu(m, rtp, 1), allp, "keep",
                                "the inference engine's own weight copy"))
         out.append(TensorClass("rollout_kv", s.samples * (s.P + s.R) * kv_bytes_per_token(m, rtp, m.num_layers, e),
                                allp, "keep", "every sample holds its prompt and response K/V (no prefix sharing)"))
+    elif (cfg.rollout.tp or par.tp) != par.tp:  # the embedded engine at its own layout, on shared weights
+        r = cfg.rollout.tp
+        out.append(TensorClass("rollout_weights", shared_rollout_bytes(cfg), allp, "keep",
+                               f"the rollout model's rebuilt tensors at rollout.tp={r} (views cost nothing)"))
+        per_replica = replace(s, prompts=max(1, -(-s.prompts * par.dp * r // par.world_size)))
+        out.append(TensorClass("rollout_kv", _largest_wave(cfg, per_replica, kv_bytes_per_token(m, r, m.num_layers, e)),
+                               ("rollout",), "free", "the replica's cache: one prefix per group plus G response "
+                               "slots, largest wave"))
     else:
         out.append(TensorClass("rollout_kv", _largest_wave(cfg, s, kv_tok), ("rollout",), "free",
                                "the engine's cache: one prefix per group plus G response slots, largest wave"))

@@ -128,6 +128,8 @@ class EmbeddedEngine:
     stage across the pipeline, each decode step passes the hidden states stage to stage, and the
     last stage's tokens are broadcast to all (decode runs eagerly there)."""
 
+    prefill_is_actor_prefix = True  # the prefill can be the actor prefix stage (same modules, same layout)
+
     def __init__(self, model, cfg: ModelConfig, max_prompt_len: int, max_response_len: int, kv_cache_gib: float,
                  cuda_graphs: bool = True, decode_attention: str = "auto"):
         self.model, self.cfg = model, cfg

@@ -76,9 +76,12 @@ class RolloutEngine(Protocol):
     prefix stage: with autograd recording, storing the K/V leaves under the request index, and
     returning the prefix states for the later prefix backward. With `recompute_prefix` the prefill
     keeps no graph, only trainable K/V leaves, and the prefix backward recomputes the graph.
-    Engines that cannot (external ones) raise NotImplementedError, and the trainer schedules the
-    actor prefix stage itself.
+    Engines that cannot (external ones, or the embedded engine at its own layout) say so with
+    `prefill_is_actor_prefix = False` and raise NotImplementedError when asked, and the trainer
+    schedules the actor prefix stage itself (decode-window work).
     """
+
+    prefill_is_actor_prefix: bool
 
     def generate(self, requests: list[RolloutRequest], params: SamplingParams,
                  hooks: DecodeHooks | None = None, actor_prefix=None,

@@ -43,6 +43,9 @@ def run_step(rt: Runtime, mode: Mode, step: int) -> dict:
             res.append(mode.update(rt, prep, k % len(prep.minis), fresh=k == 0))
         with t("optimizer"):
             opts.append(rt.optimizer_step(advance=k == n - 1))
+    if rt.rollout_bound:  # a rollout model of its own reads the new weights through its bound tensors
+        with t("weight_refresh"):
+            rt.refresh_rollout()
     sync()
     peak, src = peak_bytes(t)
     seconds = time.perf_counter() - t0
@@ -54,7 +57,7 @@ def run_step(rt: Runtime, mode: Mode, step: int) -> dict:
             "memory_plan": rt.cfg.memory.plan, "memory_released": sorted(rt.memory.released),
             "prefix_recompute": rt.recompute, "phase_managed_bytes": dict(rt.memory.phase_bytes),
             "offload_bytes": dict(rt.memory.copy_bytes), "host_allocations": rt.memory.host_allocations,
-            "rollout": prep.stats,
+            "rollout": prep.stats, "rollout_layout": rt.plan.get("rollout_layout"),
             **({"profile": t.kernel_table()} if t.profile else {})}
 
 

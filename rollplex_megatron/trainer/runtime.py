@@ -14,7 +14,7 @@ from megatron.core import parallel_state as ps
 from rollplex_megatron.models.qwen25vl.hf import HFCheckpoint, load_hf_into_model
 from rollplex_megatron.config import RunConfig
 from rollplex_megatron.data import build_source
-from rollplex_megatron.dist import init_parallel
+from rollplex_megatron.dist import ParallelLayouts, init_parallel, layouts
 from rollplex_megatron.memory.manager import MemoryManager
 from rollplex_megatron.memory.planner import (RELEASE_ORDER, auto_release, check_budget, plan, released, runtime_cfg,
                                               runtime_plan, summarize, workload_shape)
@@ -26,6 +26,7 @@ from rollplex_megatron.prefix.batch import Group, validate_groups
 from rollplex_megatron.rl.grpo import GRPOLoss, group_advantages, loss_weights
 from rollplex_megatron.rollout.embedded import EmbeddedEngine
 from rollplex_megatron.rollout.engine import RolloutRequest
+from rollplex_megatron.rollout.replicas import RolloutReplicas
 from rollplex_megatron.rollout.sampling import SamplingParams
 from rollplex_megatron.runtime import device, wrap_ddp
 
@@ -128,8 +129,12 @@ def build_policy(cfg: RunConfig):
     return model
 
 
-def build_engine(model, cfg: RunConfig) -> EmbeddedEngine:
-    """The embedded rollout engine over `model`'s modules with the run's rollout and KV settings."""
+def build_engine(model, cfg: RunConfig, at: ParallelLayouts | None = None):
+    """The embedded rollout engine with the run's rollout and KV settings: over `model`'s own modules,
+    or, when `rollout.tp` differs from the training TP (or `rollout.bound_model`), over rollout replicas
+    bound to its storage."""
+    if at is not None and (at.differ or cfg.rollout.bound_model):
+        return RolloutReplicas(X.unwrap(model), cfg, at)
     r = cfg.rollout
     return EmbeddedEngine(model, cfg.model, r.max_prompt_len, r.max_response_len, cfg.memory.kv_cache_gib,
                           r.cuda_graphs, r.decode_attention)
@@ -141,7 +146,8 @@ class Runtime:
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
         cfg.check_training()
-        init_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.seed, cfg.parallel.backend)
+        init_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.seed, cfg.parallel.backend, cfg.rollout.tp)
+        self.layouts = layouts()
         self.source = build_source(cfg)  # bad data settings fail before building models
         self.plan = memory_plan(cfg, self.source)  # over memory.budget_gib: fails here, before any model
         actor = build_policy(cfg)
@@ -155,7 +161,12 @@ class Runtime:
         self.memory = MemoryManager(rel, cfg.mode.name, self.ddp, self.optimizer, self.ref)
         self.plan["host_buffers_s"] = self.memory.reserve_host()  # a start-up cost, not step 1's and 2's
         self.recompute = "actor_prefix_graph" in rel  # the actor prefix keeps no graph
-        self.engine = build_engine(self.ddp, cfg)
+        self.engine = build_engine(self.ddp, cfg, self.layouts)
+        self.rollout_bound = isinstance(self.engine, RolloutReplicas)  # a rollout model of its own, refreshed
+        if self.rollout_bound:  # what the rollout model owns on this rank (views cost nothing)
+            self.plan["rollout_layout"] = {"rollout_tp": self.layouts.rollout_tp, "replicas": self.engine.replicas,
+                                           "allocated_bytes": self.engine.allocated_bytes(),
+                                           "split_gemm": cfg.rollout.split_gemm}
         r = cfg.rollout
         self.sampling = SamplingParams(r.temperature, r.top_p, r.top_k)
         # every log-prob the loss sees is the sampled policy's: its temperature, its banned tokens (DESIGN 3)
@@ -240,6 +251,14 @@ class Runtime:
         t = self.cfg.train
         return GRPOLoss(t.kl_coef, t.clip_low, t.clip_high, mini.total_tokens, self.tp_group, t.entropy_coef,
                         self.cfg.rollout.temperature, t.kl_estimator, self.banned, t.clip_ratio_c)
+
+    def refresh_rollout(self) -> bool:
+        """After the step's optimizer steps: rebuild the rollout model's non-view tensors (a rollout model
+        of its own); False when the rollout runs on the actor's own modules (nothing to do)."""
+        if not self.rollout_bound:
+            return False
+        self.engine.refresh()
+        return True
 
     def optimizer_step(self, advance: bool = True) -> dict:
         """megatron optimizer step (clipping included) at the scheduler's learning rate, then (with

@@ -30,6 +30,7 @@ import torch
 from rollplex_megatron.models.qwen25vl import hf_layout as CL
 from rollplex_megatron.models.qwen25vl.hf import expected_hf_shapes
 from rollplex_megatron.config import ModelConfig
+from rollplex_megatron.dist import parallel_orders, tp_rank_on_gpu
 from rollplex_megatron.weights import layout as WL
 
 
@@ -166,20 +167,6 @@ def classify(have: WL.ShardIndex, need: WL.ShardIndex, local_extent: int) -> tup
 
 
 MAPPINGS = ("aligned", "consecutive")
-DP_FIRST_ORDER = "dp-tp-cp-ep-pp"  # megatron initialize_model_parallel(order=...): strided TP groups
-DEFAULT_ORDER = "tp-cp-ep-dp-pp"
-
-
-def parallel_orders(t: int, r: int, mapping: str = "aligned") -> tuple[str, str]:
-    """Megatron `order` strings for the training side and the rollout side."""
-    if mapping == "consecutive" or t == r:
-        return DEFAULT_ORDER, DEFAULT_ORDER
-    return (DP_FIRST_ORDER, DEFAULT_ORDER) if r > t else (DEFAULT_ORDER, DP_FIRST_ORDER)
-
-
-def tp_rank_on_gpu(g: int, d: int, world: int, order: str) -> int:
-    """The TP rank that GPU g holds at degree d under a megatron order."""
-    return g // (world // d) if order == DP_FIRST_ORDER else g % d
 
 
 def check_degrees(t: int, r: int, mapping: str) -> None:
@@ -187,25 +174,42 @@ def check_degrees(t: int, r: int, mapping: str) -> None:
     if mapping not in MAPPINGS:
         raise ValueError(f"unknown GPU mapping {mapping!r}; choose aligned or consecutive")
     if max(t, r) % min(t, r):
-        raise ValueError(f"train_tp={t} and rollout_tp={r}: one must divide the other")
+        raise ValueError(f"parallel.tp={t} and rollout.tp={r}: one must divide the other")
 
 
 def plan_weights(cfg: ModelConfig, t: int, r: int, layout: str = "megatron", elem_bytes: int = 2,
                  mapping: str = "aligned") -> WeightPlan:
     """The plan for every GPU of a W = max(t, r) GPU group (training PP=1, rollout PP=1)."""
-    if layout not in WL.LAYOUTS:
-        raise ValueError(f"unknown rollout layout {layout!r}; choose megatron or sglang")
     check_degrees(t, r, mapping)
     world = max(t, r)
     t_order, r_order = parallel_orders(t, r, mapping)
+    pairs = [(tp_rank_on_gpu(g, t, world, t_order), tp_rank_on_gpu(g, r, world, r_order)) for g in range(world)]
+    plan = WeightPlan(t, r, layout)
+    plan.gpus = plan_pairs(cfg, t, r, pairs, layout, elem_bytes)
+    return plan
+
+
+def rank_pairs(t: int, r: int, world: int) -> list[tuple[int, int]]:
+    """(training TP rank, rollout TP rank) of every rank of a `world`-rank run under the aligned
+    orders `dist.ParallelLayouts` builds (PP=1)."""
+    t_order, r_order = parallel_orders(t, r)
+    return [(tp_rank_on_gpu(g, t, world, t_order), tp_rank_on_gpu(g, r, world, r_order)) for g in range(world)]
+
+
+def plan_pairs(cfg: ModelConfig, t: int, r: int, pairs: list[tuple[int, int]], layout: str = "megatron",
+               elem_bytes: int = 2) -> list[list[TensorPlan]]:
+    """Per (training TP rank, rollout TP rank) pair: how each rollout tensor is obtained on a GPU that
+    holds that training shard and needs that rollout shard."""
+    if layout not in WL.LAYOUTS:
+        raise ValueError(f"unknown rollout layout {layout!r}; choose megatron or sglang")
+    check_degrees(t, r, "aligned")
     naming = CL.HFNaming()
     shapes = expected_hf_shapes(cfg, naming)
     rules = [x for x in CL.model_rules(cfg, t, 1, naming) if x.export]
     rules_r = {x.mcore: x for x in CL.model_rules(cfg, r, 1, naming)}
-    plan = WeightPlan(t, r, layout)
-    for g in range(world):
+    out = []
+    for tr, rr in pairs:
         plans = []
-        tr, rr = tp_rank_on_gpu(g, t, world, t_order), tp_rank_on_gpu(g, r, world, r_order)
         for rule in rules:
             sh = [shapes[n] for n in rule.hf]
             have = WL.megatron_index(rule, sh, t, tr)
@@ -218,5 +222,5 @@ def plan_weights(cfg: ModelConfig, t: int, r: int, layout: str = "megatron", ele
             remote = int((pos == -1).sum()) * other * elem_bytes if pos is not None else 0
             plans.append(TensorPlan(rule.mcore, WL.kind_of(rule), klass, need.dim, pos, shard,
                                     0 if klass in ("view", "strided_view") else shard, remote, rule, sh, need))
-        plan.gpus.append(plans)
-    return plan
+        out.append(plans)
+    return out

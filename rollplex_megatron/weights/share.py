@@ -16,7 +16,7 @@ import torch.distributed as dist
 from rollplex_megatron.config import ModelConfig
 from rollplex_megatron.weights import layout as WL
 from rollplex_megatron.weights import split
-from rollplex_megatron.weights.plan import TensorPlan, plan_weights, positions_in, split_local
+from rollplex_megatron.weights.plan import TensorPlan, plan_pairs, plan_weights, positions_in, split_local
 
 BUCKET_BYTES = 256 << 20
 
@@ -36,24 +36,39 @@ class SharedRolloutWeights:
     """Rollout parameters bound to the training parameters on this GPU (megatron rollout layout)."""
 
     def __init__(self, train_model, rollout_model, cfg: ModelConfig, t: int, r: int, train_tp_group,
-                 gpu: int, mapping: str = "aligned", split_gemm: bool = False):
+                 gpu: int | None = None, mapping: str = "aligned", split_gemm: bool = False,
+                 rollout_tp_rank: int | None = None):
+        """Bind `rollout_model`'s parameters (random or on the meta device: every one is replaced).
+
+        `gpu`: this GPU's index in `plan_weights`' W = max(t, r) GPU group; or `rollout_tp_rank`: this
+        rank's rollout TP rank, the pairs of the training TP group are gathered over it (any world size;
+        a pair whose shards do not nest is served by rebuilt tensors)."""
         elem = next(train_model.parameters()).element_size()
-        full = plan_weights(cfg, t, r, "megatron", elem, mapping)
-        self.plan: list[TensorPlan] = full.gpus[gpu]
+        if rollout_tp_rank is None:
+            per_rank = plan_weights(cfg, t, r, "megatron", elem, mapping).gpus
+            self.plan: list[TensorPlan] = per_rank[gpu]
+        else:
+            rrs = [None] * t
+            dist.all_gather_object(rrs, rollout_tp_rank, group=train_tp_group)
+            per_rank = plan_pairs(cfg, t, r, list(enumerate(rrs)), "megatron", elem)
+            self.plan = per_rank[dist.get_rank(train_tp_group)]
         self.t, self.group = t, train_tp_group
-        gather_any = {p.name for g in full.gpus for p in g if p.klass == "gather"}
+        gather_any = {p.name for g in per_rank for p in g if p.klass == "gather"}
         self.train = dict(train_model.named_parameters())
         self.roll = dict(rollout_model.named_parameters())
         self.gathered = [p.name for p in self.plan if p.name in gather_any]  # same order on every rank
         self.union_pos = {}
         self.remote: dict[str, torch.Tensor] = {}  # split-GEMM layers: only the remote stretches
         modules = dict(rollout_model.named_modules())
+        self._modules = modules
         for p in self.plan:
             tp, rp = self.train[p.name], self.roll[p.name]
+            own = dict(dtype=tp.dtype, device=tp.device)  # the rollout model may live on the meta device
             if p.klass == "view":
-                rp.data = tp.data if p.dim is None else tp.data.narrow(p.dim, int(p.positions[0]), p.positions.numel())
+                self._bind(p.name, tp.data if p.dim is None else tp.data.narrow(p.dim, int(p.positions[0]),
+                                                                               p.positions.numel()))
             elif p.klass == "strided_view":
-                rp.data = tp.data.narrow(1, int(p.positions[0]), p.positions.numel())
+                self._bind(p.name, tp.data.narrow(1, int(p.positions[0]), p.positions.numel()))
             if p.klass == "gather":
                 union = WL.ShardIndex(p.dim, torch.cat([WL.megatron_index(p.rule, p.hf_shapes, t, k).index
                                                          for k in range(t)]), 0)
@@ -64,24 +79,36 @@ class SharedRolloutWeights:
                     shape = list(rp.shape)
                     remote = p.positions < 0
                     shape[p.dim] = int(remote.sum())
-                    self.remote[p.name] = torch.empty(shape, dtype=rp.dtype, device=rp.device)
+                    self.remote[p.name] = torch.empty(shape, **own)
                     self.union_pos[p.name] = self.union_pos[p.name][remote]
                     split.install(mod, tp.data, self.remote[p.name], split.runs(p.positions), p.dim)
-                    rp.data = torch.empty(0, dtype=rp.dtype, device=rp.device)  # never read again
+                    self._bind(p.name, torch.empty(0, **own))  # never read again
                     continue
             if p.klass == "local_permute" and split_gemm and split_local(p):
                 # every element is here in another order (gated fc1 at rollout TP > training TP: the
                 # rollout's [gate; up] are two row blocks of the training shard): one GEMM per block
                 mod = modules[p.name.rsplit(".", 1)[0]]
                 if split.supports(mod):
-                    self.remote[p.name] = torch.empty(0, dtype=rp.dtype, device=rp.device)
+                    self.remote[p.name] = torch.empty(0, **own)
                     split.install(mod, tp.data, self.remote[p.name], split.runs(p.positions), p.dim)
-                    rp.data = torch.empty(0, dtype=rp.dtype, device=rp.device)  # never read again
+                    self._bind(p.name, torch.empty(0, **own))  # never read again
                     continue
             if p.klass in ("local_permute", "gather"):
-                rp.data = torch.empty_like(rp.data)
+                self._bind(p.name, torch.empty(rp.shape, **own))
+        missing = [n for n, prm in self.roll.items() if prm.is_meta]
+        if missing:
+            raise RuntimeError(f"rollout parameter {missing[0]} has no plan (and {len(missing) - 1} more); the "
+                               f"weight plan must cover every parameter of the rollout model")
         self._bound_storage = {p.name: self.train[p.name].untyped_storage().data_ptr() for p in self.plan}
         self.refresh()
+
+    def _bind(self, name: str, tensor: torch.Tensor) -> None:
+        """Make rollout parameter `name` the tensor (a view of training storage, or its own buffer). The
+        Parameter object is replaced, not its `.data`: a meta-device parameter cannot take real data."""
+        path, _, attr = name.rpartition(".")
+        prm = torch.nn.Parameter(tensor, requires_grad=False)  # aliases `tensor`'s storage, offset and strides
+        self._modules[path]._parameters[attr] = prm
+        self.roll[name] = prm
 
     def check_bound(self) -> None:
         """Fail if a training parameter was re-allocated after binding (views would go stale).

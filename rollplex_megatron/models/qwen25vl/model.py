@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -31,8 +32,10 @@ from rollplex_megatron.runtime import device
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def _common_tc(dtype: torch.dtype, tp: int) -> dict:
-    """TransformerConfig fields shared by the LLM and the vision tower (no fused CUDA kernels)."""
+def _common_tc(dtype: torch.dtype, tp: int, meta: bool = False) -> dict:
+    """TransformerConfig fields shared by the LLM and the vision tower (no fused CUDA kernels).
+    `meta`: parameters are created without a device (on the meta device under `build_model(meta=True)`)
+    and not initialised."""
     return dict(
         normalization="RMSNorm",
         gated_linear_unit=True,
@@ -49,13 +52,14 @@ def _common_tc(dtype: torch.dtype, tp: int) -> dict:
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
-        use_cpu_initialization=not torch.cuda.is_available(),
+        use_cpu_initialization=meta or not torch.cuda.is_available(),
+        perform_initialization=not meta,
         tensor_model_parallel_size=tp,
         sequence_parallel=False,
     )
 
 
-def _llm_fields(cfg: ModelConfig, dtype: torch.dtype, tp: int, pp: int) -> dict:
+def _llm_fields(cfg: ModelConfig, dtype: torch.dtype, tp: int, pp: int, meta: bool = False) -> dict:
     """The TransformerConfig fields this project sets for the LLM decoder (from its own settings)."""
     return dict(
         num_layers=cfg.num_layers,
@@ -71,7 +75,7 @@ def _llm_fields(cfg: ModelConfig, dtype: torch.dtype, tp: int, pp: int) -> dict:
         # Losses arrive pre-normalised by the global token count: the schedule must not divide by
         # tokens or micro-batches, and DDP must sum (not average) over data-parallel ranks.
         calculate_per_token_loss=True,
-        **_common_tc(dtype, tp),
+        **_common_tc(dtype, tp, meta),
     )
 
 
@@ -89,14 +93,14 @@ def check_megatron_overrides(cfg: ModelConfig, overrides: dict) -> None:
 
 
 def llm_transformer_config(cfg: ModelConfig, dtype: torch.dtype, tp: int, pp: int,
-                           overrides: dict | None = None) -> TransformerConfig:
+                           overrides: dict | None = None, meta: bool = False) -> TransformerConfig:
     """TransformerConfig of the LLM decoder (GQA, QKV bias, no other biases, M-RoPE), plus the
     `megatron:` pass-through fields."""
     check_megatron_overrides(cfg, overrides or {})
-    return TransformerConfig(**_llm_fields(cfg, dtype, tp, pp), **(overrides or {}))
+    return TransformerConfig(**_llm_fields(cfg, dtype, tp, pp, meta), **(overrides or {}))
 
 
-def vision_transformer_config(cfg: ModelConfig, dtype: torch.dtype, tp: int) -> TransformerConfig:
+def vision_transformer_config(cfg: ModelConfig, dtype: torch.dtype, tp: int, meta: bool = False) -> TransformerConfig:
     """TransformerConfig of the vision blocks (MHA, biases everywhere, never pipelined)."""
     v = cfg.vision
     return TransformerConfig(
@@ -109,7 +113,7 @@ def vision_transformer_config(cfg: ModelConfig, dtype: torch.dtype, tp: int) -> 
         layernorm_epsilon=v.rms_norm_eps,
         add_bias_linear=True,
         pipeline_model_parallel_size=1,
-        **_common_tc(dtype, tp),
+        **_common_tc(dtype, tp, meta),
     )
 
 
@@ -163,8 +167,8 @@ class PatchMerger(MegatronModule):
 class VisionTower(MegatronModule):
     """Qwen2.5-VL vision encoder: Conv3d patches, 2D RoPE, window/full attention, 2x2 merger."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, tp: int):
-        tc = vision_transformer_config(cfg, dtype, tp)
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, tp: int, meta: bool = False):
+        tc = vision_transformer_config(cfg, dtype, tp, meta)
         super().__init__(config=tc)
         v = cfg.vision
         self.v = v
@@ -209,15 +213,16 @@ class Qwen25VLModel(MegatronModule):
     """
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32,
-                 pre_process: bool = True, post_process: bool = True, megatron: dict | None = None):
+                 pre_process: bool = True, post_process: bool = True, megatron: dict | None = None,
+                 meta: bool = False):
         tp = ps.get_tensor_model_parallel_world_size()
         pp = ps.get_pipeline_model_parallel_world_size()
-        tc = llm_transformer_config(cfg, dtype, tp, pp, megatron)
+        tc = llm_transformer_config(cfg, dtype, tp, pp, megatron, meta)
         super().__init__(config=tc)
         self.cfg, self.pre_process, self.post_process = cfg, pre_process, post_process
         self.model_type = ModelType.encoder_or_decoder  # read by megatron's schedules
         self.padded_vocab = cfg.padded_vocab_size(tp)
-        self.vision = VisionTower(cfg, dtype, tp) if pre_process else None
+        self.vision = VisionTower(cfg, dtype, tp, meta) if pre_process else None
         self.language_model = GPTModel(
             config=tc, transformer_layer_spec=layer_spec(causal=True),
             vocab_size=self.padded_vocab, max_sequence_length=cfg.max_position_embeddings,
@@ -343,15 +348,39 @@ def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-def build_model(cfg: ModelConfig, dtype: str | torch.dtype = "float32", megatron: dict | None = None) -> Qwen25VLModel:
+def build_model(cfg: ModelConfig, dtype: str | torch.dtype = "float32", megatron: dict | None = None,
+                meta: bool = False) -> Qwen25VLModel:
     """Build this rank's stage of the model (megatron parallel state must be initialised);
-    `megatron`: TransformerConfig fields passed through to the LLM decoder (`megatron:` subtree)."""
+    `megatron`: TransformerConfig fields passed through to the LLM decoder (`megatron:` subtree).
+    `meta`: parameters on the meta device, allocating nothing, for a model whose weights are bound to
+    other storage afterwards (the rollout model on the training weights, weights/share.py); the small
+    non-parameter tensors (rotary frequencies) are on the compute device."""
     dt = _DTYPES[dtype] if isinstance(dtype, str) else dtype
-    model = Qwen25VLModel(cfg, dt, pre_process=ps.is_pipeline_first_stage(),
-                          post_process=ps.is_pipeline_last_stage(), megatron=megatron)
-    if torch.cuda.is_available():
+    with torch.device("meta") if meta else nullcontext():
+        model = Qwen25VLModel(cfg, dt, pre_process=ps.is_pipeline_first_stage(),
+                              post_process=ps.is_pipeline_last_stage(), megatron=megatron, meta=meta)
+    if meta:
+        _materialise_non_parameters(model)
+    elif torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model
+
+
+def _materialise_non_parameters(model: torch.nn.Module) -> None:
+    """Move a meta-built model's buffers and tensor attributes to the compute device (rotary inverse
+    frequencies are plain attributes built on the host by cpu initialisation); a meta buffer is an error."""
+    dev = device()
+    for mod in model.modules():
+        for name, buf in list(mod.named_buffers(recurse=False)):
+            if buf.is_meta:
+                raise RuntimeError(f"buffer {name} of {type(mod).__name__} was created on the meta device; it "
+                                   f"needs a value before the model runs")
+            mod._buffers[name] = buf.to(dev)
+        for name, val in list(vars(mod).items()):
+            if isinstance(val, torch.Tensor) and not isinstance(val, torch.nn.Parameter):
+                if val.is_meta:
+                    raise RuntimeError(f"tensor {name} of {type(mod).__name__} was created on the meta device")
+                setattr(mod, name, val.to(dev))
 
 
 def gather_vocab_logits(logits_BSV: torch.Tensor, vocab_size: int) -> torch.Tensor:

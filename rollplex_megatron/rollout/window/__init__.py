@@ -90,9 +90,11 @@ class DecodeWindow(DecodeHooks):
         self._mech = MECHANISMS[self._resolved]() if self._resolved else None
 
     @classmethod
-    def from_config(cls, mode, parallel) -> "DecodeWindow":
-        """The window of a run: `mode.window*` settings at the run's parallel layout."""
-        return cls(layout_mechanism(mode.window, parallel.tp, parallel.pp), mode.window_items_per_step,
+    def from_config(cls, mode, parallel, rollout_tp: int = 0) -> "DecodeWindow":
+        """The window of a run: `mode.window*` settings at the run's parallel layout (a rollout at its
+        own TP counts as TP > 1: its items' collectives must keep the decode thread's order)."""
+        tp = max(parallel.tp, rollout_tp)
+        return cls(layout_mechanism(mode.window, tp, parallel.pp), mode.window_items_per_step,
                    mode.window_tail_fraction, mode.window_green_sms)
 
     def submit(self, name: str, fn: Callable[[], Any]) -> WorkItem:

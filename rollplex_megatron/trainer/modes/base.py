@@ -90,7 +90,12 @@ class Mode(ABC):
             with t("reward"):
                 rounds.append(rt.score(rows, reqs, out))
             outs.append(out)
-            if not tc.dynamic_sampling or sum(sum(b.informative()) for b in rounds) >= need:
+            enough = not tc.dynamic_sampling or sum(sum(b.informative()) for b in rounds) >= need
+            if rt.rollout_bound:  # the rollout replicas' generate is collective: every rank samples each round
+                flag = torch.tensor([int(enough)], device=rt.dev)
+                dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+                enough = bool(flag)
+            if enough:
                 break
         picks = [(r, i) for r, b in enumerate(rounds) for i in range(len(b.groups))]
         stats = sum_stats([o.stats for o in outs])

@@ -32,6 +32,15 @@ def reference_prefix_item(ref, prompt, store: KVStore, group: int) -> None:
         X.prefix_forward(ref, [Group(prompt, [], torch.zeros(0))], store, keep_graph=False, group_ids=[group])
 
 
+def actor_prefix_item(actor, prompt, store: KVStore, group: int, recompute: bool, states: list) -> None:
+    """Decode-window work item where the rollout's prefill cannot be the actor prefix stage (rollout at
+    its own layout): the actor prefix stage of one group at the training layout, as the engine's prefill
+    would run it (trainable K/V leaves; the graph kept unless the prefix backward recomputes it)."""
+    with torch.set_grad_enabled(not recompute):
+        states += X.prefix_forward(actor, [Group(prompt, [], torch.zeros(0))], store, keep_graph=not recompute,
+                                   group_ids=[group], recompute=recompute)
+
+
 class Rollplex(Mode):
     """Prefix stages inside the rollout: prefill = actor prefix, reference prefixes in the decode window."""
 
@@ -42,27 +51,36 @@ class Rollplex(Mode):
     reference_phases = ("rollout", "reward", "ref_logp")
 
     def prepare(self, rt, step, t):  # noqa: D102
-        stores, windows = [], []
+        stores, windows, round_states = [], [], []
+        in_prefill = rt.engine.prefill_is_actor_prefix  # else the actor prefix stage is window work too
 
         def round_kwargs(r, reqs):
-            actor_kv, ref_kv = KVStore(), KVStore()
-            window = DecodeWindow.from_config(rt.cfg.mode, rt.cfg.parallel)
+            actor_kv, ref_kv, states = KVStore(), KVStore(), []
+            window = DecodeWindow.from_config(rt.cfg.mode, rt.cfg.parallel, rt.cfg.rollout.tp)
             for i, q in enumerate(reqs):
+                if not in_prefill:
+                    window.submit(f"actor_prefix[{r}.{i}]",
+                                  partial(actor_prefix_item, rt.ddp, q.prompt, actor_kv, i, rt.recompute, states))
                 window.submit(f"reference_prefix[{r}.{i}]", partial(reference_prefix_item, rt.ref, q.prompt, ref_kv, i))
             stores.append((actor_kv, ref_kv))
             windows.append(window)
+            round_states.append(states)
+            if not in_prefill:
+                return {"hooks": window}
             return {"hooks": window, "actor_prefix": actor_kv, "recompute_prefix": rt.recompute}
 
         batch, picks, outs, stats = self.rollout(rt, t, round_kwargs)
+        if in_prefill:
+            round_states[:] = [o.prefix_states for o in outs]
         actor_kv, ref_kv, states = KVStore(), KVStore(), []
         for gi, (r, i) in enumerate(picks):  # the kept groups' K/V under their index in the batch
             actor_kv.adopt(stores[r][0], i, gi)
             ref_kv.adopt(stores[r][1], i, gi)
-            states += [dataclasses.replace(st, group=gi) for st in outs[r].prefix_states if st.group == i]
+            states += [dataclasses.replace(st, group=gi) for st in round_states[r] if st.group == i]
         stats.update(sum_stats([w.stats() for w in windows]))
         if rt.cfg.train.dynamic_sampling:
             kept = set(picks)
-            lost = [st.length for r, o in enumerate(outs) for st in o.prefix_states if (r, st.group) not in kept]
+            lost = [st.length for r, rs in enumerate(round_states) for st in rs if (r, st.group) not in kept]
             stats["dynamic_sampling"].update(dropped_prefix_groups=len(lost), dropped_prefix_tokens=int(sum(lost)),
                                              dropped_prefix_work="actor prefill + reference prefix, each")
         for store in (x for pair in stores for x in pair):  # what is left there: groups not trained on
@@ -70,6 +88,7 @@ class Rollplex(Mode):
             store.graph.clear()
         stores.clear()
         windows.clear()  # finished window items reference the rounds' stores
+        round_states.clear()
         del outs
         minis = rt.mini_batches(batch)
         prep = Prepared(batch, minis, [rt.micro_batches(batch, "response", m) for m in minis], None, stats,

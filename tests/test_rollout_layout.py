@@ -1,0 +1,92 @@
+"""The rollout at its own TP inside the step (rollout.tp != parallel.tp), on weights shared with training.
+
+Every comparison runs both sides at the same layouts with fresh weights from the tiny checkpoint; fp32 on
+CPU, DESIGN section 3's tolerances.
+"""
+import pytest
+
+from rollplex_megatron.dist import run_local
+from rollplex_megatron.recipes import load_run_config
+from tests import layout_workers as LW
+from tests.test_trainer import TOL, _cfg, _records_close
+
+LOGP_TOL = 1e-5  # DESIGN section 3 (fp32): per-token log-probs, norm-relative
+
+
+def _layout_cfg(tiny_hf, *extra):
+    return _cfg("serial", "workload.rollout_batch=16", *extra, hf=tiny_hf)
+
+
+@pytest.mark.parametrize("world,layout", [(1, ["rollout.bound_model=true"]),
+                                          (2, ["parallel.tp=2", "rollout.tp=1"]),
+                                          (2, ["parallel.dp=2", "rollout.tp=2"]),
+                                          (4, ["parallel.tp=2", "parallel.dp=2", "rollout.tp=1"])],
+                         ids=["tp1-bound", "tp2-to-1", "tp1-to-2", "tp2-to-1-dp2"])
+def test_rollout_on_shared_weights_equals_a_full_copy(tiny_hf, world, layout):
+    """Tokens equal and log-probs within DESIGN's bound before each of 3 steps (so after optimizer steps:
+    refresh exercised); view-class tensors own no storage; the planner's rollout bytes are what it owns."""
+    res = run_local(LW.shared_vs_full_copy, world, _layout_cfg(tiny_hf, *layout), 3)
+    for r in res:
+        for k, st in enumerate(r["steps"]):
+            assert st["same_tokens"], (r["rank"], k)
+            assert st["logp_rel"] <= LOGP_TOL, (r["rank"], k, st["logp_rel"])
+        assert all(r["views"].values()), [n for n, ok in r["views"].items() if not ok]
+        assert r["own_bytes"] == r["allocated"]
+    assert res[0]["steps"][1]["tokens"] != res[0]["steps"][0]["tokens"]  # new prompts, new weights
+    assert max(r["allocated"] for r in res) == res[0]["planned"]
+    if "rollout.bound_model=true" in layout:  # equal layouts: every tensor a view, nothing owned
+        assert all(r["allocated"] == 0 and r["view_classes"] == len(r["views"]) > 0 for r in res)
+    elif "rollout.tp=2" in layout:
+        assert res[0]["view_classes"] > 0 and res[0]["replicas"] == 1  # rollout TP > training TP: views
+    else:
+        assert res[0]["replicas"] == world  # one replica per rank, every tensor rebuilt over TP
+
+
+def test_skipping_the_refresh_is_detected(tiny_hf):
+    """Mutation: without refresh() after the optimizer step, the rebuilt tensors keep the old weights (the
+    fc1 permutation at rollout TP 2 > training TP 1), and the rollout leaves the full copy's."""
+    res = run_local(LW.shared_vs_full_copy, 2, _layout_cfg(tiny_hf, "parallel.dp=2", "rollout.tp=2"), 2,
+                    "skip_refresh")
+    first, second = res[0]["steps"]
+    assert first["same_tokens"] and first["logp_rel"] <= LOGP_TOL  # before any optimizer step: equal
+    assert not second["same_tokens"] or second["logp_rel"] > 100 * LOGP_TOL
+
+
+UNEVEN = ["rollout.max_response_len=40"]
+
+
+@pytest.fixture(scope="module")
+def uneven_serial(tiny_hf):
+    return run_local(LW.uneven_steps, 2, _cfg("serial", "parallel.tp=2", "rollout.tp=1", *UNEVEN, hf=tiny_hf),
+                     3, 3, 30)
+
+
+def test_rollplex_at_another_rollout_tp_matches_serial_with_uneven_replicas(tiny_hf, uneven_serial):
+    """Training TP=2, two rollout replicas at TP=1 whose responses are 3 and 30 tokens: the actor and
+    reference prefix stages (training TP, collectives over both replicas) are decode-window items; the
+    short replica serves the rest after it finishes. Same rollouts and records as serial over 3 steps."""
+    run = run_local(LW.uneven_steps, 2, _cfg("rollplex", "parallel.tp=2", "rollout.tp=1", *UNEVEN, hf=tiny_hf),
+                    3, 3, 30)
+    lengths = sorted({n for g in run[0]["lengths"] for n in g})
+    assert lengths == [3, 30]  # replicas 10x apart
+    assert run[0]["tokens"] == uneven_serial[0]["tokens"] == run[1]["tokens"]
+    _records_close(run[0]["records"], uneven_serial[0]["records"])
+    assert uneven_serial[0]["records"][-1]["kl"] > 0.01  # the updates moved the policy
+    win = run[0]["records"][0]["rollout"]
+    assert win["items_in_window"] > 0 and win["items_in_window"] + win["items_after"] == 2 * 8  # actor + reference
+
+
+def test_rollplex_at_another_rollout_tp_detects_a_dropped_prefix_backward(tiny_hf, uneven_serial):
+    run = run_local(LW.uneven_steps, 2, _cfg("rollplex", "parallel.tp=2", "rollout.tp=1", *UNEVEN, hf=tiny_hf),
+                    2, 3, 30, "skip_prefix_backward")
+    gn, ref = run[0]["records"][0]["grad_norm"], uneven_serial[0]["records"][0]["grad_norm"]
+    assert abs(gn - ref) > 10 * TOL * ref
+
+
+@pytest.mark.parametrize("over,msg", [(["parallel.tp=2", "rollout.tp=3"], "one must divide the other"),
+                                      (["parallel.tp=2", "parallel.pp=2", "rollout.tp=1"], "needs parallel.pp=1"),
+                                      (["rollout.tp=4", "parallel.dp=2"], "does not divide the 2 ranks"),
+                                      (["rollout.tp=-1"], "rollout.tp must be >= 0")])
+def test_bad_rollout_layout_fails_with_the_setting(over, msg):
+    with pytest.raises(ValueError, match=msg):
+        load_run_config(["model=tiny"] + over)
