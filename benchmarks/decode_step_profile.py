@@ -27,6 +27,8 @@ def main() -> int:
     ap.add_argument("--split-halves", action="store_true",
                     help="also profile with every LLM linear run as two GEMMs over views of its halves (the split-GEMM "
                          "executor of weights/split.py, as a rollout at another TP runs gathered or permuted linears)")
+    ap.add_argument("--split-only", default="", help="with --split-halves: only linears whose name ends so "
+                                                         "(e.g. linear_fc1: the gated fc1 a rollout at 2x the training TP splits)")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
 
@@ -55,7 +57,7 @@ def main() -> int:
         cases += [(f"{name}_split", groups, n, impl) for name, groups, n, impl in cases]
     for name, groups, n, impl in cases:
         if name.endswith("_split") and not getattr(model, "_split_halves", False):
-            split_halves(model)
+            split_halves(model, a.split_only)
         eng = EmbeddedEngine(model, cfg, 4096, a.max_new, kv_cache_gib=60.0, decode_attention=impl)
         store = KVStore(leaves={(layer, g): kv for (layer, _), kv in one.leaves.items() for g in range(groups)})
         reqs = [RolloutRequest(prompt, n, a.max_new, (), seed=g) for g in range(groups)]
@@ -86,7 +88,7 @@ def main() -> int:
         print(json.dumps({name: {k: v for k, v in rows[name].items() if k != "top_kernels_ms_per_step"}}), flush=True)
         print(json.dumps(dict(list(rows[name]["top_kernels_ms_per_step"].items())[:8])), flush=True)
         del dec, cache, store
-    res = {"command": "python " + " ".join(sys.argv), "prompt_tokens": int(prompt.input_ids.numel()), "rows": rows,
+    res = {"command": "python " + " ".join(sys.argv), "split_only": a.split_only, "prompt_tokens": int(prompt.input_ids.numel()), "rows": rows,
            "environment": environment_record()}
     if a.out:
         with open(a.out, "w") as f:
@@ -94,15 +96,15 @@ def main() -> int:
     return 0
 
 
-def split_halves(model) -> None:
+def split_halves(model, only: str = "") -> None:
     """Install the split-GEMM executor on every decoder linear: two local runs (the halves of the weight
     along its TP dim), no remote piece; the same numbers up to the row-parallel sum's order."""
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
     from rollplex_megatron.weights import split
 
-    for mod in model.language_model.decoder.modules():
-        if isinstance(mod, (ColumnParallelLinear, RowParallelLinear)):
+    for name, mod in model.language_model.decoder.named_modules():
+        if isinstance(mod, (ColumnParallelLinear, RowParallelLinear)) and name.endswith(only):
             dim = 0 if isinstance(mod, ColumnParallelLinear) else 1
             n = mod.weight.shape[dim]
             halves = [("local", 0, n // 2), ("local", n // 2, n - n // 2)]

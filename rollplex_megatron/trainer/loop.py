@@ -44,7 +44,7 @@ def run_step(rt: Runtime, mode: Mode, step: int) -> dict:
         with t("optimizer"):
             opts.append(rt.optimizer_step(advance=k == n - 1))
     if rt.rollout_bound:  # a rollout model of its own reads the new weights through its bound tensors
-        with t("weight_refresh"):
+        with t("weight_refresh", residency="optimizer"):  # right after the optimizer step: no transition of its own
             rt.refresh_rollout()
     sync()
     peak, src = peak_bytes(t)

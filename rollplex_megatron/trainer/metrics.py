@@ -25,12 +25,13 @@ class PhaseTimer:
         self.kernels: dict[str, dict] = {}
 
     @contextmanager
-    def __call__(self, name: str):
-        """Time the enclosed phase under `name` (accumulates when a phase repeats)."""
+    def __call__(self, name: str, residency: str | None = None):
+        """Time the enclosed phase under `name` (accumulates when a phase repeats); `residency`: the
+        phase whose memory plan it runs under (default its own)."""
         sync()
         t0 = time.perf_counter()
         if self.memory is not None:
-            self.memory.enter(name)
+            self.memory.enter(residency or name)
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()  # after the releases, so the peak is this phase's
         prof = _profiler() if self.profile else nullcontext()
