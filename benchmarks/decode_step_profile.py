@@ -27,8 +27,9 @@ def main() -> int:
     ap.add_argument("--split-halves", action="store_true",
                     help="also profile with every LLM linear run as two GEMMs over views of its halves (the split-GEMM "
                          "executor of weights/split.py, as a rollout at another TP runs gathered or permuted linears)")
-    ap.add_argument("--split-only", default="", help="with --split-halves: only linears whose name ends so "
-                                                         "(e.g. linear_fc1: the gated fc1 a rollout at 2x the training TP splits)")
+    ap.add_argument("--split-only", default="",
+                    help="with --split-halves: only linears whose name ends so (e.g. linear_fc1: the gated fc1 a "
+                         "rollout at 2x the training TP splits)")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
 
@@ -88,7 +89,8 @@ def main() -> int:
         print(json.dumps({name: {k: v for k, v in rows[name].items() if k != "top_kernels_ms_per_step"}}), flush=True)
         print(json.dumps(dict(list(rows[name]["top_kernels_ms_per_step"].items())[:8])), flush=True)
         del dec, cache, store
-    res = {"command": "python " + " ".join(sys.argv), "split_only": a.split_only, "prompt_tokens": int(prompt.input_ids.numel()), "rows": rows,
+    res = {"command": "python " + " ".join(sys.argv), "split_only": a.split_only,
+           "prompt_tokens": int(prompt.input_ids.numel()), "rows": rows,
            "environment": environment_record()}
     if a.out:
         with open(a.out, "w") as f:
