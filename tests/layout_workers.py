@@ -1,6 +1,7 @@
 """Workers for the rollout-layout tests: the rollout at rollout.tp != parallel.tp inside the step."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 
@@ -61,6 +62,9 @@ def shared_vs_full_copy(cfg, steps: int, mutant: str = "") -> dict:
             views[p.name] = same
         elif not same:
             own += roll[p.name].numel() * roll[p.name].element_size()
+    train_ptrs = {p.untyped_storage().data_ptr() for p in train.values()}
+    own += sum(b.numel() * b.element_size() for b in shared.weights.remote.values()  # split GEMMs' received pieces
+               if b.numel() == 0 or b.untyped_storage().data_ptr() not in train_ptrs)
     steps_out = []
     for step in range(steps):
         _, reqs = rt.requests(rt.data_cursor)
@@ -75,6 +79,8 @@ def shared_vs_full_copy(cfg, steps: int, mutant: str = "") -> dict:
         run_step(rt, mode, step)
     return {"steps": steps_out, "views": views, "view_classes": sum(views.values()), "own_bytes": own,
             "allocated": shared.allocated_bytes(), "planned": shared_rollout_bytes(cfg),
+            "planned_off": shared_rollout_bytes(dataclasses.replace(cfg, rollout=dataclasses.replace(
+                cfg.rollout, split_gemm="off"))),
             "replicas": shared.replicas, "rank": dist.get_rank()}
 
 

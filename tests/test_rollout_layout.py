@@ -19,9 +19,12 @@ def _layout_cfg(tiny_hf, *extra):
 
 @pytest.mark.parametrize("world,layout", [(1, ["rollout.bound_model=true"]),
                                           (2, ["parallel.tp=2", "rollout.tp=1"]),
+                                          (2, ["parallel.tp=2", "rollout.tp=1", "rollout.split_gemm=all"]),
                                           (2, ["parallel.dp=2", "rollout.tp=2"]),
+                                          (2, ["parallel.dp=2", "rollout.tp=2", "rollout.split_gemm=off"]),
                                           (4, ["parallel.tp=2", "parallel.dp=2", "rollout.tp=1"])],
-                         ids=["tp1-bound", "tp2-to-1", "tp1-to-2", "tp2-to-1-dp2"])
+                         ids=["tp1-bound", "tp2-to-1", "tp2-to-1-split-all", "tp1-to-2", "tp1-to-2-split-off",
+                              "tp2-to-1-dp2"])
 def test_rollout_on_shared_weights_equals_a_full_copy(tiny_hf, world, layout):
     """Tokens equal and log-probs within DESIGN's bound before each of 3 steps (so after optimizer steps:
     refresh exercised); view-class tensors own no storage; the planner's rollout bytes are what it owns."""
@@ -34,6 +37,8 @@ def test_rollout_on_shared_weights_equals_a_full_copy(tiny_hf, world, layout):
         assert r["own_bytes"] == r["allocated"]
     assert res[0]["steps"][1]["tokens"] != res[0]["steps"][0]["tokens"]  # new prompts, new weights
     assert max(r["allocated"] for r in res) == res[0]["planned"]
+    if "rollout.split_gemm=all" in layout:  # gathered linears: local views plus the received pieces only
+        assert res[0]["allocated"] < res[0]["planned_off"]
     if "rollout.bound_model=true" in layout:  # equal layouts: every tensor a view, nothing owned
         assert all(r["allocated"] == 0 and r["view_classes"] == len(r["views"]) > 0 for r in res)
     elif "rollout.tp=2" in layout:

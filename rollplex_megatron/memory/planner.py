@@ -22,7 +22,7 @@ from dataclasses import asdict, replace
 from rollplex_megatron.config import ModelConfig, RunConfig
 from rollplex_megatron.memory.classes import PlanInputs, Shape, TensorClass
 from rollplex_megatron.trainer.modes import get_mode
-from rollplex_megatron.weights.plan import plan_pairs, rank_pairs, split_gemm_bytes
+from rollplex_megatron.weights.plan import plan_pairs, rank_pairs, split_gemm_bytes, split_local
 
 GIB = 2**30
 # Plan `phase` (what memory/manager.py does at run time): the phases of one step in which each
@@ -183,13 +183,14 @@ def _largest_wave(cfg: RunConfig, s: Shape, kv_tok: int) -> int:
 
 def shared_rollout_bytes(cfg: RunConfig) -> int:
     """Bytes the rollout model owns on the fullest rank when `rollout.tp` differs from the training TP:
-    its rebuilt tensors (local permutations, gathers; with `rollout.split_gemm` only the remote pieces),
+    its rebuilt tensors (local permutations, gathers), less what `rollout.split_gemm` serves from views,
     for the (training TP rank, rollout TP rank) pairs the run's layouts put on its ranks."""
     t, r, e = cfg.parallel.tp, cfg.rollout.tp or cfg.parallel.tp, 2 if cfg.dtype == "bfloat16" else 4
     if r == t:
         return 0
     pairs = sorted(set(rank_pairs(t, r, cfg.parallel.world_size)))
-    cost = split_gemm_bytes if cfg.rollout.split_gemm else (lambda p: p.alloc_bytes)
+    cost = {"all": split_gemm_bytes, "off": lambda p: p.alloc_bytes,
+            "local": lambda p: 0 if split_local(p) else p.alloc_bytes}[cfg.rollout.split_gemm]
     return max(sum(cost(p) for p in g) for g in plan_pairs(cfg.model, t, r, pairs, "megatron", e))
 
 

@@ -36,13 +36,16 @@ class SharedRolloutWeights:
     """Rollout parameters bound to the training parameters on this GPU (megatron rollout layout)."""
 
     def __init__(self, train_model, rollout_model, cfg: ModelConfig, t: int, r: int, train_tp_group,
-                 gpu: int | None = None, mapping: str = "aligned", split_gemm: bool = False,
+                 gpu: int | None = None, mapping: str = "aligned", split_gemm: bool | str = False,
                  rollout_tp_rank: int | None = None):
         """Bind `rollout_model`'s parameters (random or on the meta device: every one is replaced).
 
         `gpu`: this GPU's index in `plan_weights`' W = max(t, r) GPU group; or `rollout_tp_rank`: this
         rank's rollout TP rank, the pairs of the training TP group are gathered over it (any world size;
-        a pair whose shards do not nest is served by rebuilt tensors)."""
+        a pair whose shards do not nest is served by rebuilt tensors). `split_gemm` (`rollout.split_gemm`):
+        off | local (locally permuted linears run one GEMM per block of views: nothing allocated) | all
+        (gathered linears too: only their remote pieces allocated); True means all."""
+        split_gemm = {True: "all", False: "off"}.get(split_gemm, split_gemm)
         elem = next(train_model.parameters()).element_size()
         if rollout_tp_rank is None:
             per_rank = plan_weights(cfg, t, r, "megatron", elem, mapping).gpus
@@ -75,7 +78,7 @@ class SharedRolloutWeights:
                 need = WL.ShardIndex(p.dim, p.need.index, p.need.canonical)
                 self.union_pos[p.name] = positions_in(union, need)
                 mod = modules[p.name.rsplit(".", 1)[0]]
-                if split_gemm and p.name.endswith(".weight") and split.supports(mod):
+                if split_gemm == "all" and p.name.endswith(".weight") and split.supports(mod):
                     shape = list(rp.shape)
                     remote = p.positions < 0
                     shape[p.dim] = int(remote.sum())
@@ -84,7 +87,7 @@ class SharedRolloutWeights:
                     split.install(mod, tp.data, self.remote[p.name], split.runs(p.positions), p.dim)
                     self._bind(p.name, torch.empty(0, **own))  # never read again
                     continue
-            if p.klass == "local_permute" and split_gemm and split_local(p):
+            if p.klass == "local_permute" and split_gemm in ("local", "all") and split_local(p):
                 # every element is here in another order (gated fc1 at rollout TP > training TP: the
                 # rollout's [gate; up] are two row blocks of the training shard): one GEMM per block
                 mod = modules[p.name.rsplit(".", 1)[0]]
