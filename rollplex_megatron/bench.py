@@ -41,6 +41,7 @@ PHASE_FLOPS = {
     "serial": {"old_logp": {"full": 1}, "ref_logp": {"full": 1}, "update": {"full": 3}},
     "prefix_shared": {"old_logp": {"prefix": 1, "response": 1}, "ref_logp": {"prefix": 1, "response": 1},
                       "update": {"prefix": 3, "response": 3}},
+    "disaggregated": {"old_logp": {"full": 1}, "ref_logp": {"full": 1}, "update": {"full": 3}},
     # the actor prefill and the reference prefixes run inside the rollout phase
     "rollplex": {"ref_logp": {"response": 1}, "update": {"prefix": 2, "response": 3}},
 }

@@ -136,18 +136,26 @@ class ParallelConfig:
     pp: int = 1  # pipeline-parallel size
     dp: int = 1  # data-parallel size
     backend: str = "auto"  # torch.distributed backend: auto (nccl on GPU, gloo on CPU), gloo, nccl
+    rollout_ranks: int = 0  # mode=disaggregated: the last that many ranks decode, with weights of their own
 
     def __post_init__(self) -> None:
         for key in ("tp", "pp", "dp"):
             if getattr(self, key) < 1:
                 raise ValueError(f"parallel.{key} must be >= 1, got {getattr(self, key)}")
+        if self.rollout_ranks < 0:
+            raise ValueError(f"parallel.rollout_ranks must be >= 0, got {self.rollout_ranks}")
         if self.backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"parallel.backend must be auto, gloo or nccl, got {self.backend!r}")
 
     @property
-    def world_size(self) -> int:
-        """Processes needed: tp * pp * dp."""
+    def train_world_size(self) -> int:
+        """Training processes: tp * pp * dp."""
         return self.tp * self.pp * self.dp
+
+    @property
+    def world_size(self) -> int:
+        """Processes needed: tp * pp * dp, plus the rollout's own ranks under mode=disaggregated."""
+        return self.train_world_size + self.rollout_ranks
 
 
 def check_model_parallel(model: ModelConfig, parallel: ParallelConfig) -> None:
@@ -173,15 +181,26 @@ def check_model_parallel(model: ModelConfig, parallel: ParallelConfig) -> None:
         )
 
 
-def check_rollout_layout(model: ModelConfig, parallel: ParallelConfig, rollout_tp: int) -> None:
-    """`rollout.tp` nests with parallel.tp, divides the world, and the model splits at it."""
+def check_rollout_layout(model: ModelConfig, parallel: ParallelConfig, rollout_tp: int, mode: str = "") -> None:
+    """`rollout.tp` nests with parallel.tp, divides the world, and the model splits at it; under
+    mode=disaggregated it divides `parallel.rollout_ranks` instead (the rollout's own ranks)."""
     r, t = rollout_tp or parallel.tp, parallel.tp
-    if r == t:
+    if (mode == "disaggregated") != (parallel.rollout_ranks > 0):
+        raise ValueError(f"mode=disaggregated and parallel.rollout_ranks > 0 go together (the last rollout_ranks "
+                         f"ranks decode on weights of their own); got mode={mode}, rollout_ranks="
+                         f"{parallel.rollout_ranks}")
+    if parallel.rollout_ranks:
+        if parallel.rollout_ranks % r:
+            raise ValueError(f"rollout.tp={r} does not divide parallel.rollout_ranks={parallel.rollout_ranks}; "
+                             f"the rollout ranks form replicas of rollout.tp ranks each")
+        if parallel.pp > 1:
+            raise ValueError("mode=disaggregated needs parallel.pp=1 (the weights are sent per TP shard)")
+    elif r == t:
         return
-    if max(r, t) % min(r, t):
+    if not parallel.rollout_ranks and max(r, t) % min(r, t):
         raise ValueError(f"rollout.tp={r} and parallel.tp={t}: one must divide the other (the rollout shards are "
                          f"views of, or are rebuilt from, the training shards)")
-    if parallel.world_size % r:
+    if not parallel.rollout_ranks and parallel.world_size % r:
         raise ValueError(f"rollout.tp={r} does not divide the {parallel.world_size} ranks (parallel.tp*pp*dp); "
                          f"choose a rollout TP that divides it")
     if parallel.pp > 1:
@@ -615,7 +634,7 @@ class RunConfig:
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
         check_model_parallel(self.model, self.parallel)
-        check_rollout_layout(self.model, self.parallel, self.rollout.tp)
+        check_rollout_layout(self.model, self.parallel, self.rollout.tp, self.mode.name)
         m = self.model.vision.spatial_merge_size
         for key, owner in (("image_grid", self.smoke), ("video_grid", self.smoke),
                            ("image_grid", self.verify), ("video_grid", self.verify)):

@@ -30,19 +30,21 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def init_parallel(tp: int = 1, pp: int = 1, seed: int = 1234, backend: str = "auto", rollout_tp: int = 0) -> None:
+def init_parallel(tp: int = 1, pp: int = 1, seed: int = 1234, backend: str = "auto", rollout_tp: int = 0,
+                  rollout_ranks: int = 0) -> None:
     """Initialise torch.distributed from the environment and megatron's model-parallel groups (and
-    the rollout layout's, `rollout_tp` ranks per replica, when it differs: `ParallelLayouts`)."""
+    the rollout layout's, `rollout_tp` ranks per replica, when it differs; with `rollout_ranks` the last
+    that many ranks are the rollout's own: `ParallelLayouts`)."""
     apply_cpu_shims()
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world % (tp * pp):
+    if (world - rollout_ranks) % (tp * pp) or world <= rollout_ranks:
         raise ValueError(
-            f"world size {world} is not divisible by parallel.tp*parallel.pp = {tp}*{pp}; launch "
-            f"tp*pp*dp processes")
-    check_tp_in_node(tp, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+            f"world size {world} less parallel.rollout_ranks={rollout_ranks} is not a positive multiple of "
+            f"parallel.tp*parallel.pp = {tp}*{pp}; launch tp*pp*dp (+ rollout_ranks) processes")
+    check_tp_in_node(max(tp, rollout_tp), world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     if not dist.is_initialized():
         if backend == "auto":
             backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -55,7 +57,7 @@ def init_parallel(tp: int = 1, pp: int = 1, seed: int = 1234, backend: str = "au
         dist.init_process_group(backend, timeout=timedelta(minutes=10))
     if not ps.model_parallel_is_initialized():
         global _LAYOUTS
-        _LAYOUTS = ParallelLayouts(tp, pp, rollout_tp or tp)
+        _LAYOUTS = ParallelLayouts(tp, pp, rollout_tp or tp, rollout_ranks)
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
 
@@ -84,6 +86,54 @@ def _state_names(ps) -> list[str]:
             and k.replace("_", "").isupper() and not callable(v) and not isinstance(v, type(os))]
 
 
+def aligned_coordinates(g: int, d: int, block: int) -> tuple[int, int]:
+    """(TP rank, DP rank) of rank `g` at TP degree `d` in the aligned mapping over blocks of `block` =
+    max(training TP, rollout TP) consecutive ranks: the side with the larger degree takes each block as
+    its TP group (TP rank = place in the block); the other's TP groups are strided by block/d inside the
+    block, so on every rank each rollout shard nests inside the training shard or contains it, at any
+    world size (megatron's `order` strings stride over the whole world instead)."""
+    b, p = divmod(g, block)
+    if d == block:
+        return p, b
+    k = block // d
+    return p // k, b * k + p % k
+
+
+@contextmanager
+def _megatron_world(offset: int, size: int, coords=None):
+    """megatron's `initialize_model_parallel` over ranks [offset, offset + size) with, when `coords`
+    (local rank -> (TP rank, DP rank), PP=CP=EP=1) is given, groups from those coordinates. megatron reads
+    the world size from torch.distributed and numbers its groups from 0 (RankGenerator's rank_offset,
+    fixed at 0 there). Every rank of the job calls it (group creation is collective); ranks outside the
+    range get no groups."""
+    from megatron.core import parallel_state as ps
+
+    real_size, real_gen = dist.get_world_size, ps.RankGenerator
+
+    class Generator(real_gen):
+        def __init__(self, *args, **kwargs):
+            kwargs["rank_offset"] = offset
+            super().__init__(*args, **kwargs)
+
+        def get_ranks(self, token):  # noqa: D102
+            if coords is None:
+                return super().get_ranks(token)
+            axes, groups = set(token.split("-")), {}
+            for g in range(self.world_size):
+                tp, dp = coords(g)
+                c = {"tp": tp, "dp": dp, "pp": 0, "cp": 0, "ep": 0}
+                groups.setdefault(tuple(v for a, v in c.items() if a not in axes), []).append(g + offset)
+            return [groups[k] for k in sorted(groups)]
+
+    if size != real_size():
+        dist.get_world_size = lambda group=None: size if group is None else real_size(group)
+    ps.RankGenerator = Generator
+    try:
+        yield
+    finally:
+        dist.get_world_size, ps.RankGenerator = real_size, real_gen
+
+
 class ParallelLayouts:
     """Megatron's parallel state at the training layout and at the rollout layout, swapped in around
     the work of each.
@@ -95,20 +145,43 @@ class ParallelLayouts:
     it runs at, and code that reads the globals at run time (the engine, vocab gathers, the schedules)
     runs inside `use(...)` of its layout."""
 
-    def __init__(self, tp: int, pp: int, rollout_tp: int):
+    def __init__(self, tp: int, pp: int, rollout_tp: int, rollout_ranks: int = 0):
         from megatron.core import parallel_state as ps
 
-        self.tp, self.pp, self.rollout_tp = tp, pp, rollout_tp
-        t_order, r_order = parallel_orders(tp, rollout_tp)
-        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, order=t_order)
-        self._states = {"train": self._snapshot()}
-        if rollout_tp != tp:
-            ps.destroy_model_parallel()  # forgets the globals; the groups themselves stay alive
-            ps.initialize_model_parallel(tensor_model_parallel_size=rollout_tp, order=r_order)
+        self.tp, self.pp, self.rollout_tp, self.rollout_ranks = tp, pp, rollout_tp, rollout_ranks
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        self.train_size = world - rollout_ranks
+        self.role = "rollout" if rollout_ranks and dist.get_rank() >= self.train_size else "train"
+        self.train_world = None  # the training ranks' group (None: the default group, every rank)
+        self.senders: list = []  # disaggregated: per training TP rank k, {rank k} + the rollout ranks
+        if rollout_ranks:  # disaggregated: two disjoint sub-worlds, each megatron's whole world
+            with _megatron_world(0, self.train_size):
+                ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+            self._states = {"train": self._snapshot()}
+            ps.destroy_model_parallel()
+            with _megatron_world(self.train_size, rollout_ranks):
+                ps.initialize_model_parallel(tensor_model_parallel_size=rollout_tp)
             self._states["rollout"] = self._snapshot()
-            self._restore(self._states["train"])
-        else:
-            self._states["rollout"] = self._states["train"]
+            self.train_world = dist.new_group(list(range(self.train_size)))
+            rollout = list(range(self.train_size, world))
+            self.senders = [dist.new_group([k] + rollout) for k in range(tp)]  # DP rank 0's TP group is 0..tp-1
+            self._restore(self._states[self.role])
+            self.current = self.role
+            return
+        if rollout_tp == tp:
+            ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+            self._states = dict.fromkeys(("train", "rollout"), self._snapshot())
+            self.current = "train"
+            return
+        block = max(tp, rollout_tp)  # PP=1 here (the config checks it)
+        with _megatron_world(0, world, lambda g: aligned_coordinates(g, tp, block)):
+            ps.initialize_model_parallel(tensor_model_parallel_size=tp)
+        self._states = {"train": self._snapshot()}
+        ps.destroy_model_parallel()  # forgets the globals; the groups themselves stay alive
+        with _megatron_world(0, world, lambda g: aligned_coordinates(g, rollout_tp, block)):
+            ps.initialize_model_parallel(tensor_model_parallel_size=rollout_tp)
+        self._states["rollout"] = self._snapshot()
+        self._restore(self._states["train"])
         self.current = "train"
 
     @classmethod
@@ -119,6 +192,8 @@ class ParallelLayouts:
         self = cls.__new__(cls)
         self.tp = self.rollout_tp = ps.get_tensor_model_parallel_world_size()
         self.pp = ps.get_pipeline_model_parallel_world_size()
+        self.rollout_ranks, self.role, self.train_world, self.senders = 0, "train", None, []
+        self.train_size = dist.get_world_size() if dist.is_initialized() else 1
         self._states = dict.fromkeys(("train", "rollout"), self._snapshot())
         self.current = "train"
         return self
@@ -169,6 +244,31 @@ def layouts() -> ParallelLayouts:
             raise RuntimeError("init_parallel has not run in this process")
         _LAYOUTS = ParallelLayouts.adopt()  # megatron was initialised directly: one layout
     return _LAYOUTS
+
+
+def train_world():
+    """The training ranks' process group for collectives of the whole training job (None: the default
+    group; under `mode=disaggregated` the rollout ranks are not in it)."""
+    return _LAYOUTS.train_world if _LAYOUTS is not None else None
+
+
+@contextmanager
+def default_group_is_train_world():
+    """Inside: torch.distributed's default-group world size and `all_gather_object` are the training
+    ranks' (under mode=disaggregated). megatron-core 0.16.1 gathers the optimizer's parameter-group keys
+    over the default group (core/optimizer/__init__.py, `_get_param_groups`), where the rollout ranks
+    never answer."""
+    g = train_world()
+    if g is None:
+        yield
+        return
+    size, gather = dist.get_world_size, dist.all_gather_object
+    dist.get_world_size = lambda group=None: size(g if group is None else group)
+    dist.all_gather_object = lambda out, obj, group=None: gather(out, obj, group=g if group is None else group)
+    try:
+        yield
+    finally:
+        dist.get_world_size, dist.all_gather_object = size, gather
 
 
 def check_tp_in_node(tp: int, world: int, per_node: int) -> None:

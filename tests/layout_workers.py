@@ -49,7 +49,7 @@ def shared_vs_full_copy(cfg, steps: int, mutant: str = "") -> dict:
     from rollplex_megatron.trainer.runtime import Runtime
 
     if mutant == "skip_refresh":
-        Runtime.refresh_rollout = lambda self: False
+        Runtime.sync_rollout_weights = lambda self: 0.0
     rt = Runtime(cfg)
     mode = MODES[cfg.mode.name]()
     shared = rt.engine
@@ -104,3 +104,24 @@ def uneven_steps(cfg, steps: int, short: int, long: int, mutant: str = "") -> di
     res = run_steps(cfg, steps, mutant)
     res["lengths"] = [[len(x) for x in g] for g in res["tokens"][0]]
     return res
+
+
+def disaggregated_steps(cfg, steps: int, mutant: str = "") -> dict:
+    """`steps` RL steps under mode=disaggregated: the rollout ranks serve, the training ranks train (as
+    trainer_workers.run_steps does) and stop them at the end. `skip_transfer`: no weights are sent after
+    the optimizer steps (the rollout keeps the initial weights)."""
+    from rollplex_megatron.dist import init_parallel, layouts
+    from rollplex_megatron.rollout.disaggregated import RolloutWorker, command
+    from rollplex_megatron.trainer.runtime import Runtime
+    from tests.trainer_workers import run_steps
+
+    p = cfg.parallel
+    init_parallel(p.tp, p.pp, cfg.seed, p.backend, cfg.rollout.tp, p.rollout_ranks)
+    if layouts().role == "rollout":
+        return {"rollout": RolloutWorker(cfg, layouts()).serve()}
+    if mutant == "skip_transfer":
+        Runtime.sync_rollout_weights = lambda self: 0.0
+    try:
+        return run_steps(cfg, steps)
+    finally:
+        command(("stop", None))

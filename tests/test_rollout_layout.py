@@ -8,7 +8,8 @@ import pytest
 from rollplex_megatron.dist import run_local
 from rollplex_megatron.recipes import load_run_config
 from tests import layout_workers as LW
-from tests.test_trainer import TOL, _cfg, _records_close
+from tests import trainer_workers as W
+from tests.test_trainer import TOL, _cfg, _param_err, _records_close
 
 LOGP_TOL = 1e-5  # DESIGN section 3 (fp32): per-token log-probs, norm-relative
 
@@ -95,3 +96,72 @@ def test_rollplex_at_another_rollout_tp_detects_a_dropped_prefix_backward(tiny_h
 def test_bad_rollout_layout_fails_with_the_setting(over, msg):
     with pytest.raises(ValueError, match=msg):
         load_run_config(["model=tiny"] + over)
+
+
+DISAGG = ["mode.name=disaggregated"]
+
+
+@pytest.mark.parametrize("world,layout,ref_world,ref_layout",
+                         [(2, ["parallel.rollout_ranks=1"], 1, []),
+                          (4, ["parallel.tp=2", "parallel.rollout_ranks=2", "rollout.tp=2"], 2, ["parallel.tp=2"]),
+                          (4, ["parallel.dp=2", "parallel.rollout_ranks=2", "rollout.tp=1"], 2, ["parallel.dp=2"])],
+                         ids=["1+1", "2+2-tp2", "2+2-dp2"])
+def test_disaggregated_matches_serial_colocation(tiny_hf, world, layout, ref_world, ref_layout):
+    """Rollout on ranks of its own with weights of its own, sent after every step: the same rollouts
+    and records as serial colocation at the same training layout over 3 steps (so the rollout of step k
+    used the weights after optimizer step k-1), and the same trained weights where they are whole."""
+    ref = run_local(W.run_steps, ref_world, _cfg("serial", *ref_layout, hf=tiny_hf), 3)
+    run = run_local(LW.disaggregated_steps, world, _cfg("serial", *layout, *DISAGG, hf=tiny_hf), 3)
+    train, served = run[:ref_world], run[ref_world:]
+    for a, b in zip(train, ref):
+        assert a["tokens"] == b["tokens"]
+        _records_close(a["records"], b["records"])
+    assert all(s["rollout"]["weight_loads"] == 1 + 3 and s["rollout"]["rollouts"] == 3 for s in served)
+    assert train[0]["records"][-1]["phase_times"]["weight_transfer"] > 0
+    if train[0]["last"] is not None:
+        err, name = _param_err(train[0], ref[0])
+        assert err <= TOL, (name, err)
+
+
+def test_disaggregated_without_the_transfer_is_detected(tiny_hf):
+    """Mutation: the rollout ranks keep the initial weights; from step 2 on the rollouts leave serial's."""
+    ref = run_local(W.run_steps, 1, _cfg("serial", hf=tiny_hf), 3)[0]
+    run = run_local(LW.disaggregated_steps, 2, _cfg("serial", "parallel.rollout_ranks=1", *DISAGG, hf=tiny_hf), 3,
+                    "skip_transfer")[0]
+    assert run["tokens"][0] == ref["tokens"][0]
+    assert run["tokens"][1:] != ref["tokens"][1:]
+
+
+@pytest.mark.parametrize("t,r,world", [(4, 8, 32), (8, 4, 32), (2, 4, 8), (2, 1, 8), (1, 2, 4)])
+def test_aligned_mapping_nests_at_any_world_size(t, r, world):
+    """On every rank the rollout shard lies inside the training shard (r > t) or contains it (r < t), also
+    when the world holds many blocks of max(t, r) ranks (megatron's order strings stride over the world)."""
+    from rollplex_megatron.dist import aligned_coordinates
+    from rollplex_megatron.weights.plan import rank_pairs
+
+    pairs = rank_pairs(t, r, world)
+    assert all((rr // (r // t) == tr) if r >= t else (tr // (t // r) == rr) for tr, rr in pairs)
+    block = max(t, r)
+    for d in (t, r):  # each side: every TP group holds TP ranks 0..d-1 in rank order, replicas cover the world
+        coords = [aligned_coordinates(g, d, block) for g in range(world)]
+        groups = {}
+        for g, (tp, dp) in enumerate(coords):
+            groups.setdefault(dp, []).append((g, tp))
+        assert len(groups) == world // d
+        assert all([tp for _, tp in sorted(m)] == list(range(d)) for m in groups.values())
+        assert all(max(g for g, _ in m) // block == min(g for g, _ in m) // block for m in groups.values())
+
+
+def test_planner_counts_the_shared_rollout_bytes_at_scale():
+    """32B, train TP=4 -> rollout TP=8 on 32 GPUs: with the fc1 split over views the rollout model owns
+    what the 8-GPU plan says (plan-weights: 5.9% of a copy), not a second copy."""
+    from rollplex_megatron.memory.planner import shared_rollout_bytes
+    from rollplex_megatron.weights.plan import plan_weights
+
+    base = ["model=qwen2_5_vl_32b", "dtype=bfloat16", "parallel.tp=4", "rollout.tp=8"]
+    at32 = shared_rollout_bytes(load_run_config(base + ["parallel.dp=8"]))
+    at8 = shared_rollout_bytes(load_run_config(base + ["parallel.dp=2"]))
+    s = plan_weights(load_run_config(base + ["parallel.dp=2"]).model, 4, 8).summary()
+    assert at32 == at8 == s["allocated_bytes_split_gemm"] < 0.1 * s["full_copy_bytes"]
+    off = shared_rollout_bytes(load_run_config(base + ["parallel.dp=8", "rollout.split_gemm=off"]))
+    assert off == s["allocated_bytes"] > at32

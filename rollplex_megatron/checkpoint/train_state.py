@@ -28,6 +28,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
+from rollplex_megatron.dist import train_world
 from rollplex_megatron.runtime import device
 
 CHECKPOINTS = "checkpoints"
@@ -52,7 +53,7 @@ def _module(model):
 
 
 def _layout() -> dict:
-    return {"world_size": dist.get_world_size(), "tp": ps.get_tensor_model_parallel_world_size(),
+    return {"world_size": dist.get_world_size(train_world()), "tp": ps.get_tensor_model_parallel_world_size(),
             "pp": ps.get_pipeline_model_parallel_world_size(), "dp": ps.get_data_parallel_world_size()}
 
 
@@ -99,7 +100,7 @@ def _agree(ok: bool, what: str) -> None:
     """Every rank learns whether all ranks succeeded; a rank that did not re-raises its own error."""
     dev = device()
     flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=dev)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=train_world())
     if ok and not int(flag):
         raise RuntimeError(f"{what} failed on another rank; nothing was published")
 
@@ -138,7 +139,7 @@ def _shared_tmp_dir(root: Path, step: int) -> Path:
             msg[0] = ("ok", tmp.name)
         except OSError as e:  # every rank must leave the broadcast, then all raise
             msg[0] = ("error", f"{type(e).__name__}: {e}")
-    dist.broadcast_object_list(msg, src=0)
+    dist.broadcast_object_list(msg, src=0, group=train_world())
     kind, value = msg[0]
     if kind == "error":
         raise OSError(f"cannot start checkpoint step {step}: {value}")

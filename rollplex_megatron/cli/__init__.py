@@ -200,6 +200,11 @@ def _cmd_plan_memory(argv: list[str]) -> int:
         for ph, classes in s["by_phase_gib"].items():
             parts = ", ".join(f"{k} {v:.1f}" for k, v in sorted(classes.items(), key=lambda kv: -kv[1]))
             print(f"  {ph:10s} {s['phase_gib'][ph]:7.1f} GiB: {parts}")
+    if "disaggregated" in res:
+        d = res["disaggregated"]
+        print(f"disaggregated: training rank peak {d['training_rank']['peak_gib']:.1f} GiB in phase "
+              f"{d['training_rank']['peak_phase']}; rollout rank {d['rollout_rank']['peak_gib']:.1f} GiB (its own "
+              f"weights at rollout.tp={d['rollout_rank']['rollout_tp']}, {d['rollout_rank']['replicas']} replicas)")
     budget = cfg.memory.budget_gib
     if budget > 0:
         print(f"budget {budget:g} GiB: serial {'fits' if res['serial_peak_gib'] <= budget else 'does not fit'}, "

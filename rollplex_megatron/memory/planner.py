@@ -232,7 +232,9 @@ def plan(cfg: RunConfig, mode: str, residency: str, engine: str, s: Shape | None
                     act("reference_weights", "offload")),
     ]
     keep = "actor_prefix_graph" not in rel  # the prefix graphs stay (else: recomputed one group at a time)
-    if engine == "separate":
+    if mode == "disaggregated":  # the rollout ranks decode (rollout_rank_plan): nothing of it here
+        pass
+    elif engine == "separate":
         rtp = cfg.rollout.tp or par.tp
         out.append(TensorClass("rollout_weights", e * params_per_gpu(m, rtp, 1), allp, "keep",
                                "the inference engine's own weight copy"))
@@ -250,8 +252,9 @@ def plan(cfg: RunConfig, mode: str, residency: str, engine: str, s: Shape | None
         out.append(TensorClass("rollout_kv", _largest_wave(cfg, s, kv_tok), ("rollout",), "free",
                                "the engine's cache: one prefix per group plus G response slots, largest wave"))
     v = m.vocab_size // par.tp
-    out.append(TensorClass("decode_workspace", s.samples * v * 10, ("rollout",), "free",
-                           "one decode step's logits and sampling uniforms"))
+    if mode != "disaggregated":
+        out.append(TensorClass("decode_workspace", s.samples * v * 10, ("rollout",), "free",
+                               "one decode step's logits and sampling uniforms"))
     inputs = PlanInputs(s, keep, prefix_kv_fp32=s.prompts * s.P * kv32, prefix_kv=s.prompts * s.P * kv_tok,
                         prefix_graph=prefix_graph_bytes(m, par.tp, par.pp, sp, s.P, s.patches),
                         logits=lambda tokens: logits_bytes(m, par.tp, tokens),
@@ -304,6 +307,21 @@ def auto_release(cfg: RunConfig, s: Shape, budget_gib: float) -> frozenset:
             return frozenset(chosen)
     check_budget(summary, budget_gib, f"{mode} (memory.plan=auto, everything releasable released)", runtime=True)
     return frozenset(chosen)  # pragma: no cover - check_budget raised
+
+
+def rollout_rank_plan(cfg: RunConfig, s: Shape | None = None) -> dict:
+    """mode=disaggregated: a rollout rank's bytes (GiB): its own full weight copy at rollout.tp, its
+    replica's largest cache wave and one decode step's workspace."""
+    s = s or workload_shape(cfg)
+    m, par = cfg.model, cfg.parallel
+    e, r = 2 if cfg.dtype == "bfloat16" else 4, cfg.rollout.tp or par.tp
+    replicas = max(1, par.rollout_ranks // r)
+    per_replica = replace(s, prompts=max(1, -(-s.prompts * par.dp // replicas)))
+    classes = {"rollout_weights": e * params_per_gpu(m, r, 1),
+               "rollout_kv": _largest_wave(cfg, per_replica, kv_bytes_per_token(m, r, m.num_layers, e)),
+               "decode_workspace": per_replica.samples * (m.vocab_size // r) * 10}
+    return {"peak_gib": sum(classes.values()) / GIB, "classes_gib": {k: v / GIB for k, v in classes.items()},
+            "rollout_tp": r, "replicas": replicas}
 
 
 def summarize(classes: list[TensorClass], mode: str) -> dict:
@@ -369,4 +387,7 @@ def plan_memory(cfg: RunConfig) -> dict:
                          "prompts_per_step": cfg.workload.rollout_batch // cfg.rollout.group_size,
                          "distributed_optimizer": cfg.plan.distributed_optimizer,
                          "sequence_parallel": cfg.plan.sequence_parallel},
-            "serial": serial, "rollplex": rollplex}
+            "serial": serial, "rollplex": rollplex,
+            **({"disaggregated": {"training_rank": summarize(plan(cfg, "disaggregated", "keep", "embedded"),
+                                                             "disaggregated"),
+                                  "rollout_rank": rollout_rank_plan(cfg)}} if par.rollout_ranks else {})}

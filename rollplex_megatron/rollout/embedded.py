@@ -129,6 +129,8 @@ class EmbeddedEngine:
     last stage's tokens are broadcast to all (decode runs eagerly there)."""
 
     prefill_is_actor_prefix = True  # the prefill can be the actor prefix stage (same modules, same layout)
+    weights_phase = None  # decodes on the actor's own modules: nothing to sync after an optimizer step
+    collective = False  # generate involves this rank's model-parallel group only
 
     def __init__(self, model, cfg: ModelConfig, max_prompt_len: int, max_response_len: int, kv_cache_gib: float,
                  cuda_graphs: bool = True, decode_attention: str = "auto"):

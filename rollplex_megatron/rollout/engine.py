@@ -82,6 +82,13 @@ class RolloutEngine(Protocol):
     """
 
     prefill_is_actor_prefix: bool
+    # the loop's phase after a step's optimizer steps in which `sync_weights()` brings the rollout's
+    # weights up to date (weight_refresh: rebuilt views; weight_transfer: sent to other ranks), or None
+    weights_phase: str | None
+    collective: bool  # generate is collective over every rank (ranks must agree on how often they call it)
+
+    def sync_weights(self) -> float:
+        """Bring the rollout's weights to the training weights after an optimizer step; seconds."""
 
     def generate(self, requests: list[RolloutRequest], params: SamplingParams,
                  hooks: DecodeHooks | None = None, actor_prefix=None,

@@ -84,7 +84,10 @@ class RolloutReplicas:
             actor, self.model, cfg.model, layouts.tp, layouts.rollout_tp, train_group, split_gemm=r.split_gemm,
             rollout_tp_rank=rollout_rank)
 
-    def refresh(self) -> float:
+    weights_phase = "weight_refresh"  # the loop's phase after the optimizer steps (see sync_weights)
+    collective = True  # generate is collective over every rank
+
+    def sync_weights(self) -> float:
         """Rebuild the rollout's non-view tensors from the current training weights; seconds."""
         return 0.0 if self.weights is None else self.weights.refresh()
 
@@ -102,28 +105,43 @@ class RolloutReplicas:
             raise NotImplementedError("the rollout runs at its own layout (rollout.tp != parallel.tp): its prefill "
                                       "cannot be the actor prefix stage; run that stage as window work")
         every, counts = self._gather_requests(requests)
-        lo, hi = self.replica * len(every) // self.replicas, (self.replica + 1) * len(every) // self.replicas
+        part = every[replica_slice(len(every), self.replica, self.replicas)]
         with self.layouts.use("rollout"):
-            out = self.engine.generate(every[lo:hi], params, _AtTrainingLayout(hooks or DecodeHooks(), self.layouts))
+            out = self.engine.generate(part, params, _AtTrainingLayout(hooks or DecodeHooks(), self.layouts))
         results = self._gather_results(out.results, len(every))
         start = sum(counts[:self.train_dp_rank])
-        stats = {**out.stats, "rollout_replicas": self.replicas, "replica_requests": hi - lo}
+        stats = {**out.stats, "rollout_replicas": self.replicas, "replica_requests": len(part)}
         return RolloutOutput(results[start:start + len(requests)], [], stats)
 
     def _gather_requests(self, requests: list[RolloutRequest]) -> tuple[list[RolloutRequest], list[int]]:
-        """Every training DP rank's requests in DP-rank order (sent by each replica's first training rank)."""
-        got = [None] * dist.get_world_size()
-        dist.all_gather_object(got, (self.train_dp_rank, requests) if self.train_first else None)
-        by_rank = dict(x for x in got if x is not None)
-        order = sorted(by_rank)
-        return [q for k in order for q in by_rank[k]], [len(by_rank[k]) for k in order]
+        return gather_requests((self.train_dp_rank, requests) if self.train_first else None)
 
     def _gather_results(self, mine: list, n: int) -> list:
-        """Every replica's results, in the global request order."""
-        got = [None] * dist.get_world_size()
-        dist.all_gather_object(got, (self.replica, mine) if self.rollout_first else None)
-        by_replica = dict(x for x in got if x is not None)
-        out = [res for j in range(self.replicas) for res in by_replica[j]]
-        if len(out) != n:
-            raise RuntimeError(f"rollout replicas returned {len(out)} results for {n} requests")
-        return out
+        return gather_results((self.replica, mine) if self.rollout_first else None, self.replicas, n)
+
+
+def gather_requests(mine: tuple[int, list] | None) -> tuple[list[RolloutRequest], list[int]]:
+    """Collective over every rank: each training DP rank's requests (sent as (dp rank, requests) by one
+    rank of its model-parallel group, None elsewhere), in DP-rank order, and the count per DP rank."""
+    got = [None] * dist.get_world_size()
+    dist.all_gather_object(got, mine)
+    by_rank = dict(x for x in got if x is not None)
+    order = sorted(by_rank)
+    return [q for k in order for q in by_rank[k]], [len(by_rank[k]) for k in order]
+
+
+def gather_results(mine: tuple[int, list] | None, replicas: int, n: int) -> list:
+    """Collective over every rank: every replica's results (sent as (replica, results) by its first rank,
+    None elsewhere), in the global request order."""
+    got = [None] * dist.get_world_size()
+    dist.all_gather_object(got, mine)
+    by_replica = dict(x for x in got if x is not None)
+    out = [res for j in range(replicas) for res in by_replica[j]]
+    if len(out) != n:
+        raise RuntimeError(f"rollout replicas returned {len(out)} results for {n} requests")
+    return out
+
+
+def replica_slice(n: int, replica: int, replicas: int) -> slice:
+    """Replica `replica`'s contiguous share of `n` requests (the global order)."""
+    return slice(replica * n // replicas, (replica + 1) * n // replicas)

@@ -18,7 +18,9 @@ from tqdm import tqdm
 
 from rollplex_megatron.checkpoint import run_dir, train_state
 from rollplex_megatron.config import RunConfig
+from rollplex_megatron.dist import init_parallel, layouts, train_world
 from rollplex_megatron.recipes import to_yaml
+from rollplex_megatron.rollout.disaggregated import RemoteRollout, RolloutWorker
 from rollplex_megatron.runtime import sync
 from rollplex_megatron.trainer.metrics import PhaseTimer, peak_bytes, reduce_metrics
 from rollplex_megatron.trainer.modes import Mode, get_mode
@@ -43,9 +45,9 @@ def run_step(rt: Runtime, mode: Mode, step: int) -> dict:
             res.append(mode.update(rt, prep, k % len(prep.minis), fresh=k == 0))
         with t("optimizer"):
             opts.append(rt.optimizer_step(advance=k == n - 1))
-    if rt.rollout_bound:  # a rollout model of its own reads the new weights through its bound tensors
-        with t("weight_refresh", residency="optimizer"):  # right after the optimizer step: no transition of its own
-            rt.refresh_rollout()
+    if rt.engine.weights_phase:  # a rollout model of its own: bound views refreshed, or weights sent to its ranks
+        with t(rt.engine.weights_phase, residency="optimizer"):  # right after the optimizer step: no transition
+            rt.sync_rollout_weights()
     sync()
     peak, src = peak_bytes(t)
     seconds = time.perf_counter() - t0
@@ -64,12 +66,12 @@ def run_step(rt: Runtime, mode: Mode, step: int) -> dict:
 def _run_dir(cfg: RunConfig) -> Path:
     """Rank 0 names the run directory; every rank gets the same path."""
     name = [cfg.train.out or os.path.join(cfg.run_dir, time.strftime("%Y%m%d-%H%M%S") + f"-train-{cfg.mode.name}")]
-    if dist.get_world_size() > 1:
-        dist.broadcast_object_list(name, src=0)
+    if dist.get_world_size(train_world()) > 1:
+        dist.broadcast_object_list(name, src=0, group=train_world())
     path = Path(name[0]).resolve()
     if dist.get_rank() == 0:
         path.mkdir(parents=True, exist_ok=True)
-    dist.barrier()
+    dist.barrier(group=train_world())
     return path
 
 
@@ -87,7 +89,7 @@ class Preemption:
     def agreed(self, dev) -> bool:
         """Collective: True on every rank when any rank was asked to stop."""
         flag = torch.tensor([int(self.asked)], dtype=torch.int32, device=dev)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=train_world())
         return bool(int(flag))
 
     def close(self) -> None:
@@ -99,7 +101,14 @@ def train_rank(cfg: RunConfig) -> dict:
     """Train on this rank until `train.steps` (or a SIGTERM); rank 0 writes metrics.jsonl and the
     config, every rank its checkpoint shard. The launcher has checked and locked the run directory."""
     preempt = Preemption()
-    bar = tracker = None
+    bar = tracker = rt = None
+    init_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.seed, cfg.parallel.backend, cfg.rollout.tp,
+                  cfg.parallel.rollout_ranks)
+    if layouts().role == "rollout":  # mode=disaggregated: this rank decodes until the training ranks stop it
+        try:
+            return {"rollout_rank": RolloutWorker(cfg, layouts()).serve(), "records": [], "run_dir": None}
+        finally:
+            preempt.close()
     try:
         rt = Runtime(cfg)
         mode = get_mode(cfg.mode.name)()
@@ -149,6 +158,8 @@ def train_rank(cfg: RunConfig) -> dict:
                 break
     finally:
         preempt.close()
+        if rt is not None and isinstance(rt.engine, RemoteRollout):
+            rt.engine.close()  # the rollout ranks leave their loop
         if bar is not None:
             bar.close()
         if tracker is not None:

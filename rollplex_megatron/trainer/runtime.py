@@ -14,10 +14,11 @@ from megatron.core import parallel_state as ps
 from rollplex_megatron.models.qwen25vl.hf import HFCheckpoint, load_hf_into_model
 from rollplex_megatron.config import RunConfig
 from rollplex_megatron.data import build_source
-from rollplex_megatron.dist import ParallelLayouts, init_parallel, layouts
+from rollplex_megatron.dist import ParallelLayouts, default_group_is_train_world, init_parallel, layouts, train_world
 from rollplex_megatron.memory.manager import MemoryManager
-from rollplex_megatron.memory.planner import (RELEASE_ORDER, auto_release, check_budget, plan, released, runtime_cfg,
-                                              runtime_plan, summarize, workload_shape)
+from rollplex_megatron.memory.planner import (RELEASE_ORDER, auto_release, check_budget, plan, released,
+                                              rollout_rank_plan, runtime_cfg, runtime_plan, summarize,
+                                              workload_shape)
 from rollplex_megatron.models.qwen25vl import build_model
 from rollplex_megatron.optim import build_optimizer, build_scheduler, current_lr, optimizer_step
 from rollplex_megatron.prefix import batch as B
@@ -26,6 +27,7 @@ from rollplex_megatron.prefix.batch import Group, validate_groups
 from rollplex_megatron.rl.grpo import GRPOLoss, group_advantages, loss_weights
 from rollplex_megatron.rollout.embedded import EmbeddedEngine
 from rollplex_megatron.rollout.engine import RolloutRequest
+from rollplex_megatron.rollout.disaggregated import RemoteRollout
 from rollplex_megatron.rollout.replicas import RolloutReplicas
 from rollplex_megatron.rollout.sampling import SamplingParams
 from rollplex_megatron.runtime import device, wrap_ddp
@@ -96,6 +98,8 @@ def memory_plan(cfg: RunConfig, source) -> dict:
         return {**summary, "shape": vars(shape), "released": [n for n in RELEASE_ORDER if n in rel],
                 "auto_budget_gib": budget}
     summary = summarize(runtime_plan(cfg, shape), cfg.mode.name)
+    if cfg.parallel.rollout_ranks:  # mode=disaggregated: what a rollout rank holds (its own weights, its cache)
+        summary["rollout_rank"] = rollout_rank_plan(cfg, shape)
     try:
         check_budget(summary, cfg.memory.budget_gib, f"{cfg.mode.name} (memory.plan={cfg.memory.plan})", runtime=True)
     except ValueError as e:
@@ -116,7 +120,7 @@ def auto_budget_gib(cfg: RunConfig) -> float | None:
     free, _ = torch.cuda.mem_get_info()
     budget = torch.tensor([free / 2**30 - cfg.memory.auto_margin_gib], dtype=torch.float64, device="cuda")
     if dist.is_initialized():  # every rank takes the same release set (the prefix recompute has collectives)
-        dist.all_reduce(budget, op=dist.ReduceOp.MIN)
+        dist.all_reduce(budget, op=dist.ReduceOp.MIN, group=train_world())
     return float(budget)
 
 
@@ -132,7 +136,9 @@ def build_policy(cfg: RunConfig):
 def build_engine(model, cfg: RunConfig, at: ParallelLayouts | None = None):
     """The embedded rollout engine with the run's rollout and KV settings: over `model`'s own modules,
     or, when `rollout.tp` differs from the training TP (or `rollout.bound_model`), over rollout replicas
-    bound to its storage."""
+    bound to its storage; under mode=disaggregated, the rollout ranks' engines."""
+    if at is not None and at.rollout_ranks:
+        return RemoteRollout(X.unwrap(model), cfg, at)
     if at is not None and (at.differ or cfg.rollout.bound_model):
         return RolloutReplicas(X.unwrap(model), cfg, at)
     r = cfg.rollout
@@ -146,7 +152,8 @@ class Runtime:
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
         cfg.check_training()
-        init_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.seed, cfg.parallel.backend, cfg.rollout.tp)
+        init_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.seed, cfg.parallel.backend, cfg.rollout.tp,
+                      cfg.parallel.rollout_ranks)
         self.layouts = layouts()
         self.source = build_source(cfg)  # bad data settings fail before building models
         self.plan = memory_plan(cfg, self.source)  # over memory.budget_gib: fails here, before any model
@@ -155,15 +162,15 @@ class Runtime:
         self.ref.load_state_dict(actor.state_dict())  # the reference is the initial policy, frozen
         self.ref.requires_grad_(False)
         self.ddp = wrap_ddp(actor)
-        self.optimizer = build_optimizer(self.ddp, cfg.optim, bf16=cfg.dtype == "bfloat16")
+        with default_group_is_train_world():
+            self.optimizer = build_optimizer(self.ddp, cfg.optim, bf16=cfg.dtype == "bfloat16")
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
         rel = frozenset(self.plan["released"])  # what memory.plan releases (auto: what the budget needs)
         self.memory = MemoryManager(rel, cfg.mode.name, self.ddp, self.optimizer, self.ref)
         self.plan["host_buffers_s"] = self.memory.reserve_host()  # a start-up cost, not step 1's and 2's
         self.recompute = "actor_prefix_graph" in rel  # the actor prefix keeps no graph
         self.engine = build_engine(self.ddp, cfg, self.layouts)
-        self.rollout_bound = isinstance(self.engine, RolloutReplicas)  # a rollout model of its own, refreshed
-        if self.rollout_bound:  # what the rollout model owns on this rank (views cost nothing)
+        if isinstance(self.engine, RolloutReplicas):  # what the rollout model owns on this rank (views: nothing)
             self.plan["rollout_layout"] = {"rollout_tp": self.layouts.rollout_tp, "replicas": self.engine.replicas,
                                            "allocated_bytes": self.engine.allocated_bytes(),
                                            "split_gemm": cfg.rollout.split_gemm}
@@ -252,13 +259,10 @@ class Runtime:
         return GRPOLoss(t.kl_coef, t.clip_low, t.clip_high, mini.total_tokens, self.tp_group, t.entropy_coef,
                         self.cfg.rollout.temperature, t.kl_estimator, self.banned, t.clip_ratio_c)
 
-    def refresh_rollout(self) -> bool:
-        """After the step's optimizer steps: rebuild the rollout model's non-view tensors (a rollout model
-        of its own); False when the rollout runs on the actor's own modules (nothing to do)."""
-        if not self.rollout_bound:
-            return False
-        self.engine.refresh()
-        return True
+    def sync_rollout_weights(self) -> float:
+        """After the step's optimizer steps: the rollout's weights brought up to date (its engine's
+        `weights_phase`: rebuilt views, or weights sent to the rollout ranks); seconds."""
+        return self.engine.sync_weights()
 
     def optimizer_step(self, advance: bool = True) -> dict:
         """megatron optimizer step (clipping included) at the scheduler's learning rate, then (with

@@ -30,7 +30,7 @@ import torch
 from rollplex_megatron.models.qwen25vl import hf_layout as CL
 from rollplex_megatron.models.qwen25vl.hf import expected_hf_shapes
 from rollplex_megatron.config import ModelConfig
-from rollplex_megatron.dist import parallel_orders, tp_rank_on_gpu
+from rollplex_megatron.dist import aligned_coordinates, parallel_orders, tp_rank_on_gpu
 from rollplex_megatron.weights import layout as WL
 
 
@@ -191,9 +191,9 @@ def plan_weights(cfg: ModelConfig, t: int, r: int, layout: str = "megatron", ele
 
 def rank_pairs(t: int, r: int, world: int) -> list[tuple[int, int]]:
     """(training TP rank, rollout TP rank) of every rank of a `world`-rank run under the aligned
-    orders `dist.ParallelLayouts` builds (PP=1)."""
-    t_order, r_order = parallel_orders(t, r)
-    return [(tp_rank_on_gpu(g, t, world, t_order), tp_rank_on_gpu(g, r, world, r_order)) for g in range(world)]
+    mapping `dist.ParallelLayouts` builds (PP=1)."""
+    block = max(t, r)
+    return [(aligned_coordinates(g, t, block)[0], aligned_coordinates(g, r, block)[0]) for g in range(world)]
 
 
 def plan_pairs(cfg: ModelConfig, t: int, r: int, pairs: list[tuple[int, int]], layout: str = "megatron",

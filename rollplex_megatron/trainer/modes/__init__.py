@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 from rollplex_megatron.trainer.modes.base import Mode
+from rollplex_megatron.trainer.modes.disaggregated import Disaggregated
 from rollplex_megatron.trainer.modes.prefix_shared import PrefixShared
 from rollplex_megatron.trainer.modes.rollplex import Rollplex
 from rollplex_megatron.trainer.modes.serial import Serial
 
-MODES: dict[str, type[Mode]] = {m.name: m for m in (Serial, PrefixShared, Rollplex)}
+MODES: dict[str, type[Mode]] = {m.name: m for m in (Serial, PrefixShared, Rollplex, Disaggregated)}
 
 
 def get_mode(name: str) -> type[Mode]:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from rollplex_megatron.dist import train_world
 from rollplex_megatron.memory.classes import PlanInputs, TensorClass
 from rollplex_megatron.prefix import batch as B
 
@@ -91,9 +92,9 @@ class Mode(ABC):
                 rounds.append(rt.score(rows, reqs, out))
             outs.append(out)
             enough = not tc.dynamic_sampling or sum(sum(b.informative()) for b in rounds) >= need
-            if rt.rollout_bound:  # the rollout replicas' generate is collective: every rank samples each round
+            if rt.engine.collective:  # the rollout replicas' generate is collective: every rank samples each round
                 flag = torch.tensor([int(enough)], device=rt.dev)
-                dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+                dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=train_world())
                 enough = bool(flag)
             if enough:
                 break
@@ -101,7 +102,7 @@ class Mode(ABC):
         stats = sum_stats([o.stats for o in outs])
         if tc.dynamic_sampling:
             used = torch.tensor([len(rounds)], device=rt.dev)
-            dist.all_reduce(used, op=dist.ReduceOp.MAX)
+            dist.all_reduce(used, op=dist.ReduceOp.MAX, group=train_world())
             rt.data_cursor += int(used)
             picks, stats["dynamic_sampling"] = _select(rt, rounds, need)
         else:
