@@ -52,6 +52,10 @@ def parse_modes(spec: str) -> list[tuple[str, list[str]]]:
     out = []
     for label in [s.strip() for s in spec.split(",") if s.strip()]:
         name, _, variant = label.partition(":")
+        if name == "disaggregated":
+            raise ValueError("--modes: disaggregated runs on parallel.rollout_ranks more processes than the other "
+                             "modes; bench it on its own (a JSON of its own: bench SUITE --modes disaggregated "
+                             "mode=disaggregated parallel.rollout_ranks=N)")
         if name not in PHASE_FLOPS:
             raise ValueError(f"--modes: unknown mode {name!r} in {label!r}; choose from {', '.join(PHASE_FLOPS)}")
         over = [f"mode.name={name}"]

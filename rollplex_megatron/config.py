@@ -197,7 +197,7 @@ def check_rollout_layout(model: ModelConfig, parallel: ParallelConfig, rollout_t
             raise ValueError("mode=disaggregated needs parallel.pp=1 (the weights are sent per TP shard)")
     elif r == t:
         return
-    if not parallel.rollout_ranks and max(r, t) % min(r, t):
+    if max(r, t) % min(r, t):
         raise ValueError(f"rollout.tp={r} and parallel.tp={t}: one must divide the other (the rollout shards are "
                          f"views of, or are rebuilt from, the training shards)")
     if not parallel.rollout_ranks and parallel.world_size % r:
@@ -635,6 +635,9 @@ class RunConfig:
             raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
         check_model_parallel(self.model, self.parallel)
         check_rollout_layout(self.model, self.parallel, self.rollout.tp, self.mode.name)
+        if self.rollout.bound_model and (self.parallel.pp > 1 or self.parallel.rollout_ranks):
+            raise ValueError("rollout.bound_model=true binds a rollout model to the training storage: it needs "
+                             "parallel.pp=1 and no parallel.rollout_ranks (disaggregated has weights of its own)")
         m = self.model.vision.spatial_merge_size
         for key, owner in (("image_grid", self.smoke), ("video_grid", self.smoke),
                            ("image_grid", self.verify), ("video_grid", self.verify)):

@@ -125,3 +125,17 @@ def disaggregated_steps(cfg, steps: int, mutant: str = "") -> dict:
         return run_steps(cfg, steps)
     finally:
         command(("stop", None))
+
+
+def train_run(cfg, out: str, steps: int, resume: bool, mutant: str = "") -> list[dict]:
+    """The training loop (`train_rank`) into `out` for `steps` steps (resuming its checkpoint with `resume`);
+    the step records. `skip_sync`: the rollout's weights are never brought up to date (after a resume
+    the rollout model would keep the weights it was bound with before the checkpoint was loaded)."""
+    from rollplex_megatron.trainer.loop import train_rank
+    from rollplex_megatron.trainer.runtime import Runtime
+
+    if mutant == "skip_sync":
+        Runtime.sync_rollout_weights = lambda self: 0.0
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, out=out, steps=steps, resume=resume,
+                                                             progress=False))
+    return train_rank(cfg)["records"]

@@ -3,6 +3,8 @@
 Every comparison runs both sides at the same layouts with fresh weights from the tiny checkpoint; fp32 on
 CPU, DESIGN section 3's tolerances.
 """
+import shutil
+
 import pytest
 
 from rollplex_megatron.dist import run_local
@@ -92,7 +94,14 @@ def test_rollplex_at_another_rollout_tp_detects_a_dropped_prefix_backward(tiny_h
 @pytest.mark.parametrize("over,msg", [(["parallel.tp=2", "rollout.tp=3"], "one must divide the other"),
                                       (["parallel.tp=2", "parallel.pp=2", "rollout.tp=1"], "needs parallel.pp=1"),
                                       (["rollout.tp=4", "parallel.dp=2"], "does not divide the 2 ranks"),
-                                      (["rollout.tp=-1"], "rollout.tp must be >= 0")])
+                                      (["rollout.tp=-1"], "rollout.tp must be >= 0"),
+                                      (["mode.name=disaggregated"], "go together"),
+                                      (["parallel.rollout_ranks=1"], "go together"),
+                                      (["mode.name=disaggregated", "parallel.rollout_ranks=3", "rollout.tp=2"],
+                                       "does not divide parallel.rollout_ranks"),
+                                      (["mode.name=disaggregated", "parallel.rollout_ranks=3", "parallel.tp=2",
+                                        "rollout.tp=3"], "one must divide the other"),
+                                      (["parallel.pp=2", "rollout.bound_model=true"], "bound_model")])
 def test_bad_rollout_layout_fails_with_the_setting(over, msg):
     with pytest.raises(ValueError, match=msg):
         load_run_config(["model=tiny"] + over)
@@ -165,3 +174,19 @@ def test_planner_counts_the_shared_rollout_bytes_at_scale():
     assert at32 == at8 == s["allocated_bytes_split_gemm"] < 0.1 * s["full_copy_bytes"]
     off = shared_rollout_bytes(load_run_config(base + ["parallel.dp=8", "rollout.split_gemm=off"]))
     assert off == s["allocated_bytes"] > at32
+
+
+def test_resume_at_another_rollout_tp_equals_an_uninterrupted_run(tiny_hf, tmp_path):
+    """2 steps + checkpoint + fresh processes + 1 step = 3 steps, at training TP=2 -> rollout TP=1: after
+    the checkpoint is loaded the rollout model's rebuilt tensors are brought to the loaded weights.
+    Mutation: without that (and every later) sync, the resumed step's rollout leaves the uninterrupted one."""
+    cfg = _layout_cfg(tiny_hf, "parallel.tp=2", "rollout.tp=1")
+    full = run_local(LW.train_run, 2, cfg, str(tmp_path / "full"), 3, False)[0]
+    run_local(LW.train_run, 2, cfg, str(tmp_path / "part"), 2, False)
+    shutil.copytree(tmp_path / "part", tmp_path / "mutant")
+    resumed = run_local(LW.train_run, 2, cfg, str(tmp_path / "part"), 3, True)[0]
+    assert [r["step"] for r in resumed] == [3]
+    _records_close(resumed, full[2:])
+    assert resumed[0]["response_tokens"] == full[2]["response_tokens"]
+    stale = run_local(LW.train_run, 2, cfg, str(tmp_path / "mutant"), 3, True, "skip_sync")[0]
+    assert any(abs(stale[0][k] - full[2][k]) > 10 * TOL * abs(full[2][k]) for k in ("loss", "grad_norm"))

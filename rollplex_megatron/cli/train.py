@@ -101,6 +101,9 @@ def _config(overrides: list[str], modes: list[str] | None) -> RunConfig:
     bad = [m for m in modes or [] if m not in MODES]
     if bad:
         raise ValueError(f"--modes: unknown mode(s) {bad}; choose from {', '.join(MODES)}")
+    if modes and "disaggregated" in modes:
+        raise ValueError("--modes: disaggregated runs on parallel.rollout_ranks more processes than the other modes; "
+                         "train it in a launch of its own (mode=disaggregated parallel.rollout_ranks=N)")
     check_world_size(cfg.parallel.world_size)
     check_tracking(cfg.train.wandb)
     build_source(cfg)  # bad data settings (a task/model mismatch, ...) fail before any process starts

@@ -1,7 +1,9 @@
 """The step loop: `run_step` is one line per phase (the mode runs them), `train_rank` the run.
 
-Modes (trainer/modes/): serial | prefix_shared | rollplex, chosen once from `mode.name`. The
-rollout engine runs the actor's modules in place, so there is no weight sync after the step.
+Modes (trainer/modes/): serial | prefix_shared | rollplex | disaggregated, chosen once from `mode.name`.
+The embedded engine runs the actor's modules in place (no weight sync after the step); a rollout at its
+own TP refreshes its bound tensors (`weight_refresh`), and disaggregated sends the weights to the
+rollout ranks (`weight_transfer`), once after the step's optimizer steps.
 """
 from __future__ import annotations
 
@@ -120,6 +122,8 @@ def train_rank(cfg: RunConfig) -> dict:
                 raise FileNotFoundError(f"train.resume=true but {run} has no checkpoint")
             start, extra = train_state.load_checkpoint(latest, rt.ddp.module, rt.ref, rt.optimizer)
             restore_scheduler(rt.scheduler, extra, start)
+            if rt.engine.weights_phase:  # the rollout model was bound (or sent weights) before the load
+                rt.sync_rollout_weights()
             rt.data_cursor = extra.get("data_cursor", start)  # checkpoints before dynamic sampling: one batch a step
         if rank0:
             run_dir.truncate_metrics(run, start)  # steps after the checkpoint are trained again

@@ -35,7 +35,8 @@ def evaluate(rt, step: int) -> dict:
     sources = src.val_sources(v.max_rows)
     reqs = [RolloutRequest(r.prompt, v.n, src.max_new_tokens, src.stop_token_ids, seed=r.seed) for r in rows]
     sums = torch.zeros(len(sources) + 1, 3, dtype=torch.float64)  # [reward, correct, responses]; last row: all
-    if reqs:  # ranks of one TP/PP group share their rows, so they skip together
+    if reqs or rt.engine.collective:  # ranks of one TP/PP group share their rows, so they skip together; a
+        # collective engine (rollout replicas, rollout ranks) needs every rank, rows or none
         with torch.no_grad():
             out = rt.engine.generate(reqs, val_sampling(rt.cfg))
         for row, res in zip(rows, out.results):
