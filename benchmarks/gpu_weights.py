@@ -22,7 +22,8 @@ def run(t, r, cfg, split_gemm=False):
 
     from rollplex_megatron.models.qwen25vl import build_model, gather_vocab_logits
     from rollplex_megatron.verify.parity import position_ids_for, sample_inputs
-    from rollplex_megatron.weights.plan import parallel_orders, plan_weights
+    from rollplex_megatron.dist import parallel_orders
+    from rollplex_megatron.weights.plan import plan_weights
     from rollplex_megatron.weights.share import SharedRolloutWeights
 
     import gc

@@ -67,17 +67,12 @@ DEFAULT_ORDER = "tp-cp-ep-dp-pp"
 
 
 def parallel_orders(t: int, r: int, mapping: str = "aligned") -> tuple[str, str]:
-    """Megatron `order` strings of the training side and the rollout side. Aligned: the side with the
-    larger TP degree takes consecutive TP groups, the other strided ones, so each rollout shard nests
-    inside (or contains) the training shard on its GPU (weights/plan.py)."""
+    """Megatron `order` strings of the training side and the rollout side for a job of exactly max(t, r)
+    ranks, where they give `aligned_coordinates`' groups (the side with the larger TP degree consecutive,
+    the other strided): for tests and benchmarks that initialise megatron by order themselves."""
     if mapping == "consecutive" or t == r:
         return DEFAULT_ORDER, DEFAULT_ORDER
     return (DP_FIRST_ORDER, DEFAULT_ORDER) if r > t else (DEFAULT_ORDER, DP_FIRST_ORDER)
-
-
-def tp_rank_on_gpu(g: int, d: int, world: int, order: str) -> int:
-    """The TP rank that GPU g holds at degree d under a megatron order (PP=1)."""
-    return g // (world // d) if order == DP_FIRST_ORDER else g % d
 
 
 def _state_names(ps) -> list[str]:

@@ -53,7 +53,7 @@ def shared_vs_full(hf_dir: str, t: int, r: int, skip_refresh: bool = False, spli
     from rollplex_megatron.models.qwen25vl.hf import HFCheckpoint, load_hf_into_model
     from rollplex_megatron.compat import apply_cpu_shims
     from rollplex_megatron.models.qwen25vl import build_model
-    from rollplex_megatron.weights.plan import parallel_orders
+    from rollplex_megatron.dist import parallel_orders
     from rollplex_megatron.weights.share import SharedRolloutWeights
 
     apply_cpu_shims()

@@ -26,12 +26,12 @@ from rollplex_megatron.dist import ParallelLayouts
 from rollplex_megatron.models.qwen25vl import build_model
 from rollplex_megatron.rollout.embedded import EmbeddedEngine
 from rollplex_megatron.rollout.engine import DecodeHooks, RolloutOutput, RolloutRequest
-from rollplex_megatron.rollout.replicas import gather_requests, replica_slice
+from rollplex_megatron.rollout.replicas import gather_requests, gather_results, replica_slice
 from rollplex_megatron.rollout.sampling import SamplingParams
 from rollplex_megatron.runtime import device
 from rollplex_megatron.weights import layout as WL
-from rollplex_megatron.weights.plan import plan_pairs, positions_in
-from rollplex_megatron.weights.share import BUCKET_BYTES, _select
+from rollplex_megatron.weights.plan import plan_pairs
+from rollplex_megatron.weights.share import BUCKET_BYTES, _select, union_positions
 
 
 def command(cmd=None):
@@ -57,6 +57,7 @@ class WeightTransfer:
                        for p in self.plan if p.dim is not None}
         self.numel = {p.name: (p.shard_bytes // elem) // (p.need.index.numel() if p.dim is not None else 1)
                       for p in self.plan}  # elements per index along the sharded dim (all of it if replicated)
+        self.pos = {p.name: union_positions(p, t) for p in self.plan if p.dim is not None and self.roll is not None}
         self.buckets, cur, size = [], [], 0
         for p in self.plan:
             cur.append(p)
@@ -122,10 +123,7 @@ class WeightTransfer:
             shape[p.dim] = self.extent[p.name][k]
             shapes.append(shape)
         union = torch.cat([x.view(s) for x, s in zip(parts, shapes)], dim=p.dim)
-        index = WL.ShardIndex(p.dim, torch.cat([WL.megatron_index(p.rule, p.hf_shapes, self.t, k).index
-                                                for k in range(self.t)]), 0)
-        pos = positions_in(index, WL.ShardIndex(p.dim, p.need.index, p.need.canonical))
-        dst.data.copy_(_select(union, p.dim, pos))
+        dst.data.copy_(_select(union, p.dim, self.pos[p.name]))
 
 
 class RemoteRollout:
@@ -151,7 +149,7 @@ class RemoteRollout:
                                       "prefix stage")
         command(("generate", params))
         every, counts = gather_requests((self.train_dp_rank, requests) if self.train_first else None)
-        results, stats = _gather_replica_results(None, self.replicas, len(every))
+        results, stats = gather_results(None, self.replicas, len(every))
         start = sum(counts[:self.train_dp_rank])
         if hooks is not None:
             hooks.on_idle()
@@ -203,19 +201,9 @@ class RolloutWorker:
             with self.layouts.use("rollout"), torch.no_grad():
                 out = self.engine.generate(part, arg)
             stats = {**out.stats, "rollout_replicas": self.replicas, "replica_requests": len(part)}
-            _gather_replica_results((self.replica, out.results, stats) if self.first else None, self.replicas,
+            gather_results((self.replica, out.results, stats) if self.first else None, self.replicas,
                                     len(every))
             served["rollouts"] += 1
             served["requests"] += len(part)
             served["decode_s"] += time.perf_counter() - t0
 
-
-def _gather_replica_results(mine, replicas: int, n: int) -> tuple[list, dict]:
-    """Collective: every replica's results in the global request order, and replica 0's statistics."""
-    got = [None] * dist.get_world_size()
-    dist.all_gather_object(got, mine)
-    by_replica = {x[0]: x[1:] for x in got if x is not None}
-    out = [res for j in range(replicas) for res in by_replica[j][0]]
-    if len(out) != n:
-        raise RuntimeError(f"rollout replicas returned {len(out)} results for {n} requests")
-    return out, dict(by_replica[0][1])

@@ -104,20 +104,15 @@ class RolloutReplicas:
         if actor_prefix is not None:
             raise NotImplementedError("the rollout runs at its own layout (rollout.tp != parallel.tp): its prefill "
                                       "cannot be the actor prefix stage; run that stage as window work")
-        every, counts = self._gather_requests(requests)
+        every, counts = gather_requests((self.train_dp_rank, requests) if self.train_first else None)
         part = every[replica_slice(len(every), self.replica, self.replicas)]
         with self.layouts.use("rollout"):
             out = self.engine.generate(part, params, _AtTrainingLayout(hooks or DecodeHooks(), self.layouts))
-        results = self._gather_results(out.results, len(every))
+        results, _ = gather_results((self.replica, out.results, {}) if self.rollout_first else None, self.replicas,
+                                    len(every))
         start = sum(counts[:self.train_dp_rank])
         stats = {**out.stats, "rollout_replicas": self.replicas, "replica_requests": len(part)}
         return RolloutOutput(results[start:start + len(requests)], [], stats)
-
-    def _gather_requests(self, requests: list[RolloutRequest]) -> tuple[list[RolloutRequest], list[int]]:
-        return gather_requests((self.train_dp_rank, requests) if self.train_first else None)
-
-    def _gather_results(self, mine: list, n: int) -> list:
-        return gather_results((self.replica, mine) if self.rollout_first else None, self.replicas, n)
 
 
 def gather_requests(mine: tuple[int, list] | None) -> tuple[list[RolloutRequest], list[int]]:
@@ -130,16 +125,16 @@ def gather_requests(mine: tuple[int, list] | None) -> tuple[list[RolloutRequest]
     return [q for k in order for q in by_rank[k]], [len(by_rank[k]) for k in order]
 
 
-def gather_results(mine: tuple[int, list] | None, replicas: int, n: int) -> list:
-    """Collective over every rank: every replica's results (sent as (replica, results) by its first rank,
-    None elsewhere), in the global request order."""
+def gather_results(mine: tuple[int, list, dict] | None, replicas: int, n: int) -> tuple[list, dict]:
+    """Collective over every rank: every replica's results (sent as (replica, results, statistics) by its
+    first rank, None elsewhere) in the global request order, and replica 0's statistics."""
     got = [None] * dist.get_world_size()
     dist.all_gather_object(got, mine)
-    by_replica = dict(x for x in got if x is not None)
-    out = [res for j in range(replicas) for res in by_replica[j]]
+    by_replica = {x[0]: x[1:] for x in got if x is not None}
+    out = [res for j in range(replicas) for res in by_replica[j][0]]
     if len(out) != n:
         raise RuntimeError(f"rollout replicas returned {len(out)} results for {n} requests")
-    return out
+    return out, dict(by_replica[0][1])
 
 
 def replica_slice(n: int, replica: int, replicas: int) -> slice:

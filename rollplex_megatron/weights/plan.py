@@ -30,7 +30,7 @@ import torch
 from rollplex_megatron.models.qwen25vl import hf_layout as CL
 from rollplex_megatron.models.qwen25vl.hf import expected_hf_shapes
 from rollplex_megatron.config import ModelConfig
-from rollplex_megatron.dist import aligned_coordinates, parallel_orders, tp_rank_on_gpu
+from rollplex_megatron.dist import aligned_coordinates
 from rollplex_megatron.weights import layout as WL
 
 
@@ -182,8 +182,7 @@ def plan_weights(cfg: ModelConfig, t: int, r: int, layout: str = "megatron", ele
     """The plan for every GPU of a W = max(t, r) GPU group (training PP=1, rollout PP=1)."""
     check_degrees(t, r, mapping)
     world = max(t, r)
-    t_order, r_order = parallel_orders(t, r, mapping)
-    pairs = [(tp_rank_on_gpu(g, t, world, t_order), tp_rank_on_gpu(g, r, world, r_order)) for g in range(world)]
+    pairs = rank_pairs(t, r, world) if mapping == "aligned" else [(g % t, g % r) for g in range(world)]
     plan = WeightPlan(t, r, layout)
     plan.gpus = plan_pairs(cfg, t, r, pairs, layout, elem_bytes)
     return plan

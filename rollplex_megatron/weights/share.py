@@ -32,6 +32,13 @@ def _select(src: torch.Tensor, dim: int, pos: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def union_positions(p: TensorPlan, t: int) -> torch.Tensor:
+    """Positions of the rollout shard of `p` in the union of the t training shards laid side by side along
+    its sharded dim (training TP rank order): what a rollout rank selects once it holds every shard."""
+    union = WL.ShardIndex(p.dim, torch.cat([WL.megatron_index(p.rule, p.hf_shapes, t, k).index for k in range(t)]), 0)
+    return positions_in(union, WL.ShardIndex(p.dim, p.need.index, p.need.canonical))
+
+
 class SharedRolloutWeights:
     """Rollout parameters bound to the training parameters on this GPU (megatron rollout layout)."""
 
@@ -73,10 +80,7 @@ class SharedRolloutWeights:
             elif p.klass == "strided_view":
                 self._bind(p.name, tp.data.narrow(1, int(p.positions[0]), p.positions.numel()))
             if p.klass == "gather":
-                union = WL.ShardIndex(p.dim, torch.cat([WL.megatron_index(p.rule, p.hf_shapes, t, k).index
-                                                         for k in range(t)]), 0)
-                need = WL.ShardIndex(p.dim, p.need.index, p.need.canonical)
-                self.union_pos[p.name] = positions_in(union, need)
+                self.union_pos[p.name] = union_positions(p, t)
                 mod = modules[p.name.rsplit(".", 1)[0]]
                 if split_gemm == "all" and p.name.endswith(".weight") and split.supports(mod):
                     shape = list(rp.shape)
