@@ -57,6 +57,7 @@ class WorkItem:
     seconds: float = 0.0  # host seconds to issue (and, on the decode stream, to run) the item
     in_window: bool = False  # ran during decode (True) or after it (False)
     grad: bool = field(default_factory=torch.is_grad_enabled)  # grad mode at submit time
+    job: Any = None  # the item as data (`jobs.PrefixJob`), for an engine that runs it in another process
 
 
 @dataclass
@@ -97,9 +98,9 @@ class DecodeWindow(DecodeHooks):
         return cls(layout_mechanism(mode.window, tp, parallel.pp), mode.window_items_per_step,
                    mode.window_tail_fraction, mode.window_green_sms)
 
-    def submit(self, name: str, fn: Callable[[], Any]) -> WorkItem:
-        """Queue `fn`; its result lands on the returned item."""
-        item = WorkItem(name, fn)
+    def submit(self, name: str, fn: Callable[[], Any], job: Any = None) -> WorkItem:
+        """Queue `fn` (and its description as data, `job`); its result lands on the returned item."""
+        item = WorkItem(name, fn, job=job)
         self.queue.append(item)
         return item
 

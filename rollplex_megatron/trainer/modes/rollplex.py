@@ -22,6 +22,7 @@ from rollplex_megatron.memory.classes import PlanInputs, TensorClass
 from rollplex_megatron.prefix import execution as X
 from rollplex_megatron.prefix.batch import Group
 from rollplex_megatron.rollout.window import DecodeWindow
+from rollplex_megatron.rollout.window.jobs import PrefixJob
 from rollplex_megatron.trainer.modes.base import (Mode, Prepared, response_stage_activations, scoring_workspaces,
                                                   sum_stats)
 
@@ -60,8 +61,10 @@ class Rollplex(Mode):
             for i, q in enumerate(reqs):
                 if not in_prefill:
                     window.submit(f"actor_prefix[{r}.{i}]",
-                                  partial(actor_prefix_item, rt.ddp, q.prompt, actor_kv, i, rt.recompute, states))
-                window.submit(f"reference_prefix[{r}.{i}]", partial(reference_prefix_item, rt.ref, q.prompt, ref_kv, i))
+                                  partial(actor_prefix_item, rt.ddp, q.prompt, actor_kv, i, rt.recompute, states),
+                                  PrefixJob("actor", q.prompt, actor_kv, i, trainable=True, states=states))
+                window.submit(f"reference_prefix[{r}.{i}]", partial(reference_prefix_item, rt.ref, q.prompt, ref_kv, i),
+                              PrefixJob("reference", q.prompt, ref_kv, i))
             stores.append((actor_kv, ref_kv))
             windows.append(window)
             round_states.append(states)

@@ -1,0 +1,250 @@
+"""The bridge inside SGLang's scheduler process: prefix jobs from the trainer run in SGLang's decode loop.
+
+`plugin.py` wraps `Scheduler.run_batch` and `Scheduler.on_idle`; they call `SchedulerBridge.on_decode_step`
+after a decode forward has been enqueued and `on_idle` when no batch runs. The bridge drives the same
+`DecodeWindow` the embedded engine drives (one implementation of the mechanisms and the policy, two
+drivers): interleaved items run on the bridge's own CUDA stream, side-stream mechanisms on the
+window's side stream from its issuer thread.
+
+Threads: a reader takes the trainer's messages (modules, jobs, step handshakes) and queues jobs; a
+sender waits for each finished job's CUDA event (off the decode thread, which never synchronises
+the device) and sends the K/V back as IPC handles. When the trainer goes away the bridge drops its
+queue and SGLang keeps serving.
+
+Collective order (SGLang TP > 1): a job's prefix stage at training TP has collectives on the bridge's
+own process groups (megatron's model-parallel groups built over SGLang's world, not SGLang's groups).
+SGLang's TP ranks run the same scheduler iterations in lockstep, but a job may reach one rank's
+reader an iteration before another's; so at every hook call the ranks agree (a MIN all-reduce on the
+bridge's CPU group) on how many queued jobs every rank holds, and only those enter the window. Every
+rank then issues the same jobs at the same hook call, in job order.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import queue
+import threading
+import time
+from collections import deque
+from contextlib import nullcontext
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from rollplex_megatron.attention.kv_store import KVStore
+from rollplex_megatron.prefix import execution as X
+from rollplex_megatron.prefix.batch import Group
+from rollplex_megatron.rollout.sglang import protocol as P
+from rollplex_megatron.rollout.window import DecodeWindow, check_mechanism
+
+log = logging.getLogger(__name__)
+
+
+def bridge_parallel(tp: int, seed: int = 1234) -> None:
+    """Megatron's model-parallel state for the jobs' modules, in this (scheduler) process: new groups (the
+    bridge's own) over SGLang's world, or over a world of this process alone where there is none."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from rollplex_megatron.compat import apply_cpu_shims
+    from rollplex_megatron.dist import free_port
+
+    apply_cpu_shims()
+    if ps.model_parallel_is_initialized():
+        return
+    if not dist.is_initialized():  # not the environment's RANK/MASTER_*: those may be the trainer's
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=0, world_size=1,
+                                init_method=f"tcp://127.0.0.1:{free_port()}")
+    if dist.get_world_size() % tp:
+        raise P.BridgeError(f"the SGLang world has {dist.get_world_size()} ranks, not a multiple of the training "
+                            f"TP {tp} the prefix jobs run at; run SGLang at tp_size = parallel.tp")
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp)
+    model_parallel_cuda_manual_seed(seed)  # megatron's layers fork its RNG tracker while they are built
+
+
+def bind_modules(handles: P.ModuleHandles) -> dict:
+    """The jobs' modules: each built on the meta device and its parameters replaced by the trainer's
+    tensors (handles: the same memory, no copy)."""
+    from rollplex_megatron.models.qwen25vl import build_model
+
+    bridge_parallel(handles.tp)
+    models = {}
+    for name, params in handles.params.items():
+        model = build_model(handles.model_cfg, handles.dtype, handles.megatron, meta=True)
+        mods = dict(model.named_modules())
+        for pname, tensor in params.items():
+            path, _, attr = pname.rpartition(".")
+            mods[path]._parameters[attr] = torch.nn.Parameter(tensor, requires_grad=False)
+        left = [n for n, p in model.named_parameters() if p.is_meta]
+        if left:
+            raise P.BridgeError(f"module {name}: parameter {left[0]} (and {len(left) - 1} more) was not sent by the "
+                                f"trainer; send every parameter of the model")
+        models[name] = model.eval()
+    return models
+
+
+def run_prefix(model, prompt) -> dict:
+    """One prefix stage without a graph; {layer: (k, v)}, the tensors the trainer will alias."""
+    store = KVStore()
+    with torch.no_grad():
+        X.prefix_forward(model, [Group(prompt, [], torch.zeros(0))], store, keep_graph=False, group_ids=[0])
+    return {layer: kv for (layer, _), kv in store.leaves.items()}
+
+
+class SchedulerBridge:
+    """One scheduler process's end of the bridge."""
+
+    def __init__(self, link: P.Link, tp_rank: int, tp_size: int, window: DecodeWindow | None = None,
+                 version: str = "unknown", cpu_group=None):
+        self.link, self.tp_rank, self.tp_size = link, tp_rank, tp_size
+        self.window = window or DecodeWindow()
+        self.models: dict = {}
+        self.pending: deque = deque()  # jobs received, not yet agreed on by every rank
+        self.step = -1  # the trainer's RL step in flight
+        self.decode_steps = 0
+        self.closed = threading.Event()
+        self.error: str | None = None
+        self._group = cpu_group  # SGLang TP > 1: where ranks agree on the jobs they hold
+        self._stream = torch.cuda.Stream() if torch.cuda.is_available() else None
+        self._out: queue.Queue = queue.Queue()
+        self._jobs_done, self._jobs_expected, self._ended = 0, None, False
+        self._lock = threading.Lock()
+        self._idle = False  # on_idle is draining the window (its jobs ran after decode, not in the window)
+        link.send(P.Hello(tp_rank, tp_size, os.getpid(), version))
+        self._reader = threading.Thread(target=self._read, name="rollplex-bridge-reader", daemon=True)
+        self._sender = threading.Thread(target=self._send, name="rollplex-bridge-sender", daemon=True)
+        self._reader.start()
+        self._sender.start()
+
+    # --- the scheduler loop's hooks --------------------------------------------------------------
+    def on_decode_step(self, active: int) -> None:
+        """After a decode forward was enqueued: the window's next items, on the bridge's stream."""
+        if self.closed.is_set():
+            return
+        self._admit()
+        self.decode_steps += 1
+        with self._on_stream():
+            self.window.on_decode_step(self.decode_steps, active)
+
+    def on_idle(self) -> None:
+        """No batch runs: drain every admitted job."""
+        if self.closed.is_set():
+            return
+        self._admit()
+        if self.window.queue:
+            self._idle = True
+            try:
+                with self._on_stream():
+                    self.window.on_idle()
+            finally:
+                self._idle = False
+
+    # --- internals -------------------------------------------------------------------------------
+    def _on_stream(self):
+        return torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
+
+    def _admit(self) -> None:
+        """Move the jobs every rank holds into the window (in job order)."""
+        n = len(self.pending)
+        if self._group is not None:
+            t = torch.tensor([n])
+            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._group)
+            n = int(t)
+        for _ in range(n):
+            job, ready = self.pending.popleft()
+            self.window.submit(job.name, partial(self._run_job, job, ready))
+
+    def _run_job(self, job: P.Job, ready=None) -> None:
+        t0 = time.perf_counter()
+        if ready is not None:  # the job's tensors were received (and their producer's event waited on) there
+            torch.cuda.current_stream().wait_event(ready)
+        try:
+            kv = run_prefix(self.models[job.module], job.prompt)
+        except Exception as e:  # reported to the trainer, which raises it naming the item
+            self._out.put((P.Failed(job.step, job.index, job.name, f"{type(e).__name__}: {e}"), None))
+            return
+        event = None
+        if torch.cuda.is_available():
+            event = torch.cuda.Event()
+            event.record()  # on the stream the job ran on (the bridge's, or the window's side stream)
+        self._out.put((P.Result(job.step, job.index, kv, time.perf_counter() - t0, not self._idle), event))
+
+    def _read(self) -> None:
+        try:
+            while True:
+                # no limit once the modules are bound: the trainer trains for as long as it needs between steps
+                msg = self.link.recv("the trainer's next message" if self.models else "the trainer's modules",
+                                     timeout=math.inf if self.models else None)
+                if isinstance(msg, P.ModuleHandles):
+                    if msg.window:  # the trainer's mode.window settings; side-stream mechanisms need TP=1
+                        check_mechanism(msg.window.get("mechanism", "interleave"), self.tp_size, 1)
+                        self.window = DecodeWindow(**msg.window)
+                    self.models = bind_modules(msg)
+                    if torch.cuda.is_available():
+                        torch.cuda.current_stream().synchronize()  # once: the received parameters are ready
+                    self.link.send(P.Ack("modules"))
+                elif isinstance(msg, P.BeginStep):
+                    with self._lock:
+                        self.step, self._jobs_done, self._jobs_expected, self._ended = msg.step, 0, msg.jobs, False
+                    self.window.finished.clear()
+                    self.link.send(P.Ack(f"step {msg.step}"))
+                elif isinstance(msg, P.Job):
+                    if msg.step != self.step:
+                        raise P.BridgeError(f"job {msg.name} is for step {msg.step}, but step {self.step} is open")
+                    ready = None
+                    if torch.cuda.is_available():  # unpickling made this thread's stream wait for the sender
+                        ready = torch.cuda.Event()
+                        ready.record()
+                    self.pending.append((msg, ready))
+                elif isinstance(msg, P.EndStep):
+                    with self._lock:
+                        self._ended = True
+                    self._out.put((None, None))  # the sender checks whether the step is complete
+                else:
+                    raise P.BridgeError(f"unexpected message {type(msg).__name__} from the trainer")
+        except P.BridgeTimeout:
+            self._close("the trainer sent no modules in time")
+        except P.BridgeError as e:
+            self._close(str(e))
+        except Exception as e:  # a bad module or message: the trainer hears of it through the closed link
+            self._close(f"{type(e).__name__}: {e}")
+
+    def _send(self) -> None:
+        while not self.closed.is_set():
+            msg, event = self._out.get()
+            try:
+                if msg is not None:
+                    if event is not None:
+                        event.synchronize()  # this thread waits, not the decode loop
+                    self.link.send(msg)
+                    with self._lock:
+                        self._jobs_done += 1
+                with self._lock:
+                    done = self._ended and self._jobs_done == self._jobs_expected
+                    if done:
+                        self._ended = False
+                if done:
+                    self.link.send(P.StepDone(self.step, {**self.window.stats(), "decode_steps": self.decode_steps}))
+            except P.BridgeError as e:
+                self._close(str(e))
+
+    def _close(self, why: str) -> None:
+        """The trainer is gone (or broke the protocol): drop the queue; SGLang keeps serving."""
+        if self.closed.is_set():
+            return
+        self.error = why
+        self.closed.set()
+        self.pending.clear()
+        self.window.queue.clear()
+        self._out.put((None, None))
+        log.error("rollplex SGLang bridge (tp rank %d) closed: %s", self.tp_rank, why)
+        try:  # tell the trainer why, if it is still there
+            self.link.send(P.Failed(self.step, -1, "the bridge", why))
+        except P.BridgeError:
+            pass
+        try:
+            self.link.close()
+        except OSError:
+            pass

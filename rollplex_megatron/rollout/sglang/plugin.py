@@ -1,0 +1,111 @@
+"""SGLang plugin: the two scheduler hooks that drive the bridge (entry point `sglang.srt.plugins: rollplex`).
+
+SGLang (0.5.12 and later) loads every `sglang.srt.plugins` entry point in each process, the
+scheduler's included (`run_scheduler_process` calls `load_plugins()`), and `register` adds:
+- AROUND `Scheduler.run_batch`: after the batch's forward is enqueued, for a decode batch, the
+  bridge's `on_decode_step(batch size)` (the decode-window items of this step);
+- AROUND `Scheduler.on_idle`: the bridge drains its admitted jobs when no batch runs.
+Releases without the plugin framework call `install_direct()` from a patch (`patches/sglang/`),
+which wraps the same methods (there the idle method is `self_check_during_idle`).
+
+The hooks do nothing unless the trainer asked for the bridge (`ROLLPLEX_SGLANG_BRIDGE` in the
+scheduler's environment), so installing the package changes no other SGLang user's server.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+from rollplex_megatron.rollout.sglang import protocol as P
+
+log = logging.getLogger(__name__)
+
+SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
+RUN_BATCH = f"{SCHEDULER}.run_batch"
+ON_IDLE = f"{SCHEDULER}.on_idle"  # 0.5.12 and later
+OLD_IDLE = "self_check_during_idle"  # the idle method of releases without the plugin framework
+_ATTR = "_rollplex_bridge"
+
+
+def bridge_of(scheduler):
+    """The scheduler's bridge, opened at its first hook call (None without ROLLPLEX_SGLANG_BRIDGE)."""
+    if not os.environ.get(P.ENV_ADDRESS):
+        return None
+    bridge = scheduler.__dict__.get(_ATTR)
+    if bridge is None:
+        bridge = scheduler.__dict__[_ATTR] = open_bridge(scheduler)
+    return bridge
+
+
+def open_bridge(scheduler):
+    """Connect this scheduler process to its trainer (one connection per SGLang TP rank)."""
+    import torch.distributed as dist
+
+    from rollplex_megatron.rollout.sglang.bridge import SchedulerBridge
+
+    tp_rank, tp_size = int(scheduler.tp_rank), int(scheduler.tp_size)
+    group = None
+    if tp_size > 1:
+        if not dist.is_initialized() or dist.get_world_size() != tp_size:
+            raise P.BridgeError(f"the rollplex bridge needs SGLang's world to be its TP group (tp_size={tp_size}); "
+                                f"run SGLang without data or pipeline parallelism under the bridge")
+        group = dist.new_group(backend="gloo")  # the bridge's own: ranks agree on the jobs they hold
+    return SchedulerBridge(P.connect(tp_rank), tp_rank, tp_size, version=_version(), cpu_group=group)
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("sglang")
+    except Exception:
+        return "unknown"
+
+
+def around_run_batch(original, scheduler, batch, *args, **kwargs):
+    """Run the batch; after a decode forward is enqueued, the bridge's window items for this step."""
+    result = original(scheduler, batch, *args, **kwargs)
+    bridge = bridge_of(scheduler)
+    if bridge is not None and batch is not None and batch.forward_mode.is_decode():
+        bridge.on_decode_step(batch.batch_size())
+    return result
+
+
+def around_on_idle(original, scheduler, *args, **kwargs):
+    """No batch runs: the bridge drains its jobs, then SGLang's own idle work."""
+    bridge = bridge_of(scheduler)
+    if bridge is not None:
+        bridge.on_idle()
+    return original(scheduler, *args, **kwargs)
+
+
+HOOKS = ((RUN_BATCH, around_run_batch), (ON_IDLE, around_on_idle))
+
+
+def register() -> None:
+    """The entry point SGLang's `load_plugins()` runs: AROUND hooks on the scheduler's two methods."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    for target, hook in HOOKS:
+        HookRegistry.register(target, hook, HookType.AROUND)
+
+
+def install_direct(scheduler_cls=None) -> None:
+    """For releases without `sglang.srt.plugins` (called by the patch in `run_scheduler_process`): wrap
+    `run_batch` and the idle method (`on_idle`, else `self_check_during_idle`) in place. Idempotent."""
+    if scheduler_cls is None:
+        from sglang.srt.managers.scheduler import Scheduler as scheduler_cls
+    idle = "on_idle" if hasattr(scheduler_cls, "on_idle") else OLD_IDLE
+    for name, hook in (("run_batch", around_run_batch), (idle, around_on_idle)):
+        original = getattr(scheduler_cls, name)
+        if getattr(original, "_rollplex_hook", False):
+            continue
+
+        def wrapper(*args, _original=original, _hook=hook, **kwargs):
+            return _hook(_original, *args, **kwargs)
+
+        wrapper = functools.wraps(original)(wrapper)
+        wrapper._rollplex_hook = True
+        setattr(scheduler_cls, name, wrapper)
+    log.info("rollplex: SGLang scheduler hooks installed directly on %s", scheduler_cls.__name__)

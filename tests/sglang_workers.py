@@ -1,0 +1,315 @@
+"""Workers for the SGLang bridge tests (importable for spawn): a trainer rank and a stand-in scheduler.
+
+`StandInScheduler` is a stand-in for `sglang.srt.managers.scheduler.Scheduler` (SGLang cannot be
+installed here): it replays the call sequence of SGLang's `event_loop_overlap` (get_next_batch_to_run
+-> run_batch -> process the last batch's result -> on_idle when nothing ran), with decode batches that
+do real (small) work, and it carries the bridge through the real plugin hooks (`install_direct`).
+"""
+from __future__ import annotations
+
+import os
+import queue
+import time
+from collections import deque
+
+import torch
+
+
+class ForwardMode:
+    """Stand-in for sglang's ForwardMode: only what the hooks read."""
+
+    def __init__(self, decode: bool):
+        self.decode = decode
+
+    def is_decode(self) -> bool:
+        return self.decode
+
+
+class Batch:
+    """Stand-in for sglang's ScheduleBatch."""
+
+    def __init__(self, size: int, decode: bool = True):
+        self.size, self.forward_mode = size, ForwardMode(decode)
+
+    def batch_size(self) -> int:
+        return self.size
+
+    def copy(self) -> "Batch":
+        return Batch(self.size, self.forward_mode.decode)
+
+
+class StandInScheduler:
+    """Stand-in for SGLang's Scheduler, replaying `event_loop_overlap`'s call sequence."""
+
+    def __init__(self, decode_steps: int, step_s: float, tp_rank: int = 0, tp_size: int = 1,
+                 max_idle_s: float = 60.0):
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.steps, self.rollout, self.todo = decode_steps, -1, deque()
+        self.step_s, self.max_idle_s = step_s, max_idle_s
+        self.last_batch = None
+        self.decoded, self.idles, self.processed = 0, 0, 0
+        self.work = torch.randn(64, 64)
+
+    def get_next_batch_to_run(self):
+        from rollplex_megatron.rollout.sglang.plugin import bridge_of
+
+        bridge = bridge_of(self)
+        if bridge is None or bridge.step < 0:  # requests arrive once the trainer has opened its step
+            return None
+        if bridge.step != self.rollout:  # a new RL step: its rollout's prefill and decode batches
+            self.rollout = bridge.step
+            self.todo = deque([Batch(1, decode=False)] + [Batch(max(8 - i // 2, 1)) for i in range(self.steps)])
+        return self.todo.popleft() if self.todo else None
+
+    def run_batch(self, batch):
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < self.step_s:  # a decode forward's worth of work
+            self.work = torch.tanh(self.work @ self.work.T / 64)
+        self.decoded += batch.forward_mode.is_decode()
+        return {"batch": batch.size}
+
+    def process_batch_result(self, batch, result):
+        self.processed += 1
+
+    def on_idle(self):
+        self.idles += 1
+        time.sleep(0.002)
+
+    def event_loop_overlap(self):
+        """SGLang's overlap loop, minus request intake and sampling: stops when the bridge closes."""
+        from rollplex_megatron.rollout.sglang.plugin import bridge_of
+
+        result_queue = deque()
+        t_end = time.perf_counter() + self.max_idle_s
+        while time.perf_counter() < t_end:
+            bridge = bridge_of(self)
+            if bridge is not None and bridge.closed.is_set():
+                return bridge.error
+            batch = self.get_next_batch_to_run()
+            if batch:
+                result_queue.append((batch.copy(), self.run_batch(batch)))
+            if self.last_batch:
+                self.process_batch_result(*result_queue.popleft())
+            elif batch is None:
+                self.on_idle()
+            self.last_batch = batch
+        return "stand-in scheduler ran out of time"
+
+
+def scheduler_main(env: dict, decode_steps: int, step_s: float, mutation: str = "", report=None) -> None:
+    """A scheduler process: the plugin's hooks on the stand-in, its loop until the trainer closes the bridge."""
+    os.environ.update(env)
+    from rollplex_megatron.rollout.sglang import bridge as B
+    from rollplex_megatron.rollout.sglang.plugin import install_direct
+
+    if mutation == "copy_weights":  # the scheduler's modules own copies instead of aliasing the trainer's
+        bind = B.bind_modules
+
+        def copied(handles):
+            handles.params = {m: {n: t.clone() for n, t in ps.items()} for m, ps in handles.params.items()}
+            return bind(handles)
+
+        B.bind_modules = copied
+    if mutation == "die":  # the scheduler process dies in the middle of the step's first job
+        B.run_prefix = lambda model, prompt: os._exit(3)
+    if mutation == "stuck":  # the scheduler never runs a job (no decode, no idle hook)
+        StandInScheduler.get_next_batch_to_run = lambda self: None
+        StandInScheduler.on_idle = lambda self: time.sleep(0.01)
+    install_direct(StandInScheduler)
+    if mutation == "stuck":  # the stand-in still has to connect: its first hook call would have done it
+        from rollplex_megatron.rollout.sglang.plugin import bridge_of
+
+        sched = StandInScheduler(decode_steps, step_s)
+        bridge_of(sched)
+        time.sleep(30)
+        return
+    sched = StandInScheduler(decode_steps, step_s)
+    err = sched.event_loop_overlap()
+    if report is not None:
+        report.put({"error": err, "decoded": sched.decoded, "idles": sched.idles})
+
+
+def _models(cfg):
+    from rollplex_megatron.dist import init_parallel
+    from rollplex_megatron.models.qwen25vl import build_model
+
+    init_parallel(1, 1, cfg.seed)
+    torch.manual_seed(11)
+    ref = build_model(cfg.model, "float32")
+    torch.manual_seed(12)
+    actor = build_model(cfg.model, "float32")
+    for m, scale in ((ref, 0.5), (actor, 3.0)):  # very different magnitudes between the two modules
+        with torch.no_grad():
+            for p in m.parameters():
+                p.mul_(scale if p.dim() > 1 else 1.0)
+    return ref, actor
+
+
+def _jobs(cfg, step: int, n: int):
+    from rollplex_megatron.attention.kv_store import KVStore
+    from rollplex_megatron.rollout.window import DecodeWindow
+    from rollplex_megatron.rollout.window.jobs import PrefixJob
+    from rollplex_megatron.verify.equivalence import random_groups
+
+    cfg.verify.groups_per_rank, cfg.verify.seed = n, 40 + step
+    groups = random_groups(cfg, 0)
+    window, ref_kv, actor_kv, states = DecodeWindow(), KVStore(), KVStore(), []
+    for i, g in enumerate(groups):
+        window.submit(f"actor_prefix[{i}]", None, PrefixJob("actor", g.prompt, actor_kv, i, trainable=True,
+                                                            states=states))
+        window.submit(f"reference_prefix[{i}]", None, PrefixJob("reference", g.prompt, ref_kv, i))
+    return groups, list(window.queue), ref_kv, actor_kv, states
+
+
+def _direct(ref, actor, groups):
+    from rollplex_megatron.attention.kv_store import KVStore
+    from rollplex_megatron.prefix import execution as X
+
+    ref_kv, actor_kv = KVStore(), KVStore()
+    with torch.no_grad():
+        X.prefix_forward(ref, groups, ref_kv, keep_graph=False)
+        states = X.prefix_forward(actor, groups, actor_kv, keep_graph=False, recompute=True)
+    return ref_kv, actor_kv, states
+
+
+def _rel(a, b) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
+def trainer_kv(cfg, mutation: str = "", steps: int = 2, groups: int = 3, timeout: float = 60.0,
+               decode_steps: int = 4) -> dict:
+    """A trainer rank: modules and each step's prefix jobs to the stand-in scheduler, K/V compared with
+    the same prefix stages run directly here. Between steps the actor's weights change in place (as an
+    optimizer step does), and no weights are sent again."""
+    import multiprocessing as mp
+
+    from rollplex_megatron.rollout.sglang.client import TrainerBridge
+
+    ref, actor = _models(cfg)
+    bridge = TrainerBridge(timeout=timeout)
+    ctx = mp.get_context("spawn")
+    report = ctx.Queue()
+    proc = ctx.Process(target=scheduler_main, args=(bridge.env(), decode_steps, 0.01, mutation, report),
+                       daemon=True)
+    proc.start()
+    out = {"rel": [], "leaf_grad": [], "states": [], "in_window": 0, "after": 0, "stats": []}
+    try:
+        hello = bridge.accept(timeout=120)
+        out["hello"] = (hello.tp_rank, hello.tp_size)
+        bridge.send_modules({"reference": ref, "actor": actor}, cfg.model, "float32", {}, 1,
+                            {"mechanism": "interleave", "items_per_step": 1})
+        for step in range(steps):
+            gs, items, ref_kv, actor_kv, states = _jobs(cfg, step, groups)
+            out["stats"].append(bridge.run_step(step, items))
+            d_ref, d_actor, d_states = _direct(ref, actor, gs)
+            for got, want in ((ref_kv, d_ref), (actor_kv, d_actor)):
+                if set(got.leaves) != set(want.leaves):
+                    raise AssertionError(f"step {step}: K/V keys differ: {sorted(got.leaves)} vs {sorted(want.leaves)}")
+                for key in want.leaves:
+                    for a, b in zip(got.leaves[key], want.leaves[key]):
+                        out["rel"].append(_rel(a, b))
+            out["leaf_grad"].append(all(t.requires_grad for kv in actor_kv.leaves.values() for t in kv)
+                                    and not any(t.requires_grad for kv in ref_kv.leaves.values() for t in kv))
+            got_states = sorted(states, key=lambda s: s.group)  # appended as results arrived
+            out["states"].append(len(got_states) == len(d_states) and all(
+                s.group == d.group and s.length == d.length and s.received is None and s.output is None
+                and s.prompt.prompt is g.prompt for s, d, g in zip(got_states, d_states, gs)))
+            out["in_window"] += sum(i.in_window for i in items)
+            out["after"] += sum(not i.in_window for i in items)
+            with torch.no_grad():  # an optimizer step: the actor's weights change in place
+                for p in actor.parameters():
+                    p.add_(0.1 * torch.randn_like(p))
+    finally:
+        bridge.close()
+    proc.join(30)
+    try:
+        out["scheduler"] = report.get(timeout=10)
+    except queue.Empty:
+        out["scheduler"] = None
+    out["scheduler_exit"] = proc.exitcode
+    return out
+
+
+def trainer_failure(cfg, mutation: str, timeout: float) -> dict:
+    """A trainer rank facing a failing scheduler: the error it raises, and how long it took."""
+    t0 = time.perf_counter()
+    try:
+        trainer_kv(cfg, mutation, steps=1, groups=2, timeout=timeout, decode_steps=2)
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {e}", "seconds": time.perf_counter() - t0}
+    return {"error": None, "seconds": time.perf_counter() - t0}
+
+
+def trainer_dies(cfg) -> dict:
+    """A trainer that dies after sending its jobs: the scheduler process must drop them and go on."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    report = ctx.Queue()
+    box = ctx.Queue()
+    tr = ctx.Process(target=_dying_trainer, args=(cfg, box, report))
+    tr.start()
+    tr.join(120)
+    sched = box.get(timeout=5)
+    res = report.get(timeout=60)  # the scheduler's loop ended by itself
+    for _ in range(100):  # and its process exits
+        try:
+            os.kill(sched, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(sched, 9)
+        res["left_running"] = True
+    return {"trainer_exit": tr.exitcode, "scheduler": res}
+
+
+def _dying_trainer(cfg, box, report) -> None:
+    import multiprocessing as mp
+
+    from rollplex_megatron.rollout.sglang import protocol as P
+    from rollplex_megatron.rollout.sglang.client import TrainerBridge
+
+    ref, actor = _models(cfg)
+    bridge = TrainerBridge(timeout=60)
+    ctx = mp.get_context("spawn")
+    proc = ctx.Process(target=scheduler_main, args=(bridge.env(), 3, 0.5, "", report))  # not a daemon: outlives us
+    proc.start()
+    box.put(proc.pid)
+    bridge.accept(timeout=120)
+    bridge.send_modules({"reference": ref, "actor": actor}, cfg.model, "float32", {}, 1)
+    _, items, *_ = _jobs(cfg, 0, 3)
+    bridge.link.send(P.BeginStep(0, len(items)))
+    bridge.link.recv("ack")
+    for i, it in enumerate(items):
+        bridge.link.send(P.Job(0, i, it.name, it.job.module, it.job.prompt))
+    os._exit(7)
+
+
+def trainer_bad_job(cfg) -> str:
+    """A step whose first reference job has a token id past the vocabulary: the error the trainer raises."""
+    import dataclasses
+    import multiprocessing as mp
+
+    from rollplex_megatron.rollout.sglang.client import TrainerBridge
+
+    ref, actor = _models(cfg)
+    bridge = TrainerBridge(timeout=60)
+    proc = mp.get_context("spawn").Process(target=scheduler_main, args=(bridge.env(), 2, 0.01), daemon=True)
+    proc.start()
+    try:
+        bridge.accept(timeout=120)
+        bridge.send_modules({"reference": ref, "actor": actor}, cfg.model, "float32", {}, 1)
+        _, items, *_ = _jobs(cfg, 0, 2)
+        ref_items = [i for i in items if i.job.module == "reference"]
+        bad = ref_items[0].job.prompt.input_ids.clone()
+        bad[1] = 10**6  # past the padded vocabulary too
+        ref_items[0].job.prompt = dataclasses.replace(ref_items[0].job.prompt, input_ids=bad)
+        try:
+            bridge.run_step(0, ref_items)
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"
+        return "no error"
+    finally:
+        bridge.close()
+        proc.join(30)
