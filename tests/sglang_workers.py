@@ -313,3 +313,72 @@ def trainer_bad_job(cfg) -> str:
     finally:
         bridge.close()
         proc.join(30)
+
+
+def sglang_shards(hf_dir: str, t: int, r: int, loader: str = "alias") -> dict:
+    """SGLang-layout shards of a training rank: each equals SGLang's shard cut from the HF tensors by the
+    layout rules (`weights/layout.py`), views alias the training storage, and after SGLang's parameters are
+    bound by the loader they are the same memory: an optimizer step (plus `refresh`) reaches them."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from rollplex_megatron.compat import apply_cpu_shims
+    from rollplex_megatron.models.qwen25vl import build_model
+    from rollplex_megatron.models.qwen25vl.hf import HFCheckpoint, load_hf_into_model
+    from rollplex_megatron.rollout.sglang import weights as SW
+    from rollplex_megatron.weights import layout as WL
+    from rollplex_megatron.models.qwen25vl import hf_layout as CL
+
+    apply_cpu_shims()
+    dist.init_process_group("gloo")
+    g = dist.get_rank()
+    ck = HFCheckpoint(hf_dir)
+    cfg = ck.model_config()
+    ps.initialize_model_parallel(tensor_model_parallel_size=t)
+    train = build_model(cfg)
+    load_hf_into_model(train, ck, cfg, ps.get_tensor_model_parallel_rank(), t, 0, 1)
+    shards = SW.SGLangShards(train, cfg, t, r, ps.get_tensor_model_parallel_group(), g)
+    rules = {x.mcore: x for x in CL.model_rules(cfg, r, 1, ck.naming)}
+    tparams = dict(train.named_parameters())
+    out = {"value": [], "alias": {}, "names": [], "allocated": shards.allocated_bytes()}
+    for mname, (sname, tensor) in zip(shards.names, shards.named_tensors()):
+        rule = rules[mname]
+        hf = [ck.get(n).float() for n in rule.hf]
+        need = WL.shard_index("sglang", rule, [tuple(h.shape) for h in hf], r, g % r, cfg)
+        if need.dim is None:
+            want = hf[0]
+        else:
+            canon = torch.cat(hf, dim=need.dim)
+            want = canon.index_select(need.dim, need.index.clamp_min(0))
+            pad = need.index < 0
+            if pad.any():
+                shape = [1] * want.dim()
+                shape[need.dim] = -1
+                want = want.masked_fill(pad.view(shape), 0)
+        out["value"].append(float((tensor - want).abs().max()) if tensor.shape == want.shape else float("inf"))
+        same = tensor.untyped_storage().data_ptr() == tparams[mname].untyped_storage().data_ptr()
+        out["alias"][mname] = (shards.classes[mname], same)
+        out["names"].append(sname)
+    # SGLang's model stand-in: parameters of SGLang's names and shapes, holding their own (dummy) memory
+    sg = SW._holder({n.replace(".", "__"): t_.shape for n, t_ in shards.named_tensors()}, next(train.parameters()))
+    dummy = {n.replace("__", "."): torch.nn.Parameter(torch.randn(p.shape), requires_grad=False)
+             for n, p in sg.named_parameters()}
+    model = torch.nn.Module()
+    for n, p in dummy.items():
+        model._parameters[n.replace(".", "__")] = p
+    named = [(n.replace(".", "__"), t_) for n, t_ in shards.named_tensors()]
+    if loader == "alias":
+        SW.alias_loader(model, named)
+    else:  # mutation: the loader copies into SGLang's own memory
+        for n, t_ in named:
+            dict(model.named_parameters())[n].data.copy_(t_)
+    mp = dict(model.named_parameters())
+    out["bound"] = all(mp[n].untyped_storage().data_ptr() == t_.untyped_storage().data_ptr() for n, t_ in named)
+    with torch.no_grad():  # an optimizer step on the training weights, then the step's refresh
+        for p in train.parameters():
+            p.add_(torch.sin(3 * p) + 0.1)
+    shards.refresh()
+    fresh = SW.SGLangShards(train, cfg, t, r, ps.get_tensor_model_parallel_group(), g)  # what a new binding gives
+    out["after_step"] = max(float((mp[n] - t_).abs().max()) for (n, _), (_, t_) in zip(named, fresh.named_tensors()))
+    dist.destroy_process_group()
+    return out

@@ -44,23 +44,24 @@ class SharedRolloutWeights:
 
     def __init__(self, train_model, rollout_model, cfg: ModelConfig, t: int, r: int, train_tp_group,
                  gpu: int | None = None, mapping: str = "aligned", split_gemm: bool | str = False,
-                 rollout_tp_rank: int | None = None):
+                 rollout_tp_rank: int | None = None, layout: str = "megatron"):
         """Bind `rollout_model`'s parameters (random or on the meta device: every one is replaced).
 
         `gpu`: this GPU's index in `plan_weights`' W = max(t, r) GPU group; or `rollout_tp_rank`: this
         rank's rollout TP rank, the pairs of the training TP group are gathered over it (any world size;
         a pair whose shards do not nest is served by rebuilt tensors). `split_gemm` (`rollout.split_gemm`):
         off | local (locally permuted linears run one GEMM per block of views: nothing allocated) | all
-        (gathered linears too: only their remote pieces allocated); True means all."""
+        (gathered linears too: only their remote pieces allocated); True means all. `layout`: the rollout
+        shards' layout (`weights/layout.py`: megatron, or sglang for SGLang's parameters)."""
         split_gemm = {True: "all", False: "off"}.get(split_gemm, split_gemm)
         elem = next(train_model.parameters()).element_size()
         if rollout_tp_rank is None:
-            per_rank = plan_weights(cfg, t, r, "megatron", elem, mapping).gpus
+            per_rank = plan_weights(cfg, t, r, layout, elem, mapping).gpus
             self.plan: list[TensorPlan] = per_rank[gpu]
         else:
             rrs = [None] * t
             dist.all_gather_object(rrs, rollout_tp_rank, group=train_tp_group)
-            per_rank = plan_pairs(cfg, t, r, list(enumerate(rrs)), "megatron", elem)
+            per_rank = plan_pairs(cfg, t, r, list(enumerate(rrs)), layout, elem)
             self.plan = per_rank[dist.get_rank(train_tp_group)]
         self.t, self.group = t, train_tp_group
         gather_any = {p.name for g in per_rank for p in g if p.klass == "gather"}

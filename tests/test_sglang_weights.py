@@ -1,0 +1,29 @@
+"""Megatron's training shards as SGLang's parameters: SGLang's per-rank layout (the rules the weight-sharing
+tests check), views aliasing the training storage, and the loader binding SGLang's parameters to that memory
+(storage identity on CPU), so an optimizer step reaches SGLang without a copy."""
+import pytest
+
+from rollplex_megatron.dist import run_local
+from tests.sglang_workers import sglang_shards
+
+
+@pytest.mark.parametrize("t,r", [(1, 1), (2, 2), (2, 1), (1, 2)])
+def test_sglang_shards_alias_training_storage(tiny_hf, t, r):
+    for res in run_local(sglang_shards, max(t, r), str(tiny_hf), t, r):
+        assert max(res["value"]) == 0.0, max(res["value"])  # SGLang's shard, exactly
+        assert all(same == (klass in ("view", "strided_view")) for klass, same in res["alias"].values()), res["alias"]
+        assert res["bound"]  # SGLang's parameters are the trainer's tensors
+        assert res["after_step"] == 0.0, res["after_step"]  # the optimizer step reached them
+        assert any(n.endswith("self_attn.qkv_proj.weight") for n in res["names"])
+        assert any(n.endswith("attn.qkv_proj.weight") and n.startswith("visual.") for n in res["names"])
+        assert any(n.endswith("mlp.gate_up_proj.weight") for n in res["names"])
+        if t == r:  # equal degrees: only the layouts that differ (fused QKV order, vocab padding) own bytes
+            views = [k for k, same in res["alias"].values() if same]
+            assert len(views) > len(res["alias"]) // 2
+
+
+def test_sglang_loader_mutation_copy_is_caught(tiny_hf):
+    """Mutation: a loader that copies into SGLang's own memory binds nothing, and the step does not reach it."""
+    res = run_local(sglang_shards, 1, str(tiny_hf), 1, 1, "copy")[0]
+    assert not res["bound"]
+    assert res["after_step"] > 1e-2
