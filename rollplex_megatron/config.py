@@ -234,6 +234,53 @@ class SmokeConfig:
 
 
 @dataclass(kw_only=True)
+class SGLangConfig:
+    """rollout.engine=sglang: what `sglang.Engine` gets, and the bridge's limits (README "SGLang")."""
+
+    model_path: str = ""  # the HF checkpoint SGLang reads its config and processor from ("" : train.init_hf)
+    mem_fraction_static: float = 0.5  # SGLang's share of the GPU for its KV cache (the trainer holds the rest)
+    window_depth: int = 4  # prefix jobs in flight to the scheduler (the bridge's bounded queue)
+    timeout_s: float = 600.0  # longest wait for the scheduler during a step (names the step and item)
+    startup_timeout_s: float = 1800.0  # longest wait for SGLang's scheduler to connect while it loads
+    engine_args: dict = field(default_factory=dict)  # further sglang.Engine (ServerArgs) keywords
+
+    def __post_init__(self) -> None:
+        if not 0 < self.mem_fraction_static < 1:
+            raise ValueError(f"rollout.sglang.mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
+        if self.window_depth < 1:
+            raise ValueError(f"rollout.sglang.window_depth must be >= 1, got {self.window_depth}")
+        if self.timeout_s <= 0 or self.startup_timeout_s <= 0:
+            raise ValueError("rollout.sglang.timeout_s and rollout.sglang.startup_timeout_s must be > 0")
+        taken = {"model_path", "tp_size", "load_format", "custom_weight_loader", "random_seed", "dtype"}
+        clash = sorted(taken & set(self.engine_args))
+        if clash:
+            raise ValueError(f"rollout.sglang.engine_args.{clash[0]} is set by the project (TP, seed, dtype, the "
+                             f"alias loader); use rollout.sglang.model_path or the run's own setting instead")
+
+
+ENGINES = ("embedded", "sglang")
+
+
+def check_sglang_layout(cfg) -> None:
+    """rollout.engine=sglang runs SGLang at the training TP on the same GPUs, one engine per TP group, and
+    the decode window's prefix jobs in its scheduler (no graph can cross processes: the recompute plan)."""
+    p, r = cfg.parallel, cfg.rollout
+    if p.pp > 1 or p.dp > 1 or p.rollout_ranks:
+        raise ValueError(f"rollout.engine=sglang supports parallel.pp=1, parallel.dp=1 and no parallel.rollout_ranks "
+                         f"(got pp={p.pp}, dp={p.dp}, rollout_ranks={p.rollout_ranks}); one SGLang engine serves one "
+                         f"training TP group")
+    if r.tp not in (0, p.tp):
+        raise ValueError(f"rollout.engine=sglang runs SGLang at tp_size = parallel.tp ({p.tp}), its ranks on the "
+                         f"training ranks' GPUs; set rollout.tp=0 (got {r.tp})")
+    if r.bound_model:
+        raise ValueError("rollout.bound_model applies to the embedded engine; SGLang's parameters are always bound "
+                         "to the training storage under rollout.engine=sglang")
+    if not r.sglang.model_path and not cfg.train.init_hf:
+        raise ValueError("rollout.engine=sglang needs an HF checkpoint for SGLang's model config and processor: "
+                         "set rollout.sglang.model_path or train.init_hf")
+
+
+@dataclass(kw_only=True)
 class RolloutConfig:
     """Rollout shape and sampling: GRPO group size, length limits, sampling parameters."""
 
@@ -262,8 +309,14 @@ class RolloutConfig:
     # decode on a rollout model of its own bound to the training storage even at rollout.tp == parallel.tp
     # (every tensor a view): what the shared path costs where the layouts agree
     bound_model: bool = False
+    # who decodes: embedded (this project's engine, in the trainer's processes) | sglang (SGLang's Engine, with
+    # the decode window's prefix jobs in its scheduler through the bridge; needs SGLang installed and a GPU)
+    engine: str = "embedded"
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)
 
     def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ValueError(f"rollout.engine must be one of {ENGINES}, got {self.engine!r}")
         if self.tp < 0:
             raise ValueError(f"rollout.tp must be >= 0 (0: parallel.tp), got {self.tp}")
         if self.split_gemm not in ("off", "local", "all"):
@@ -638,6 +691,8 @@ class RunConfig:
         if self.rollout.bound_model and (self.parallel.pp > 1 or self.parallel.rollout_ranks):
             raise ValueError("rollout.bound_model=true binds a rollout model to the training storage: it needs "
                              "parallel.pp=1 and no parallel.rollout_ranks (disaggregated has weights of its own)")
+        if self.rollout.engine == "sglang":
+            check_sglang_layout(self)
         m = self.model.vision.spatial_merge_size
         for key, owner in (("image_grid", self.smoke), ("video_grid", self.smoke),
                            ("image_grid", self.verify), ("video_grid", self.verify)):

@@ -96,7 +96,21 @@ class StandInScheduler:
         return "stand-in scheduler ran out of time"
 
 
-def scheduler_main(env: dict, decode_steps: int, step_s: float, mutation: str = "", report=None) -> None:
+class StandInRunner:
+    """Stand-in for sglang's ModelRunner: `load_model` builds parameters of SGLang's names holding their own
+    (dummy) memory, shaped as the trainer's shards say (SGLang would derive them from the HF config)."""
+
+    def __init__(self, shapes: dict):
+        self.tp_rank, self.tp_size, self.shapes = 0, 1, shapes
+
+    def load_model(self):
+        self.model = torch.nn.Module()
+        for n, shape in self.shapes.items():
+            self.model._parameters[n] = torch.nn.Parameter(torch.randn(shape), requires_grad=False)
+
+
+def scheduler_main(env: dict, decode_steps: int, step_s: float, mutation: str = "", report=None,
+                   load_shapes: dict | None = None) -> None:
     """A scheduler process: the plugin's hooks on the stand-in, its loop until the trainer closes the bridge."""
     os.environ.update(env)
     from rollplex_megatron.rollout.sglang import bridge as B
@@ -115,7 +129,12 @@ def scheduler_main(env: dict, decode_steps: int, step_s: float, mutation: str = 
     if mutation == "stuck":  # the scheduler never runs a job (no decode, no idle hook)
         StandInScheduler.get_next_batch_to_run = lambda self: None
         StandInScheduler.on_idle = lambda self: time.sleep(0.01)
-    install_direct(StandInScheduler)
+    install_direct(StandInScheduler, StandInRunner)
+    bound = None
+    if load_shapes is not None:  # SGLang's start-up: the model is loaded (the plugin binds it), then the loop
+        runner = StandInRunner(load_shapes)
+        runner.load_model()
+        bound = sum(1 for p in runner.model.parameters() if p.is_shared())  # the trainer's shared memory
     if mutation == "stuck":  # the stand-in still has to connect: its first hook call would have done it
         from rollplex_megatron.rollout.sglang.plugin import bridge_of
 
@@ -126,7 +145,7 @@ def scheduler_main(env: dict, decode_steps: int, step_s: float, mutation: str = 
     sched = StandInScheduler(decode_steps, step_s)
     err = sched.event_loop_overlap()
     if report is not None:
-        report.put({"error": err, "decoded": sched.decoded, "idles": sched.idles})
+        report.put({"error": err, "decoded": sched.decoded, "idles": sched.idles, "bound": bound})
 
 
 def _models(cfg):
@@ -180,12 +199,15 @@ def trainer_kv(cfg, mutation: str = "", steps: int = 2, groups: int = 3, timeout
                decode_steps: int = 4) -> dict:
     """A trainer rank: modules and each step's prefix jobs to the stand-in scheduler, K/V compared with
     the same prefix stages run directly here. Between steps the actor's weights change in place (as an
-    optimizer step does), and no weights are sent again."""
+    optimizer step does) and are not sent again; after step 1 the reference is re-allocated (an offload
+    and reload), and its handles must be sent again."""
     import multiprocessing as mp
 
     from rollplex_megatron.rollout.sglang.client import TrainerBridge
 
     ref, actor = _models(cfg)
+    if mutation == "no_resend":  # the trainer never notices that the reference moved
+        TrainerBridge.moved = lambda self: []
     bridge = TrainerBridge(timeout=timeout)
     ctx = mp.get_context("spawn")
     report = ctx.Queue()
@@ -219,6 +241,9 @@ def trainer_kv(cfg, mutation: str = "", steps: int = 2, groups: int = 3, timeout
             with torch.no_grad():  # an optimizer step: the actor's weights change in place
                 for p in actor.parameters():
                     p.add_(0.1 * torch.randn_like(p))
+            if step == 1:  # an offload and reload: the reference comes back at new addresses, other values
+                for p in ref.parameters():
+                    p.data = p.data.clone().mul_(1.5)
     finally:
         bridge.close()
     proc.join(30)
@@ -382,3 +407,85 @@ def sglang_shards(hf_dir: str, t: int, r: int, loader: str = "alias") -> dict:
     out["after_step"] = max(float((mp[n] - t_).abs().max()) for (n, _), (_, t_) in zip(named, fresh.named_tensors()))
     dist.destroy_process_group()
     return out
+
+
+class StandInEngine:
+    """Stand-in for `sglang.Engine` (SGLang cannot be installed here): starts the stand-in scheduler process
+    (which connects to the bridge and loads its model through the plugin's hook) and answers `generate` in
+    SGLang's output format, with tokens drawn from each entry's `sampling_seed`."""
+
+    calls: list = []
+
+    def __init__(self, **kwargs):
+        import multiprocessing as mp
+
+        from rollplex_megatron.rollout.sglang import protocol as P
+
+        StandInEngine.calls.append(("__init__", kwargs))
+        env = {k: os.environ[k] for k in (P.ENV_ADDRESS, P.ENV_KEY, P.ENV_TIMEOUT)}
+        ctx = mp.get_context("spawn")
+        self.report = ctx.Queue()
+        self.proc = ctx.Process(target=scheduler_main, args=(env, 4, 0.01, "", self.report, StandInEngine.shapes),
+                                daemon=True)
+        self.proc.start()
+
+    def generate(self, input_ids, sampling_params, image_data=None, video_data=None, return_logprob=False):
+        StandInEngine.calls.append(("generate", {"input_ids": input_ids, "sampling_params": sampling_params,
+                                                 "image_data": image_data, "video_data": video_data,
+                                                 "return_logprob": return_logprob}))
+        return [standin_output(sp) for sp in sampling_params]
+
+    def shutdown(self):
+        self.proc.join(30)
+
+
+def standin_output(sp: dict) -> dict:
+    """What the stand-in SGLang generates for one entry: SGLang's output dict."""
+    g = torch.Generator().manual_seed(sp["sampling_seed"])
+    toks, fin = [], {"type": "length", "length": sp["max_new_tokens"]}
+    for _ in range(sp["max_new_tokens"]):
+        toks.append(int(torch.randint(0, 100, (1,), generator=g)))
+        if toks[-1] in sp["stop_token_ids"]:
+            fin = {"type": "stop", "matched": toks[-1]}
+            break
+    lps = [-float(x) for x in torch.rand(len(toks), generator=g)]
+    return {"text": "", "output_ids": toks,
+            "meta_info": {"output_token_logprobs": [(lp, t, None) for lp, t in zip(lps, toks)], "finish_reason": fin}}
+
+
+class StandInSGLang:
+    """Stand-in for the `sglang` package: only `Engine`."""
+
+    Engine = StandInEngine
+
+
+def adapter_rollout(cfg) -> dict:
+    """SGLangEngine over the stand-in: SGLang's parameters bound at load, a rollout with window jobs."""
+    from megatron.core import parallel_state as ps
+
+    from rollplex_megatron.rollout.sampling import SamplingParams
+    from rollplex_megatron.rollout.sglang.engine import SGLangEngine
+    from rollplex_megatron.rollout.sglang.weights import SGLangShards
+    from tests.rollout_workers import requests as make_requests
+
+    ref, actor = _models(cfg)
+    shards = SGLangShards(actor, cfg.model, 1, 1, ps.get_tensor_model_parallel_group(), 0)
+    StandInEngine.shapes = {n: tuple(t.shape) for n, t in shards.named_tensors()}
+    del shards
+    eng = SGLangEngine(actor, ref, cfg, ps.get_tensor_model_parallel_group(), sglang=StandInSGLang)
+    reqs = make_requests(cfg, 3)
+    gs, items, ref_kv, actor_kv, states = _jobs(cfg, 0, 3)
+    from rollplex_megatron.rollout.window import DecodeWindow
+
+    window = DecodeWindow()
+    window.queue.extend(items)
+    out = eng.generate(reqs, SamplingParams(temperature=0.7, top_p=0.9, top_k=5), window)
+    d_ref, d_actor, _ = _direct(ref, actor, gs)
+    rel = [_rel(a, b) for st, d in ((ref_kv, d_ref), (actor_kv, d_actor)) for k in d.leaves
+           for a, b in zip(st.leaves[k], d.leaves[k])]
+    eng.sync_weights()
+    eng.shutdown()
+    sched = eng.engine.report.get(timeout=30)
+    return {"calls": StandInEngine.calls, "results": out.results, "reqs": [(r.n, r.max_new_tokens, r.seed,
+            r.stop_token_ids) for r in reqs], "rel": rel, "finished": len(window.finished),
+            "stats": window.stats(), "bound": sched["bound"], "n_params": len(StandInEngine.shapes)}

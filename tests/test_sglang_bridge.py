@@ -18,17 +18,18 @@ def _cfg():
 
 
 def test_bridge_kv_equal_direct_prefix_stages():
-    """Two RL steps of reference and actor prefix jobs; the actor's weights change in place between them and
-    are not sent again: the scheduler's modules alias the trainer's (K/V of step 2 would differ otherwise)."""
+    """Three RL steps of reference and actor prefix jobs; the actor's weights change in place between them and
+    are not sent again (the scheduler's modules alias the trainer's: K/V of later steps would differ
+    otherwise); the reference moves after step 1 and its handles are sent again."""
     cfg = _cfg()
-    r = run_local(W.trainer_kv, 1, cfg, "", 2, 3, 60.0, 4)[0]
-    assert len(r["rel"]) == 2 * 2 * 3 * cfg.model.num_layers * 2  # steps x modules x groups x layers x (k, v)
+    r = run_local(W.trainer_kv, 1, cfg, "", 3, 3, 60.0, 4)[0]
+    assert len(r["rel"]) == 3 * 2 * 3 * cfg.model.num_layers * 2  # steps x modules x groups x layers x (k, v)
     assert max(r["rel"]) <= TOL, max(r["rel"])
-    assert r["leaf_grad"] == [True, True]  # actor K/V trainable leaves, reference K/V plain
-    assert r["states"] == [True, True]  # the recompute plan the prefix backward reads
+    assert r["leaf_grad"] == [True] * 3  # actor K/V trainable leaves, reference K/V plain
+    assert r["states"] == [True] * 3  # the recompute plan the prefix backward reads
     assert r["in_window"] > 0 and r["after"] > 0  # some jobs ran between decode steps, the rest at idle
     assert all(s["items_in_window"] + s["items_after"] == 6 for s in r["stats"])
-    assert r["scheduler_exit"] == 0 and r["scheduler"]["decoded"] == 8  # SGLang kept serving, then stopped
+    assert r["scheduler_exit"] == 0 and r["scheduler"]["decoded"] == 12  # SGLang kept serving, then stopped
 
 
 def test_bridge_kv_mutation_copied_weights_is_caught():
@@ -37,6 +38,14 @@ def test_bridge_kv_mutation_copied_weights_is_caught():
     half = len(r["rel"]) // 2
     assert max(r["rel"][:half]) <= TOL
     assert max(r["rel"][half:]) > 100 * TOL
+
+
+def test_bridge_kv_mutation_stale_reference_handles_is_caught():
+    """Mutation: the reference's handles are not sent again after it moved; step 3's K/V are wrong."""
+    r = run_local(W.trainer_kv, 1, _cfg(), "no_resend", 3, 2, 60.0, 4)[0]
+    third = len(r["rel"]) // 3
+    assert max(r["rel"][:2 * third]) <= TOL
+    assert max(r["rel"][2 * third:]) > 100 * TOL
 
 
 def test_scheduler_death_names_step_and_item():
@@ -67,3 +76,38 @@ def test_job_error_reaches_the_trainer():
     """A job that raises in the scheduler (a token id past the padded vocabulary) fails the step, naming it."""
     r = run_local(W.trainer_bad_job, 1, _cfg())[0]
     assert "step 0: item reference_prefix[0] failed in the SGLang scheduler" in r, r
+
+
+def test_engine_adapter_over_a_standin_engine():
+    """SGLangEngine over a stand-in `sglang.Engine` (named as such: SGLang cannot run here): the engine's
+    arguments (dummy weights, the alias loader, TP), SGLang's parameters bound to the training shards at load,
+    one entry per sample with its own seed and the request's limits, outputs parsed in request order, and
+    the window's jobs run in the scheduler with K/V equal to the direct prefix stages."""
+    from rollplex_megatron.rollout.sglang.engine import BANNED_BIAS, sample_seed
+    from rollplex_megatron.rollout.sglang.weights import LOADER
+
+    cfg = load_run_config(["model=tiny", "rollout.engine=sglang", "rollout.sglang.model_path=stand-in"])
+    r = run_local(W.adapter_rollout, 1, cfg)[0]
+    (k0, init), (k1, gen) = r["calls"][0], r["calls"][1]
+    assert k0 == "__init__" and k1 == "generate"
+    assert init["load_format"] == "dummy" and init["custom_weight_loader"] == [LOADER] and init["tp_size"] == 1
+    assert r["bound"] == r["n_params"] > 0  # every SGLang parameter is the trainer's memory
+    sps = gen["sampling_params"]
+    assert len(sps) == sum(n for n, *_ in r["reqs"]) and gen["return_logprob"] is True
+    k = 0
+    for (n, max_new, seed, stops), res in zip(r["reqs"], r["results"]):
+        seeds = [sps[k + j]["sampling_seed"] for j in range(n)]
+        assert seeds == [sample_seed(seed, j) for j in range(n)] and len(set(seeds)) == n
+        for j in range(n):
+            sp = sps[k + j]
+            assert sp["max_new_tokens"] == max_new and sp["stop_token_ids"] == list(stops)
+            assert sp["temperature"] == 0.7 and sp["top_p"] == 0.9 and sp["top_k"] == 5
+            assert all(v == BANNED_BIAS for v in sp["logit_bias"].values()) and len(sp["logit_bias"]) == 4
+            want = W.standin_output(sp)
+            assert res.tokens[j].tolist() == want["output_ids"]
+            assert res.finish_reasons[j] == want["meta_info"]["finish_reason"]["type"]
+            assert res.logprobs[j].tolist() == [x for x, _, _ in want["meta_info"]["output_token_logprobs"]]
+        k += n
+    assert gen["image_data"][0]["format"] == "processor_output" and "pixel_values" in gen["image_data"][0]
+    assert max(r["rel"]) <= TOL and len(r["rel"]) > 0
+    assert r["finished"] == 6 and r["stats"]["items_in_window"] + r["stats"]["items_after"] == 6

@@ -27,6 +27,7 @@ from rollplex_megatron.prefix.batch import Group, validate_groups
 from rollplex_megatron.rl.grpo import GRPOLoss, group_advantages, loss_weights
 from rollplex_megatron.rollout.embedded import EmbeddedEngine
 from rollplex_megatron.rollout.engine import RolloutRequest
+from rollplex_megatron.rollout.sglang.engine import SGLangEngine, import_sglang
 from rollplex_megatron.rollout.disaggregated import RemoteRollout
 from rollplex_megatron.rollout.replicas import RolloutReplicas
 from rollplex_megatron.rollout.sampling import SamplingParams
@@ -133,10 +134,13 @@ def build_policy(cfg: RunConfig):
     return model
 
 
-def build_engine(model, cfg: RunConfig, at: ParallelLayouts | None = None):
+def build_engine(model, cfg: RunConfig, at: ParallelLayouts | None = None, reference=None):
     """The embedded rollout engine with the run's rollout and KV settings: over `model`'s own modules,
     or, when `rollout.tp` differs from the training TP (or `rollout.bound_model`), over rollout replicas
-    bound to its storage; under mode=disaggregated, the rollout ranks' engines."""
+    bound to its storage; under mode=disaggregated, the rollout ranks' engines; under
+    rollout.engine=sglang, SGLang on the training storage with the window's jobs in its scheduler."""
+    if cfg.rollout.engine == "sglang":
+        return SGLangEngine(X.unwrap(model), reference, cfg, ps.get_tensor_model_parallel_group())
     if at is not None and at.rollout_ranks:
         return RemoteRollout(X.unwrap(model), cfg, at)
     if at is not None and (at.differ or cfg.rollout.bound_model):
@@ -169,7 +173,13 @@ class Runtime:
         self.memory = MemoryManager(rel, cfg.mode.name, self.ddp, self.optimizer, self.ref)
         self.plan["host_buffers_s"] = self.memory.reserve_host()  # a start-up cost, not step 1's and 2's
         self.recompute = "actor_prefix_graph" in rel  # the actor prefix keeps no graph
-        self.engine = build_engine(self.ddp, cfg, self.layouts)
+        if cfg.rollout.engine == "sglang" and cfg.mode.name == "rollplex" and not self.recompute:
+            raise ValueError("rollout.engine=sglang with mode=rollplex runs the actor prefix stage in SGLang's "
+                             "process, where no autograd graph for the trainer can be kept: the recompute plan is "
+                             "needed; use memory.plan=phase (or auto), not keep")
+        if cfg.rollout.engine == "sglang":
+            import_sglang()  # a one-line error before any SGLang work when it is missing
+        self.engine = build_engine(self.ddp, cfg, self.layouts, self.ref)
         if isinstance(self.engine, RolloutReplicas):  # what the rollout model owns on this rank (views: nothing)
             self.plan["rollout_layout"] = {"rollout_tp": self.layouts.rollout_tp, "replicas": self.engine.replicas,
                                            "allocated_bytes": self.engine.allocated_bytes(),

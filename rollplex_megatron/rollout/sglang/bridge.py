@@ -111,6 +111,8 @@ class SchedulerBridge:
         self._out: queue.Queue = queue.Queue()
         self._jobs_done, self._jobs_expected, self._ended = 0, None, False
         self._lock = threading.Lock()
+        self.weights = threading.Event()  # set once the trainer's WeightHandles arrived
+        self._weights: list = []
         self._idle = False  # on_idle is draining the window (its jobs ran after decode, not in the window)
         link.send(P.Hello(tp_rank, tp_size, os.getpid(), version))
         self._reader = threading.Thread(target=self._read, name="rollplex-bridge-reader", daemon=True)
@@ -140,6 +142,20 @@ class SchedulerBridge:
                     self.window.on_idle()
             finally:
                 self._idle = False
+
+    def bind_weights(self, model, timeout: float) -> int:
+        """While SGLang loads (before its KV cache and CUDA graphs): wait for the trainer's shards and make
+        `model`'s parameters those tensors (`weights.alias_loader`); returns how many were bound."""
+        from rollplex_megatron.rollout.sglang.weights import alias_loader
+
+        if not self.weights.wait(timeout):
+            raise P.BridgeTimeout(f"the trainer sent no weights within {timeout:g} s while SGLang loaded its model")
+        alias_loader(model, self._weights)
+        if torch.cuda.is_available():
+            torch.cuda.current_stream().synchronize()
+            torch.cuda.empty_cache()  # what SGLang had allocated for its own (dummy) weights goes back
+        self.link.send(P.Ack("weights"))
+        return len(self._weights)
 
     # --- internals -------------------------------------------------------------------------------
     def _on_stream(self):
@@ -174,10 +190,13 @@ class SchedulerBridge:
     def _read(self) -> None:
         try:
             while True:
-                # no limit once the modules are bound: the trainer trains for as long as it needs between steps
-                msg = self.link.recv("the trainer's next message" if self.models else "the trainer's modules",
-                                     timeout=math.inf if self.models else None)
-                if isinstance(msg, P.ModuleHandles):
+                # no limit: SGLang's start-up and the trainer's phases between rollouts take as long as they take;
+                # a trainer that dies closes the connection
+                msg = self.link.recv("the trainer's next message", timeout=math.inf)
+                if isinstance(msg, P.WeightHandles):
+                    self._weights = msg.named
+                    self.weights.set()
+                elif isinstance(msg, P.ModuleHandles):
                     if msg.window:  # the trainer's mode.window settings; side-stream mechanisms need TP=1
                         check_mechanism(msg.window.get("mechanism", "interleave"), self.tp_size, 1)
                         self.window = DecodeWindow(**msg.window)
@@ -204,8 +223,6 @@ class SchedulerBridge:
                     self._out.put((None, None))  # the sender checks whether the step is complete
                 else:
                     raise P.BridgeError(f"unexpected message {type(msg).__name__} from the trainer")
-        except P.BridgeTimeout:
-            self._close("the trainer sent no modules in time")
         except P.BridgeError as e:
             self._close(str(e))
         except Exception as e:  # a bad module or message: the trainer hears of it through the closed link

@@ -71,6 +71,11 @@ class TrainerBridge:
         self.hello = hello
         return hello
 
+    def send_weights(self, named: list) -> None:
+        """Hand SGLang's parameters over ([(SGLang name, tensor)], as handles) and wait until they are bound."""
+        self.link.send(P.WeightHandles([(n, shareable(t)) for n, t in named]))
+        self._expect(P.Ack, "the scheduler to bind SGLang's parameters to the training shards")
+
     def send_modules(self, modules: dict, model_cfg, dtype: str, megatron: dict, tp: int,
                      window: dict | None = None) -> None:
         """Hand the jobs' modules over (`modules`: name -> model; every parameter as a handle)."""
@@ -78,17 +83,15 @@ class TrainerBridge:
         for name, model in modules.items():
             params[name] = {n: shareable(p.data) for n, p in model.named_parameters()}
             self._storage.update({f"{name}.{n}": t.untyped_storage().data_ptr() for n, t in params[name].items()})
-        self._modules = modules
+        self._modules, self._spec = modules, (model_cfg, dtype, megatron, tp, window)
         self.link.send(P.ModuleHandles(model_cfg, dtype, megatron or {}, tp, params, dict(window or {})))
         self._expect(P.Ack, "the scheduler to bind the modules")
 
-    def check_bound(self) -> None:
-        """Fail if a training parameter moved after its handle was sent (the scheduler would read stale memory)."""
-        for name, model in self._modules.items():
-            for n, p in model.named_parameters():
-                if p.data.untyped_storage().data_ptr() != self._storage[f"{name}.{n}"]:
-                    raise P.BridgeError(f"parameter {name}.{n} was re-allocated after it was sent to the SGLang "
-                                        f"scheduler; send the modules after every wrapper that moves parameters")
+    def moved(self) -> list[str]:
+        """Parameters re-allocated since their handles were sent (the memory manager's offload brings the
+        reference back at new addresses): the scheduler would read freed memory through the old handles."""
+        return [f"{name}.{n}" for name, model in self._modules.items() for n, p in model.named_parameters()
+                if p.data.untyped_storage().data_ptr() != self._storage[f"{name}.{n}"]]
 
     def run_step(self, step: int, items: list[WorkItem], depth: int = 4) -> dict:
         """Run the window items of one RL step in the scheduler; returns its window statistics."""
@@ -98,7 +101,8 @@ class TrainerBridge:
         if missing:
             raise ValueError(f"window item {missing[0]} has no job form (PrefixJob); the SGLang engine runs prefix "
                              f"stages only")
-        self.check_bound()
+        if self.moved():  # handles again, before any job reads them
+            self.send_modules(self._modules, *self._spec)
         self.step = step
         self.link.send(P.BeginStep(step, len(items)))
         self._expect(P.Ack, f"step {step}: the scheduler to open the step")

@@ -4,7 +4,9 @@ SGLang (0.5.12 and later) loads every `sglang.srt.plugins` entry point in each p
 scheduler's included (`run_scheduler_process` calls `load_plugins()`), and `register` adds:
 - AROUND `Scheduler.run_batch`: after the batch's forward is enqueued, for a decode batch, the
   bridge's `on_decode_step(batch size)` (the decode-window items of this step);
-- AROUND `Scheduler.on_idle`: the bridge drains its admitted jobs when no batch runs.
+- AROUND `Scheduler.on_idle`: the bridge drains its admitted jobs when no batch runs;
+- AFTER `ModelRunner.load_model`: SGLang's parameters become the trainer's shards (`weights.py`), before
+  SGLang sizes its KV cache and captures CUDA graphs.
 Releases without the plugin framework call `install_direct()` from a patch (`patches/sglang/`),
 which wraps the same methods (there the idle method is `self_check_during_idle`).
 
@@ -22,29 +24,40 @@ from rollplex_megatron.rollout.sglang import protocol as P
 log = logging.getLogger(__name__)
 
 SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
+LOAD_MODEL = "sglang.srt.model_executor.model_runner.ModelRunner.load_model"
 RUN_BATCH = f"{SCHEDULER}.run_batch"
 ON_IDLE = f"{SCHEDULER}.on_idle"  # 0.5.12 and later
 OLD_IDLE = "self_check_during_idle"  # the idle method of releases without the plugin framework
-_ATTR = "_rollplex_bridge"
+_BRIDGE = None  # this process's bridge (one scheduler per process)
 
 
-def bridge_of(scheduler):
-    """The scheduler's bridge, opened at its first hook call (None without ROLLPLEX_SGLANG_BRIDGE)."""
+def tp_coordinates(obj) -> tuple[int, int]:
+    """(TP rank, TP size) of this SGLang process: the object's `tp_rank` / `tp_size` (0.5.12's Scheduler and
+    ModelRunner), else SGLang's runtime context (`get_parallel()`, 0.5.23)."""
+    if hasattr(obj, "tp_rank") and hasattr(obj, "tp_size"):
+        return int(obj.tp_rank), int(obj.tp_size)
+    from sglang.srt.runtime_context import get_parallel
+
+    par = get_parallel()
+    return int(par.tp_rank), int(par.tp_size)
+
+
+def bridge_of(obj):
+    """This process's bridge, opened at the first hook call (None without ROLLPLEX_SGLANG_BRIDGE)."""
+    global _BRIDGE
     if not os.environ.get(P.ENV_ADDRESS):
         return None
-    bridge = scheduler.__dict__.get(_ATTR)
-    if bridge is None:
-        bridge = scheduler.__dict__[_ATTR] = open_bridge(scheduler)
-    return bridge
+    if _BRIDGE is None:
+        _BRIDGE = open_bridge(*tp_coordinates(obj))
+    return _BRIDGE
 
 
-def open_bridge(scheduler):
+def open_bridge(tp_rank: int, tp_size: int):
     """Connect this scheduler process to its trainer (one connection per SGLang TP rank)."""
     import torch.distributed as dist
 
     from rollplex_megatron.rollout.sglang.bridge import SchedulerBridge
 
-    tp_rank, tp_size = int(scheduler.tp_rank), int(scheduler.tp_size)
     group = None
     if tp_size > 1:
         if not dist.is_initialized() or dist.get_world_size() != tp_size:
@@ -80,6 +93,15 @@ def around_on_idle(original, scheduler, *args, **kwargs):
     return original(scheduler, *args, **kwargs)
 
 
+def after_load_model(result, runner, *args, **kwargs):
+    """SGLang has built its model (dummy weights): bind its parameters to the trainer's shards now, before
+    the KV cache is sized and the CUDA graphs are captured (they record parameter addresses)."""
+    bridge = bridge_of(runner)
+    if bridge is not None:
+        bridge.bind_weights(runner.model, bridge.link.timeout)
+    return result
+
+
 HOOKS = ((RUN_BATCH, around_run_batch), (ON_IDLE, around_on_idle))
 
 
@@ -89,16 +111,35 @@ def register() -> None:
 
     for target, hook in HOOKS:
         HookRegistry.register(target, hook, HookType.AROUND)
+    HookRegistry.register(LOAD_MODEL, after_load_model, HookType.AFTER)
 
 
-def install_direct(scheduler_cls=None) -> None:
+def _after(hook):
+    """An AROUND form of an AFTER hook (SGLang's HookType.AFTER semantics: a None result keeps the original's)."""
+    def around(original, *args, **kwargs):
+        result = original(*args, **kwargs)
+        new = hook(result, *args, **kwargs)
+        return result if new is None else new
+    return around
+
+
+def install_direct(scheduler_cls=None, runner_cls=None) -> None:
     """For releases without `sglang.srt.plugins` (called by the patch in `run_scheduler_process`): wrap
-    `run_batch` and the idle method (`on_idle`, else `self_check_during_idle`) in place. Idempotent."""
+    `run_batch`, the idle method (`on_idle`, else `self_check_during_idle`) and `ModelRunner.load_model`
+    in place. Idempotent."""
     if scheduler_cls is None:
         from sglang.srt.managers.scheduler import Scheduler as scheduler_cls
+    if runner_cls is None:
+        try:
+            from sglang.srt.model_executor.model_runner import ModelRunner as runner_cls
+        except ImportError:  # a stand-in scheduler without SGLang
+            runner_cls = None
     idle = "on_idle" if hasattr(scheduler_cls, "on_idle") else OLD_IDLE
-    for name, hook in (("run_batch", around_run_batch), (idle, around_on_idle)):
-        original = getattr(scheduler_cls, name)
+    targets = [(scheduler_cls, "run_batch", around_run_batch), (scheduler_cls, idle, around_on_idle)]
+    if runner_cls is not None:
+        targets.append((runner_cls, "load_model", _after(after_load_model)))
+    for cls, name, hook in targets:
+        original = getattr(cls, name)
         if getattr(original, "_rollplex_hook", False):
             continue
 
@@ -107,5 +148,5 @@ def install_direct(scheduler_cls=None) -> None:
 
         wrapper = functools.wraps(original)(wrapper)
         wrapper._rollplex_hook = True
-        setattr(scheduler_cls, name, wrapper)
-    log.info("rollplex: SGLang scheduler hooks installed directly on %s", scheduler_cls.__name__)
+        setattr(cls, name, wrapper)
+    log.info("rollplex: SGLang hooks installed directly on %s", scheduler_cls.__name__)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import os
 import secrets
+import threading
 from dataclasses import dataclass, field
 from multiprocessing.connection import Client, Connection, Listener
 
@@ -55,6 +56,13 @@ class ModuleHandles:
     tp: int  # the training TP the shards belong to
     params: dict[str, dict] = field(default_factory=dict)  # module name -> {parameter name: tensor}
     window: dict = field(default_factory=dict)  # DecodeWindow settings (mechanism, items_per_step, ...)
+
+
+@dataclass
+class WeightHandles:
+    """Trainer -> scheduler, once, while SGLang loads: this rank's tensors for SGLang's parameters."""
+
+    named: list  # [(SGLang parameter name, tensor)]
 
 
 @dataclass
@@ -134,11 +142,13 @@ class Link:
     def __init__(self, conn: Connection, peer: str, timeout: float | None = None):
         self.conn, self.peer = conn, peer
         self.timeout = timeout_s() if timeout is None else timeout
+        self._lock = threading.Lock()
 
     def send(self, msg) -> None:
-        """Send one message (tensors as handles)."""
+        """Send one message (tensors as handles); safe from several threads."""
         try:
-            self.conn.send(msg)
+            with self._lock:
+                self.conn.send(msg)
         except (BrokenPipeError, ConnectionResetError, EOFError, OSError) as e:
             raise BridgeError(f"{self.peer} closed the bridge before {type(msg).__name__} could be sent "
                               f"({type(e).__name__}); it died or shut down") from e
