@@ -21,6 +21,9 @@ setup(
         "tensorboard",
     ],
     extras_require={"test": ["pytest"]},
-    entry_points={"console_scripts": ["rollplex=rollplex_megatron.__main__:main"]},
+    entry_points={"console_scripts": ["rollplex=rollplex_megatron.__main__:main"],
+                  # SGLang (0.5.12 and later) runs this in every process, its schedulers included; the hooks do
+                  # nothing unless a trainer set ROLLPLEX_SGLANG_BRIDGE (rollout.engine=sglang)
+                  "sglang.srt.plugins": ["rollplex=rollplex_megatron.rollout.sglang.plugin:register"]},
     include_package_data=True,
 )

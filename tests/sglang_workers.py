@@ -435,6 +435,12 @@ class StandInEngine:
                                                  "return_logprob": return_logprob}))
         return [standin_output(sp) for sp in sampling_params]
 
+    def release_memory_occupation(self, tags=None):
+        StandInEngine.calls.append(("release_memory_occupation", {"tags": tags}))
+
+    def resume_memory_occupation(self, tags=None):
+        StandInEngine.calls.append(("resume_memory_occupation", {"tags": tags}))
+
     def shutdown(self):
         self.proc.join(30)
 

@@ -88,9 +88,13 @@ def test_engine_adapter_over_a_standin_engine():
 
     cfg = load_run_config(["model=tiny", "rollout.engine=sglang", "rollout.sglang.model_path=stand-in"])
     r = run_local(W.adapter_rollout, 1, cfg)[0]
-    (k0, init), (k1, gen) = r["calls"][0], r["calls"][1]
-    assert k0 == "__init__" and k1 == "generate"
+    kinds = [k for k, _ in r["calls"]]
+    assert kinds == ["__init__", "release_memory_occupation", "resume_memory_occupation", "generate",
+                     "release_memory_occupation"]  # SGLang's KV cache and graphs held only while it generates
+    init, gen = r["calls"][0][1], r["calls"][3][1]
+    assert all(c[1]["tags"] == ["kv_cache", "cuda_graph"] for c in r["calls"] if "memory" in c[0])
     assert init["load_format"] == "dummy" and init["custom_weight_loader"] == [LOADER] and init["tp_size"] == 1
+    assert init["enable_deterministic_inference"] is True  # SGLang honours sampling_seed only then
     assert r["bound"] == r["n_params"] > 0  # every SGLang parameter is the trainer's memory
     sps = gen["sampling_params"]
     assert len(sps) == sum(n for n, *_ in r["reqs"]) and gen["return_logprob"] is True

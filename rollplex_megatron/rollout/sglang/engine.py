@@ -13,7 +13,8 @@ the trainer's GPU g):
 Per step: `generate` sends the window's jobs over the bridge while rank 0 asks SGLang for the samples
 (G requests per prompt, each with its own seed; SGLang's radix cache shares the prompt's KV among
 them), and the other ranks get the results from rank 0. `sync_weights` after the optimizer step
-refreshes the non-view buffers; the views need nothing. SGLang's log-probs are those of the
+refreshes the non-view buffers; the views need nothing. SGLang's KV cache and CUDA graphs are held only
+during `generate` (released after it, resumed before the next: `ROLLOUT_MEMORY`). SGLang's log-probs are those of the
 temperature-scaled distribution it samples from (its default; `SGLANG_RETURN_ORIGINAL_LOGPROB` would
 break that and is refused).
 """
@@ -32,7 +33,20 @@ from rollplex_megatron.rollout.sglang import protocol as P
 from rollplex_megatron.rollout.sglang.client import TrainerBridge, shareable
 from rollplex_megatron.rollout.sglang.weights import LOADER, SGLangShards
 
+# SGLang's memory outside the rollout phase: its KV cache and CUDA graphs are released (the memory saver keeps
+# their addresses, so the graphs stay valid), its weights are the trainer's and are never released
+ROLLOUT_MEMORY = ("kv_cache", "cuda_graph")
 BANNED_BIAS = -1e9  # logit bias of the vision placeholder tokens (the embedded sampler bans them too)
+
+
+def rollout_memory_tags() -> list[str]:
+    """The tags of `ROLLOUT_MEMORY` this SGLang release has (0.5.2 has no cuda_graph tag: its graphs stay)."""
+    try:
+        from sglang.srt import constants as C
+    except ImportError:  # a stand-in without sglang.srt
+        return list(ROLLOUT_MEMORY)
+    have = {getattr(C, n, None) for n in dir(C) if n.startswith("GPU_MEMORY_TYPE_")}
+    return [t for t in ROLLOUT_MEMORY if t in have]
 
 
 def import_sglang():
@@ -42,7 +56,23 @@ def import_sglang():
     except ImportError:
         raise RuntimeError("rollout.engine=sglang needs SGLang in this environment (pip install 'sglang==0.5.23', "
                            "or 0.5.12 as verl 0.9.1 pins; README 'SGLang'); use rollout.engine=embedded") from None
+    version = getattr(sglang, "__version__", "0")
+    if _release(version) < MIN_ADAPTER:
+        raise RuntimeError(f"rollout.engine=sglang needs SGLang >= {'.'.join(map(str, MIN_ADAPTER))} (per-sample "
+                           f"sampling_seed, deterministic inference); this is {version}. Older releases get the "
+                           f"bridge's hooks through patches/sglang/ but not this adapter")
     return sglang
+
+
+MIN_ADAPTER = (0, 5, 12)
+
+
+def _release(version: str) -> tuple[int, ...]:
+    out = []
+    for part in version.split(".")[:3]:
+        digits = "".join(ch for ch in part if ch.isdigit())
+        out.append(int(digits or 0))
+    return tuple(out)
 
 
 def sample_seed(seed: int, sample: int) -> int:
@@ -130,14 +160,20 @@ class SGLangEngine:
         self.bridge.send_modules({"reference": reference, "actor": actor}, cfg.model, cfg.dtype, cfg.megatron,
                                  self.tp, window)
         self.step = 0
+        self.memory_tags = rollout_memory_tags()
+        if self.engine is not None:  # the rollout phase resumes them
+            self.engine.release_memory_occupation(tags=self.memory_tags)
 
     def engine_args(self) -> dict:
         """sglang.Engine's keywords: dummy weights bound by the alias loader, this run's TP and seed."""
         s = self.cfg.rollout.sglang
         path = s.model_path or self.cfg.train.init_hf
+        # per-sample seeds are honoured only under deterministic inference; the memory saver makes
+        # release/resume of the KV cache and graphs real (without it they are no-ops)
         args = {"model_path": path, "tp_size": self.tp, "load_format": "dummy", "custom_weight_loader": [LOADER],
                 "mem_fraction_static": s.mem_fraction_static, "random_seed": self.cfg.seed,
-                "dtype": "bfloat16" if self.cfg.dtype == "bfloat16" else self.cfg.dtype}
+                "dtype": "bfloat16" if self.cfg.dtype == "bfloat16" else self.cfg.dtype,
+                "enable_deterministic_inference": True, "enable_memory_saver": True}
         args.update(s.engine_args)
         return args
 
@@ -185,6 +221,7 @@ class SGLangEngine:
         results = None
         try:
             if self.tp_rank == 0:
+                self.engine.resume_memory_occupation(tags=self.memory_tags)
                 payload = [x for r in requests for x in request_payload(r, params, self.banned)]
                 outputs = self.engine.generate(input_ids=[x["input_ids"] for x in payload],
                                                sampling_params=[x["sampling_params"] for x in payload],
@@ -193,7 +230,9 @@ class SGLangEngine:
                                                return_logprob=True)
                 results = parse_outputs(requests, outputs)
         finally:
-            stats = joiner()
+            stats = joiner()  # every job done: SGLang is idle, as release requires
+        if self.tp_rank == 0:
+            self.engine.release_memory_occupation(tags=self.memory_tags)
         decode_s = time.perf_counter() - t0
         if self.collective:
             box = [results]

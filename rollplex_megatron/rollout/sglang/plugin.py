@@ -77,11 +77,14 @@ def _version() -> str:
 
 
 def around_run_batch(original, scheduler, batch, *args, **kwargs):
-    """Run the batch; after a decode forward is enqueued, the bridge's window items for this step."""
-    result = original(scheduler, batch, *args, **kwargs)
+    """Run the batch; after a decode forward is enqueued, the bridge's window items for this step. The batch
+    is read before the forward: SGLang rewrites some of its fields while launching it (input_ids, output_ids)."""
     bridge = bridge_of(scheduler)
-    if bridge is not None and batch is not None and batch.forward_mode.is_decode():
-        bridge.on_decode_step(batch.batch_size())
+    decode = bridge is not None and batch is not None and batch.forward_mode.is_decode()
+    size = batch.batch_size() if decode else 0
+    result = original(scheduler, batch, *args, **kwargs)
+    if decode:
+        bridge.on_decode_step(size)
     return result
 
 
