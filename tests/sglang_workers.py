@@ -495,3 +495,42 @@ def adapter_rollout(cfg) -> dict:
     return {"calls": StandInEngine.calls, "results": out.results, "reqs": [(r.n, r.max_new_tokens, r.seed,
             r.stop_token_ids) for r in reqs], "rel": rel, "finished": len(window.finished),
             "stats": window.stats(), "bound": sched["bound"], "n_params": len(StandInEngine.shapes)}
+
+
+def gpu_ipc(cfg) -> dict:
+    """GPU: a trainer and the stand-in scheduler in two processes, over real CUDA IPC handles. The scheduler's
+    modules alias the trainer's weights (an in-place change between steps reaches them with nothing sent), and
+    the reference K/V the trainer receives are the scheduler's memory (this process allocates nothing for
+    them) and equal the directly computed K/V."""
+    import multiprocessing as mp
+
+    from rollplex_megatron.rollout.sglang.client import TrainerBridge
+
+    ref, actor = _models(cfg)
+    bridge = TrainerBridge(timeout=120)
+    ctx = mp.get_context("spawn")
+    proc = ctx.Process(target=scheduler_main, args=(bridge.env(), 4, 0.01), daemon=True)
+    proc.start()
+    out = {"rel": [], "allocated": [], "kv_bytes": []}
+    try:
+        bridge.accept(timeout=300)
+        bridge.send_modules({"reference": ref, "actor": actor}, cfg.model, "float32", {}, 1)
+        for step in range(2):
+            gs, items, ref_kv, _, _ = _jobs(cfg, step, 3)
+            ref_items = [i for i in items if i.job.module == "reference"]
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            bridge.run_step(step, ref_items)
+            out["allocated"].append(torch.cuda.memory_allocated() - before)
+            out["kv_bytes"].append(sum(t.nbytes for kv in ref_kv.leaves.values() for t in kv))
+            out["device"] = str(next(t for kv in ref_kv.leaves.values() for t in kv).device)
+            d_ref, _, _ = _direct(ref, actor, gs)
+            out["rel"] += [_rel(a, b) for k in d_ref.leaves for a, b in zip(ref_kv.leaves[k], d_ref.leaves[k])]
+            del ref_kv
+            with torch.no_grad():  # the weights change in place: the scheduler's modules must see it
+                for p in ref.parameters():
+                    p.mul_(1.25)
+    finally:
+        bridge.close()
+    proc.join(60)
+    return out
