@@ -1,4 +1,6 @@
 """Rollout engine: shared-prefix decode attention, sampling, engine vs a plain recompute loop, TP, window."""
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -174,20 +176,33 @@ def test_window_policy_reads_the_measured_table(tmp_path):
     import json
 
     from rollplex_megatron.rollout.window import POLICY_PATH, DecodeWindow, policy_mechanism
+    from rollplex_megatron.rollout.window.policy import build_policy
 
     shipped = json.loads(POLICY_PATH.read_text())
-    assert shipped["source"].startswith("benchmarks/results/") and "winners" in shipped
+    assert shipped["source"].startswith("benchmarks/results/") and shipped["rows"]
+    bench = json.loads((Path(__file__).resolve().parents[1] / shipped["source"]).read_text())
+    assert build_policy(bench, shipped["source"], shipped["margin"])["rows"] == shipped["rows"]  # what ran, rebuilt
+
+    def row(case, batch, **walls):
+        return {"case": case, "batch": batch, "decode_alone": {"after_prefill_s": 1.0}, "items_alone_s": 1.0,
+                "mechanisms": {k.replace("_", ":"): ({"after_prefill_s": v} if v else {"error": "refused"})
+                               for k, v in walls.items()}}
+
+    bench = {"rows": [row("uniform_b16", 16, interleave=2.0, tail=1.5, stream=1.9),
+                      row("uniform_b128", 128, interleave=2.0, stream=1.97, tail=2.5),  # within the margin: a tie
+                      row("uniform_b64", 64, interleave=2.0, green_48=1.2, green_32=1.4, stream=None),
+                      row("longtail_b64", 64, interleave=2.0, stream=1.5)]}
     t = tmp_path / "table.json"
-    t.write_text(json.dumps({"winners": [{"batch": 16, "mechanism": "tail"}, {"batch": 128, "mechanism": "stream"},
-                                         {"batch": 64, "mechanism": "green", "green_sms": 48, "hidden": 0.4},
-                                         {"batch": 64, "mechanism": "green", "green_sms": 32, "hidden": 0.3}]}))
-    assert policy_mechanism(20, t) == ("tail", 0) and policy_mechanism(100, t) == ("stream", 0)
-    assert policy_mechanism(60, t) == ("green", 48)  # the partition size comes with the measured winner
+    t.write_text(json.dumps(build_policy(bench, "x.json")))
+    assert policy_mechanism(20, t) == ("tail", 0)  # the shortest wall time of decode plus side work
+    assert policy_mechanism(100, t) == ("interleave", 0)  # 1.5% faster is noise: the reference stays
+    assert policy_mechanism(60, t, "uniform") == ("green", 48)  # the partition size comes with the winner
+    assert policy_mechanism(60, t, "longtail") == ("stream", 0)  # the workload shape picks its own rows
     window = DecodeWindow("auto", green_sms=8, policy_path=t)
-    window.on_wave(60)
-    assert (window._resolved, window.green_sms) == ("green", 48)
-    t.write_text(json.dumps({"winners": []}))
-    assert policy_mechanism(64, t) == ("interleave", 0)  # nothing won: the no-overlap reference
+    window.on_wave(70)
+    assert (window._resolved, window.green_sms) == ("green", 48)  # nearest batch, the larger gain of the two rows
+    with pytest.raises(ValueError, match="no interleave time"):
+        build_policy({"rows": [row("uniform_b8", 8, stream=1.0)]}, "y.json")
     assert policy_mechanism(64, tmp_path / "missing.json") == ("interleave", 0)
     with pytest.raises(Exception, match="mode.window must be one of"):
         load_run_config(["mode.window=fast"])
@@ -256,3 +271,18 @@ def test_side_stream_windows_need_tp1():
     with pytest.raises(Exception, match=r"\(got tp=1, pp=2\)"):
         load_run_config(["mode.window=tail", "parallel.pp=2"])
     assert load_run_config(["mode.window=auto", "parallel.tp=2"]).mode.window == "auto"  # resolves to interleave
+
+
+def test_window_policy_command_writes_the_table(tmp_path, capsys):
+    import json
+
+    from rollplex_megatron.cli import main
+    from rollplex_megatron.rollout.window import POLICY_PATH
+
+    out = tmp_path / "p.json"
+    src = json.loads(POLICY_PATH.read_text())["source"]
+    root = Path(__file__).resolve().parents[1]
+    assert main(["window-policy", "--from", str(root / src), "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["rows"] == json.loads(POLICY_PATH.read_text())["rows"]
+    assert main(["window-policy", "--from", str(tmp_path / "none.json"), "--out", str(out)]) == 2
+    assert "does not exist" in capsys.readouterr().err

@@ -307,6 +307,27 @@ def _cmd_bench(argv: list[str]) -> int:
     return bench_main(argv)
 
 
+def _cmd_window_policy(argv: list[str]) -> int:
+    """`window-policy --from BENCH_JSON [--margin M] [--out PATH]`: the table mode.window=auto reads."""
+    from rollplex_megatron.rollout.window.policy import MARGIN, POLICY_PATH, build_policy
+
+    ap = argparse.ArgumentParser(prog="rollplex window-policy",
+                                 description="mode.window=auto's table from a decode-window benchmark JSON")
+    ap.add_argument("--from", dest="src", required=True, help="benchmarks/decode_window.py's output JSON")
+    ap.add_argument("--margin", type=float, default=MARGIN, help="share by which a mechanism must beat interleave")
+    ap.add_argument("--out", default=str(POLICY_PATH), help="where to write the table (default: the shipped one)")
+    a = ap.parse_args(argv)
+    src = Path(a.src)
+    if not src.is_file():
+        print(f"window-policy: {src} does not exist; pass the decode-window benchmark's JSON", file=sys.stderr)
+        return 2
+    table = build_policy(json.loads(src.read_text()), a.src, a.margin)
+    Path(a.out).write_text(json.dumps(table, indent=1) + "\n")
+    for r in table["rows"]:
+        print(f"{r['case']}: {r['mechanism']} ({', '.join(f'{k} {v:.3f}s' for k, v in r['wall_s'].items())})")
+    return 0
+
+
 def _cmd_smoke(argv: list[str]) -> int:
     return smoke_main(argv)
 
@@ -315,7 +336,7 @@ COMMANDS = {"train": _cmd_train, "smoke": _cmd_smoke, "verify-hf": _cmd_verify_h
             "verify-equivalence": _cmd_verify_equivalence, "convert": _cmd_convert,
             "print-config": _cmd_print_config, "make-example": _cmd_make_example, "eval": _cmd_eval,
             "generate": _cmd_generate, "plan-weights": _cmd_plan_weights,
-            "plan-memory": _cmd_plan_memory, "bench": _cmd_bench}
+            "plan-memory": _cmd_plan_memory, "bench": _cmd_bench, "window-policy": _cmd_window_policy}
 
 
 def main(argv: list[str] | None = None) -> int:

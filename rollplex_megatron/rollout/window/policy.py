@@ -1,5 +1,8 @@
 """The one place where the decode-window mechanism is decided: `auto` from the measured table
-(`window_policy.json`, written by the decode-window benchmark) and the parallel-layout limits."""
+(`window_policy.json`, built by `window-policy` from a decode-window benchmark JSON) and the
+parallel-layout limits. The table judges mechanisms by the wall time of decode plus its side work
+(DESIGN section 2: the mechanism that makes the step shortest wins), not by a hidden-share /
+slowdown pair."""
 from __future__ import annotations
 
 import json
@@ -33,14 +36,44 @@ def layout_mechanism(name: str, tp: int, pp: int) -> str:
     return "interleave" if name == "auto" and (tp > 1 or pp > 1) else name
 
 
-def policy_mechanism(batch: int, path: Path = POLICY_PATH) -> tuple[str, int]:
-    """The measured table's (mechanism, green SMs) for a decode batch of `batch` samples: the winner
-    measured at the nearest batch size, its partition size with it; ("interleave", 0) if none won."""
+MARGIN = 0.02  # a mechanism must beat interleave's wall time by this share to be chosen (run-to-run noise)
+
+
+def build_policy(bench: dict, source: str, margin: float = MARGIN) -> dict:
+    """The table `auto` reads, from a decode-window benchmark JSON: per case (decode batch and workload
+    shape), the wall time of decode plus its side work under each mechanism, and the winner: the fastest,
+    if it beats `interleave` (the no-overlap reference) by more than `margin`, else `interleave`."""
+    env = bench.get("environment", {})
+    rows = []
+    for r in bench["rows"]:
+        walls = {spec: m["after_prefill_s"] for spec, m in r["mechanisms"].items() if "after_prefill_s" in m}
+        if "interleave" not in walls:
+            raise ValueError(f"{source}: case {r['case']} has no interleave time; the winner is judged against it")
+        best = min(walls, key=walls.get)
+        win = best if walls[best] < (1 - margin) * walls["interleave"] else "interleave"
+        mech, _, sms = win.partition(":")
+        rows.append({"case": r["case"], "shape": r["case"].split("_")[0], "batch": r["batch"],
+                     "wall_s": walls, "decode_alone_s": r["decode_alone"]["after_prefill_s"],
+                     "items_alone_s": r["items_alone_s"], "mechanism": mech, "green_sms": int(sms or 0),
+                     "gain_vs_interleave": 1 - walls[win] / walls["interleave"]})
+    return {"source": source, "commit": env.get("commit", ""), "date": env.get("date", ""),
+            "device": env.get("device", env.get("gpu", "")), "margin": margin,
+            "rule": "per case, the mechanism with the shortest wall time of decode plus side work (graph captures "
+                    "included), if it beats interleave by more than `margin`; mode.window=auto takes the row of the "
+                    "nearest decode batch (of the workload shape, when given)",
+            "rows": rows}
+
+
+def policy_mechanism(batch: int, path: Path = POLICY_PATH, shape: str = "") -> tuple[str, int]:
+    """The measured table's (mechanism, green SMs) for a decode batch of `batch` samples: the winner of the
+    row at the nearest batch size (of `shape`, e.g. uniform or longtail, when the table has it);
+    ("interleave", 0) without a table."""
     if not path.is_file():
         return "interleave", 0
-    table = json.loads(path.read_text())
-    rows = [r for r in table.get("winners", []) if r["mechanism"] != "interleave"]
+    rows = json.loads(path.read_text()).get("rows", [])
+    if shape:
+        rows = [r for r in rows if r.get("shape") == shape] or rows
     if not rows:
         return "interleave", 0
-    best = min(rows, key=lambda r: (abs(r["batch"] - batch), -r.get("hidden", 0.0)))
+    best = min(rows, key=lambda r: (abs(r["batch"] - batch), -r.get("gain_vs_interleave", 0.0)))
     return best["mechanism"], int(best.get("green_sms", 0))
