@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import queue
+import threading
 import time
 from collections import deque
 
@@ -222,7 +223,7 @@ def trainer_kv(cfg, mutation: str = "", steps: int = 2, groups: int = 3, timeout
                             {"mechanism": "interleave", "items_per_step": 1})
         for step in range(steps):
             gs, items, ref_kv, actor_kv, states = _jobs(cfg, step, groups)
-            out["stats"].append(bridge.run_step(step, items))
+            out["stats"].append(run_then_drain(bridge, step, items, 0.5))
             d_ref, d_actor, d_states = _direct(ref, actor, gs)
             for got, want in ((ref_kv, d_ref), (actor_kv, d_actor)):
                 if set(got.leaves) != set(want.leaves):
@@ -253,6 +254,53 @@ def trainer_kv(cfg, mutation: str = "", steps: int = 2, groups: int = 3, timeout
         out["scheduler"] = None
     out["scheduler_exit"] = proc.exitcode
     return out
+
+
+def run_then_drain(bridge, step: int, items: list, after_s: float, probe=None) -> dict:
+    """As the engine does: the step's jobs run between decode steps, and the rest once the trainer says decoding
+    is over (`drain`, `after_s` later; `probe()` is called just before it)."""
+    box = {}
+
+    def run():
+        try:
+            box["stats"] = bridge.run_step(step, items)
+        except BaseException as e:  # re-raised below
+            box["error"] = e
+
+    th = threading.Thread(target=run)
+    th.start()
+    th.join(after_s)
+    if probe is not None:
+        probe()
+    if th.is_alive():
+        bridge.drain(step)
+    th.join()
+    if "error" in box:
+        raise box["error"]
+    return box["stats"]
+
+
+def trainer_idle_gate(cfg) -> dict:
+    """A scheduler that never decodes (idle only): no job runs before the trainer's drain, all run after it."""
+    import multiprocessing as mp
+
+    from rollplex_megatron.rollout.sglang.client import TrainerBridge
+
+    ref, actor = _models(cfg)
+    bridge = TrainerBridge(timeout=60)
+    proc = mp.get_context("spawn").Process(target=scheduler_main, args=(bridge.env(), 0, 0.01), daemon=True)
+    proc.start()
+    seen = {}
+    try:
+        bridge.accept(timeout=120)
+        bridge.send_modules({"reference": ref, "actor": actor}, cfg.model, "float32", {}, 1)
+        _, items, *_ = _jobs(cfg, 0, 2)
+        stats = run_then_drain(bridge, 0, items, 2.0, lambda: seen.update(before=sum(i.done for i in items)))
+        seen.update(after=sum(i.done for i in items), in_window=stats["items_in_window"], n=len(items))
+    finally:
+        bridge.close()
+        proc.join(30)
+    return seen
 
 
 def trainer_failure(cfg, mutation: str, timeout: float) -> dict:
@@ -331,7 +379,7 @@ def trainer_bad_job(cfg) -> str:
         bad[1] = 10**6  # past the padded vocabulary too
         ref_items[0].job.prompt = dataclasses.replace(ref_items[0].job.prompt, input_ids=bad)
         try:
-            bridge.run_step(0, ref_items)
+            bridge.run_step(0, ref_items, drain=True)
         except Exception as e:
             return f"{type(e).__name__}: {e}"
         return "no error"
@@ -520,7 +568,7 @@ def gpu_ipc(cfg) -> dict:
             ref_items = [i for i in items if i.job.module == "reference"]
             torch.cuda.synchronize()
             before = torch.cuda.memory_allocated()
-            bridge.run_step(step, ref_items)
+            bridge.run_step(step, ref_items, drain=True)
             out["allocated"].append(torch.cuda.memory_allocated() - before)
             out["kv_bytes"].append(sum(t.nbytes for kv in ref_kv.leaves.values() for t in kv))
             out["device"] = str(next(t for kv in ref_kv.leaves.values() for t in kv).device)

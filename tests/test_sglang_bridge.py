@@ -48,6 +48,13 @@ def test_bridge_kv_mutation_stale_reference_handles_is_caught():
     assert max(r["rel"][2 * third:]) > 100 * TOL
 
 
+def test_jobs_wait_for_the_end_of_decoding_before_idle_drain():
+    """SGLang is idle between a step's start and its first batch: jobs must not drain there (that is no decode
+    window). A scheduler that only idles runs nothing until the trainer's drain, then everything."""
+    r = run_local(W.trainer_idle_gate, 1, _cfg())[0]
+    assert r["before"] == 0 and r["after"] == r["n"] == 4 and r["in_window"] == 0, r
+
+
 def test_scheduler_death_names_step_and_item():
     """The scheduler process dies inside a job: the trainer raises at once, naming the step and the item."""
     r = run_local(W.trainer_failure, 1, _cfg(), "die", 60.0)[0]

@@ -107,10 +107,12 @@ class SchedulerBridge:
         self.closed = threading.Event()
         self.error: str | None = None
         self._group = cpu_group  # SGLang TP > 1: where ranks agree on the jobs they hold
+        # threads start on device 0: every thread of the bridge sets the scheduler's device first
+        self._device = torch.cuda.current_device() if torch.cuda.is_available() else None
         self._stream = torch.cuda.Stream() if torch.cuda.is_available() else None
         self._out: queue.Queue = queue.Queue()
-        self._jobs_done, self._jobs_expected, self._ended = 0, None, False
         self._lock = threading.Lock()
+        self._new_step(-1, 0)
         self.weights = threading.Event()  # set once the trainer's WeightHandles arrived
         self._weights: list = []
         self._idle = False  # on_idle is draining the window (its jobs ran after decode, not in the window)
@@ -123,25 +125,28 @@ class SchedulerBridge:
     # --- the scheduler loop's hooks --------------------------------------------------------------
     def on_decode_step(self, active: int) -> None:
         """After a decode forward was enqueued: the window's next items, on the bridge's stream."""
-        if self.closed.is_set():
+        _, closed = self._admit()
+        if closed:
             return
-        self._admit()
+        if not self._wave:  # the step's decoding starts: `tail` and `auto` look at the wave's size
+            self._wave = True
+            self.window.on_wave(active)
         self.decode_steps += 1
         with self._on_stream():
             self.window.on_decode_step(self.decode_steps, active)
 
     def on_idle(self) -> None:
-        """No batch runs: drain every admitted job."""
-        if self.closed.is_set():
+        """No batch runs: once the trainer said the rollout's decoding is over (`Drain`), run every admitted
+        job; before that, SGLang is only idle between the step's start and its first batch."""
+        drain, closed = self._admit()
+        if closed or not drain or not (self.window.queue or self.window._issuer is not None):
             return
-        self._admit()
-        if self.window.queue:
-            self._idle = True
-            try:
-                with self._on_stream():
-                    self.window.on_idle()
-            finally:
-                self._idle = False
+        self._idle = True
+        try:
+            with self._on_stream():
+                self.window.on_idle()  # joins a side-stream issuer too
+        finally:
+            self._idle = False
 
     def bind_weights(self, model, timeout: float) -> int:
         """While SGLang loads (before its KV cache and CUDA graphs): wait for the trainer's shards and make
@@ -161,16 +166,31 @@ class SchedulerBridge:
     def _on_stream(self):
         return torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
 
-    def _admit(self) -> None:
-        """Move the jobs every rank holds into the window (in job order)."""
-        n = len(self.pending)
+    def _new_step(self, step: int, jobs: int) -> None:
+        with self._lock:
+            self.step, self._jobs_done, self._jobs_expected, self._ended = step, 0, jobs, False
+            self._drain, self._wave, self._decode0 = False, False, self.decode_steps
+            self._stats = {"items_in_window": 0, "items_after": 0, "window_s": 0.0, "after_s": 0.0}
+
+    def _admit(self) -> tuple[bool, bool]:
+        """Move the jobs every rank holds into the window (in job order); returns (every rank may drain,
+        closed). Only the decode thread touches the queues; a closed bridge drops them here. At SGLang TP > 1
+        every rank joins the agreement at every hook call, closed or not, so none waits on another."""
+        closed = self.closed.is_set()
+        n, drain = (0 if closed else len(self.pending)), (not closed and self._drain)
         if self._group is not None:
-            t = torch.tensor([n])
-            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._group)
-            n = int(t)
+            t = torch.tensor([n, int(drain), int(closed)])
+            dist.all_reduce(t[:2], op=dist.ReduceOp.MIN, group=self._group)
+            dist.all_reduce(t[2:], op=dist.ReduceOp.MAX, group=self._group)
+            n, drain, closed = int(t[0]), bool(t[1]), bool(t[2])
+        if closed:
+            self.pending.clear()
+            self.window.queue.clear()
+            return False, True
         for _ in range(n):
             job, ready = self.pending.popleft()
             self.window.submit(job.name, partial(self._run_job, job, ready))
+        return drain, False
 
     def _run_job(self, job: P.Job, ready=None) -> None:
         t0 = time.perf_counter()
@@ -187,7 +207,12 @@ class SchedulerBridge:
             event.record()  # on the stream the job ran on (the bridge's, or the window's side stream)
         self._out.put((P.Result(job.step, job.index, kv, time.perf_counter() - t0, not self._idle), event))
 
+    def _thread_device(self) -> None:
+        if self._device is not None:
+            torch.cuda.set_device(self._device)
+
     def _read(self) -> None:
+        self._thread_device()
         try:
             while True:
                 # no limit: SGLang's start-up and the trainer's phases between rollouts take as long as they take;
@@ -205,9 +230,7 @@ class SchedulerBridge:
                         torch.cuda.current_stream().synchronize()  # once: the received parameters are ready
                     self.link.send(P.Ack("modules"))
                 elif isinstance(msg, P.BeginStep):
-                    with self._lock:
-                        self.step, self._jobs_done, self._jobs_expected, self._ended = msg.step, 0, msg.jobs, False
-                    self.window.finished.clear()
+                    self._new_step(msg.step, msg.jobs)
                     self.link.send(P.Ack(f"step {msg.step}"))
                 elif isinstance(msg, P.Job):
                     if msg.step != self.step:
@@ -217,6 +240,8 @@ class SchedulerBridge:
                         ready = torch.cuda.Event()
                         ready.record()
                     self.pending.append((msg, ready))
+                elif isinstance(msg, P.Drain):
+                    self._drain = True
                 elif isinstance(msg, P.EndStep):
                     with self._lock:
                         self._ended = True
@@ -229,6 +254,7 @@ class SchedulerBridge:
             self._close(f"{type(e).__name__}: {e}")
 
     def _send(self) -> None:
+        self._thread_device()
         while not self.closed.is_set():
             msg, event = self._out.get()
             try:
@@ -238,23 +264,28 @@ class SchedulerBridge:
                     self.link.send(msg)
                     with self._lock:
                         self._jobs_done += 1
+                        if isinstance(msg, P.Result):  # the step's statistics, from what was sent
+                            where = "window" if msg.in_window else "after"
+                            self._stats["items_in_window" if msg.in_window else "items_after"] += 1
+                            self._stats[f"{where}_s"] += msg.seconds
                 with self._lock:
                     done = self._ended and self._jobs_done == self._jobs_expected
+                    stats = {**self._stats, "window_mechanism": self.window._resolved or self.window.mechanism,
+                             "decode_steps": self.decode_steps - self._decode0}
                     if done:
                         self._ended = False
                 if done:
-                    self.link.send(P.StepDone(self.step, {**self.window.stats(), "decode_steps": self.decode_steps}))
+                    self.link.send(P.StepDone(self.step, stats))
             except P.BridgeError as e:
                 self._close(str(e))
 
     def _close(self, why: str) -> None:
-        """The trainer is gone (or broke the protocol): drop the queue; SGLang keeps serving."""
+        """The trainer is gone (or broke the protocol): the decode thread drops the queues at its next hook call
+        (`_admit`), and SGLang keeps serving."""
         if self.closed.is_set():
             return
         self.error = why
         self.closed.set()
-        self.pending.clear()
-        self.window.queue.clear()
         self._out.put((None, None))
         log.error("rollplex SGLang bridge (tp rank %d) closed: %s", self.tp_rank, why)
         try:  # tell the trainer why, if it is still there

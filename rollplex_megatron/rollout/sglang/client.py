@@ -9,6 +9,7 @@ jobs, at most `depth` unanswered (the bounded queue), records each job's K/V as 
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 
@@ -24,6 +25,16 @@ def shareable(t: torch.Tensor) -> torch.Tensor:
     if t.device.type == "cpu" and not t.is_shared():
         t.share_memory_()
     return t
+
+
+def on_device(prompt):
+    """The prompt with its tensors on this GPU (they cross as CUDA IPC handles; CPU tensors would need a
+    file-descriptor hand-over that processes not spawned by each other cannot authenticate); on CPU as is."""
+    if not torch.cuda.is_available():
+        return prompt
+    dev = torch.cuda.current_device()
+    return dataclasses.replace(prompt, **{f.name: getattr(prompt, f.name).to(dev) for f in dataclasses.fields(prompt)
+                                          if isinstance(getattr(prompt, f.name), torch.Tensor)})
 
 
 class TrainerBridge:
@@ -88,13 +99,18 @@ class TrainerBridge:
         self._expect(P.Ack, "the scheduler to bind the modules")
 
     def moved(self) -> list[str]:
-        """Parameters re-allocated since their handles were sent (the memory manager's offload brings the
-        reference back at new addresses): the scheduler would read freed memory through the old handles."""
+        """Parameters re-allocated since their handles were sent: the scheduler would read the old (stale)
+        memory through the old handles."""
         return [f"{name}.{n}" for name, model in self._modules.items() for n, p in model.named_parameters()
                 if p.data.untyped_storage().data_ptr() != self._storage[f"{name}.{n}"]]
 
-    def run_step(self, step: int, items: list[WorkItem], depth: int = 4) -> dict:
-        """Run the window items of one RL step in the scheduler; returns its window statistics."""
+    def drain(self, step: int) -> None:
+        """The rollout's decoding is over: the scheduler may run the step's remaining jobs when idle."""
+        self.link.send(P.Drain(step))
+
+    def run_step(self, step: int, items: list[WorkItem], depth: int = 4, drain: bool = False) -> dict:
+        """Run the window items of one RL step in the scheduler; returns its window statistics. Jobs left when
+        decoding ends wait for `drain(step)` (from another thread; `drain=True`: allowed at once)."""
         if depth < 1:
             raise ValueError(f"bridge queue depth must be >= 1, got {depth}")
         missing = [i.name for i in items if i.job is None]
@@ -106,11 +122,13 @@ class TrainerBridge:
         self.step = step
         self.link.send(P.BeginStep(step, len(items)))
         self._expect(P.Ack, f"step {step}: the scheduler to open the step")
+        if drain:
+            self.drain(step)
         sent, open_ = 0, {}
         while sent < len(items) or open_:
             while sent < len(items) and len(open_) < depth:
                 it = items[sent]
-                self.link.send(P.Job(step, sent, it.name, it.job.module, it.job.prompt))
+                self.link.send(P.Job(step, sent, it.name, it.job.module, on_device(it.job.prompt)))
                 open_[sent] = it
                 sent += 1
             oldest = items[min(open_)].name

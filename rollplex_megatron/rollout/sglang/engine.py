@@ -124,7 +124,8 @@ class SGLangEngine:
     weights_phase = "weight_refresh"
 
     def __init__(self, actor, reference, cfg, tp_group=None, sglang=None):
-        """`actor`, `reference`: this rank's stage models; `sglang`: the package (for tests: a stand-in)."""
+        """`actor`, `reference`: this rank's stage models (no reference: evaluation, no reference jobs);
+        `sglang`: the package (for tests: a stand-in)."""
         if os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "").lower() in ("1", "true", "yes"):
             raise RuntimeError("SGLANG_RETURN_ORIGINAL_LOGPROB is set: SGLang would return log-probs before the "
                                "temperature, not of the distribution it samples from; unset it")
@@ -136,10 +137,15 @@ class SGLangEngine:
         self.collective = self.tp > 1  # rank 0 drives SGLang; the others receive its results
         self.banned = tuple(cfg.model.vision_token_ids)
         self.depth = r.sglang.window_depth
-        for model in (actor, reference):  # CPU: into shared memory now (it moves storage) so every handle and
+        models = {"actor": actor} if reference is None else {"reference": reference, "actor": actor}
+        for model in models.values():  # CPU: into shared memory now (it moves storage) so every handle and
             for prm in model.parameters():  # view taken below stays valid; CUDA tensors are left as they are
                 shareable(prm.data)
         self.shards = SGLangShards(actor, cfg.model, self.tp, self.tp, tp_group, self.tp_rank)
+        if dist.is_initialized() and self.tp > 1:  # one auth key for the group: SGLang's schedulers get rank 0's env
+            key = [os.environ.get(P.ENV_KEY) or P.new_key()]
+            dist.broadcast_object_list(key, src=dist.get_global_rank(tp_group, 0), group=tp_group)
+            os.environ[P.ENV_KEY] = key[0]
         self.bridge = TrainerBridge(timeout=r.sglang.timeout_s)
         addrs = [None] * self.tp
         if dist.is_initialized() and self.tp > 1:
@@ -151,14 +157,18 @@ class SGLangEngine:
         self.engine = None
         t0 = time.perf_counter()
         if self.tp_rank == 0:
-            self.engine = self.sg.Engine(**self.engine_args())
+            saved = dict(os.environ)  # SGLang sets NCCL and CUDA variables for its children: not for this rank,
+            try:  # whose communicators must match the other training ranks'
+                self.engine = self.sg.Engine(**self.engine_args())
+            finally:
+                os.environ.clear()
+                os.environ.update(saved)
         joiner()
         self.startup_s = time.perf_counter() - t0
         m = cfg.mode
         window = {"mechanism": m.window, "items_per_step": m.window_items_per_step,
                   "tail_fraction": m.window_tail_fraction, "green_sms": m.window_green_sms}
-        self.bridge.send_modules({"reference": reference, "actor": actor}, cfg.model, cfg.dtype, cfg.megatron,
-                                 self.tp, window)
+        self.bridge.send_modules(models, cfg.model, cfg.dtype, cfg.megatron, self.tp, window)
         self.step = 0
         self.memory_tags = rollout_memory_tags()
         if self.engine is not None:  # the rollout phase resumes them
@@ -229,15 +239,18 @@ class SGLangEngine:
                                                video_data=[x["video_data"] for x in payload],
                                                return_logprob=True)
                 results = parse_outputs(requests, outputs)
-        finally:
+        finally:  # also when rank 0 failed: no rank may be left waiting
+            decode_s = time.perf_counter() - t0
+            if self.collective:
+                box = [results]
+                dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
+                results = box[0]
+            self.bridge.drain(step)  # decoding is over: the scheduler runs the jobs left when idle
             stats = joiner()  # every job done: SGLang is idle, as release requires
+        if results is None:
+            raise RuntimeError("SGLang's generate failed on training TP rank 0 (its error is in that rank's log)")
         if self.tp_rank == 0:
             self.engine.release_memory_occupation(tags=self.memory_tags)
-        decode_s = time.perf_counter() - t0
-        if self.collective:
-            box = [results]
-            dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
-            results = box[0]
         if hooks is not None and hasattr(hooks, "finished"):
             hooks.finished.extend(items)
         return RolloutOutput(results, [], {"decode_s": decode_s, "sglang_window": stats})

@@ -7,9 +7,11 @@ tensor through shared memory. Nothing here copies a tensor.
 
 One RL step is a handshake: `BeginStep` (the step's jobs announced by count) -> `Job`s, at most
 `depth` unanswered at a time (the bounded queue) -> a `Result` or `Failed` per job -> `EndStep` ->
-`StepDone`. Every wait has a timeout that names the step and the item it waited for, and a closed
-connection (the other process died or shut down) is an error naming them too, so neither side hangs
-on the other.
+`StepDone`. Jobs run between SGLang's decode steps; those left run when SGLang is idle, but only
+after `Drain` (the trainer's word that the rollout's decoding is over: SGLang is also idle between
+the step's start and its first batch, which is no decode window). Every wait has a timeout that
+names the step and the item it waited for, and a closed connection (the other process died or shut
+down) is an error naming them too, so neither side hangs on the other.
 """
 from __future__ import annotations
 
@@ -103,6 +105,13 @@ class BeginStep:
 
     step: int
     jobs: int
+
+
+@dataclass
+class Drain:
+    """Trainer -> scheduler: the rollout's decoding is over; jobs left may run when SGLang is idle."""
+
+    step: int
 
 
 @dataclass
