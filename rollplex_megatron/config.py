@@ -238,7 +238,9 @@ class SGLangConfig:
     """rollout.engine=sglang: what `sglang.Engine` gets, and the bridge's limits (README "SGLang")."""
 
     model_path: str = ""  # the HF checkpoint SGLang reads its config and processor from ("" : train.init_hf)
-    mem_fraction_static: float = 0.5  # SGLang's share of the GPU for its KV cache (the trainer holds the rest)
+    # SGLang's mem_fraction_static: the fraction of the whole GPU SGLang's static memory may reach, counting what
+    # the trainer already holds when SGLang starts (the memory planner does not plan SGLang's part)
+    mem_fraction_static: float = 0.5
     window_depth: int = 4  # prefix jobs in flight to the scheduler (the bridge's bounded queue)
     timeout_s: float = 600.0  # longest wait for the scheduler during a step (names the step and item)
     startup_timeout_s: float = 1800.0  # longest wait for SGLang's scheduler to connect while it loads
@@ -251,11 +253,16 @@ class SGLangConfig:
             raise ValueError(f"rollout.sglang.window_depth must be >= 1, got {self.window_depth}")
         if self.timeout_s <= 0 or self.startup_timeout_s <= 0:
             raise ValueError("rollout.sglang.timeout_s and rollout.sglang.startup_timeout_s must be > 0")
-        taken = {"model_path", "tp_size", "load_format", "custom_weight_loader", "random_seed", "dtype"}
+        # set by the project (TP, seed, dtype, the alias loader, seeds honoured, memory release) or breaking its
+        # one-scheduler-per-training-TP-rank layout (data / pipeline parallel, another GPU base, a draft model)
+        taken = {"model_path", "tp_size", "load_format", "custom_weight_loader", "random_seed", "dtype",
+                 "enable_deterministic_inference", "enable_memory_saver", "mem_fraction_static", "dp_size",
+                 "pp_size", "base_gpu_id", "mm_enable_dp_encoder", "speculative_algorithm", "enable_dp_attention"}
         clash = sorted(taken & set(self.engine_args))
         if clash:
-            raise ValueError(f"rollout.sglang.engine_args.{clash[0]} is set by the project (TP, seed, dtype, the "
-                             f"alias loader); use rollout.sglang.model_path or the run's own setting instead")
+            raise ValueError(f"rollout.sglang.engine_args.{clash[0]} is set by the project or breaks the bridge's "
+                             f"layout (one SGLang scheduler per training TP rank); use rollout.sglang.model_path, "
+                             f"rollout.sglang.mem_fraction_static or the run's own setting instead")
 
 
 ENGINES = ("embedded", "sglang")

@@ -27,3 +27,21 @@ def test_sglang_loader_mutation_copy_is_caught(tiny_hf):
     res = run_local(sglang_shards, 1, str(tiny_hf), 1, 1, "copy")[0]
     assert not res["bound"]
     assert res["after_step"] > 1e-2
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (["rollout.engine=vllm"], "rollout.engine must be one of"),
+    (["rollout.engine=sglang"], "needs an HF checkpoint"),
+    (["rollout.engine=sglang", "rollout.sglang.model_path=x", "model=tiny", "parallel.pp=2"], "parallel.pp=1"),
+    (["rollout.engine=sglang", "rollout.sglang.model_path=x", "model=tiny", "parallel.tp=2", "rollout.tp=1"],
+     "tp_size = parallel.tp"),
+    (["rollout.engine=sglang", "rollout.sglang.model_path=x", "+rollout.sglang.engine_args.tp_size=2"],
+     "engine_args.tp_size"),
+    (["rollout.sglang.mem_fraction_static=1.5"], "mem_fraction_static"),
+])
+def test_sglang_settings_fail_up_front(overrides, match):
+    """Bad rollout.engine / rollout.sglang settings: one line naming the setting, before anything is built."""
+    from rollplex_megatron.recipes import load_run_config
+
+    with pytest.raises(Exception, match=match):
+        load_run_config(overrides)

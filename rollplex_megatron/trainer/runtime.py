@@ -170,13 +170,16 @@ class Runtime:
             self.optimizer = build_optimizer(self.ddp, cfg.optim, bf16=cfg.dtype == "bfloat16")
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
         rel = frozenset(self.plan["released"])  # what memory.plan releases (auto: what the budget needs)
+        if cfg.rollout.engine == "sglang" and "reference_weights" in rel:
+            # SGLang's scheduler holds CUDA IPC handles of the reference's parameters: an offload would free
+            # nothing (IPC keeps the allocation alive) and the prefetch would allocate a second copy
+            rel = rel - {"reference_weights"}
+            self.plan["released"] = [n for n in self.plan["released"] if n != "reference_weights"]
+            self.plan["sglang"] = ("reference_weights kept resident (shared with SGLang's scheduler); the per-phase "
+                                   "bytes above were planned with it released")
         self.memory = MemoryManager(rel, cfg.mode.name, self.ddp, self.optimizer, self.ref)
         self.plan["host_buffers_s"] = self.memory.reserve_host()  # a start-up cost, not step 1's and 2's
         self.recompute = "actor_prefix_graph" in rel  # the actor prefix keeps no graph
-        if cfg.rollout.engine == "sglang" and cfg.mode.name == "rollplex" and not self.recompute:
-            raise ValueError("rollout.engine=sglang with mode=rollplex runs the actor prefix stage in SGLang's "
-                             "process, where no autograd graph for the trainer can be kept: the recompute plan is "
-                             "needed; use memory.plan=phase (or auto), not keep")
         if cfg.rollout.engine == "sglang":
             import_sglang()  # a one-line error before any SGLang work when it is missing
         self.engine = build_engine(self.ddp, cfg, self.layouts, self.ref)
