@@ -43,7 +43,7 @@ class StandInScheduler:
     """Stand-in for SGLang's Scheduler, replaying `event_loop_overlap`'s call sequence."""
 
     def __init__(self, decode_steps: int, step_s: float, tp_rank: int = 0, tp_size: int = 1,
-                 max_idle_s: float = 60.0):
+                 max_idle_s: float = 300.0):
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.steps, self.rollout, self.todo = decode_steps, -1, deque()
         self.step_s, self.max_idle_s = step_s, max_idle_s
@@ -55,10 +55,17 @@ class StandInScheduler:
         from rollplex_megatron.rollout.sglang.plugin import bridge_of
 
         bridge = bridge_of(self)
-        if bridge is None or bridge.step < 0:  # requests arrive once the trainer has opened its step
+        step = -1 if bridge is None else bridge.step
+        if self.tp_size > 1:  # SGLang's TP ranks run the same batches: rank 0's requests reach all of them
+            import torch.distributed as dist
+
+            t = torch.tensor([step])
+            dist.all_reduce(t, op=dist.ReduceOp.MIN)
+            step = int(t)
+        if step < 0:  # requests arrive once the trainer has opened its step
             return None
-        if bridge.step != self.rollout:  # a new RL step: its rollout's prefill and decode batches
-            self.rollout = bridge.step
+        if step != self.rollout:  # a new RL step: its rollout's prefill and decode batches
+            self.rollout = step
             self.todo = deque([Batch(1, decode=False)] + [Batch(max(8 - i // 2, 1)) for i in range(self.steps)])
         return self.todo.popleft() if self.todo else None
 
@@ -111,7 +118,7 @@ class StandInRunner:
 
 
 def scheduler_main(env: dict, decode_steps: int, step_s: float, mutation: str = "", report=None,
-                   load_shapes: dict | None = None) -> None:
+                   load_shapes: dict | None = None, tp_rank: int = 0, tp_size: int = 1, world_port: int = 0) -> None:
     """A scheduler process: the plugin's hooks on the stand-in, its loop until the trainer closes the bridge."""
     os.environ.update(env)
     from rollplex_megatron.rollout.sglang import bridge as B
@@ -127,33 +134,30 @@ def scheduler_main(env: dict, decode_steps: int, step_s: float, mutation: str = 
         B.bind_modules = copied
     if mutation == "die":  # the scheduler process dies in the middle of the step's first job
         B.run_prefix = lambda model, prompt: os._exit(3)
-    if mutation == "stuck":  # the scheduler never runs a job (no decode, no idle hook)
-        StandInScheduler.get_next_batch_to_run = lambda self: None
-        StandInScheduler.on_idle = lambda self: time.sleep(0.01)
+    if mutation == "stuck":  # the scheduler hangs inside the step's first job
+        B.run_prefix = lambda model, prompt: time.sleep(3600)
     install_direct(StandInScheduler, StandInRunner)
     bound = None
     if load_shapes is not None:  # SGLang's start-up: the model is loaded (the plugin binds it), then the loop
         runner = StandInRunner(load_shapes)
         runner.load_model()
         bound = sum(1 for p in runner.model.parameters() if p.is_shared())  # the trainer's shared memory
-    if mutation == "stuck":  # the stand-in still has to connect: its first hook call would have done it
-        from rollplex_megatron.rollout.sglang.plugin import bridge_of
+    if tp_size > 1:  # SGLang's own world, which the bridge's groups are built over
+        import torch.distributed as dist
 
-        sched = StandInScheduler(decode_steps, step_s)
-        bridge_of(sched)
-        time.sleep(30)
-        return
-    sched = StandInScheduler(decode_steps, step_s)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{world_port}", rank=tp_rank,
+                                world_size=tp_size)
+    sched = StandInScheduler(decode_steps, step_s, tp_rank, tp_size)
     err = sched.event_loop_overlap()
     if report is not None:
         report.put({"error": err, "decoded": sched.decoded, "idles": sched.idles, "bound": bound})
 
 
-def _models(cfg):
+def _models(cfg, tp: int = 1):
     from rollplex_megatron.dist import init_parallel
     from rollplex_megatron.models.qwen25vl import build_model
 
-    init_parallel(1, 1, cfg.seed)
+    init_parallel(tp, 1, cfg.seed)
     torch.manual_seed(11)
     ref = build_model(cfg.model, "float32")
     torch.manual_seed(12)
@@ -581,4 +585,52 @@ def gpu_ipc(cfg) -> dict:
     finally:
         bridge.close()
     proc.join(60)
+    return out
+
+
+def trainer_kv_tp2(cfg) -> dict:
+    """Two trainer ranks at training TP 2, each with its stand-in scheduler (SGLang TP 2 over a gloo world of
+    their own): the prefix jobs' collectives run in the schedulers' bridge groups, ranks agreeing on every
+    job, and each rank's K/V shard equals the direct prefix stage's at TP 2."""
+    import multiprocessing as mp
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from rollplex_megatron.dist import free_port
+    from rollplex_megatron.rollout.sglang import protocol as P
+    from rollplex_megatron.rollout.sglang.client import TrainerBridge
+
+    ref, actor = _models(cfg, 2)
+    rank, group = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_group()
+    shared = [P.new_key(), free_port()]
+    dist.broadcast_object_list(shared, src=0, group=group)
+    os.environ[P.ENV_KEY] = shared[0]
+    bridge = TrainerBridge(timeout=60)
+    addrs = [None, None]
+    dist.all_gather_object(addrs, bridge.address, group=group)
+    ctx = mp.get_context("spawn")
+    report = ctx.Queue()
+    proc = ctx.Process(target=scheduler_main, args=(bridge.env(addrs), 4, 0.01, "", report, None, rank, 2,
+                                                    shared[1]), daemon=True)
+    proc.start()
+    out = {"rel": [], "in_window": 0}
+    try:
+        hello = bridge.accept(timeout=120)
+        out["hello"] = (hello.tp_rank, hello.tp_size)
+        bridge.send_modules({"reference": ref, "actor": actor}, cfg.model, "float32", {}, 2)
+        for step in range(2):
+            gs, items, ref_kv, actor_kv, _ = _jobs(cfg, step, 2)
+            stats = run_then_drain(bridge, step, items, 0.5)
+            out["in_window"] += stats["items_in_window"]
+            d_ref, d_actor, _ = _direct(ref, actor, gs)
+            for got, want in ((ref_kv, d_ref), (actor_kv, d_actor)):
+                out["rel"] += [_rel(a, b) for k in want.leaves for a, b in zip(got.leaves[k], want.leaves[k])]
+            with torch.no_grad():
+                for p in actor.parameters():
+                    p.add_(0.1 * torch.sin(p))  # the same change on both ranks' shards (no randomness)
+    finally:
+        bridge.close()
+    proc.join(30)
+    out["scheduler_exit"] = proc.exitcode
     return out

@@ -64,7 +64,7 @@ def test_scheduler_death_names_step_and_item():
 
 
 def test_scheduler_stuck_times_out_naming_step_and_item():
-    """A scheduler that never runs a job: the trainer's wait ends at the timeout, naming the step and item."""
+    """A scheduler that hangs inside a job: the trainer's wait ends at the timeout, naming the step and item."""
     r = run_local(W.trainer_failure, 1, _cfg(), "stuck", 3.0)[0]
     assert r["error"] is not None and "BridgeTimeout" in r["error"], r
     assert "step 0: item actor_prefix[0]" in r["error"] and "3 s" in r["error"], r
@@ -122,3 +122,12 @@ def test_engine_adapter_over_a_standin_engine():
     assert gen["image_data"][0]["format"] == "processor_output" and "pixel_values" in gen["image_data"][0]
     assert max(r["rel"]) <= TOL and len(r["rel"]) > 0
     assert r["finished"] == 6 and r["stats"]["items_in_window"] + r["stats"]["items_after"] == 6
+
+
+def test_bridge_at_tp2_agrees_on_jobs_and_matches_direct_shards():
+    """Training TP 2 and SGLang TP 2 (stand-in schedulers in a gloo world of their own): every rank issues the
+    same prefix-stage collectives at the same hook call, and each rank's K/V shard equals the direct one."""
+    cfg = load_run_config(["model=tiny", "parallel.tp=2"])
+    for r in run_local(W.trainer_kv_tp2, 2, cfg):
+        assert r["rel"] and max(r["rel"]) <= TOL, max(r["rel"])
+        assert r["hello"][1] == 2 and r["scheduler_exit"] == 0

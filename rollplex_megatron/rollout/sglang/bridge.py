@@ -116,6 +116,7 @@ class SchedulerBridge:
         self.weights = threading.Event()  # set once the trainer's WeightHandles arrived
         self._weights: list = []
         self._idle = False  # on_idle is draining the window (its jobs ran after decode, not in the window)
+        self._modules_msg = None  # ModuleHandles received, not yet bound
         link.send(P.Hello(tp_rank, tp_size, os.getpid(), version))
         self._reader = threading.Thread(target=self._read, name="rollplex-bridge-reader", daemon=True)
         self._sender = threading.Thread(target=self._send, name="rollplex-bridge-sender", daemon=True)
@@ -178,19 +179,37 @@ class SchedulerBridge:
         every rank joins the agreement at every hook call, closed or not, so none waits on another."""
         closed = self.closed.is_set()
         n, drain = (0 if closed else len(self.pending)), (not closed and self._drain)
+        bind = not closed and self._modules_msg is not None
         if self._group is not None:
-            t = torch.tensor([n, int(drain), int(closed)])
-            dist.all_reduce(t[:2], op=dist.ReduceOp.MIN, group=self._group)
-            dist.all_reduce(t[2:], op=dist.ReduceOp.MAX, group=self._group)
-            n, drain, closed = int(t[0]), bool(t[1]), bool(t[2])
+            t = torch.tensor([n, int(drain), int(bind), int(closed)])
+            dist.all_reduce(t[:3], op=dist.ReduceOp.MIN, group=self._group)
+            dist.all_reduce(t[3:], op=dist.ReduceOp.MAX, group=self._group)
+            n, drain, bind, closed = int(t[0]), bool(t[1]), bool(t[2]), bool(t[3])
         if closed:
             self.pending.clear()
             self.window.queue.clear()
             return False, True
+        if bind:
+            self._bind_modules()
         for _ in range(n):
             job, ready = self.pending.popleft()
             self.window.submit(job.name, partial(self._run_job, job, ready))
         return drain, False
+
+    def _bind_modules(self) -> None:
+        """The trainer's modules, bound on the decode thread at the same hook call on every rank."""
+        msg, self._modules_msg = self._modules_msg, None
+        try:
+            if msg.window:  # the trainer's mode.window settings; side-stream mechanisms need TP=1
+                check_mechanism(msg.window.get("mechanism", "interleave"), self.tp_size, 1)
+                self.window = DecodeWindow(**msg.window)
+            self.models = bind_modules(msg)
+            if torch.cuda.is_available():
+                torch.cuda.current_stream().synchronize()  # once per binding: the received parameters are ready
+        except Exception as e:  # the trainer hears of it (Failed, then a closed link)
+            self._close(f"binding the modules failed: {type(e).__name__}: {e}")
+            return
+        self.link.send(P.Ack("modules"))
 
     def _run_job(self, job: P.Job, ready=None) -> None:
         t0 = time.perf_counter()
@@ -221,14 +240,8 @@ class SchedulerBridge:
                 if isinstance(msg, P.WeightHandles):
                     self._weights = msg.named
                     self.weights.set()
-                elif isinstance(msg, P.ModuleHandles):
-                    if msg.window:  # the trainer's mode.window settings; side-stream mechanisms need TP=1
-                        check_mechanism(msg.window.get("mechanism", "interleave"), self.tp_size, 1)
-                        self.window = DecodeWindow(**msg.window)
-                    self.models = bind_modules(msg)
-                    if torch.cuda.is_available():
-                        torch.cuda.current_stream().synchronize()  # once: the received parameters are ready
-                    self.link.send(P.Ack("modules"))
+                elif isinstance(msg, P.ModuleHandles):  # bound by the decode thread (`_admit`): building
+                    self._modules_msg = msg  # megatron's groups is collective, and one thread issues them all
                 elif isinstance(msg, P.BeginStep):
                     self._new_step(msg.step, msg.jobs)
                     self.link.send(P.Ack(f"step {msg.step}"))

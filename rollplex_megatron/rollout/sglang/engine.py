@@ -256,10 +256,10 @@ class SGLangEngine:
         return RolloutOutput(results, [], {"decode_s": decode_s, "sglang_window": stats})
 
     def shutdown(self) -> None:
-        """Stop SGLang and close the bridge."""
+        """Close the bridge (the schedulers drop their queues), then stop SGLang."""
+        self.bridge.close()
         if self.engine is not None:
             self.engine.shutdown()
-        self.bridge.close()
 
 
 __all__ = ["SGLangEngine", "import_sglang", "request_payload", "parse_outputs", "P"]
