@@ -262,4 +262,4 @@ class SGLangEngine:
             self.engine.shutdown()
 
 
-__all__ = ["SGLangEngine", "import_sglang", "request_payload", "parse_outputs", "P"]
+__all__ = ["SGLangEngine", "import_sglang", "request_payload", "parse_outputs"]
