@@ -83,6 +83,17 @@ class StandInScheduler:
         self.idles += 1
         time.sleep(0.002)
 
+    def _agree_stop(self, local: bool) -> bool:
+        """The ranks stop at the same iteration (one that left early would break the next all-reduce of the
+        others, which is a stand-in artefact: SGLang's loop does not stop when the bridge closes)."""
+        if self.tp_size == 1:
+            return local
+        import torch.distributed as dist
+
+        t = torch.tensor([int(local)])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t)
+
     def event_loop_overlap(self):
         """SGLang's overlap loop, minus request intake and sampling: stops when the bridge closes."""
         from rollplex_megatron.rollout.sglang.plugin import bridge_of
@@ -91,8 +102,8 @@ class StandInScheduler:
         t_end = time.perf_counter() + self.max_idle_s
         while time.perf_counter() < t_end:
             bridge = bridge_of(self)
-            if bridge is not None and bridge.closed.is_set():
-                return bridge.error
+            if self._agree_stop(bridge is not None and bridge.closed.is_set()):
+                return None if bridge is None else bridge.error
             batch = self.get_next_batch_to_run()
             if batch:
                 result_queue.append((batch.copy(), self.run_batch(batch)))
