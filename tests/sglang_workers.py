@@ -560,15 +560,20 @@ def adapter_rollout(cfg) -> dict:
             "stats": window.stats(), "bound": sched["bound"], "n_params": len(StandInEngine.shapes)}
 
 
-def gpu_ipc(cfg) -> dict:
+def gpu_ipc(cfg, mutation: str = "") -> dict:
     """GPU: a trainer and the stand-in scheduler in two processes, over real CUDA IPC handles. The scheduler's
     modules alias the trainer's weights (an in-place change between steps reaches them with nothing sent), and
     the reference K/V the trainer receives are the scheduler's memory (this process allocates nothing for
     them) and equal the directly computed K/V."""
     import multiprocessing as mp
 
-    from rollplex_megatron.rollout.sglang.client import TrainerBridge
+    from rollplex_megatron.rollout.sglang.client import TrainerBridge, on_device
 
+    if mutation == "copy_kv":  # the trainer copies the K/V it receives instead of keeping the scheduler's memory
+        from rollplex_megatron.rollout.window.jobs import PrefixJob
+
+        accept = PrefixJob.accept
+        PrefixJob.accept = lambda self, kv: accept(self, {n: (k.clone(), v.clone()) for n, (k, v) in kv.items()})
     ref, actor = _models(cfg)
     bridge = TrainerBridge(timeout=120)
     ctx = mp.get_context("spawn")
@@ -581,6 +586,8 @@ def gpu_ipc(cfg) -> dict:
         for step in range(2):
             gs, items, ref_kv, _, _ = _jobs(cfg, step, 3)
             ref_items = [i for i in items if i.job.module == "reference"]
+            for it in ref_items:  # the trainer's prompts live on its GPU (the copy `on_device` would make is
+                it.job.prompt = on_device(it.job.prompt)  # kept alive by torch's IPC limbo, not K/V memory)
             torch.cuda.synchronize()
             before = torch.cuda.memory_allocated()
             bridge.run_step(step, ref_items, drain=True)
