@@ -24,6 +24,9 @@ setup(
     entry_points={"console_scripts": ["rollplex=rollplex_megatron.__main__:main"],
                   # SGLang (0.5.12 and later) runs this in every process, its schedulers included; the hooks do
                   # nothing unless a trainer set ROLLPLEX_SGLANG_BRIDGE (rollout.engine=sglang)
-                  "sglang.srt.plugins": ["rollplex=rollplex_megatron.rollout.sglang.plugin:register"]},
+                  "sglang.srt.plugins": ["rollplex=rollplex_megatron.rollout.sglang.plugin:register"],
+                  # verl (0.9.x) imports this module at `import verl` in every process: it registers the engine
+                  # vendor `rollplex` (VERL_ENGINE_VENDOR=rollplex) and the v1 trainer `rollplex`
+                  "verl.plugins": ["rollplex=rollplex_megatron.integrations.verl.plugin"]},
     include_package_data=True,
 )

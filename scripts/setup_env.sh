@@ -19,6 +19,13 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   .venv/bin/python -m pip install -q -c constraints.txt torch
   .venv/bin/python -m pip install -q -c constraints.txt megatron-core hydra-core omegaconf \
     transformers safetensors numpy pytest matplotlib tqdm PyYAML ruff pyarrow av pillow tensorboard
+  # verl (the verl plugin, integrations/verl/, and its tests): verl's declared pins (transformers<5.11,
+  # tensordict<=0.10 whose pyvers pins packaging<26) conflict with this project's, and the seams the plugin
+  # uses run with these; so what verl imports at module level is installed at constraints.txt's pins, then verl
+  # and tensordict 0.10 without their declared dependencies.
+  .venv/bin/python -m pip install -q -c constraints.txt ray peft accelerate datasets fastapi uvicorn \
+    TransferQueue cachetools torchdata codetiming cloudpickle orjson importlib_metadata
+  .venv/bin/python -m pip install -q -c constraints.txt --no-deps verl tensordict==0.10.0 pyvers==0.1.0
   .venv/bin/python -m pip install -q -c constraints.txt --no-deps -e .
   echo "$want" > "$stamp"
 fi

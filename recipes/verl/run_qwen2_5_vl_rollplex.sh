@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# verl's PPO driver with the Rollplex recipe; extra arguments are Hydra overrides of verl's config.
+#   bash recipes/verl/run_qwen2_5_vl_rollplex.sh data.train_files=train.parquet data.val_files=val.parquet \
+#     actor_rollout_ref.model.path=Qwen/Qwen2.5-VL-3B-Instruct trainer.n_gpus_per_node=8
+set -euo pipefail
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+export VERL_ENGINE_VENDOR=rollplex  # the driver's own processes; the recipe sets it for Ray's workers
+exec python3 -m verl.trainer.main_ppo --config-path="$here" --config-name=qwen2_5_vl_rollplex "$@"

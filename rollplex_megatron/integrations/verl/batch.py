@@ -1,0 +1,138 @@
+"""verl's engine batches as Rollplex groups, and the per-sample outputs back in verl's layout.
+
+verl (0.9.x, the engine API, `pad_mode=no_padding`) hands an engine one TensorDict per call: `input_ids` as a
+jagged nested tensor of prompt + response per sample, `prompts` / `responses` (nested) for the boundary,
+`uid` (one string per prompt: the rows of a GRPO group share it), `multi_modal_inputs` (one dict of the
+processor's tensors per sample) and the loss inputs (`old_log_probs`, `advantages`, `response_mask`, ...).
+Its outputs are nested tensors of the sample's full length, `log_probs[i][t]` being the log-prob of
+`input_ids[i][t + 1]` (verl's label roll). Rows of one uid become one group when their prompts are equal bit
+for bit (ids and every multimodal tensor); a uid whose rows differ is run as full sequences, one group per
+row, and logged.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from rollplex_megatron.prefix.batch import Group, Prompt
+
+log = logging.getLogger(__name__)
+
+PROMPT_FIELDS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
+
+
+@dataclass
+class VerlGroups:
+    """One verl batch as groups: `rows[g][r]` is the sample index of group g's response r."""
+
+    groups: list[Group]
+    rows: list[list[int]]
+    full: list[int]  # groups run as full sequences (their uid's prompts differ)
+    prompt_lens: list[int]  # per sample
+    response_lens: list[int]  # per sample
+
+    @property
+    def shared(self) -> list[int]:
+        """Groups whose prefix runs once."""
+        skip = set(self.full)
+        return [g for g in range(len(self.groups)) if g not in skip]
+
+    def sample(self, group: int, response: int) -> int:
+        return self.rows[group][response]
+
+
+def _rows(t: torch.Tensor, name: str) -> list[torch.Tensor]:
+    if not (isinstance(t, torch.Tensor) and t.is_nested):
+        raise ValueError(f"verl batch: `{name}` must be a jagged nested tensor (pad_mode=no_padding, verl's engine "
+                         f"layout); got {type(t).__name__}")
+    return list(t.unbind())
+
+
+def _get(data, key: str, default=None):
+    from verl.utils import tensordict_utils as tu
+
+    return tu.get(data, key, default)
+
+
+def _prompt(ids: torch.Tensor, mm: dict | None, i: int) -> Prompt:
+    mm = mm or {}
+    unknown = sorted(set(mm) - set(PROMPT_FIELDS))
+    if unknown:
+        raise ValueError(f"verl batch: sample {i}: multi_modal_inputs key {unknown[0]!r} is not a Qwen2.5-VL "
+                         f"processor output this engine reads ({', '.join(PROMPT_FIELDS)})")
+    return Prompt(ids, **{k: mm.get(k) for k in PROMPT_FIELDS})
+
+
+def same_prompt(a: Prompt, b: Prompt) -> bool:
+    """Bit-for-bit equality of two prompts: ids and every processor tensor (dtype and shape included)."""
+    for k in ("input_ids",) + PROMPT_FIELDS:
+        x, y = getattr(a, k), getattr(b, k)
+        if (x is None) != (y is None):
+            return False
+        if x is not None and (x.dtype != y.dtype or x.shape != y.shape or not torch.equal(x, y)):
+            return False
+    return True
+
+
+def verl_groups(data, share_prefix: bool = True) -> VerlGroups:
+    """Group a verl engine batch by `uid`, in order of first appearance. `share_prefix=False`: every group runs
+    as full sequences (the plain path the shared one is checked against)."""
+    ids = _rows(data["input_ids"], "input_ids")
+    responses = _rows(data["responses"], "responses")
+    if len(responses) != len(ids):
+        raise ValueError(f"verl batch: {len(ids)} input_ids rows but {len(responses)} responses rows")
+    uids = _get(data, "uid")
+    if uids is None:
+        raise ValueError("verl batch: no `uid` key; the rollplex engine groups responses by verl's per-prompt uid "
+                         "(set by verl's trainer; add one string per prompt to the batch)")
+    uids = list(uids) if not isinstance(uids, str) else [uids]
+    if len(uids) != len(ids):
+        raise ValueError(f"verl batch: {len(ids)} samples but {len(uids)} uids")
+    mms = _get(data, "multi_modal_inputs")
+    mms = [None] * len(ids) if mms is None else list(mms)
+    prompts = data.get("prompts", None)
+    r_lens = [int(r.numel()) for r in responses]
+    p_lens = [int(x.numel()) - n for x, n in zip(ids, r_lens)]
+    if prompts is not None and prompts.is_nested:
+        want = prompts.offsets().diff().tolist()
+        bad = next((i for i, (p, w) in enumerate(zip(p_lens, want)) if p != w), None)
+        if bad is not None:
+            raise ValueError(f"verl batch: sample {bad}: input_ids is {p_lens[bad] + r_lens[bad]} tokens but prompts "
+                             f"+ responses are {want[bad]} + {r_lens[bad]}")
+    for i, (p, n) in enumerate(zip(p_lens, r_lens)):
+        if p < 2 or n < 1:
+            raise ValueError(f"verl batch: sample {i}: prompt of {p} and response of {n} tokens; the engine needs a "
+                             f"prompt of at least 2 tokens and a non-empty response")
+    order: dict[str, list[int]] = {}
+    for i, u in enumerate(uids):
+        order.setdefault(str(u), []).append(i)
+    groups, rows, full = [], [], []
+    for uid, members in order.items():
+        ps_ = [_prompt(ids[i][:p_lens[i]], mms[i], i) for i in members]
+        if share_prefix and all(same_prompt(ps_[0], p) for p in ps_[1:]):
+            groups.append(Group(ps_[0], [ids[i][p_lens[i]:] for i in members], torch.zeros(len(members))))
+            rows.append(members)
+            continue
+        if share_prefix:
+            log.warning("rollplex verl engine: uid %s: its %d rows do not share one prompt bit for bit; they run as "
+                        "full sequences", uid, len(members))
+        for i, p in zip(members, ps_):
+            full.append(len(groups))
+            groups.append(Group(p, [ids[i][p_lens[i]:]], torch.zeros(1)))
+            rows.append([i])
+    return VerlGroups(groups, rows, full, p_lens, r_lens)
+
+
+def full_length(vg: VerlGroups, sample: int, response_values: torch.Tensor) -> torch.Tensor:
+    """A per-response value vector [R] laid out as verl's model outputs: [P + R], the value of response token j
+    at position P - 1 + j (the position that predicts it), zeros elsewhere."""
+    p = vg.prompt_lens[sample]
+    z = response_values.new_zeros
+    return torch.cat([z(p - 1), response_values, z(1)])
+
+
+def as_nested(rows: list[torch.Tensor]) -> torch.Tensor:
+    """Per-sample tensors as one jagged nested tensor (verl's output format)."""
+    return torch.nested.as_nested_tensor(rows, layout=torch.jagged)

@@ -1,0 +1,108 @@
+"""The verl plugin (rollplex_megatron/integrations/verl/): discovery through verl's entry point, and the engine
+against this project's serial full-sequence path on verl's own batches and loss (fp32 CPU, DESIGN 1e-5)."""
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from rollplex_megatron.dist import run_local
+from tests import verl_workers as W
+
+TOL = 1e-5
+
+
+def test_import_verl_discovers_the_plugin_and_the_vendor_selects_the_engine():
+    code = ("import os, warnings; warnings.filterwarnings('ignore'); os.environ['VERL_ENGINE_VENDOR'] = 'rollplex'\n"
+            "import verl\n"
+            "from verl.workers.engine.base import EngineRegistry\n"
+            "from verl.trainer.ppo.v1.trainer_base import get_trainer_cls\n"
+            "print(EngineRegistry.get_engine_cls('language_model', 'megatron').__name__)\n"
+            "os.environ.pop('VERL_ENGINE_VENDOR')\n"
+            "print(EngineRegistry.get_engine_cls('language_model', 'megatron').__name__)\n"
+            "print(get_trainer_cls('rollplex').__name__)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    # with the vendor: ours; without it: verl's own megatron engine stays the default
+    assert out.stdout.split() == ["RollplexMegatronEngine", "MegatronEngineWithLMHead", "RollplexTrainer"], out.stdout
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_engine_shared_prefix_equals_full_sequences(tiny_hf, tp):
+    for r in run_local(W.shared_vs_full, tp, tiny_hf, tp):
+        assert r["engine"] == "RollplexMegatronEngine"
+        assert r["full_groups"] == 0 and r["grad_norm"] > 0
+        assert all(v <= TOL for v in r["rel"].values()), str(r["rel"])
+        assert {"actor/pg_loss", "actor/entropy_loss", "kl_loss"} <= set(r["metrics_shared"]), r["metrics_shared"]
+        assert r["lens_shared"] == r["lens_full"]  # verl's full-length layout, in the batch's order
+
+
+def test_uid_whose_rows_differ_runs_as_full_sequences(tiny_hf):
+    r = run_local(W.shared_vs_full, 1, tiny_hf, 1, "", True)[0]
+    assert r["full_groups"] == 3  # the wrong uid's 3 rows, one group each; the other uids shared
+    assert all(v <= TOL for v in r["rel"].values()), r["rel"]
+
+
+def test_mutation_trusting_wrong_uids_is_caught(tiny_hf):
+    r = run_local(W.shared_vs_full, 1, tiny_hf, 1, "trust_uid", True)[0]
+    assert r["rel"]["log_probs"] > 100 * TOL and r["rel"]["grad"] > 100 * TOL, r["rel"]
+
+
+def test_weight_export_at_tp2_equals_the_checkpoint(tiny_hf):
+    for r in run_local(W.exported_weights, 2, tiny_hf, 2):
+        assert not r["missing"] and r["names"] > 0 and r["peft"] is None, r
+        assert r["max_abs"] == 0.0, r
+
+
+def test_engine_refuses_what_it_does_not_run():
+    from verl.workers.config import McoreEngineConfig
+
+    from rollplex_megatron.integrations.verl.engine import check_engine_config
+
+    with pytest.raises(ValueError, match="context_parallel_size=2"):
+        check_engine_config(McoreEngineConfig(strategy="megatron", context_parallel_size=2))
+    with pytest.raises(ValueError, match="param_offload=True"):
+        check_engine_config(McoreEngineConfig(strategy="megatron", param_offload=True))
+
+
+def test_batch_errors_name_the_key_and_sample():
+    from verl.utils import tensordict_utils as tu
+
+    from rollplex_megatron.integrations.verl.batch import verl_groups
+
+    def rows(prompt_lens, uid=True):  # ragged rows, so verl stores them as nested tensors
+        out = [{"input_ids": torch.arange(4 + 2 * i + 2 + i), "responses": torch.arange(2 + i),
+                "prompts": torch.arange(p)} for i, p in enumerate(prompt_lens)]
+        return [{**r, "uid": "a"} if uid else r for r in out]
+
+    with pytest.raises(ValueError, match="no `uid` key"):
+        verl_groups(tu.list_of_dict_to_tensordict(rows([4, 6], uid=False)))
+    with pytest.raises(ValueError, match="sample 1: input_ids is 9 tokens but prompts"):
+        verl_groups(tu.list_of_dict_to_tensordict(rows([4, 5])))
+    with pytest.raises(ValueError, match="`input_ids` must be a jagged nested tensor"):
+        verl_groups(tu.list_of_dict_to_tensordict([{"input_ids": torch.arange(6), "responses": torch.arange(2)}] * 2))
+
+
+def test_recipe_composes_on_verls_config_and_builds_configs_the_engine_accepts():
+    """The furthest seam of a verl run that runs here (see README): the recipe on verl's own Hydra config, turned
+    into verl's config dataclasses as its workers do, accepted by the engine's checks."""
+    import os
+
+    from hydra import compose, initialize_config_dir
+    from verl.utils.config import omega_conf_to_dataclass
+
+    from rollplex_megatron.integrations.verl.engine import check_engine_config
+
+    with initialize_config_dir(config_dir=os.path.abspath("recipes/verl"), version_base=None):
+        c = compose("qwen2_5_vl_rollplex", overrides=["actor_rollout_ref.model.path=/models/qwen2.5-vl"])
+    assert c.trainer.use_v1 and c.trainer.v1.trainer_mode == "rollplex"
+    assert c.ray_kwargs.ray_init.runtime_env.env_vars.VERL_ENGINE_VENDOR == "rollplex"
+    assert c.actor_rollout_ref.actor.strategy == "megatron" and c.algorithm.adv_estimator == "grpo"
+    actor = omega_conf_to_dataclass(c.actor_rollout_ref.actor)
+    check_engine_config(actor.engine)
+    check_engine_config(omega_conf_to_dataclass(c.actor_rollout_ref.ref.megatron))
+    with pytest.raises(ValueError, match="param_offload=True"):  # an override the engine cannot run is refused
+        with initialize_config_dir(config_dir=os.path.abspath("recipes/verl"), version_base=None):
+            bad = compose("qwen2_5_vl_rollplex", overrides=["actor_rollout_ref.model.path=/m",
+                                                            "actor_rollout_ref.actor.megatron.param_offload=true"])
+        check_engine_config(omega_conf_to_dataclass(bad.actor_rollout_ref.actor).engine)

@@ -1,0 +1,144 @@
+"""Workers for the verl plugin tests (importable for spawn): the registered engine driven with verl batches.
+
+The batch is verl's engine layout built by verl's own `list_of_dict_to_tensordict` from per-sample dicts, as
+verl's v1 agent loop stores them (prompts, responses, input_ids, masks, multi_modal_inputs, uid), plus the loss
+inputs verl's trainer adds (old_log_probs, ref_log_prob, advantages) and its meta keys. The loss is verl's own
+`ppo_loss` under an `McoreActorConfig`.
+"""
+from __future__ import annotations
+
+import os
+from functools import partial
+
+import torch
+
+
+def _rel(a, b) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
+def verl_batch(model_cfg, seed: int, groups: int = 3, g: int = 3, mismatched_uid: bool = False, temperature=0.7):
+    """A verl engine batch: `groups` prompts (image + video) x `g` responses of random lengths. With
+    `mismatched_uid`, the last uid's rows carry different prompts (verl's uid would be wrong)."""
+    from verl.utils import tensordict_utils as tu
+
+    from rollplex_megatron.verify.parity import synthetic_inputs
+
+    gen = torch.Generator().manual_seed(seed)
+    text_hi = min(model_cfg.vocab_size, model_cfg.image_token_id, model_cfg.video_token_id,
+                  model_cfg.vision_start_token_id, model_cfg.vision_end_token_id)
+    rows = []
+    for gi in range(groups):
+        x = synthetic_inputs(model_cfg, seed * 100 + gi, 1, (1, 4, 4), (2, 4, 4), 5 + gi)
+        for ri in range(g):
+            if mismatched_uid and gi == groups - 1 and ri > 0:  # same uid, another prompt
+                x = synthetic_inputs(model_cfg, seed * 100 + 50 + ri, 1, (1, 4, 4), (2, 4, 4), 5 + gi)
+            prompt = x["input_ids"][0]
+            n = int(torch.randint(2, 9, (1,), generator=gen))
+            resp = torch.randint(0, text_hi, (n,), generator=gen)
+            adv = float(torch.randn(1, generator=gen))
+            rows.append({
+                "prompts": prompt, "responses": resp, "input_ids": torch.cat([prompt, resp]),
+                "attention_mask": torch.ones(prompt.numel() + n, dtype=torch.int64),
+                "response_mask": torch.ones(n, dtype=torch.int64), "loss_mask": torch.ones(n, dtype=torch.int64),
+                "old_log_probs": -3.0 + 0.5 * torch.randn(n, generator=gen),
+                "ref_log_prob": -3.0 + 0.5 * torch.randn(n, generator=gen),
+                "advantages": torch.full((n,), adv),
+                "multi_modal_inputs": {k: x[k] for k in ("pixel_values", "image_grid_thw", "pixel_values_videos",
+                                                         "video_grid_thw", "second_per_grid_ts")},
+                "uid": f"prompt-{gi}",
+            })
+    data = tu.list_of_dict_to_tensordict(rows)
+    tu.assign_non_tensor(data, temperature=temperature, global_batch_size=len(rows), micro_batch_size_per_gpu=4,
+                         calculate_entropy=True)
+    return data
+
+
+def actor_config():
+    from verl.workers.config import McoreActorConfig
+
+    return McoreActorConfig(strategy="megatron", ppo_mini_batch_size=9, ppo_micro_batch_size_per_gpu=4, rollout_n=3,
+                            use_dynamic_bsz=False, loss_agg_mode="token-mean", entropy_coeff=0.01, use_kl_loss=True,
+                            kl_loss_coef=0.1, kl_loss_type="low_var_kl")
+
+
+def new_engine(hf_dir: str, tp: int, share_prefix: bool, forward_only: bool = False):
+    """The engine verl's worker would build: `EngineRegistry.new` with verl's own config classes."""
+    from verl.workers.config import HFModelConfig, McoreEngineConfig, McoreOptimizerConfig
+    from verl.workers.engine.base import EngineRegistry
+
+    engine = EngineRegistry.new(
+        model_type="language_model", backend="megatron",
+        model_config=HFModelConfig(path=hf_dir, load_tokenizer=False),
+        engine_config=McoreEngineConfig(strategy="megatron", tensor_model_parallel_size=tp,
+                                        forward_only=forward_only, use_distributed_optimizer=False,
+                                        sequence_parallel=False),
+        optimizer_config=McoreOptimizerConfig(lr=1e-2, weight_decay=0.0, clip_grad=1e6, total_training_steps=2),
+        checkpoint_config=None, share_prefix=share_prefix, dtype="float32")
+    engine.initialize()
+    return engine
+
+
+def _grads(engine) -> dict:
+    return {n: p.main_grad.detach().clone() for n, p in engine.ddp.module.named_parameters() if p.requires_grad}
+
+
+def shared_vs_full(hf_dir: str, tp: int, mutation: str = "", mismatched_uid: bool = False) -> dict:
+    """The same verl batch through the engine with the prefix shared and with full sequences (this project's
+    serial path): log-probs and entropy (infer_batch), loss, gradients and megatron's gradient norm (the
+    optimizer step's global norm), as relative errors. `mutation="trust_uid"`: the engine groups by uid without
+    checking that the rows share the prompt, on a batch whose last uid is wrong."""
+    os.environ["VERL_ENGINE_VENDOR"] = "rollplex"
+    import verl  # noqa: F401  (loads the plugin through its entry point)
+    from verl.workers.utils.losses import ppo_loss
+
+    from rollplex_megatron.integrations.verl import batch as B
+    from rollplex_megatron.models.qwen25vl.hf import HFCheckpoint
+
+    if mutation == "trust_uid":
+        B.same_prompt = lambda a, b: True
+    cfg = HFCheckpoint(hf_dir).model_config()
+    engines = {k: new_engine(hf_dir, tp, share_prefix=(k == "shared")) for k in ("shared", "full")}
+    out = {"engine": type(engines["shared"]).__name__, "rel": {}}
+    infer, loss, grads, params = {}, {}, {}, {}
+    loss_fn = partial(ppo_loss, config=actor_config())
+    for k, e in engines.items():
+        with e.eval_mode():
+            o = e.infer_batch(verl_batch(cfg, 7, mismatched_uid=mismatched_uid))
+        infer[k] = {n: t.values() for n, t in o["model_output"].items()}
+        with e.train_mode():
+            e.optimizer_zero_grad()
+            o = e.forward_backward_batch(verl_batch(cfg, 7, mismatched_uid=mismatched_uid), loss_fn)
+            loss[k] = torch.tensor(o["loss"]).sum()
+            grads[k] = _grads(e)
+            out["metrics_" + k] = sorted(o["metrics"])
+            params[k] = torch.tensor(e.optimizer_step())  # megatron's grad norm (the clip is far above it)
+            out["lens_" + k] = [int(t.numel()) for t in o["model_output"]["log_probs"].unbind()]
+    s, f = "shared", "full"
+    out["rel"]["log_probs"] = _rel(infer[s]["log_probs"], infer[f]["log_probs"])
+    out["rel"]["entropy"] = _rel(infer[s]["entropy"], infer[f]["entropy"])
+    out["rel"]["loss"] = _rel(loss[s], loss[f])
+    errs = {n: _rel(grads[s][n], grads[f][n]) for n in grads[f]}
+    out["rel"]["grad"] = max(errs.values())
+    out["worst_grad_param"] = max(errs, key=errs.get)
+    out["rel"]["optimizer_grad_norm"] = _rel(params[s], params[f])
+    out["grad_norm"] = float(torch.stack([g.norm() for g in grads[f].values()]).norm())
+    out["full_groups"] = len(B.verl_groups(verl_batch(cfg, 7, mismatched_uid=mismatched_uid)).full)
+    return out
+
+
+def exported_weights(hf_dir: str, tp: int) -> dict:
+    """`get_per_tensor_param` (verl's weight sync) at TP `tp` equals the HF checkpoint it was loaded from."""
+    os.environ["VERL_ENGINE_VENDOR"] = "rollplex"
+    import verl  # noqa: F401
+
+    from rollplex_megatron.models.qwen25vl.hf import HFCheckpoint
+
+    ckpt = HFCheckpoint(hf_dir)
+    e = new_engine(hf_dir, tp, share_prefix=True, forward_only=True)
+    gen, peft = e.get_per_tensor_param()
+    names, worst = set(), 0.0
+    for name, t in gen:
+        names.add(name)
+        worst = max(worst, float((t.float() - ckpt.get(name).float()).abs().max()))
+    return {"names": len(names), "missing": sorted(ckpt.keys() - names)[:5], "max_abs": worst, "peft": peft}
