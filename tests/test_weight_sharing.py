@@ -7,11 +7,19 @@ from rollplex_megatron.recipes import load_run_config
 from rollplex_megatron.weights.plan import plan_weights
 from tests.weight_workers import shared_vs_full
 
+_UNSPLIT: dict = {}  # (t, r) -> the unsplit runs' results, reused by the split-GEMM test (same inputs, same seed)
+
+
+def _unsplit(request, t: int, r: int) -> list:
+    if (t, r) not in _UNSPLIT:
+        hf = request.getfixturevalue("tiny_hf_tp4" if 4 in (t, r) else "tiny_hf")
+        _UNSPLIT[(t, r)] = run_local(shared_vs_full, max(t, r), hf, t, r)
+    return _UNSPLIT[(t, r)]
+
 
 @pytest.mark.parametrize("t,r", [(1, 1), (2, 1), (1, 2), (2, 2), (4, 2), (2, 4)])
 def test_shared_rollout_weights_match_a_full_copy(request, t, r):
-    hf = request.getfixturevalue("tiny_hf_tp4" if 4 in (t, r) else "tiny_hf")
-    for res in run_local(shared_vs_full, max(t, r), hf, t, r):
+    for res in _unsplit(request, t, r):
         assert res["before"] == 0.0, res["before"]  # same weights, same arithmetic: bitwise equal
         assert res["changed"] > 1e-2, "the optimizer step did not change the logits"
         assert res["after"] == 0.0, res["after"]
@@ -26,7 +34,7 @@ def test_split_gemm_over_local_views_and_remote_pieces(request, t, r):
     ones (the gated fc1 at rollout TP > training TP: two row blocks) over views alone: same logits (up
     to fp32 summation order), and only the remote pieces are allocated."""
     hf = request.getfixturevalue("tiny_hf_tp4" if 4 in (t, r) else "tiny_hf")
-    full = run_local(shared_vs_full, max(t, r), hf, t, r)
+    full = _unsplit(request, t, r)
     split = run_local(shared_vs_full, max(t, r), hf, t, r, False, True)
     for a, b in zip(full, split):
         assert b["before"] <= 1e-4 and b["after"] <= 1e-4, (b["before"], b["after"])
