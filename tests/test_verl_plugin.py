@@ -34,7 +34,6 @@ def test_engine_shared_prefix_equals_full_sequences(tiny_hf, tp):
         assert r["full_groups"] == 0 and r["grad_norm"] > 0
         assert all(v <= TOL for v in r["rel"].values()), str(r["rel"])
         assert {"actor/pg_loss", "actor/entropy_loss", "kl_loss"} <= set(r["metrics_shared"]), r["metrics_shared"]
-        assert r["lens_shared"] == r["lens_full"]  # verl's full-length layout, in the batch's order
 
 
 def test_uid_whose_rows_differ_runs_as_full_sequences(tiny_hf):
@@ -46,6 +45,26 @@ def test_uid_whose_rows_differ_runs_as_full_sequences(tiny_hf):
 def test_mutation_trusting_wrong_uids_is_caught(tiny_hf):
     r = run_local(W.shared_vs_full, 1, tiny_hf, 1, "trust_uid", True)[0]
     assert r["rel"]["log_probs"] > 100 * TOL and r["rel"]["grad"] > 100 * TOL, r["rel"]
+
+
+def test_dp2_gradients_equal_one_rank_on_the_whole_batch(tiny_hf):
+    one = run_local(W.dp_grads, 1, tiny_hf)[0]
+    two = run_local(W.dp_grads, 2, tiny_hf)
+    assert [r["world"] for r in two] == [2, 2]
+    for r in two:
+        errs = {n: W._rel(r["grads"][n], one["grads"][n]) for n in one["grads"]}
+        assert max(errs.values()) <= TOL, max(errs.items(), key=lambda kv: kv[1])
+
+
+def test_the_trainer_has_verls_sync_behaviour():
+    """verl's trainer base branches on `self.trainer_mode == "sync"`; the rollplex trainer must read as sync."""
+    from rollplex_megatron.integrations.verl.trainer import RollplexTrainer
+
+    t = object.__new__(RollplexTrainer)
+    t.trainer_mode = "rollplex"  # what PPOTrainer.__init__ assigns from trainer.v1.trainer_mode
+    assert t.trainer_mode == "sync"
+    with pytest.raises(ValueError, match="colocate_async"):
+        t.trainer_mode = "colocate_async"
 
 
 def test_weight_export_at_tp2_equals_the_checkpoint(tiny_hf):

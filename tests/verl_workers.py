@@ -17,9 +17,11 @@ def _rel(a, b) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
 
-def verl_batch(model_cfg, seed: int, groups: int = 3, g: int = 3, mismatched_uid: bool = False, temperature=0.7):
+def verl_batch(model_cfg, seed: int, groups: int = 3, g: int = 3, mismatched_uid: bool = False, temperature=0.7,
+               rows_out: list | None = None, keep=None):
     """A verl engine batch: `groups` prompts (image + video) x `g` responses of random lengths. With
-    `mismatched_uid`, the last uid's rows carry different prompts (verl's uid would be wrong)."""
+    `mismatched_uid`, the last uid's rows carry different prompts (verl's uid would be wrong). `rows_out`
+    receives the per-sample dicts; `keep(i)` selects samples (a DP rank's share)."""
     from verl.utils import tensordict_utils as tu
 
     from rollplex_megatron.verify.parity import synthetic_inputs
@@ -44,10 +46,15 @@ def verl_batch(model_cfg, seed: int, groups: int = 3, g: int = 3, mismatched_uid
                 "old_log_probs": -3.0 + 0.5 * torch.randn(n, generator=gen),
                 "ref_log_prob": -3.0 + 0.5 * torch.randn(n, generator=gen),
                 "advantages": torch.full((n,), adv),
-                "multi_modal_inputs": {k: x[k] for k in ("pixel_values", "image_grid_thw", "pixel_values_videos",
-                                                         "video_grid_thw", "second_per_grid_ts")},
+                "multi_modal_inputs": {**{k: x[k] for k in ("pixel_values", "image_grid_thw", "pixel_values_videos",
+                                                            "video_grid_thw", "second_per_grid_ts")},
+                                       "images_seqlens": x["image_grid_thw"].prod(-1)},  # verl's agent loop adds it
                 "uid": f"prompt-{gi}",
             })
+    if keep is not None:
+        rows = [r for i, r in enumerate(rows) if keep(i)]
+    if rows_out is not None:
+        rows_out.extend(rows)
     data = tu.list_of_dict_to_tensordict(rows)
     tu.assign_non_tensor(data, temperature=temperature, global_batch_size=len(rows), micro_batch_size_per_gpu=4,
                          calculate_entropy=True)
@@ -90,7 +97,9 @@ def shared_vs_full(hf_dir: str, tp: int, mutation: str = "", mismatched_uid: boo
     checking that the rows share the prompt, on a batch whose last uid is wrong."""
     os.environ["VERL_ENGINE_VENDOR"] = "rollplex"
     import verl  # noqa: F401  (loads the plugin through its entry point)
+    from verl.utils import tensordict_utils as tu
     from verl.workers.utils.losses import ppo_loss
+    from verl.workers.utils.padding import no_padding_2_padding
 
     from rollplex_megatron.integrations.verl import batch as B
     from rollplex_megatron.models.qwen25vl.hf import HFCheckpoint
@@ -100,20 +109,31 @@ def shared_vs_full(hf_dir: str, tp: int, mutation: str = "", mismatched_uid: boo
     cfg = HFCheckpoint(hf_dir).model_config()
     engines = {k: new_engine(hf_dir, tp, share_prefix=(k == "shared")) for k in ("shared", "full")}
     out = {"engine": type(engines["shared"]).__name__, "rel": {}}
-    infer, loss, grads, params = {}, {}, {}, {}
+    infer, loss, grads, params, infer_resp, whole_loss = {}, {}, {}, {}, {}, {}
     loss_fn = partial(ppo_loss, config=actor_config())
     for k, e in engines.items():
         with e.eval_mode():
             o = e.infer_batch(verl_batch(cfg, 7, mismatched_uid=mismatched_uid))
         infer[k] = {n: t.values() for n, t in o["model_output"].items()}
+        batch = verl_batch(cfg, 7, mismatched_uid=mismatched_uid)  # verl's own slicing of the outputs
+        resp = no_padding_2_padding(o["model_output"]["log_probs"], batch)
+        infer_resp[k] = [resp[i, :n] for i, n in enumerate(batch["responses"].offsets().diff().tolist())]
+        if k == "full":  # the same weights, before this engine's optimizer step
+            direct = _direct_logp(e, cfg, mismatched_uid)
         with e.train_mode():
             e.optimizer_zero_grad()
             o = e.forward_backward_batch(verl_batch(cfg, 7, mismatched_uid=mismatched_uid), loss_fn)
             loss[k] = torch.tensor(o["loss"]).sum()
+            whole = verl_batch(cfg, 7, mismatched_uid=mismatched_uid)  # verl's loss over the whole batch at once
+            tu.assign_non_tensor(whole, dp_size=1, batch_num_tokens=int(whole["loss_mask"].values().sum()))
+            with torch.no_grad():
+                whole_loss[k] = loss_fn(model_output=dict(o["model_output"]), data=whole)[0].detach()
             grads[k] = _grads(e)
             out["metrics_" + k] = sorted(o["metrics"])
             params[k] = torch.tensor(e.optimizer_step())  # megatron's grad norm (the clip is far above it)
             out["lens_" + k] = [int(t.numel()) for t in o["model_output"]["log_probs"].unbind()]
+    out["rel"]["log_probs_vs_direct"] = _rel(torch.cat(infer_resp["shared"]), torch.cat(direct))
+    out["rel"]["loss_vs_whole_batch_ppo_loss"] = _rel(loss["shared"], whole_loss["shared"])
     s, f = "shared", "full"
     out["rel"]["log_probs"] = _rel(infer[s]["log_probs"], infer[f]["log_probs"])
     out["rel"]["entropy"] = _rel(infer[s]["entropy"], infer[f]["entropy"])
@@ -142,3 +162,42 @@ def exported_weights(hf_dir: str, tp: int) -> dict:
         names.add(name)
         worst = max(worst, float((t.float() - ckpt.get(name).float()).abs().max()))
     return {"names": len(names), "missing": sorted(ckpt.keys() - names)[:5], "max_abs": worst, "peft": peft}
+
+
+def _direct_logp(engine, cfg, mismatched_uid: bool) -> list:
+    """Per-response log-probs by this project's serial path, outside the engine: each sample its own group,
+    full-sequence micro-batches through `full_sequence_step`, the scoring loss at the batch's temperature."""
+    from rollplex_megatron.prefix import execution as X
+    from rollplex_megatron.prefix.batch import Group, Prompt, full_micro_batches
+
+    rows: list = []
+    verl_batch(cfg, 7, mismatched_uid=mismatched_uid, rows_out=rows)
+    groups = [Group(Prompt(r["prompts"], **{k: v for k, v in r["multi_modal_inputs"].items()
+                                           if k != "images_seqlens"}), [r["responses"]], torch.zeros(1))
+              for r in rows]
+    mbs = full_micro_batches(cfg, groups, 1, 1)
+    with torch.no_grad():
+        res = X.full_sequence_step(engine.module, mbs, forward_only=True,
+                                   loss_fn=partial(X.logprob_loss, temperature=0.7))
+    per = X.per_response(res, mbs, groups)
+    return [per[(i, 0)] for i in range(len(groups))]
+
+
+def dp_grads(hf_dir: str) -> dict:
+    """Gradients of one update at DP = world size (TP 1): each DP rank takes its share of the uids, as verl's
+    dispatch gives it; megatron's DDP reduces them (the engine's loss / dp_size under a summing DDP)."""
+    os.environ["VERL_ENGINE_VENDOR"] = "rollplex"
+    import verl  # noqa: F401
+    import torch.distributed as dist
+    from verl.workers.utils.losses import ppo_loss
+
+    from rollplex_megatron.models.qwen25vl.hf import HFCheckpoint
+
+    cfg = HFCheckpoint(hf_dir).model_config()
+    e = new_engine(hf_dir, 1, share_prefix=True)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    data = verl_batch(cfg, 11, groups=4, keep=lambda i: (i // 3) % world == rank)  # whole groups per rank
+    with e.train_mode(zero_grad_on_exit=False):
+        e.optimizer_zero_grad()
+        e.forward_backward_batch(data, partial(ppo_loss, config=actor_config()))
+    return {"world": world, "grads": {n: g.cpu() for n, g in _grads(e).items()}}

@@ -56,12 +56,10 @@ def _get(data, key: str, default=None):
     return tu.get(data, key, default)
 
 
-def _prompt(ids: torch.Tensor, mm: dict | None, i: int) -> Prompt:
+def _prompt(ids: torch.Tensor, mm: dict | None) -> Prompt:
+    """The sample's prompt; of `multi_modal_inputs` only the processor outputs the model reads (verl adds
+    bookkeeping keys such as `images_seqlens`, which the model does not take)."""
     mm = mm or {}
-    unknown = sorted(set(mm) - set(PROMPT_FIELDS))
-    if unknown:
-        raise ValueError(f"verl batch: sample {i}: multi_modal_inputs key {unknown[0]!r} is not a Qwen2.5-VL "
-                         f"processor output this engine reads ({', '.join(PROMPT_FIELDS)})")
     return Prompt(ids, **{k: mm.get(k) for k in PROMPT_FIELDS})
 
 
@@ -110,7 +108,7 @@ def verl_groups(data, share_prefix: bool = True) -> VerlGroups:
         order.setdefault(str(u), []).append(i)
     groups, rows, full = [], [], []
     for uid, members in order.items():
-        ps_ = [_prompt(ids[i][:p_lens[i]], mms[i], i) for i in members]
+        ps_ = [_prompt(ids[i][:p_lens[i]], mms[i]) for i in members]
         if share_prefix and all(same_prompt(ps_[0], p) for p in ps_[1:]):
             groups.append(Group(ps_[0], [ids[i][p_lens[i]:] for i in members], torch.zeros(len(members))))
             rows.append(members)

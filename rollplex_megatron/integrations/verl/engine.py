@@ -62,6 +62,16 @@ def check_engine_config(ec) -> None:
                              f"keeps its model and optimizer resident)")
 
 
+def responses_per_micro_batch(data, vg) -> int:
+    """Responses per packed response-stage micro-batch: verl's `micro_batch_size_per_gpu`; under its dynamic
+    batch size (`use_dynamic_bsz`, `max_token_len_per_gpu`) as many of the longest response as fit the token
+    budget (a response-stage micro-batch holds response tokens only: the prompt runs once per group); 8 when
+    neither is set. The loss and the gradient do not depend on the packing."""
+    if tu.get(data, "use_dynamic_bsz", False) and tu.get(data, "max_token_len_per_gpu", None):
+        return max(1, int(tu.get(data, "max_token_len_per_gpu")) // (max(vg.response_lens) + 1))
+    return int(tu.get(data, "micro_batch_size_per_gpu", None) or 8)
+
+
 class RollplexMegatronEngine(BaseEngine):
     """verl engine over this project's Qwen2.5-VL and prefix/response execution (see the module docstring)."""
 
@@ -111,15 +121,16 @@ class RollplexMegatronEngine(BaseEngine):
         oc = self.optimizer_config
         betas = tuple(_setting(oc, "betas", (0.9, 0.999)))
         steps = max(int(_setting(oc, "total_training_steps", -1) or -1), 1)
+        decay = int(_setting(oc, "lr_decay_steps", None) or steps)
         warm = int(_setting(oc, "lr_warmup_steps", -1) or -1)
-        if warm < 0:
-            warm = int(float(_setting(oc, "lr_warmup_steps_ratio", 0.0) or 0.0) * steps)
+        if warm <= 0:  # verl's rule: the ratio of the decay steps when no positive step count is given
+            warm = int(float(_setting(oc, "lr_warmup_steps_ratio", 0.0) or 0.0) * decay)
         ocfg = OptimConfig(lr=float(_setting(oc, "lr", 1e-6)), weight_decay=float(_setting(oc, "weight_decay", 0.0)),
                            adam_beta1=float(betas[0]), adam_beta2=float(betas[1]),
                            clip_grad=float(_setting(oc, "clip_grad", 1.0)), lr_warmup_steps=warm,
                            lr_warmup_init=float(_setting(oc, "lr_warmup_init", 0.0) or 0.0),
                            lr_decay_style=str(_setting(oc, "lr_decay_style", "constant")),
-                           min_lr=float(_setting(oc, "min_lr", 0.0) or 0.0))
+                           min_lr=float(_setting(oc, "min_lr", 0.0) or 0.0), lr_decay_steps=decay)
         self.optimizer = build_optimizer(self.ddp, ocfg, bf16=self.dtype == "bfloat16")
         self.scheduler = build_scheduler(self.optimizer, ocfg, steps)
 
@@ -201,7 +212,7 @@ class RollplexMegatronEngine(BaseEngine):
         if loss_function is not None and tu.get(data, "global_batch_size") is None:
             raise ValueError("rollplex verl engine: the batch has no `global_batch_size` (verl's trainer sets it "
                              "from ppo_mini_batch_size * rollout.n)")
-        per_mb = int(tu.get(data, "micro_batch_size_per_gpu", None) or 8)
+        per_mb = responses_per_micro_batch(data, vg)
         shared = response_micro_batches(self.cfg, vg.groups, per_mb, 1, select=vg.shared)
         full = full_micro_batches(self.cfg, vg.groups, per_mb, 1, select=vg.full)
         outputs: dict[int, dict] = {}

@@ -22,7 +22,20 @@ NAME = "rollplex"
 
 
 class RollplexTrainer(PPOTrainerSync):
-    """verl's synchronous PPO trainer with the Rollplex engine's checks (see the module docstring)."""
+    """verl's synchronous PPO trainer with the Rollplex engine's checks (see the module docstring).
+
+    verl's trainer base branches on the mode's name (`self.trainer_mode == "sync"`: the replay buffer, the
+    prompt refill, TransferQueue checkpoints), not on the class; this trainer reads as `sync` there, so it
+    has exactly the sync trainer's behaviour, while `trainer.v1.trainer_mode=rollplex` selects it."""
+
+    @property
+    def trainer_mode(self) -> str:
+        return "sync"
+
+    @trainer_mode.setter
+    def trainer_mode(self, value: str) -> None:  # PPOTrainer.__init__ assigns the configured name
+        if value not in (NAME, "sync"):
+            raise ValueError(f"RollplexTrainer under trainer.v1.trainer_mode={value!r}")
 
     def on_init_end(self):
         if os.environ.get(ENV_ADDRESS):
