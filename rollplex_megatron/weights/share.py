@@ -39,6 +39,15 @@ def union_positions(p: TensorPlan, t: int) -> torch.Tensor:
     return positions_in(union, WL.ShardIndex(p.dim, p.need.index, p.need.canonical))
 
 
+def bind_parameter(modules: dict, name: str, tensor: torch.Tensor) -> torch.nn.Parameter:
+    """Make parameter `name` of a module tree (`modules`: its `named_modules()` dict) the tensor itself, no
+    copy: the Parameter object is replaced, not its `.data` (a meta-device parameter cannot take real data)."""
+    path, _, attr = name.rpartition(".")
+    prm = torch.nn.Parameter(tensor, requires_grad=False)  # aliases `tensor`'s storage, offset and strides
+    modules[path]._parameters[attr] = prm
+    return prm
+
+
 class SharedRolloutWeights:
     """Rollout parameters bound to the training parameters on this GPU (megatron rollout layout)."""
 
@@ -111,12 +120,8 @@ class SharedRolloutWeights:
         self.refresh()
 
     def _bind(self, name: str, tensor: torch.Tensor) -> None:
-        """Make rollout parameter `name` the tensor (a view of training storage, or its own buffer). The
-        Parameter object is replaced, not its `.data`: a meta-device parameter cannot take real data."""
-        path, _, attr = name.rpartition(".")
-        prm = torch.nn.Parameter(tensor, requires_grad=False)  # aliases `tensor`'s storage, offset and strides
-        self._modules[path]._parameters[attr] = prm
-        self.roll[name] = prm
+        """Make rollout parameter `name` the tensor (a view of training storage, or its own buffer)."""
+        self.roll[name] = bind_parameter(self._modules, name, tensor)
 
     def check_bound(self) -> None:
         """Fail if a training parameter was re-allocated after binding (views would go stale).

@@ -38,6 +38,7 @@ from rollplex_megatron.prefix import execution as X
 from rollplex_megatron.prefix.batch import Group
 from rollplex_megatron.rollout.sglang import protocol as P
 from rollplex_megatron.rollout.window import DecodeWindow, check_mechanism
+from rollplex_megatron.weights.share import bind_parameter
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +76,7 @@ def bind_modules(handles: P.ModuleHandles) -> dict:
         model = build_model(handles.model_cfg, handles.dtype, handles.megatron, meta=True)
         mods = dict(model.named_modules())
         for pname, tensor in params.items():
-            path, _, attr = pname.rpartition(".")
-            mods[path]._parameters[attr] = torch.nn.Parameter(tensor, requires_grad=False)
+            bind_parameter(mods, pname, tensor)
         left = [n for n, p in model.named_parameters() if p.is_meta]
         if left:
             raise P.BridgeError(f"module {name}: parameter {left[0]} (and {len(left) - 1} more) was not sent by the "
