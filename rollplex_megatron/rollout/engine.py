@@ -68,6 +68,13 @@ class DecodeHooks:
     def abort(self) -> None:
         """The rollout failed: stop side work now."""
 
+    def take_items(self) -> list:
+        """The queued side work, handed to an engine that runs it elsewhere (SGLang's scheduler); none here."""
+        return []
+
+    def ran_elsewhere(self, items: list) -> None:
+        """The items `take_items` handed out, run and marked done by that engine."""
+
 
 class RolloutEngine(Protocol):
     """Generate G samples per request. The trainer depends on this contract only.

@@ -222,9 +222,7 @@ class SGLangEngine:
         """Sample every request in SGLang while the window's jobs run in its scheduler."""
         if actor_prefix is not None:
             raise NotImplementedError("SGLang's prefill cannot be the actor prefix stage; it is a window job")
-        items = list(getattr(hooks, "queue", ()))
-        if items:
-            hooks.queue.clear()
+        items = hooks.take_items() if hooks is not None else []
         step, self.step = self.step, self.step + 1
         joiner = self._in_thread(lambda: self.bridge.run_step(step, items, self.depth))
         t0 = time.perf_counter()
@@ -251,8 +249,8 @@ class SGLangEngine:
             raise RuntimeError("SGLang's generate failed on training TP rank 0 (its error is in that rank's log)")
         if self.tp_rank == 0:
             self.engine.release_memory_occupation(tags=self.memory_tags)
-        if hooks is not None and hasattr(hooks, "finished"):
-            hooks.finished.extend(items)
+        if hooks is not None:
+            hooks.ran_elsewhere(items)
         return RolloutOutput(results, [], {"decode_s": decode_s, "sglang_window": stats})
 
     def shutdown(self) -> None:

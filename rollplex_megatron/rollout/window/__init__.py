@@ -104,6 +104,16 @@ class DecodeWindow(DecodeHooks):
         self.queue.append(item)
         return item
 
+    def take_items(self) -> list[WorkItem]:
+        """Hand the queue to an engine that runs the items in its own process (the SGLang bridge)."""
+        items = list(self.queue)
+        self.queue.clear()
+        return items
+
+    def ran_elsewhere(self, items: list[WorkItem]) -> None:
+        """Those items are done (their results, times and in-window flags set by that engine)."""
+        self.finished.extend(items)
+
     # --- streams -------------------------------------------------------------------------------
     def _streams(self):
         if self._side is None and torch.cuda.is_available() and self._mech is not None and self._mech.side:
