@@ -9,6 +9,7 @@ setup(
     python_requires=">=3.11",
     install_requires=[
         "torch>=2.11",
+        "triton>=3.6",  # the decode kernels (torch's CUDA wheels ship it; CPU machines run its interpreter in tests)
         "megatron-core>=0.16.1",
         "hydra-core>=1.3.2",
         "transformers>=5.0",

@@ -1,5 +1,7 @@
-"""Kernel time of one CUDA-graph decode step, shared prefix (16 groups x 8) against unshared (128 x 1),
-for each decode attention path (math: fp32 torch; flash: varlen flash kernels).
+"""Kernel time of one CUDA-graph decode step per case (shared prefix 16 groups x 8 = batch 128, 8 x 8,
+the tail 8 x 1; unshared 128 x 1), for each decode attention and sampling kernel pair (attention:
+math = fp32 torch, flash = varlen flash kernels + torch merge, triton = split-K/V kernels; sampling:
+torch = sampling.py's tensors, triton = the fused draw). Kernel count per step reported.
 
 3B shapes, bf16, random weights, the decode_vs_hf prompt shape (1026 tokens). One eager prefill
 gives a prefix K/V that every group reuses (the numbers do not matter, only the shapes), so no
@@ -23,7 +25,10 @@ def main() -> int:
     ap.add_argument("--preset", default="qwen2_5_vl_3b")
     ap.add_argument("--max-new", type=int, default=128)
     ap.add_argument("--replays", type=int, default=20)
-    ap.add_argument("--decode-attention", default="math,flash", help="engine decode attention paths to profile")
+    ap.add_argument("--paths", default="flash:torch,triton:torch,triton:triton",
+                    help="decode_attention:sampling_kernel pairs to profile")
+    ap.add_argument("--cases", default="shared_16x8,shared_8x8,shared_8x1,unshared_128x1",
+                    help="name_GROUPSxSAMPLES: groups sharing one prefix each, samples per group")
     ap.add_argument("--split-halves", action="store_true",
                     help="also profile with every LLM linear run as two GEMMs over views of its halves (the split-GEMM "
                          "executor of weights/split.py, as a rollout at another TP runs gathered or permuted linears)")
@@ -52,14 +57,16 @@ def main() -> int:
     with torch.no_grad():
         prefix_forward(model, [Group(prompt, [], torch.zeros(0))], one, keep_graph=False)
     rows = {}
-    cases = [(f"{case}_{impl}", groups, n, impl) for impl in a.decode_attention.split(",")
-             for case, groups, n in (("shared_16x8", 16, 8), ("unshared_128x1", 128, 1))]
+    shapes = [(c, *map(int, c.rsplit("_", 1)[1].split("x"))) for c in a.cases.split(",")]
+    pairs = [p.split(":") for p in a.paths.split(",")]
+    cases = [(f"{case}_{attn}_{samp}", groups, n, attn, samp) for attn, samp in pairs for case, groups, n in shapes]
     if a.split_halves:
-        cases += [(f"{name}_split", groups, n, impl) for name, groups, n, impl in cases]
-    for name, groups, n, impl in cases:
+        cases += [(f"{name}_split", groups, n, attn, samp) for name, groups, n, attn, samp in cases]
+    for name, groups, n, impl, samp in cases:
         if name.endswith("_split") and not getattr(model, "_split_halves", False):
             split_halves(model, a.split_only)
-        eng = EmbeddedEngine(model, cfg, 4096, a.max_new, kv_cache_gib=60.0, decode_attention=impl)
+        eng = EmbeddedEngine(model, cfg, 4096, a.max_new, kv_cache_gib=60.0, decode_attention=impl,
+                             sampling_kernel=samp)
         store = KVStore(leaves={(layer, g): kv for (layer, _), kv in one.leaves.items() for g in range(groups)})
         reqs = [RolloutRequest(prompt, n, a.max_new, (), seed=g) for g in range(groups)]
         cache = DecodeCache(store, list(range(groups)), [n] * groups, a.max_new, dtype)
@@ -80,13 +87,15 @@ def main() -> int:
                 torch.cuda.synchronize() if gpu else None
         kernels = cuda_kernels(prof)
         total = sum(e.self_device_time_total for e in kernels) / 3 / 1e3
-        top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:20]
-        rows[name] = {"groups": groups, "samples_per_group": n, "decode_attention": impl, "step_ms": step_ms,
+        top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:30]
+        rows[name] = {"groups": groups, "samples_per_group": n, "decode_attention": eng.attention,
+                      "sampling_kernel": "triton" if dec.fused_sampling else "torch", "step_ms": step_ms,
                       "kernel_ms_per_step": total, "kernels_per_step": sum(e.count for e in kernels) / 3,
                       "cuda_graphs": eng.cuda_graphs, "graph_error": eng.graph_error, "window": key[2],
+                      "top_kernel_launches_per_step": {e.key[:140]: e.count / 3 for e in top},
                       "top_kernels_ms_per_step": {e.key[:140]: round(e.self_device_time_total / 3 / 1e3, 3)
                                                   for e in top}}
-        print(json.dumps({name: {k: v for k, v in rows[name].items() if k != "top_kernels_ms_per_step"}}), flush=True)
+        print(json.dumps({name: {k: v for k, v in rows[name].items() if not k.startswith("top_")}}), flush=True)
         print(json.dumps(dict(list(rows[name]["top_kernels_ms_per_step"].items())[:8])), flush=True)
         del dec, cache, store
     res = {"command": "python " + " ".join(sys.argv), "split_only": a.split_only,

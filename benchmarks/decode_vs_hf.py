@@ -135,14 +135,14 @@ def run_hf(path: str, cfg, ps, G: int, new_tokens: int, dtype) -> dict:
 
 
 def run_engine(model, cfg, ps, G: int, new_tokens: int, shared: bool, kv_gib: float, graphs: bool = True,
-               attention: str = "auto") -> dict:
+               attention: str = "auto", sampling: str = "auto") -> dict:
     from rollplex_megatron.rollout.embedded import EmbeddedEngine
     from rollplex_megatron.rollout.engine import RolloutRequest
     from rollplex_megatron.rollout.sampling import SamplingParams
 
     eng = EmbeddedEngine(model, cfg, max_prompt_len=max(p.input_ids.numel() for p in ps),
                          max_response_len=new_tokens, kv_cache_gib=kv_gib, cuda_graphs=graphs,
-                         decode_attention=attention)
+                         decode_attention=attention, sampling_kernel=sampling)
     if shared:
         reqs = [RolloutRequest(p, G, new_tokens, (), seed=i) for i, p in enumerate(ps)]
     else:
@@ -158,7 +158,7 @@ def run_engine(model, cfg, ps, G: int, new_tokens: int, shared: bool, kv_gib: fl
     assert n == len(ps) * G * new_tokens, n
     st = out.stats
     return {"total_s": total, "prefill_s": st["prefill_s"], "decode_s": st["decode_s"], "waves": st["waves"],
-            "decode_steps": st["decode_steps"], "decode_attention": "flash" if eng.flash else "math",
+            "decode_steps": st["decode_steps"], "decode_attention": eng.attention, "sampling_kernel": st["sampling"],
             "cuda_graphs": eng.cuda_graphs, "graph_error": eng.graph_error,
             "graphs_captured": st["graphs_captured"],
             "graph_replays": st["graph_replays"], "capture_s": st["capture_s"],
@@ -175,8 +175,13 @@ def main() -> int:
     ap.add_argument("--grid", default="4,32,32", help="video grid t,h,w in patches")
     ap.add_argument("--text-tokens", type=int, default=64)
     ap.add_argument("--kv-gib", type=float, default=40.0)
+    ap.add_argument("--paths", default="auto:auto",
+                    help="engine_shared runs the first decode_attention:sampling_kernel pair; each further pair runs "
+                         "as engine_shared_<attention>_<sampling> in the same run (e.g. triton:triton,flash:torch)")
+    ap.add_argument("--only-paths", action="store_true", help="skip the unshared, eager, math and hf runs")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
+    paths = [tuple(p.split(":")) for p in a.paths.split(",")]
 
     from rollplex_megatron.models.qwen25vl.hf import HFCheckpoint, load_hf_into_model
     from rollplex_megatron.dist import init_parallel
@@ -199,7 +204,17 @@ def main() -> int:
             ps = prompts(cfg, batch // a.group_size, grid, a.text_tokens)
             row = {"batch": batch, "groups": len(ps), "group_size": a.group_size,
                    "prompt_tokens": int(ps[0].input_ids.numel()), "new_tokens": a.new_tokens}
-            row["engine_shared"] = run_engine(model, cfg, ps, a.group_size, a.new_tokens, True, a.kv_gib)
+            row["engine_shared"] = run_engine(model, cfg, ps, a.group_size, a.new_tokens, True, a.kv_gib,
+                                              attention=paths[0][0], sampling=paths[0][1])
+            for attn, samp in paths[1:]:
+                other = row[f"engine_shared_{attn}_{samp}"] = run_engine(
+                    model, cfg, ps, a.group_size, a.new_tokens, True, a.kv_gib, attention=attn, sampling=samp)
+                row[f"decode_speedup_shared_over_{attn}_{samp}"] = (row["engine_shared"]["decode_tokens_per_s"]
+                                                                   / other["decode_tokens_per_s"])
+            if a.only_paths:
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                continue
             row["engine_unshared"] = run_engine(model, cfg, ps, a.group_size, a.new_tokens, False, a.kv_gib)
             if gpu:
                 row["engine_shared_eager"] = run_engine(model, cfg, ps, a.group_size, a.new_tokens, True, a.kv_gib,
@@ -221,8 +236,8 @@ def main() -> int:
                               "do_sample temperature 1, min_new_tokens = max_new_tokens",
                         "engine": "embedded engine: one CUDA graph per (batch bucket, samples-per-group bound, "
                                   "response window) replayed per decode step (engine_shared_eager: no graphs); "
-                                  "decode attention "
-                                  "on varlen flash kernels where it runs (*_math: the fp32 torch path); "
+                                  f"decode attention and sampling kernel pairs {a.paths} (auto: triton where it "
+                                  "runs, else flash, else math; *_math: the fp32 torch attention); "
                                   "decode_s includes graph capture (capture_s)",
                         "dtype": str(dtype), "video_grid": list(grid), "text_tokens": a.text_tokens},
            "environment": environment_record()}

@@ -298,7 +298,12 @@ class RolloutConfig:
     top_p: float = 1.0  # nucleus sampling mass in (0, 1]
     top_k: int = 0  # keep the k most likely tokens (0: all)
     cuda_graphs: bool = True  # GPU: replay each decode step as a CUDA graph (per batch-size bucket)
-    decode_attention: str = "auto"  # flash (CUDA, bf16/fp16) | math (fp32 torch) | auto (flash where it can run)
+    # triton (CUDA, bf16/fp16: split-K/V kernels that read each group's prefix K/V once) | flash (two varlen flash
+    # calls and a torch merge) | math (fp32 torch) | auto (triton, else flash, else math: the first that can run)
+    decode_attention: str = "auto"
+    # the decode step's draw: triton (one fused pass over the logits: hash, Gumbel-max, log-softmax; temperature
+    # only) | torch (sampling.py's tensors) | auto (triton on CUDA when top_k=0 and top_p=1). Same tokens either way.
+    sampling_kernel: str = "auto"
     # Benchmarks on random weights (which never stop by themselves): "lognormal" draws each request's
     # maximum length (mean length_mean, log-std length_sigma, capped at the source's maximum) from a
     # seeded stream, and stop tokens are ignored, so every response has exactly its drawn length.
@@ -339,8 +344,14 @@ class RolloutConfig:
         if self.max_prompt_len < 2:
             raise ValueError(f"rollout.max_prompt_len must be >= 2, got {self.max_prompt_len}")
         check_sampling(self.temperature, self.top_p, self.top_k, "rollout.")
-        if self.decode_attention not in ("auto", "flash", "math"):
-            raise ValueError(f"rollout.decode_attention must be auto, flash or math, got {self.decode_attention!r}")
+        if self.decode_attention not in ("auto", "triton", "flash", "math"):
+            raise ValueError(f"rollout.decode_attention must be auto, triton, flash or math, "
+                             f"got {self.decode_attention!r}")
+        if self.sampling_kernel not in ("auto", "triton", "torch"):
+            raise ValueError(f"rollout.sampling_kernel must be auto, triton or torch, got {self.sampling_kernel!r}")
+        if self.sampling_kernel == "triton" and (self.top_k or self.top_p < 1.0):
+            raise ValueError("rollout.sampling_kernel=triton draws with temperature only: set rollout.top_k=0 and "
+                             "rollout.top_p=1.0, or use sampling_kernel=auto|torch")
 
 
 @dataclass(kw_only=True)

@@ -18,7 +18,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   # torch first and alone: the pinned 2.13.0 is the CPU wheel; nothing else may pull a CUDA build.
   .venv/bin/python -m pip install -q -c constraints.txt torch
   .venv/bin/python -m pip install -q -c constraints.txt megatron-core hydra-core omegaconf \
-    transformers safetensors numpy pytest matplotlib tqdm PyYAML ruff pyarrow av pillow tensorboard
+    transformers safetensors numpy pytest matplotlib tqdm PyYAML ruff pyarrow av pillow tensorboard triton
   # verl (the verl plugin, integrations/verl/, and its tests): verl's declared pins (transformers<5.11,
   # tensordict<=0.10 whose pyvers pins packaging<26) conflict with this project's, and the seams the plugin
   # uses run with these; so what verl imports at module level is installed at constraints.txt's pins, then verl

@@ -1,0 +1,7 @@
+"""Test package. Without CUDA, Triton kernels run under Triton's interpreter (set before any kernel is defined)."""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -103,7 +103,24 @@ def engine_graphs_vs_eager(cfg, hf_dir, params, dtype: str):
         with torch.no_grad():
             res = eng.generate(requests(cfg), params)
         out[graphs] = {"results": _as_lists(res.results), "replays": res.stats["graph_replays"],
-                       "graph_error": eng.graph_error, "flash": eng.flash}
+                       "graph_error": eng.graph_error, "attention": eng.attention,
+                       "sampling": res.stats["sampling"]}
+    return out
+
+
+def engine_kernel_paths(cfg, hf_dir, params, dtype: str, paths):
+    """Engine tokens and log-probs for each (decode_attention, sampling_kernel) in `paths`, same requests."""
+    from rollplex_megatron.rollout.embedded import EmbeddedEngine
+
+    model = _setup(cfg, hf_dir, dtype)
+    out = {}
+    for attention, sampling in paths:
+        eng = EmbeddedEngine(model, cfg.model, 4096, 64, 1.0, decode_attention=attention, sampling_kernel=sampling)
+        with torch.no_grad():
+            res = eng.generate(requests(cfg, n_req=2), params)
+        assert eng.attention == attention and res.stats["sampling"] == sampling, (attention, res.stats["sampling"])
+        out[(attention, sampling)] = ([[t.tolist() for t in r.tokens] for r in res.results],
+                                      [[lp.tolist() for lp in r.logprobs] for r in res.results])
     return out
 
 

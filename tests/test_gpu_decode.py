@@ -115,17 +115,19 @@ def test_flash_decode_replays_in_a_cuda_graph():
     assert torch.equal(out, run())
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_engine_graph_decode_equals_eager_decode(tiny_hf, dtype):
+@pytest.mark.parametrize("dtype,top_p", [("bfloat16", 0.9), ("float32", 0.9), ("bfloat16", 1.0)])
+def test_engine_graph_decode_equals_eager_decode(tiny_hf, dtype, top_p):
     """The captured step (model, sampling and bookkeeping) replays exactly what the eager step does:
-    same tokens, log-probs and finish reasons (bf16: flash attention; fp32: the math path)."""
+    same tokens, log-probs and finish reasons (bf16: the Triton attention; fp32: the math path; top_p=1 on
+    bf16: the fused Triton draw inside the graph)."""
     from tests import rollout_workers as W
 
     cfg = load_run_config(["model=tiny"])
-    res = run_local(W.engine_graphs_vs_eager, 1, cfg, str(tiny_hf), SamplingParams(0.8, 0.9, 0), dtype)[0]
+    res = run_local(W.engine_graphs_vs_eager, 1, cfg, str(tiny_hf), SamplingParams(0.8, top_p, 0), dtype)[0]
     graph, eager = res[True], res[False]
     assert graph["graph_error"] == "" and graph["replays"] > 0 and eager["replays"] == 0
-    assert graph["flash"] == (dtype == "bfloat16")
+    assert graph["attention"] == ("triton" if dtype == "bfloat16" else "math")
+    assert graph["sampling"] == ("triton" if top_p == 1.0 else "torch")
     assert graph["results"] == eager["results"]
 
 

@@ -28,6 +28,13 @@ from rollplex_megatron.attention.decode import (
 )
 from rollplex_megatron.attention.context import AttentionContext
 from rollplex_megatron.attention.kv_store import KVStore
+from rollplex_megatron.attention.triton_decode import INTERPRET as TRITON_INTERPRET
+from rollplex_megatron.attention.triton_decode import (
+    TritonIndex,
+    triton_decode_available,
+    triton_index,
+    triton_shared_prefix_decode_attention,
+)
 from rollplex_megatron.config import ModelConfig
 from rollplex_megatron.memory.planner import kv_bytes_per_token
 from rollplex_megatron.models.qwen25vl.model import check_placeholders, gather_vocab_logits
@@ -35,6 +42,7 @@ from rollplex_megatron.prefix.batch import Group, prompt_positions
 from rollplex_megatron.prefix.execution import p2p_communicator, prefix_forward, unwrap
 from rollplex_megatron.rollout.engine import DecodeHooks, RolloutOutput, RolloutRequest, RolloutResult
 from rollplex_megatron.rollout.sampling import SamplingParams, row_uniforms, sample_tokens
+from rollplex_megatron.rollout.triton_sampling import fused_sample, fused_sample_available
 from rollplex_megatron.runtime import device
 
 
@@ -72,6 +80,9 @@ class DecodeCache:
         r[0, :n].index_copy_(1, ctx.step, key[0][:, None])
         r[1, :n].index_copy_(1, ctx.step, value[0][:, None])
         p = self.prefix[layer]
+        if ctx.triton is not None:
+            return triton_shared_prefix_decode_attention(query[0], p[0], p[1], r[0, :n], r[1, :n], ctx.triton,
+                                                         scale)[None]
         if ctx.flash is not None:
             out = flash_shared_prefix_decode_attention(query[0], p[0], p[1], ctx.group, ctx.slot, ctx.s_max, r[0, :n],
                                                        r[1, :n], ctx.window, ctx.flash, scale)
@@ -95,6 +106,7 @@ class DecodeContext(AttentionContext):
     slot: torch.Tensor | None = None  # [n] rank of each slot within its group (same for every layer)
     length: torch.Tensor | None = None  # [n] response positions written so far (step + 1)
     flash: FlashIndex | None = None  # varlen offsets when decode attention runs on flash kernels
+    triton: TritonIndex | None = None  # indices when decode attention runs on the Triton kernels
 
     def __post_init__(self) -> None:
         self.qkv_format = "sbhd"
@@ -133,20 +145,18 @@ class EmbeddedEngine:
     collective = False  # generate involves this rank's model-parallel group only
 
     def __init__(self, model, cfg: ModelConfig, max_prompt_len: int, max_response_len: int, kv_cache_gib: float,
-                 cuda_graphs: bool = True, decode_attention: str = "auto"):
+                 cuda_graphs: bool = True, decode_attention: str = "auto", sampling_kernel: str = "auto"):
         self.model, self.cfg = model, cfg
         self.max_prompt_len, self.max_response_len = max_prompt_len, max_response_len
         self.budget = int(kv_cache_gib * 2**30)
         self.dev = device()
         self.cuda_graphs = cuda_graphs and torch.cuda.is_available()
         tc = unwrap(model).config
-        dtype, head_dim = tc.params_dtype, tc.kv_channels
-        can = flash_decode_available(dtype, self.dev, head_dim)
-        if decode_attention == "flash" and not can:
-            raise ValueError(f"rollout.decode_attention=flash needs CUDA (sm80+, a torch build with flash attention) "
-                             f"and bf16/fp16 weights with head dim <= 256 and a multiple of 8 (here: {dtype}, head dim "
-                             f"{head_dim} on {torch.device(self.dev).type}); use auto or math")
-        self.flash = decode_attention == "flash" or (decode_attention == "auto" and can)
+        self.attention = _decode_attention(decode_attention, tc.params_dtype, self.dev, tc.kv_channels)
+        if sampling_kernel == "triton" and not (fused_sample_available(self.dev) or TRITON_INTERPRET):
+            raise ValueError(f"rollout.sampling_kernel=triton needs CUDA (here: {torch.device(self.dev).type}); "
+                             f"use auto or torch")
+        self.sampling_kernel = sampling_kernel
         self.graph_error = ""  # why CUDA-graph decode was turned off, if it was
         self.pp = ps.get_pipeline_model_parallel_world_size()
         if self.cuda_graphs and self.pp > 1:  # the stage-to-stage sends are not captured
@@ -179,7 +189,8 @@ class EmbeddedEngine:
 
     def _generate_waves(self, requests, params, hooks, actor_prefix, recompute_prefix, results):
         states, stats = [], {"decode_steps": 0, "waves": 0, "prefill_s": 0.0, "decode_s": 0.0, "graphs_captured": 0,
-                             "graph_replays": 0, "eager_steps": 0, "capture_s": 0.0}
+                             "graph_replays": 0, "eager_steps": 0, "capture_s": 0.0, "attention": self.attention,
+                             "sampling": ""}
         for wave in self._waves(requests):
             t0 = time.perf_counter()
             store = actor_prefix if actor_prefix is not None else KVStore()
@@ -206,6 +217,7 @@ class EmbeddedEngine:
                     torch.cuda.current_stream().wait_stream(stream)
                 for k in ("graphs_captured", "graph_replays", "eager_steps", "capture_s"):
                     stats[k] += dec.stats[k]
+                stats["sampling"] = "triton" if dec.fused_sampling else "torch"
                 del dec, cache
             stats["prefill_s"] += t1 - t0
             stats["decode_s"] += time.perf_counter() - t1
@@ -255,6 +267,20 @@ class EmbeddedEngine:
         return waves + [cur] if cur else waves
 
 
+def _decode_attention(choice: str, dtype, dev, head_dim: int) -> str:
+    """The decode attention path: `choice`, or for auto the first of triton, flash, math that can run."""
+    can = {"triton": triton_decode_available(dtype, dev, head_dim) or (choice == "triton" and TRITON_INTERPRET),
+           "flash": flash_decode_available(dtype, dev, head_dim), "math": True}
+    if choice == "auto":
+        return next(k for k, ok in can.items() if ok)
+    if not can[choice]:
+        need = {"triton": "a power-of-two head dim in 16..256",
+                "flash": "sm80+, a torch build with flash attention, a head dim <= 256 and a multiple of 8"}[choice]
+        raise ValueError(f"rollout.decode_attention={choice} needs CUDA and bf16/fp16 weights with {need} (here: "
+                         f"{dtype}, head dim {head_dim} on {torch.device(dev).type}); use auto or math")
+    return choice
+
+
 class _WaveDecoder:
     """Batched decode of one wave in slot order: slots [0, live) hold the live samples.
 
@@ -301,6 +327,12 @@ class _WaveDecoder:
         self.banned = torch.tensor(c.vision_token_ids, device=dev)
         self.graphs, self.pool, self.hooks = {}, None, DecodeHooks()
         self.p2p = p2p_communicator(engine.model) if engine.pp > 1 else None
+        greedy_free = params.top_k == 0 and params.top_p >= 1.0
+        if engine.sampling_kernel == "triton" and not greedy_free:
+            raise ValueError("rollout.sampling_kernel=triton draws with temperature only: this request set top_k="
+                             f"{params.top_k}, top_p={params.top_p}; use sampling_kernel=auto|torch")
+        self.fused_sampling = greedy_free and (engine.sampling_kernel == "triton" or (
+            engine.sampling_kernel == "auto" and fused_sample_available(dev)))
         self.stats = {"graphs_captured": 0, "graph_replays": 0, "eager_steps": 0, "capture_s": 0.0}
 
     def _forward(self, n: int, s_max: int, window: int) -> None:
@@ -314,10 +346,11 @@ class _WaveDecoder:
         pos = (self.last_pos[group] + self.step_t).T[:, :, None]  # [3, n, 1]
         slot, _ = group_slots(group, self.n_groups, s_max)  # once per step, not once per layer
         length = (self.step_t + 1).expand(n)
-        c = self.cache
-        flash = (flash_index(c.prefix_len, c.prefix_pad, s_max, length, c.max_new) if self.engine.flash else None)
+        c, how = self.cache, self.engine.attention
+        flash = flash_index(c.prefix_len, c.prefix_pad, s_max, length, c.max_new) if how == "flash" else None
+        tri = triton_index(group, slot, s_max, c.prefix_len, length) if how == "triton" else None
         ctx = DecodeContext(cache=c, n=n, group=group, step=self.step_t, s_max=s_max, window=window, slot=slot,
-                            length=length, flash=flash)
+                            length=length, flash=flash, triton=tri)
         first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
         if not first:
             self.m.set_input_tensor(self.p2p.recv_forward((1, n, self.m.cfg.hidden_size), first))
@@ -328,9 +361,13 @@ class _WaveDecoder:
             new, lp = self._from_last_stage(n)
         else:
             full = gather_vocab_logits(out, self.vocab)[:, 0]  # [n, V]
-            full = full.index_fill(1, self.banned, float("-inf"))  # vision placeholders are never emitted
-            uniform = row_uniforms(st["seed"][:n], st["sample"][:n], self.step_t, self.vocab)
-            new, lp = sample_tokens(full, self.params, uniform)
+            if self.fused_sampling:  # the same draw in one pass (the placeholders banned inside)
+                new, lp = fused_sample(full, self.params.temperature, st["seed"][:n], st["sample"][:n], self.step_t,
+                                       self.banned)
+            else:
+                full = full.index_fill(1, self.banned, float("-inf"))  # vision placeholders are never emitted
+                uniform = row_uniforms(st["seed"][:n], st["sample"][:n], self.step_t, self.vocab)
+                new, lp = sample_tokens(full, self.params, uniform)
             if self.engine.pp > 1:
                 self._from_last_stage(n, new, lp)
         self._advance(n, new, lp)
@@ -398,10 +435,10 @@ class _WaveDecoder:
         self.stats["graph_replays"] += 1
 
     def window(self, step: int) -> int:
-        """Response positions step `step` attends. Flash reads each sample's keys up to its length,
+        """Response positions step `step` attends. Flash and Triton read each sample's keys up to its length,
         so one window (one graph per bucket) serves every step; the math path slices the window it
         attends (one graph per window size)."""
-        return self.max_new if self.engine.flash else _window(step, self.max_new)
+        return _window(step, self.max_new) if self.engine.attention == "math" else self.max_new
 
     def _s_max(self, n: int) -> int:
         return int(torch.bincount(self.slot["group"][:n], minlength=self.n_groups).max())

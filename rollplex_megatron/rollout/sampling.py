@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from rollplex_megatron.config import check_sampling
@@ -42,9 +43,15 @@ def filter_logits(logits_BV: torch.Tensor, top_k: int, top_p: float) -> torch.Te
     return x
 
 
+def inverse_temperature(temperature: float) -> float:
+    """1/T as the fp32 reciprocal: logits are scaled by one fp32 multiply, on every device and kernel
+    (torch's CUDA division by a scalar multiplies by this reciprocal; CPU division would not)."""
+    return float(np.float32(1.0) / np.float32(temperature))
+
+
 def sample_tokens(logits_BV: torch.Tensor, params: SamplingParams, uniform_BV: torch.Tensor):
     """(tokens [B], log-probs [B]): Gumbel-max draw; log-probs of the temperature-scaled logits."""
-    scaled = logits_BV.float() / params.temperature
+    scaled = logits_BV.float() * inverse_temperature(params.temperature)
     filtered = filter_logits(scaled, params.top_k, params.top_p)
     gumbel = -torch.log(-torch.log(uniform_BV.clamp(1e-20, 1.0 - 1e-7)))
     tokens = torch.argmax(filtered + gumbel, dim=-1)

@@ -147,7 +147,8 @@ def build_engine(model, cfg: RunConfig, at: ParallelLayouts | None = None, refer
         return RolloutReplicas(X.unwrap(model), cfg, at)
     r = cfg.rollout
     return EmbeddedEngine(model, cfg.model, r.max_prompt_len, r.max_response_len, cfg.memory.kv_cache_gib,
-                          r.cuda_graphs, r.decode_attention)
+                          r.cuda_graphs, r.decode_attention,
+                          sampling_kernel=r.sampling_kernel)
 
 
 class Runtime:

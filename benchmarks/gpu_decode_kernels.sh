@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# GPU machine: the decode step's Triton kernels (attention/triton_decode.py, rollout/triton_sampling.py).
+# (1) their tests, compiled (tests/test_triton_kernels.py) and the engine's GPU decode tests
+# (tests/test_gpu_decode.py); (2) one graph decode step's kernels per path pair and case
+# (benchmarks/decode_step_profile.py); (3) with HF=1, engine decode tokens/s of the new pair against
+# today's (flash attention, torch sampling) in the same run (benchmarks/decode_vs_hf.py --only-paths).
+#   ROLLPLEX_COMMIT=<sha> [TESTS=1] [PROFILE=1] [HF=1] bash benchmarks/gpu_decode_kernels.sh
+# Writes $OUT/gpu_decode_kernel_tests.txt, decode_step_profile_kernels_3b.json, decode_vs_hf_kernels_3b.json.
+set -euo pipefail
+source benchmarks/gpu_env.sh
+if [ "${TESTS:-1}" = 1 ]; then
+  python3 -m pytest -q -rA -p no:cacheprovider tests/test_triton_kernels.py tests/test_gpu_decode.py 2>&1 \
+    | grep -v -i warn | tee "$out/gpu_decode_kernel_tests.txt" | tail -25 || true
+fi
+run() { python3 -m torch.distributed.run --nproc_per_node 1 "$@" 2>&1 | grep -v -i warn | grep -v "^  warnings" | tail -40; }
+if [ "${PROFILE:-1}" = 1 ]; then
+  run benchmarks/decode_step_profile.py --paths "${PATHS:-flash:torch,triton:torch,triton:triton}" \
+    --out "$out/decode_step_profile_kernels_3b.json"
+fi
+if [ "${HF:-0}" = 1 ]; then
+  run benchmarks/decode_vs_hf.py --preset qwen2_5_vl_3b --batches 8,64,128 --new-tokens 128 --grid 2,16,16 \
+    --text-tokens 896 --paths triton:triton,flash:torch --only-paths --out "$out/decode_vs_hf_kernels_3b.json"
+fi
