@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # the kernels run on CPU (tests): never chosen by auto
-_NEG = -3.0e38  # a finite "minus infinity": partials of empty rows stay finite (no inf - inf)
+_NEG = tl.constexpr(-3.0e38)  # a finite "minus infinity": partials of empty rows stay finite (no inf - inf)
 PREFIX_SPLIT, RESP_SPLIT = 256, 256  # keys per program
 
 

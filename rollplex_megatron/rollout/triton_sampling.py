@@ -21,8 +21,9 @@ import triton.language as tl
 from rollplex_megatron.attention.triton_decode import INTERPRET
 from rollplex_megatron.rollout.sampling import inverse_temperature
 
-_GOLDEN, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
-_NEG = -3.0e38
+_GOLDEN = tl.constexpr(0x9E3779B97F4A7C15)  # sampling.py's splitmix64 constants, as unsigned 64-bit
+_MIX1, _MIX2 = tl.constexpr(0xBF58476D1CE4E5B9), tl.constexpr(0x94D049BB133111EB)
+_NEG = tl.constexpr(-3.0e38)
 
 
 @triton.jit
