@@ -25,8 +25,9 @@ def main() -> int:
     ap.add_argument("--preset", default="qwen2_5_vl_3b")
     ap.add_argument("--max-new", type=int, default=128)
     ap.add_argument("--replays", type=int, default=20)
-    ap.add_argument("--paths", default="flash:torch,triton:torch,triton:triton",
-                    help="decode_attention:sampling_kernel pairs to profile")
+    ap.add_argument("--paths", default="flash:torch,triton:torch:norope,triton:triton:norope,triton:triton",
+                    help="decode_attention:sampling_kernel[:norope] to profile (norope: the Triton attention without "
+                         "the fused RoPE and cache write)")
     ap.add_argument("--cases", default="shared_16x8,shared_8x8,shared_8x1,unshared_128x1",
                     help="name_GROUPSxSAMPLES: groups sharing one prefix each, samples per group")
     ap.add_argument("--split-halves", action="store_true",
@@ -58,15 +59,16 @@ def main() -> int:
         prefix_forward(model, [Group(prompt, [], torch.zeros(0))], one, keep_graph=False)
     rows = {}
     shapes = [(c, *map(int, c.rsplit("_", 1)[1].split("x"))) for c in a.cases.split(",")]
-    pairs = [p.split(":") for p in a.paths.split(",")]
-    cases = [(f"{case}_{attn}_{samp}", groups, n, attn, samp) for attn, samp in pairs for case, groups, n in shapes]
+    pairs = [(p + ":").split(":")[:3] for p in a.paths.split(",")]
+    cases = [(f"{case}_{attn}_{samp}" + (f"_{opt}" if opt else ""), groups, n, attn, samp, opt)
+             for attn, samp, opt in pairs for case, groups, n in shapes]
     if a.split_halves:
-        cases += [(f"{name}_split", groups, n, attn, samp) for name, groups, n, attn, samp in cases]
-    for name, groups, n, impl, samp in cases:
+        cases += [(f"{c[0]}_split", *c[1:]) for c in cases]
+    for name, groups, n, impl, samp, opt in cases:
         if name.endswith("_split") and not getattr(model, "_split_halves", False):
             split_halves(model, a.split_only)
         eng = EmbeddedEngine(model, cfg, 4096, a.max_new, kv_cache_gib=60.0, decode_attention=impl,
-                             sampling_kernel=samp)
+                             sampling_kernel=samp, fused_rope=opt != "norope")
         store = KVStore(leaves={(layer, g): kv for (layer, _), kv in one.leaves.items() for g in range(groups)})
         reqs = [RolloutRequest(prompt, n, a.max_new, (), seed=g) for g in range(groups)]
         cache = DecodeCache(store, list(range(groups)), [n] * groups, a.max_new, dtype)
@@ -89,7 +91,8 @@ def main() -> int:
         total = sum(e.self_device_time_total for e in kernels) / 3 / 1e3
         top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:30]
         rows[name] = {"groups": groups, "samples_per_group": n, "decode_attention": eng.attention,
-                      "sampling_kernel": "triton" if dec.fused_sampling else "torch", "step_ms": step_ms,
+                      "sampling_kernel": "triton" if dec.fused_sampling else "torch", "fused_rope": eng.fused_rope,
+                      "step_ms": step_ms,
                       "kernel_ms_per_step": total, "kernels_per_step": sum(e.count for e in kernels) / 3,
                       "cuda_graphs": eng.cuda_graphs, "graph_error": eng.graph_error, "window": key[2],
                       "top_kernel_launches_per_step": {e.key[:140]: e.count / 3 for e in top},

@@ -48,6 +48,8 @@ def _attention_case(seed, groups, per_group, p_max, rm, ng=2, rep=4, d=32):
                 plen=torch.randint(1, p_max + 1, (groups,), generator=g).to(DEV),
                 rlen=torch.randint(1, rm + 1, (b,), generator=g).to(DEV), group=group_B.to(DEV))
     case["plen"][0] = p_max
+    for i, n in enumerate(case["plen"].tolist()):  # the buffers' padding: keys that win any score if read
+        case["pk"][i, n:] = case["q"].abs().max() * case["q"].sign()[:1].mean(1, keepdim=True)
     return case
 
 
@@ -134,3 +136,28 @@ def test_engine_with_triton_kernels_equals_the_torch_paths(tiny_hf):
     assert t_tri == t_ref and sum(len(s) for r in t_ref for s in r) > 10
     flat = lambda x: torch.tensor([v for r in x for s in r for v in s])  # noqa: E731
     assert _rel(flat(lp_tri), flat(lp_ref)) < 1e-5
+
+
+def test_fused_rope_and_cache_write_equal_megatrons_rope_and_index_copy():
+    """GPU (bf16): bit for bit, as the kernel rounds where megatron's unfused RoPE rounds; CPU (fp32,
+    interpreted): within fp32 rounding. Only the step's response slot is written."""
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+    from rollplex_megatron.attention.triton_decode import triton_rope_and_write
+
+    g = torch.Generator().manual_seed(11)
+    dtype = torch.bfloat16 if GPU else torch.float32
+    b, nq, ng, d, rm = 6, 8, 2, 64, 12
+    q, k, v = (torch.randn(1, b, h, d, generator=g).to(DEV, dtype) * 4 for h in (nq, ng, ng))
+    freqs = (torch.rand(1, b, 1, d, generator=g) * 300).to(DEV)  # angles up to late positions
+    rk, rv = torch.zeros(b, rm, ng, d, dtype=dtype, device=DEV), torch.zeros(b, rm, ng, d, dtype=dtype, device=DEV)
+    step = torch.tensor([5], device=DEV)
+    q_rot = triton_rope_and_write(q[0], k[0], v[0], freqs[0, :, 0], rk, rv, step)
+    want_q, want_k = _apply_rotary_pos_emb_bshd(q, freqs)[0], _apply_rotary_pos_emb_bshd(k, freqs)[0]
+    tol = 0.0 if GPU else 1e-5
+    assert _rel(q_rot, want_q) <= tol and _rel(rk[:, 5], want_k) <= tol and torch.equal(rv[:, 5], v[0])
+    others = [i for i in range(rm) if i != 5]
+    assert not rk[:, others].any() and not rv[:, others].any()
+    # mutation: keys not rotated (or rotated the other way) are far from megatron's
+    assert _rel(k[0], want_k) > 0.1
+    assert _rel(triton_rope_and_write(q[0], k[0], v[0], -freqs[0, :, 0], rk, rv, step), want_q) > 0.1

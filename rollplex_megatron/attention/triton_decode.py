@@ -158,6 +158,71 @@ def _merge_kernel(po_ptr, pml_ptr, ro_ptr, rml_ptr, group_ptr, slot_ptr, out_ptr
     tl.store(out_ptr + b * stride_ob + qh * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
+@triton.jit
+def _cos(x, PRECISE: tl.constexpr):
+    if PRECISE:
+        return tl.extra.cuda.libdevice.cos(x)
+    else:
+        return tl.cos(x)
+
+
+@triton.jit
+def _sin(x, PRECISE: tl.constexpr):
+    if PRECISE:
+        return tl.extra.cuda.libdevice.sin(x)
+    else:
+        return tl.sin(x)
+
+
+@triton.jit
+def _rope_write_kernel(q_ptr, k_ptr, v_ptr, f_ptr, qo_ptr, rk_ptr, rv_ptr, step_ptr,
+                       stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_fb,
+                       stride_rb, stride_rn, stride_rh, n_q_heads, D: tl.constexpr, PRECISE: tl.constexpr):
+    b, head = tl.program_id(0), tl.program_id(1)
+    d = tl.arange(0, D)
+    half: tl.constexpr = D // 2
+    f = tl.load(f_ptr + b * stride_fb + d)
+    dt = qo_ptr.dtype.element_ty
+    # megatron's unfused RoPE, rounding where it rounds: cos/sin in fp32 cast to the input dtype, then
+    # t * cos, rotate_half(t) * sin and their sum, each rounded to the input dtype
+    c, s = _cos(f, PRECISE).to(dt).to(tl.float32), _sin(f, PRECISE).to(dt).to(tl.float32)
+    rot_d = (d + half) % D
+    sign = tl.where(d < half, -1.0, 1.0)
+    if head < n_q_heads:
+        base = q_ptr + b * stride_qb + head * stride_qh
+    else:
+        base = k_ptr + b * stride_kb + (head - n_q_heads) * stride_kh
+    x = tl.load(base + d).to(tl.float32)
+    xr = tl.load(base + rot_d).to(tl.float32) * sign
+    y = ((x * c).to(dt).to(tl.float32) + (xr * s).to(dt).to(tl.float32)).to(dt)
+    if head < n_q_heads:
+        tl.store(qo_ptr + (b * n_q_heads + head) * D + d, y)
+    else:
+        h = head - n_q_heads
+        dst = b * stride_rb + tl.load(step_ptr) * stride_rn + h * stride_rh + d
+        tl.store(rk_ptr + dst, y)
+        tl.store(rv_ptr + dst, tl.load(v_ptr + b * stride_vb + h * stride_vh + d))
+
+
+def triton_rope_and_write(q_BND, k_BND, v_BND, freqs_BD, resp_k_BRND, resp_v_BRND, step) -> torch.Tensor:
+    """RoPE on this step's queries and keys (megatron's unfused rotate-half form, same roundings) and
+    the keys and values written at response position `step` (a 1-element device tensor) of the cache,
+    in one launch; returns the rotated queries [B, Nq, D]. `freqs_BD`: the step's rotary angles."""
+    b, nq, d = q_BND.shape
+    ng = k_BND.shape[1]
+    if freqs_BD.shape[-1] != d or resp_k_BRND.stride() != resp_v_BRND.stride():
+        raise ValueError("fused RoPE needs rotary over the whole head dim and K/V caches of one layout")
+    if any(t.stride(-1) != 1 for t in (q_BND, k_BND, v_BND, freqs_BD, resp_k_BRND)):
+        raise ValueError("fused RoPE needs a unit stride on the head dim")
+    q_out = torch.empty(b, nq, d, dtype=q_BND.dtype, device=q_BND.device)
+    rk = resp_k_BRND
+    _rope_write_kernel[(b, nq + ng)](q_BND, k_BND, v_BND, freqs_BD, q_out, rk, resp_v_BRND, step,
+                                     q_BND.stride(0), q_BND.stride(1), k_BND.stride(0), k_BND.stride(1),
+                                     v_BND.stride(0), v_BND.stride(1), freqs_BD.stride(0),
+                                     rk.stride(0), rk.stride(1), rk.stride(2), nq, D=d, PRECISE=not INTERPRET)
+    return q_out
+
+
 def _pow2(n: int, lo: int = 1) -> int:
     return max(lo, 1 << (max(n, 1) - 1).bit_length())
 

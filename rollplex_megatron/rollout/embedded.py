@@ -33,6 +33,7 @@ from rollplex_megatron.attention.triton_decode import (
     TritonIndex,
     triton_decode_available,
     triton_index,
+    triton_rope_and_write,
     triton_shared_prefix_decode_attention,
 )
 from rollplex_megatron.config import ModelConfig
@@ -76,10 +77,12 @@ class DecodeCache:
 
         Static shapes only (slot count, response window, samples-per-group bound come from the
         context; the step is a device tensor), so the step can be captured in a CUDA graph."""
-        r, n = self.resp[layer], ctx.n
+        r, n, p = self.resp[layer], ctx.n, self.prefix[layer]
+        if ctx.rope is not None:  # the model left RoPE to this step (forward_decode): rotate and write at once
+            q = triton_rope_and_write(query[0], key[0], value[0], ctx.rope, r[0, :n], r[1, :n], ctx.step)
+            return triton_shared_prefix_decode_attention(q, p[0], p[1], r[0, :n], r[1, :n], ctx.triton, scale)[None]
         r[0, :n].index_copy_(1, ctx.step, key[0][:, None])
         r[1, :n].index_copy_(1, ctx.step, value[0][:, None])
-        p = self.prefix[layer]
         if ctx.triton is not None:
             return triton_shared_prefix_decode_attention(query[0], p[0], p[1], r[0, :n], r[1, :n], ctx.triton,
                                                          scale)[None]
@@ -107,6 +110,7 @@ class DecodeContext(AttentionContext):
     length: torch.Tensor | None = None  # [n] response positions written so far (step + 1)
     flash: FlashIndex | None = None  # varlen offsets when decode attention runs on flash kernels
     triton: TritonIndex | None = None  # indices when decode attention runs on the Triton kernels
+    rope: torch.Tensor | None = None  # [n, D] rotary angles when the attention applies RoPE (forward_decode)
 
     def __post_init__(self) -> None:
         self.qkv_format = "sbhd"
@@ -145,7 +149,8 @@ class EmbeddedEngine:
     collective = False  # generate involves this rank's model-parallel group only
 
     def __init__(self, model, cfg: ModelConfig, max_prompt_len: int, max_response_len: int, kv_cache_gib: float,
-                 cuda_graphs: bool = True, decode_attention: str = "auto", sampling_kernel: str = "auto"):
+                 cuda_graphs: bool = True, decode_attention: str = "auto", sampling_kernel: str = "auto",
+                 fused_rope: bool = True):
         self.model, self.cfg = model, cfg
         self.max_prompt_len, self.max_response_len = max_prompt_len, max_response_len
         self.budget = int(kv_cache_gib * 2**30)
@@ -157,8 +162,10 @@ class EmbeddedEngine:
             raise ValueError(f"rollout.sampling_kernel=triton needs CUDA (here: {torch.device(self.dev).type}); "
                              f"use auto or torch")
         self.sampling_kernel = sampling_kernel
-        self.graph_error = ""  # why CUDA-graph decode was turned off, if it was
         self.pp = ps.get_pipeline_model_parallel_world_size()
+        # the Triton attention also takes RoPE and the cache write (forward_decode); the whole step on one stage
+        self.fused_rope = self.attention == "triton" and self.pp == 1 and fused_rope
+        self.graph_error = ""  # why CUDA-graph decode was turned off, if it was
         if self.cuda_graphs and self.pp > 1:  # the stage-to-stage sends are not captured
             self.cuda_graphs = False
             self.graph_error = "parallel.pp > 1: decode runs eagerly"
@@ -352,10 +359,13 @@ class _WaveDecoder:
         ctx = DecodeContext(cache=c, n=n, group=group, step=self.step_t, s_max=s_max, window=window, slot=slot,
                             length=length, flash=flash, triton=tri)
         first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
-        if not first:
-            self.m.set_input_tensor(self.p2p.recv_forward((1, n, self.m.cfg.hidden_size), first))
-        out = self.m(input_ids=st["tok"][:n, None] if first else None, position_ids=pos, attention_context=ctx,
-                     check=False)  # decode feeds sampled tokens, and sampling bans the placeholders
+        if self.engine.fused_rope:
+            out = self.m.forward_decode(st["tok"][:n, None], pos, ctx)
+        else:
+            if not first:
+                self.m.set_input_tensor(self.p2p.recv_forward((1, n, self.m.cfg.hidden_size), first))
+            out = self.m(input_ids=st["tok"][:n, None] if first else None, position_ids=pos, attention_context=ctx,
+                         check=False)  # decode feeds sampled tokens, and sampling bans the placeholders
         if not last:
             self.p2p.send_forward(out, last)
             new, lp = self._from_last_stage(n)

@@ -290,6 +290,22 @@ class Qwen25VLModel(MegatronModule):
                                   decoder_input=decoder_input, packed_seq_params=attention_context)
         return self.mask_padded_vocab(out) if self.post_process else out
 
+    def forward_decode(self, input_ids, position_ids, attention_context) -> torch.Tensor:
+        """One decode step at pp=1 with RoPE left to the decode attention: logits [B,1,V/TP].
+
+        The same computation as `forward` (embedding, decoder, output layer: GPTModel's own modules),
+        except that the decoder gets no rotary embedding and the step's rotary angles go to the context
+        (`attention_context.rope`, [B, D]), whose attention applies them to the queries and keys as it
+        writes the cache (one fused kernel instead of megatron's per-layer cos/sin and rotate-half)."""
+        lm = self.language_model
+        hidden = self.embed(input_ids, None, None, None, None, check=False)
+        attention_context.rope = lm.rotary_pos_emb(position_ids, lm.mrope_section)[0, :, 0]
+        hidden = lm.decoder(hidden_states=hidden, attention_mask=None, rotary_pos_emb=None,
+                            packed_seq_params=attention_context)
+        weight = lm.shared_embedding_or_output_weight() if lm.share_embeddings_and_output_weights else None
+        logits, _ = lm.output_layer(hidden, weight=weight)
+        return self.mask_padded_vocab(logits.transpose(0, 1).contiguous())
+
     def prefix_stage(self, prompt, ctx, input_tensor=None) -> torch.Tensor:
         """The prefix (prompt[:-1], vision included) of one prompt on this stage: [P-1,1,H]
         (the PrefixModel contract of prefix/execution.py)."""
