@@ -48,8 +48,9 @@ def _attention_case(seed, groups, per_group, p_max, rm, ng=2, rep=4, d=32):
                 plen=torch.randint(1, p_max + 1, (groups,), generator=g).to(DEV),
                 rlen=torch.randint(1, rm + 1, (b,), generator=g).to(DEV), group=group_B.to(DEV))
     case["plen"][0] = p_max
-    for i, n in enumerate(case["plen"].tolist()):  # the buffers' padding: keys that win any score if read
+    for i, n in enumerate(case["plen"].tolist()):  # the buffers' padding: large keys and values, far off if read
         case["pk"][i, n:] = case["q"].abs().max() * case["q"].sign()[:1].mean(1, keepdim=True)
+        case["pv"][i, n:] = 100 * mag
     return case
 
 
@@ -139,8 +140,9 @@ def test_engine_with_triton_kernels_equals_the_torch_paths(tiny_hf):
 
 
 def test_fused_rope_and_cache_write_equal_megatrons_rope_and_index_copy():
-    """GPU (bf16): bit for bit, as the kernel rounds where megatron's unfused RoPE rounds; CPU (fp32,
-    interpreted): within fp32 rounding. Only the step's response slot is written."""
+    """Within rounding of megatron's unfused RoPE: the kernel rounds where it rounds, but CUDA's cos/sin
+    (libdevice) and torch's differ in the last bits for large angles, so bf16 results differ by an ulp
+    here and there (GPU: bf16 tolerance; CPU, fp32 interpreted: 1e-5). Only the step's slot is written."""
     from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 
     from rollplex_megatron.attention.triton_decode import triton_rope_and_write
@@ -154,8 +156,7 @@ def test_fused_rope_and_cache_write_equal_megatrons_rope_and_index_copy():
     step = torch.tensor([5], device=DEV)
     q_rot = triton_rope_and_write(q[0], k[0], v[0], freqs[0, :, 0], rk, rv, step)
     want_q, want_k = _apply_rotary_pos_emb_bshd(q, freqs)[0], _apply_rotary_pos_emb_bshd(k, freqs)[0]
-    tol = 0.0 if GPU else 1e-5
-    assert _rel(q_rot, want_q) <= tol and _rel(rk[:, 5], want_k) <= tol and torch.equal(rv[:, 5], v[0])
+    assert _rel(q_rot, want_q) <= TOL and _rel(rk[:, 5], want_k) <= TOL and torch.equal(rv[:, 5], v[0])
     others = [i for i in range(rm) if i != 5]
     assert not rk[:, others].any() and not rv[:, others].any()
     # mutation: keys not rotated (or rotated the other way) are far from megatron's

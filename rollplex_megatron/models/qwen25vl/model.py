@@ -293,10 +293,11 @@ class Qwen25VLModel(MegatronModule):
     def forward_decode(self, input_ids, position_ids, attention_context) -> torch.Tensor:
         """One decode step at pp=1 with RoPE left to the decode attention: logits [B,1,V/TP].
 
-        The same computation as `forward` (embedding, decoder, output layer: GPTModel's own modules),
+        The computation of `forward` on GPTModel's own modules (embedding, decoder, output layer),
         except that the decoder gets no rotary embedding and the step's rotary angles go to the context
         (`attention_context.rope`, [B, D]), whose attention applies them to the queries and keys as it
-        writes the cache (one fused kernel instead of megatron's per-layer cos/sin and rotate-half)."""
+        writes the cache (one fused kernel instead of megatron's per-layer cos/sin and rotate-half; the same
+        roundings, with CUDA's cos/sin, which differ from torch's in the last bits for large angles)."""
         lm = self.language_model
         hidden = self.embed(input_ids, None, None, None, None, check=False)
         attention_context.rope = lm.rotary_pos_emb(position_ids, lm.mrope_section)[0, :, 0]
