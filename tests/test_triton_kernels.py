@@ -79,10 +79,11 @@ def test_triton_decode_attention_matches_the_math_path(seed, groups, per_group, 
     assert out.dtype == c["q"].dtype and out.shape == ref.shape
     assert _rel(out, ref) < TOL
     # mutations: the padding keys read, every sample on group 0's prefix, the response part dropped
-    assert _rel(_triton(c, plen=torch.full_like(c["plen"], p_max)), ref) > 10 * TOL
-    assert _rel(_triton(c, group=torch.zeros_like(c["group"])), ref) > 10 * TOL
+    # (each at least twice the bound the test holds the kernel to, so the assertion above would fail)
+    assert _rel(_triton(c, plen=torch.full_like(c["plen"], p_max)), ref) > 2 * TOL
+    assert _rel(_triton(c, group=torch.zeros_like(c["group"])), ref) > 2 * TOL
     no_resp = dict(c, rv=torch.zeros_like(c["rv"]))
-    assert _rel(_triton(no_resp), ref) > 10 * TOL
+    assert _rel(_triton(no_resp), ref) > 2 * TOL
 
 
 def test_triton_decode_attention_never_reads_past_the_lengths():

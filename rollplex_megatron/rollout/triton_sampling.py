@@ -118,8 +118,8 @@ def fused_sample(logits_BV: torch.Tensor, temperature: float, seed_B: torch.Tens
     b, vocab = logits_BV.shape
     if logits_BV.stride(-1) != 1:
         logits_BV = logits_BV.contiguous()
-    splits = max(1, min(triton.cdiv(vocab, block), triton.cdiv(2048, max(b, 1))))
-    chunk = triton.cdiv(triton.cdiv(vocab, splits), block) * block
+    # a chunk fixed by the vocabulary, not the batch: one compiled kernel serves every batch-size bucket
+    chunk = min(8 * block, triton.cdiv(vocab, block) * block)
     splits = triton.cdiv(vocab, chunk)
     dev = logits_BV.device
     part = torch.empty(b, splits, 3, dtype=torch.float32, device=dev)
