@@ -6,4 +6,4 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 bash "$root/scripts/setup_env.sh"
 cd "$root"
 .venv/bin/python -m ruff check rollplex_megatron tests benchmarks
-exec .venv/bin/python -m pytest -q tests "$@"
+exec .venv/bin/python -m pytest -q --durations=30 tests "$@"
