@@ -163,3 +163,36 @@ def test_fused_rope_and_cache_write_equal_megatrons_rope_and_index_copy():
     # mutation: keys not rotated (or rotated the other way) are far from megatron's
     assert _rel(k[0], want_k) > 0.1
     assert _rel(triton_rope_and_write(q[0], k[0], v[0], -freqs[0, :, 0], rk, rv, step), want_q) > 0.1
+
+
+def test_fused_rms_norm_equals_torchs_and_is_swapped_in_only_for_decode_inputs(monkeypatch):
+    """`triton_rms_norm` within rounding of torch.nn.RMSNorm (fp32 on CPU: 1e-5; bf16 on GPU: the bf16
+    bound); under `fused_rms_norms` a [1, B, H] no-grad input on this thread takes the kernel, and an input
+    with autograd, a longer one, or one on another thread takes torch's module unchanged."""
+    import threading
+
+    from rollplex_megatron.rollout import triton_norm
+    from rollplex_megatron.rollout.triton_norm import fused_rms_norms, triton_rms_norm
+
+    g = torch.Generator().manual_seed(5)
+    dtype = torch.bfloat16 if GPU else torch.float32
+    norm = torch.nn.RMSNorm(320, eps=1e-6).to(DEV, dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(320, generator=g) * 2)
+    x = (torch.randn(1, 9, 320, generator=g) * torch.logspace(-2, 2, 9)[None, :, None]).to(DEV, dtype)
+    want = norm(x)
+    assert _rel(triton_rms_norm(x, norm.weight, 1e-6), want) < TOL
+    # mutation: a wrong epsilon (1e-2 against rows of rms 1e-2) is caught by the same bound
+    assert _rel(triton_rms_norm(x, norm.weight, 1e-2), want) > 2 * TOL
+    calls = []
+    monkeypatch.setattr(triton_norm, "triton_rms_norm", lambda *a: calls.append(1) or triton_rms_norm(*a))
+    with fused_rms_norms(norm):
+        with torch.no_grad():
+            assert _rel(norm(x), want) < TOL and len(calls) == 1
+            norm(x.expand(3, 9, 320))  # a prefix-stage shape
+            other = threading.Thread(target=norm, args=(x,))
+            other.start()
+            other.join()
+        norm(x.requires_grad_(True)).sum().backward()  # autograd: torch's module
+    assert len(calls) == 1 and norm.weight.grad is not None
+    assert "forward" not in vars(norm)  # the module's own forward is back

@@ -43,6 +43,7 @@ from rollplex_megatron.prefix.batch import Group, prompt_positions
 from rollplex_megatron.prefix.execution import p2p_communicator, prefix_forward, unwrap
 from rollplex_megatron.rollout.engine import DecodeHooks, RolloutOutput, RolloutRequest, RolloutResult
 from rollplex_megatron.rollout.sampling import SamplingParams, row_uniforms, sample_tokens
+from rollplex_megatron.rollout.triton_norm import fused_rms_norms
 from rollplex_megatron.rollout.triton_sampling import fused_sample, fused_sample_available
 from rollplex_megatron.runtime import device
 
@@ -150,7 +151,7 @@ class EmbeddedEngine:
 
     def __init__(self, model, cfg: ModelConfig, max_prompt_len: int, max_response_len: int, kv_cache_gib: float,
                  cuda_graphs: bool = True, decode_attention: str = "auto", sampling_kernel: str = "auto",
-                 fused_rope: bool = True):
+                 fused_rope: bool = True, fused_norm: bool = True):
         self.model, self.cfg = model, cfg
         self.max_prompt_len, self.max_response_len = max_prompt_len, max_response_len
         self.budget = int(kv_cache_gib * 2**30)
@@ -165,6 +166,7 @@ class EmbeddedEngine:
         self.pp = ps.get_pipeline_model_parallel_world_size()
         # the Triton attention also takes RoPE and the cache write (forward_decode); the whole step on one stage
         self.fused_rope = self.attention == "triton" and self.pp == 1 and fused_rope
+        self.fused_norm = self.attention == "triton" and fused_norm  # the decode step's RMSNorms as one kernel each
         self.graph_error = ""  # why CUDA-graph decode was turned off, if it was
         if self.cuda_graphs and self.pp > 1:  # the stage-to-stage sends are not captured
             self.cuda_graphs = False
@@ -343,6 +345,11 @@ class _WaveDecoder:
         self.stats = {"graphs_captured": 0, "graph_replays": 0, "eager_steps": 0, "capture_s": 0.0}
 
     def _forward(self, n: int, s_max: int, window: int) -> None:
+        """`_step`, with the language model's RMSNorms on the fused kernel where the engine uses it."""
+        with fused_rms_norms(self.m.language_model) if self.engine.fused_norm else nullcontext():
+            self._step(n, s_max, window)
+
+    def _step(self, n: int, s_max: int, window: int) -> None:
         """The static-shape step on slots [0, n): logits, sampling, then `_advance`.
 
         Pipeline stages: each runs its layers on the hidden states the previous stage sends; the
