@@ -26,8 +26,8 @@ def main() -> int:
     ap.add_argument("--max-new", type=int, default=128)
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--paths", default="flash:torch,triton:torch:norope,triton:triton:norope,triton:triton",
-                    help="decode_attention:sampling_kernel[:norope] to profile (norope: the Triton attention without "
-                         "the fused RoPE and cache write)")
+                    help="decode_attention:sampling_kernel[:opts] to profile; opts joined by +: norope (the Triton "
+                         "attention without the fused RoPE and cache write), nonorm (torch's RMSNorm)")
     ap.add_argument("--cases", default="shared_16x8,shared_8x8,shared_8x1,unshared_128x1",
                     help="name_GROUPSxSAMPLES: groups sharing one prefix each, samples per group")
     ap.add_argument("--split-halves", action="store_true",
@@ -68,7 +68,7 @@ def main() -> int:
         if name.endswith("_split") and not getattr(model, "_split_halves", False):
             split_halves(model, a.split_only)
         eng = EmbeddedEngine(model, cfg, 4096, a.max_new, kv_cache_gib=60.0, decode_attention=impl,
-                             sampling_kernel=samp, fused_rope=opt != "norope")
+                             sampling_kernel=samp, fused_rope="norope" not in opt, fused_norm="nonorm" not in opt)
         store = KVStore(leaves={(layer, g): kv for (layer, _), kv in one.leaves.items() for g in range(groups)})
         reqs = [RolloutRequest(prompt, n, a.max_new, (), seed=g) for g in range(groups)]
         cache = DecodeCache(store, list(range(groups)), [n] * groups, a.max_new, dtype)
@@ -92,7 +92,7 @@ def main() -> int:
         top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:30]
         rows[name] = {"groups": groups, "samples_per_group": n, "decode_attention": eng.attention,
                       "sampling_kernel": "triton" if dec.fused_sampling else "torch", "fused_rope": eng.fused_rope,
-                      "step_ms": step_ms,
+                      "fused_norm": eng.fused_norm, "step_ms": step_ms,
                       "kernel_ms_per_step": total, "kernels_per_step": sum(e.count for e in kernels) / 3,
                       "cuda_graphs": eng.cuda_graphs, "graph_error": eng.graph_error, "window": key[2],
                       "top_kernel_launches_per_step": {e.key[:140]: e.count / 3 for e in top},
