@@ -125,3 +125,14 @@ def test_recipe_composes_on_verls_config_and_builds_configs_the_engine_accepts()
             bad = compose("qwen2_5_vl_rollplex", overrides=["actor_rollout_ref.model.path=/m",
                                                             "actor_rollout_ref.actor.megatron.param_offload=true"])
         check_engine_config(omega_conf_to_dataclass(bad.actor_rollout_ref.actor).engine)
+
+
+def test_engine_checkpoint_round_trip_resumes_the_same_update(tiny_hf, tmp_path):
+    """save_checkpoint / load_checkpoint: the step after a reload equals the uninterrupted run's (same process
+    order, same kernels); without the optimizer state, or from the HF weights, it does not (mutations)."""
+    r = run_local(W.checkpoint_round_trip, 1, tiny_hf, str(tmp_path))[0]
+    assert r["loaded"] == r["saved"] and r["saved"].endswith("global_step_1/actor/checkpoints/step_000001")
+    assert "FileExistsError" in r["overwrite"] or "exists" in r["overwrite"], r["overwrite"]
+    assert r["rel_loaded"] <= 1e-6 and r["lr"][0] == r["lr"][1], r
+    assert r["rel_weights_only"] > 1e-3 and r["rel_fresh"] > 1e-3, r
+    assert r["kept"] == ["global_step_2/actor/checkpoints/step_000002"], r["kept"]

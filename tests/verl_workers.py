@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from functools import partial
+from pathlib import Path
 
 import torch
 
@@ -201,3 +202,56 @@ def dp_grads(hf_dir: str) -> dict:
         e.optimizer_zero_grad()
         e.forward_backward_batch(data, partial(ppo_loss, config=actor_config()))
     return {"world": world, "grads": {n: g.cpu() for n, g in _grads(e).items()}}
+
+
+def checkpoint_round_trip(hf_dir: str, root: str) -> dict:
+    """Two optimizer steps straight through, against: one step, `save_checkpoint`, a fresh engine that
+    `load_checkpoint`s it, then the second step. Mutations: the second step on a fresh engine given only the
+    checkpoint's weights (no Adam moments, no schedule), and on a fresh engine from the HF weights. Also:
+    saving a step that exists is refused, and `max_ckpt_to_keep` removes the older step's tree."""
+    os.environ["VERL_ENGINE_VENDOR"] = "rollplex"
+    import verl  # noqa: F401
+    from verl.workers.utils.losses import ppo_loss
+
+    from rollplex_megatron.checkpoint import train_state
+    from rollplex_megatron.models.qwen25vl.hf import HFCheckpoint
+
+    cfg = HFCheckpoint(hf_dir).model_config()
+    loss_fn = partial(ppo_loss, config=actor_config())
+
+    def step(e, seed):
+        with e.train_mode():
+            e.optimizer_zero_grad()
+            e.forward_backward_batch(verl_batch(cfg, seed), loss_fn)
+            e.optimizer_step()
+        return e.lr_scheduler_step()
+
+    def params(e):
+        return {n: p.detach().clone() for n, p in e.module.module.named_parameters()}
+
+    first = f"{root}/global_step_1/actor"
+    a = new_engine(hf_dir, 1, True)
+    step(a, 7)
+    saved = a.save_checkpoint(first, global_step=1, max_ckpt_to_keep=1)
+    out = {"saved": str(saved)}
+    try:
+        a.save_checkpoint(first, global_step=1)
+        out["overwrite"] = "no error"
+    except Exception as e:  # noqa: BLE001 - the test reads the message
+        out["overwrite"] = f"{type(e).__name__}: {e}"
+    lr_a = step(a, 8)
+    b = new_engine(hf_dir, 1, True)
+    out["loaded"] = str(b.load_checkpoint(first))
+    lr_b = step(b, 8)
+    weights_only = new_engine(hf_dir, 1, True)
+    state = torch.load(f"{saved}/{train_state.rank_file_name(0)}", map_location="cpu", weights_only=False)
+    weights_only.module.module.load_state_dict(state["model"])
+    step(weights_only, 8)
+    fresh = new_engine(hf_dir, 1, True)
+    step(fresh, 8)
+    pa = params(a)
+    rel = lambda e: max(_rel(params(e)[n], pa[n]) for n in pa)  # noqa: E731
+    out.update(rel_loaded=rel(b), rel_weights_only=rel(weights_only), rel_fresh=rel(fresh), lr=[lr_a, lr_b])
+    a.save_checkpoint(f"{root}/global_step_2/actor", global_step=2, max_ckpt_to_keep=1)
+    out["kept"] = sorted(str(p.relative_to(root)) for p in Path(root).rglob("step_*"))
+    return out

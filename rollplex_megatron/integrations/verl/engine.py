@@ -16,6 +16,7 @@ and DP size verl's megatron engine writes, so the update is verl's. Outputs are 
 from __future__ import annotations
 
 import os
+import shutil
 from contextlib import contextmanager
 
 import torch
@@ -27,6 +28,7 @@ from verl.utils.py_functional import append_to_dict
 from verl.workers.engine.base import BaseEngine
 
 from rollplex_megatron.attention.kv_store import KVStore
+from rollplex_megatron.checkpoint import train_state
 from rollplex_megatron.attention.prefix import PrefixContext
 from rollplex_megatron.config import OptimConfig
 from rollplex_megatron.dist import init_parallel
@@ -100,6 +102,7 @@ class RollplexMegatronEngine(BaseEngine):
                       int(_setting(engine_config, "seed", 42)))
         self.module = self.ddp = self.optimizer = self.scheduler = None
         self.mode = None
+        self._saved = []  # checkpoints this engine wrote, oldest first (max_ckpt_to_keep)
 
     # -- set-up -------------------------------------------------------------------------------------------------
     def initialize(self):
@@ -300,9 +303,41 @@ class RollplexMegatronEngine(BaseEngine):
         return export_hf_tensors(states, self.cfg, tp, pp, self.naming), None
 
     def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None, **kwargs):
-        raise NotImplementedError("rollplex verl engine: checkpoints are not written yet; set trainer.save_freq=-1 "
-                                  "(see README, 'Using Rollplex from verl')")
+        """Collective: this rank's model, optimizer, learning-rate schedule and RNG states as the project's
+        training checkpoint under `local_path/checkpoints/step_<global_step>` (written aside, fsynced, published
+        by rename; a step that exists is refused). With `max_ckpt_to_keep`, checkpoints this engine wrote
+        earlier beyond that count are removed, oldest first (verl's checkpoint-manager rule)."""
+        if hdfs_path:
+            raise ValueError(f"rollplex verl engine: hdfs_path={hdfs_path!r} is not supported; checkpoints are "
+                             f"written to local_path only (unset the HDFS checkpoint directory)")
+        if self.optimizer is None:
+            raise RuntimeError("rollplex verl engine: a forward-only engine (the reference) has no training state "
+                               "to save")
+        path = train_state.save_checkpoint(local_path, int(global_step), self.module, None, self.optimizer,
+                                           extra={"lr_scheduler": self.scheduler.state_dict()})
+        self._saved.append(path)
+        keep = int(max_ckpt_to_keep or 0)
+        while keep > 0 and len(self._saved) > keep:
+            old = self._saved.pop(0)  # verl saves each step under its own local_path: drop that whole tree
+            if dist.get_rank() == 0:
+                shutil.rmtree(old if old.parent == path.parent else old.parent)
+            dist.barrier()
+        return path
 
     def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=True, **kwargs):
-        raise NotImplementedError("rollplex verl engine: resuming is not supported yet; set "
-                                  "trainer.resume_mode=disable")
+        """Restore the latest checkpoint `save_checkpoint` wrote under `local_path` (the layout must be the
+        checkpoint's); nothing is deleted, whatever `del_local_after_load` says (verl deletes only copies it
+        downloaded from HDFS, which this engine does not use)."""
+        if hdfs_path:
+            raise ValueError(f"rollplex verl engine: hdfs_path={hdfs_path!r} is not supported; resume from local_path")
+        if self.optimizer is None:
+            raise RuntimeError("rollplex verl engine: a forward-only engine (the reference) loads its weights from "
+                               "the HF checkpoint, not from a training checkpoint")
+        path = train_state.latest_checkpoint(local_path)
+        if path is None:
+            raise FileNotFoundError(f"rollplex verl engine: no checkpoint under {local_path}/"
+                                    f"{train_state.CHECKPOINTS} (save_checkpoint writes them there); check "
+                                    f"trainer.resume_mode / resume_from_path")
+        _, extra = train_state.load_checkpoint(path, self.module, None, self.optimizer)
+        self.scheduler.load_state_dict(extra["lr_scheduler"])
+        return path
