@@ -177,14 +177,30 @@ def _setup_reference(cfg, hf_dir):
     return ref
 
 
-def engine_bad_input(cfg, hf_dir, what: str):
+def engine_bad_inputs(cfg, hf_dir, whats: list[str]) -> dict:
+    """`engine_bad_input` for each kind in `whats` on one model in one process: per kind, the error it raised
+    as its traceback (the text `run_local` would report), or None if it raised nothing."""
+    import traceback
+
+    model = _setup(cfg, hf_dir)
+    out = {}
+    for what in whats:
+        try:
+            engine_bad_input(cfg, hf_dir, what, model)
+            out[what] = None
+        except Exception:  # noqa: BLE001 - the test matches the message
+            out[what] = traceback.format_exc()
+    return out
+
+
+def engine_bad_input(cfg, hf_dir, what: str, model=None):
     """Each kind of bad request must fail before decoding, naming the setting."""
     import dataclasses
 
     from rollplex_megatron.rollout.embedded import EmbeddedEngine
     from rollplex_megatron.rollout.sampling import SamplingParams
 
-    model = _setup(cfg, hf_dir)
+    model = _setup(cfg, hf_dir) if model is None else model
     reqs = requests(cfg)
     max_prompt, budget = 4096, 1.0
     if what == "prompt":

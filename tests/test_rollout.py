@@ -1,4 +1,5 @@
 """Rollout engine: shared-prefix decode attention, sampling, engine vs a plain recompute loop, TP, window."""
+import re
 from pathlib import Path
 
 import pytest
@@ -6,10 +7,11 @@ import torch
 
 from rollplex_megatron.attention.decode import group_slots, shared_prefix_decode_attention
 from rollplex_megatron.attention.prefix import dense_reference
-from rollplex_megatron.dist import LocalRunError, run_local
+from rollplex_megatron.dist import run_local
 from rollplex_megatron.recipes import load_run_config
 from rollplex_megatron.rollout.sampling import SamplingParams, filter_logits, sample_tokens
 from tests import rollout_workers as W
+from tests.in_turn import case, in_turn
 
 
 def _decode_case(seed, n_groups=3, ng=2, rep=3, d=8, r_max=6):
@@ -113,28 +115,46 @@ def test_same_detects_one_wrong_logprob():
         _same([([[1, 3]], lp, ["stop"])], ref)
 
 
-@pytest.mark.parametrize("params,budget", [(SamplingParams(), 1.0), (SamplingParams(0.8, 0.9, 40), 6e-5)])
-def test_engine_matches_full_recompute_loop(tiny_hf, params, budget):
-    res = run_local(W.engine_vs_recompute, 1, _cfg(), str(tiny_hf), params, budget)[0]
+RECOMPUTE = {"greedy": (SamplingParams(), 1.0), "sampled_small_budget": (SamplingParams(0.8, 0.9, 40), 6e-5)}
+TP2_PARAMS, PP2_PARAMS = SamplingParams(1.0, 1.0, 0), SamplingParams(0.9, 0.95, 0)
+MECHANISMS = ["interleave", "stream", "tail", "auto"]
+
+
+@pytest.fixture(scope="module")
+def one_rank(tiny_hf):
+    """Every one-process engine run of this file's TP=1 PP=1 tests in one job (`tests.in_turn`): each case
+    sets up its own model from the checkpoint, as in a job of its own."""
+    hf, calls = str(tiny_hf), {}
+    for name, (params, budget) in RECOMPUTE.items():
+        calls["recompute", name] = (W.engine_vs_recompute, (_cfg(), hf, params, budget))
+    calls["engine_only", "tp2"] = (W.engine_only, (_cfg(1), hf, TP2_PARAMS))
+    calls["engine_only", "pp2"] = (W.engine_only, (_cfg(), hf, PP2_PARAMS))
+    for m in MECHANISMS:
+        calls["window", m] = (W.window_items_match, (_cfg(), hf, SamplingParams(), m))
+    return run_local(in_turn, 1, calls)[0]
+
+
+@pytest.mark.parametrize("name", list(RECOMPUTE))
+def test_engine_matches_full_recompute_loop(one_rank, name):
+    budget = RECOMPUTE[name][1]
+    res = case(one_rank, ("recompute", name))
     _same(res["engine"], res["reference"])
     assert sum(f == "stop" for _, _, fins in res["engine"] for f in fins) > 0  # stop tokens exercised
     assert res["waves"] == (1 if budget == 1.0 else 3)  # a small budget queues requests into waves
 
 
-def test_engine_tp2_equals_tp1(tiny_hf):
-    params = SamplingParams(1.0, 1.0, 0)
-    one = run_local(W.engine_only, 1, _cfg(1), str(tiny_hf), params)[0]
-    two = run_local(W.engine_only, 2, _cfg(2), str(tiny_hf), params)
+def test_engine_tp2_equals_tp1(tiny_hf, one_rank):
+    one = case(one_rank, ("engine_only", "tp2"))
+    two = run_local(W.engine_only, 2, _cfg(2), str(tiny_hf), TP2_PARAMS)
     assert two[0] == two[1]  # every TP rank samples the same tokens
     _same(two[0], one)
 
 
-def test_engine_pp2_equals_pp1(tiny_hf):
+def test_engine_pp2_equals_pp1(tiny_hf, one_rank):
     """Two pipeline stages: prefill across the pipeline, decode passing hidden states stage to stage,
     the last stage's tokens broadcast; both stages return the same results, equal to one stage's."""
-    params = SamplingParams(0.9, 0.95, 0)
-    one = run_local(W.engine_only, 1, _cfg(), str(tiny_hf), params)[0]
-    two = run_local(W.engine_only, 2, _cfg(pp=2), str(tiny_hf), params)
+    one = case(one_rank, ("engine_only", "pp2"))
+    two = run_local(W.engine_only, 2, _cfg(pp=2), str(tiny_hf), PP2_PARAMS)
     assert two[0] == two[1]
     _same(two[1], one)
 
@@ -148,12 +168,12 @@ def test_window_items_at_pp2_equal_direct_work(tiny_hf):
     assert res[0]["actives"] == res[1]["actives"]
 
 
-@pytest.mark.parametrize("mechanism", ["interleave", "stream", "tail", "auto"])
-def test_window_items_equal_direct_work(tiny_hf, mechanism):
+@pytest.mark.parametrize("mechanism", MECHANISMS)
+def test_window_items_equal_direct_work(one_rank, mechanism):
     """Items run inside the window give the same K/V as direct work: on the decode thread
     (interleave, auto without a winner) or on the issuer thread (stream, tail; on CPU without a side
     stream). `tail` starts its issuer only once the active batch has halved."""
-    res = run_local(W.window_items_match, 1, _cfg(), str(tiny_hf), SamplingParams(), mechanism)[0]
+    res = case(one_rank, ("window", mechanism))
     assert res["same_keys"] and res["max_abs_diff"] == 0.0
     st = res["stats"]
     assert st["items_in_window"] + st["items_after"] == 3
@@ -211,16 +231,14 @@ def test_window_policy_reads_the_measured_table(tmp_path):
 
 
 def test_engine_bad_input(tiny_hf):
-    with pytest.raises(LocalRunError, match="rollout.max_prompt_len"):
-        run_local(W.engine_bad_input, 1, _cfg(), str(tiny_hf), "prompt")
-    with pytest.raises(LocalRunError, match="memory.kv_cache_gib"):
-        run_local(W.engine_bad_input, 1, _cfg(), str(tiny_hf), "budget")
-    with pytest.raises(LocalRunError, match="rollout.max_response_len"):
-        run_local(W.engine_bad_input, 1, _cfg(), str(tiny_hf), "length")
-    with pytest.raises(LocalRunError, match=r"request \d: \d+ video tokens but the video grids give \d+ embeddings"):
-        run_local(W.engine_bad_input, 1, _cfg(), str(tiny_hf), "placeholder")
-    with pytest.raises(LocalRunError, match=r"ValueError: \d+ video tokens but the video grids give"):
-        run_local(W.engine_bad_input, 1, _cfg(), str(tiny_hf), "prefix_placeholder")
+    """Each kind of bad request fails naming the setting (one process, one model, every kind in turn)."""
+    want = {"prompt": "rollout.max_prompt_len", "budget": "memory.kv_cache_gib", "length": "rollout.max_response_len",
+            "placeholder": r"request \d: \d+ video tokens but the video grids give \d+ embeddings",
+            "prefix_placeholder": r"ValueError: \d+ video tokens but the video grids give"}
+    errors = run_local(W.engine_bad_inputs, 1, _cfg(), str(tiny_hf), list(want))[0]
+    for what, match in want.items():
+        assert errors[what] is not None, f"{what}: no error"
+        assert re.search(match, errors[what]), (what, errors[what][-2000:])
 
 
 def test_issuer_errors_surface_and_the_thread_stops():
