@@ -27,28 +27,44 @@ def test_import_verl_discovers_the_plugin_and_the_vendor_selects_the_engine():
     assert out.stdout.split() == ["RollplexMegatronEngine", "MegatronEngineWithLMHead", "RollplexTrainer"], out.stdout
 
 
+@pytest.fixture(scope="module")
+def tp1(tiny_hf):
+    """Every TP 1 engine run of this file, in one process (see `verl_workers.tp1_cases`)."""
+    return run_local(W.tp1_cases, 1, tiny_hf)[0]
+
+
+@pytest.fixture(scope="module")
+def tp2(tiny_hf):
+    """Every TP 2 engine run of this file, in one 2-rank job (see `verl_workers.tp2_cases`)."""
+    return run_local(W.tp2_cases, 2, tiny_hf)
+
+
 @pytest.mark.parametrize("tp", [1, 2])
-def test_engine_shared_prefix_equals_full_sequences(tiny_hf, tp):
-    for r in run_local(W.shared_vs_full, tp, tiny_hf, tp):
+def test_engine_shared_prefix_equals_full_sequences(request, tp):
+    runs = [request.getfixturevalue("tp1")["plain"]] if tp == 1 else [
+        r["shared_vs_full"] for r in request.getfixturevalue("tp2")]
+    assert len(runs) == tp
+    for r in runs:
         assert r["engine"] == "RollplexMegatronEngine"
         assert r["full_groups"] == 0 and r["grad_norm"] > 0
         assert all(v <= TOL for v in r["rel"].values()), str(r["rel"])
         assert {"actor/pg_loss", "actor/entropy_loss", "kl_loss"} <= set(r["metrics_shared"]), r["metrics_shared"]
 
 
-def test_uid_whose_rows_differ_runs_as_full_sequences(tiny_hf):
-    r = run_local(W.shared_vs_full, 1, tiny_hf, 1, "", True)[0]
+def test_uid_whose_rows_differ_runs_as_full_sequences(tp1):
+    r = tp1["wrong_uid"]
     assert r["full_groups"] == 3  # the wrong uid's 3 rows, one group each; the other uids shared
     assert all(v <= TOL for v in r["rel"].values()), r["rel"]
 
 
-def test_mutation_trusting_wrong_uids_is_caught(tiny_hf):
-    r = run_local(W.shared_vs_full, 1, tiny_hf, 1, "trust_uid", True)[0]
+def test_mutation_trusting_wrong_uids_is_caught(tp1):
+    r = tp1["trust_uid"]
     assert r["rel"]["log_probs"] > 100 * TOL and r["rel"]["grad"] > 100 * TOL, r["rel"]
 
 
-def test_dp2_gradients_equal_one_rank_on_the_whole_batch(tiny_hf):
-    one = run_local(W.dp_grads, 1, tiny_hf)[0]
+def test_dp2_gradients_equal_one_rank_on_the_whole_batch(tiny_hf, tp1):
+    one = tp1["dp_one"]
+    assert one["world"] == 1
     two = run_local(W.dp_grads, 2, tiny_hf)
     assert [r["world"] for r in two] == [2, 2]
     for r in two:
@@ -67,8 +83,9 @@ def test_the_trainer_has_verls_sync_behaviour():
         t.trainer_mode = "colocate_async"
 
 
-def test_weight_export_at_tp2_equals_the_checkpoint(tiny_hf):
-    for r in run_local(W.exported_weights, 2, tiny_hf, 2):
+def test_weight_export_at_tp2_equals_the_checkpoint(tp2):
+    assert len(tp2) == 2
+    for r in (rank["exported"] for rank in tp2):
         assert not r["missing"] and r["names"] > 0 and r["peft"] is None, r
         assert r["max_abs"] == 0.0, r
 

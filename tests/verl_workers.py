@@ -255,3 +255,24 @@ def checkpoint_round_trip(hf_dir: str, root: str) -> dict:
     a.save_checkpoint(f"{root}/global_step_2/actor", global_step=2, max_ckpt_to_keep=1)
     out["kept"] = sorted(str(p.relative_to(root)) for p in Path(root).rglob("step_*"))
     return out
+
+
+def tp1_cases(hf_dir: str) -> dict:
+    """The TP 1 runs of the tests in one process, one after another (each builds its own engines from the
+    checkpoint): `shared_vs_full` on a well-formed batch, on a batch with a wrong uid, then (last: it patches
+    the prefix grouping) with the engine trusting that uid; and `dp_grads` on one rank."""
+    from rollplex_megatron.integrations.verl import batch as B
+
+    out = {"plain": shared_vs_full(hf_dir, 1), "wrong_uid": shared_vs_full(hf_dir, 1, "", True),
+           "dp_one": dp_grads(hf_dir)}
+    same_prompt = B.same_prompt
+    try:
+        out["trust_uid"] = shared_vs_full(hf_dir, 1, "trust_uid", True)
+    finally:
+        B.same_prompt = same_prompt
+    return out
+
+
+def tp2_cases(hf_dir: str) -> dict:
+    """The TP 2 runs of the tests in one 2-rank job: `shared_vs_full` and `exported_weights`."""
+    return {"shared_vs_full": shared_vs_full(hf_dir, 2), "exported": exported_weights(hf_dir, 2)}
