@@ -47,3 +47,27 @@ def example_dir(tmp_path_factory):
     """`make-example`'s directory (tiny preset checkpoint with its processor; ragged image and video rows)."""
     return make_example(tmp_path_factory.mktemp("ex") / "example", load_run_config([]).model, train_rows=24,
                         val_rows=8, videos=True, ragged=True)
+
+
+@pytest.fixture(scope="session")
+def serial_run(tiny_hf):
+    """Serial mode on test_trainer's BASE at the tiny checkpoint, 3 steps: the trainer tests' reference, and
+    the colocated run the one-rank disaggregated tests of test_rollout_layout compare with (the same config,
+    so one run serves all)."""
+    from rollplex_megatron.dist import run_local
+    from tests import trainer_workers as W
+    from tests.test_trainer import _cfg
+
+    return run_local(W.run_steps, 1, _cfg("serial", hf=tiny_hf), 3)[0]
+
+
+@pytest.fixture(scope="session")
+def rollplex_run(tiny_hf):
+    """Rollplex mode on test_trainer's BASE at the tiny checkpoint, 3 steps, with the weights after step 2
+    (`after`): the mode-equivalence run, the one-process side of the TP2/DP2 test (its first 2 steps) and the
+    phase-plan run of test_memory_runtime (memory.plan=phase is the default)."""
+    from rollplex_megatron.dist import run_local
+    from tests import trainer_workers as W
+    from tests.test_trainer import _cfg
+
+    return run_local(W.run_steps, 1, _cfg("rollplex", hf=tiny_hf), 3, "", 2)[0]

@@ -33,15 +33,23 @@ def keep_run(tiny_hf):
     return _plan_run(tiny_hf, "keep")
 
 
+def _cfg_of(plan, hf):
+    from tests.test_trainer import _cfg
+
+    return _cfg("rollplex", *([f"memory.plan={plan}"] if plan else []), hf=hf)
+
+
 def _plan_run(hf, plan, *extra, mutant=""):
     from tests.test_trainer import _cfg
 
     return run_local(W.plan_steps, 1, _cfg("rollplex", f"memory.plan={plan}", *extra, hf=hf), 3, mutant)[0]
 
 
-def test_phase_plan_gives_the_same_update_as_keeping_everything(tiny_hf, keep_run):
-    """Offloaded Adam states and reference, freed gradients and the recomputed prefix: same 3 steps."""
-    run = _plan_run(tiny_hf, "phase")
+def test_phase_plan_gives_the_same_update_as_keeping_everything(tiny_hf, keep_run, rollplex_run):
+    """Offloaded Adam states and reference, freed gradients and the recomputed prefix: same 3 steps. The
+    phase run is conftest's rollplex_run: memory.plan=phase is the default, so it is this config."""
+    assert _cfg_of("phase", tiny_hf) == _cfg_of(None, tiny_hf)
+    run = rollplex_run
     assert run["tokens"] == keep_run["tokens"]
     err, name = _param_err(run, keep_run)
     assert err <= TOL, (name, err)

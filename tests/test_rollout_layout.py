@@ -115,11 +115,13 @@ DISAGG = ["mode.name=disaggregated"]
                           (4, ["parallel.tp=2", "parallel.rollout_ranks=2", "rollout.tp=2"], 2, ["parallel.tp=2"]),
                           (4, ["parallel.dp=2", "parallel.rollout_ranks=2", "rollout.tp=1"], 2, ["parallel.dp=2"])],
                          ids=["1+1", "2+2-tp2", "2+2-dp2"])
-def test_disaggregated_matches_serial_colocation(tiny_hf, world, layout, ref_world, ref_layout):
+def test_disaggregated_matches_serial_colocation(request, tiny_hf, world, layout, ref_world, ref_layout):
     """Rollout on ranks of its own with weights of its own, sent after every step: the same rollouts
     and records as serial colocation at the same training layout over 3 steps (so the rollout of step k
-    used the weights after optimizer step k-1), and the same trained weights where they are whole."""
-    ref = run_local(W.run_steps, ref_world, _cfg("serial", *ref_layout, hf=tiny_hf), 3)
+    used the weights after optimizer step k-1), and the same trained weights where they are whole. One
+    training rank: the colocated run is conftest's serial_run (this config)."""
+    ref = [request.getfixturevalue("serial_run")] if (ref_world, ref_layout) == (1, []) else run_local(
+        W.run_steps, ref_world, _cfg("serial", *ref_layout, hf=tiny_hf), 3)
     run = run_local(LW.disaggregated_steps, world, _cfg("serial", *layout, *DISAGG, hf=tiny_hf), 3)
     train, served = run[:ref_world], run[ref_world:]
     for a, b in zip(train, ref):
@@ -132,9 +134,10 @@ def test_disaggregated_matches_serial_colocation(tiny_hf, world, layout, ref_wor
         assert err <= TOL, (name, err)
 
 
-def test_disaggregated_without_the_transfer_is_detected(tiny_hf):
-    """Mutation: the rollout ranks keep the initial weights; from step 2 on the rollouts leave serial's."""
-    ref = run_local(W.run_steps, 1, _cfg("serial", hf=tiny_hf), 3)[0]
+def test_disaggregated_without_the_transfer_is_detected(tiny_hf, serial_run):
+    """Mutation: the rollout ranks keep the initial weights; from step 2 on the rollouts leave serial's
+    (conftest's serial_run: the colocated run of this config)."""
+    ref = serial_run
     run = run_local(LW.disaggregated_steps, 2, _cfg("serial", "parallel.rollout_ranks=1", *DISAGG, hf=tiny_hf), 3,
                     "skip_transfer")[0]
     assert run["tokens"][0] == ref["tokens"][0]

@@ -54,14 +54,13 @@ def _records_close(a, b, keys=("loss", "kl", "entropy", "grad_norm", "reward_mea
             assert abs(ra[k] - rb[k]) <= TOL * max(abs(rb[k]), 1e-3), (i, k, ra[k], rb[k])
 
 
-@pytest.fixture(scope="module")
-def serial_run(tiny_hf):
-    return run_local(W.run_steps, 1, _cfg("serial", hf=tiny_hf), 3)[0]
+# serial_run and rollplex_run (conftest.py): BASE at the tiny checkpoint over 3 steps, shared with other files
 
 
 @pytest.mark.parametrize("mode", ["prefix_shared", "rollplex"])
-def test_modes_match_serial_over_three_steps(tiny_hf, serial_run, mode):
-    run = run_local(W.run_steps, 1, _cfg(mode, hf=tiny_hf), 3)[0]
+def test_modes_match_serial_over_three_steps(request, tiny_hf, serial_run, mode):
+    run = request.getfixturevalue("rollplex_run") if mode == "rollplex" else run_local(
+        W.run_steps, 1, _cfg(mode, hf=tiny_hf), 3)[0]
     assert run["tokens"] == serial_run["tokens"]  # same rollouts every step
     first, ref = run["records"][0], serial_run["records"][0]
     for k in ("loss", "grad_norm", "entropy"):
@@ -122,9 +121,10 @@ KNOBS = ["train.loss_agg_mode=seq-mean-token-mean", "train.clip_ratio_c=3", "opt
          "optim.lr_decay_style=cosine", "optim.min_lr=1e-5", "train.steps=3"]
 
 
-def test_rollplex_matches_serial_with_the_grpo_knobs_on(tiny_hf):
+def test_rollplex_matches_serial_with_the_grpo_knobs_on(tiny_hf, serial_run):
     """Per-response loss aggregation, dual clip and a warm-up + cosine schedule: the modes still agree,
-    and the knobs change the update (the learning rates follow megatron's scheduler)."""
+    and the knobs change the update (the learning rates follow megatron's scheduler). The token-mean side
+    of the aggregation check is serial_run's first step (the same config and process as a 1-step run)."""
     serial = run_local(W.run_steps, 1, _cfg("serial", *KNOBS, hf=tiny_hf), 3)[0]
     rollplex = run_local(W.run_steps, 1, _cfg("rollplex", *KNOBS, hf=tiny_hf), 3)[0]
     assert rollplex["tokens"] == serial["tokens"]
@@ -136,9 +136,8 @@ def test_rollplex_matches_serial_with_the_grpo_knobs_on(tiny_hf):
     assert err <= TOL, (name, err)
     assert [r["lr"] for r in serial["records"]] == pytest.approx([0.0, 3e-4, 1e-5 + (3e-4 - 1e-5) * 0.5])
     plain = run_local(W.run_steps, 1, _cfg("serial", "train.loss_agg_mode=seq-mean-token-mean", hf=tiny_hf), 1)[0]
-    token = run_local(W.run_steps, 1, _cfg("serial", hf=tiny_hf), 1)[0]
-    assert abs(plain["records"][0]["grad_norm"] - token["records"][0]["grad_norm"]) > 1e-3 * token["records"][0][
-        "grad_norm"]  # the aggregation reaches the gradient
+    token = serial_run["records"][0]
+    assert abs(plain["records"][0]["grad_norm"] - token["grad_norm"]) > 1e-3 * token["grad_norm"]  # reaches the grad
 
 
 PPO = ["train.ppo_mini_batches=2", "train.ppo_epochs=2", "train.dynamic_sampling=true", "train.max_resample_rounds=2"]
@@ -188,9 +187,11 @@ def test_mode_equivalence_detects_breakage(tiny_hf, serial_run, mutant):
     assert err > 10 * TOL
 
 
-def test_rollplex_tp2_and_dp2_match_single_process(tiny_hf):
-    """Two steps at TP=2 and at DP=2 against one process (BASE's lr 3e-4: see its comment)."""
-    one = run_local(W.run_steps, 1, _cfg("rollplex", hf=tiny_hf), 2)[0]
+def test_rollplex_tp2_and_dp2_match_single_process(tiny_hf, rollplex_run):
+    """Two steps at TP=2 and at DP=2 against one process (BASE's lr 3e-4: see its comment). The one process
+    is rollplex_run's first two steps (the same config; its weights after step 2)."""
+    r = rollplex_run
+    one = {"tokens": r["tokens"][:2], "records": r["records"][:2], "first": r["first"], "last": r["after"]}
     tp2 = run_local(W.run_steps, 2, _cfg("rollplex", "parallel.tp=2", hf=tiny_hf), 2)
     dp2 = run_local(W.run_steps, 2, _cfg("rollplex", "parallel.dp=2", hf=tiny_hf), 2)
     assert tp2[0]["tokens"] == tp2[1]["tokens"]  # every TP rank samples the same tokens
@@ -220,14 +221,6 @@ def test_rollplex_pp2_matches_single_process(tiny_hf_tied):
 
 SMALL = ["workload.rollout_batch=8", "workload.responses_per_micro_batch=4", "rollout.group_size=4",
          "train.progress=false"]
-
-
-def _cli(*args, timeout=600):
-    import subprocess
-    import sys
-
-    return subprocess.run([sys.executable, "-m", "rollplex_megatron", "train", *args], capture_output=True,
-                          text=True, timeout=timeout)
 
 
 def test_torchrun_two_processes_dp2(tmp_path):
@@ -287,9 +280,15 @@ def test_tp_groups_never_span_nodes():
 
 
 def test_bad_training_config_fails_before_processes_start():
-    p = _cli("workload.rollout_batch=10", "rollout.group_size=4")
-    assert p.returncode != 0 and "rollout.group_size (4) must divide workload.rollout_batch (10)" in p.stderr
-    p = _cli("model=qwen2_5_vl_3b", "parallel.tp=3")
-    assert p.returncode != 0 and "parallel.tp" in p.stderr
-    p = _cli("mode.name=fast")
-    assert p.returncode != 0 and "mode.name" in p.stderr
+    """The three commands, started together (each fails in its own launcher, before any worker or port)."""
+    import subprocess
+    import sys
+
+    bad = [["workload.rollout_batch=10", "rollout.group_size=4"], ["model=qwen2_5_vl_3b", "parallel.tp=3"],
+           ["mode.name=fast"]]
+    procs = [subprocess.Popen([sys.executable, "-m", "rollplex_megatron", "train", *a], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for a in bad]
+    (batch, tp, mode) = [(p.communicate(timeout=600)[1], p.returncode) for p in procs]
+    assert batch[1] != 0 and "rollout.group_size (4) must divide workload.rollout_batch (10)" in batch[0]
+    assert tp[1] != 0 and "parallel.tp" in tp[0]
+    assert mode[1] != 0 and "mode.name" in mode[0]

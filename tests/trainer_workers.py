@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 
-def run_steps(cfg, steps: int, mutant: str = ""):
-    """`steps` RL steps of cfg.mode; per-step rollout tokens and records, initial and final weights."""
+def run_steps(cfg, steps: int, mutant: str = "", weights_after: int = 0):
+    """`steps` RL steps of cfg.mode; per-step rollout tokens and records, initial and final weights (with
+    `weights_after`, also the weights after that many steps: a longer run stands in for a shorter one)."""
     from megatron.core import parallel_state as ps
 
     from rollplex_megatron.trainer.loop import run_step
@@ -64,12 +65,14 @@ def run_steps(cfg, steps: int, mutant: str = ""):
                                          kl_estimator=cfg.train.kl_estimator, banned=banned)
     mode = MODES[cfg.mode.name]()
     first = {n: p.detach().float().clone() for n, p in rt.ddp.module.named_parameters()}
-    tokens, records, informative = [], [], []
+    tokens, records, informative, after = [], [], [], None
     for step in range(steps):
         records.append(run_step(rt, mode, step))
         tokens.append([[t.tolist() for t in g.responses] for g in rt.last_batch.groups])
         informative.append(sum(rt.last_batch.informative()))
+        if step + 1 == weights_after:
+            after = {n: p.detach().float().clone() for n, p in rt.ddp.module.named_parameters()}
     last = {n: p.detach().float().clone() for n, p in rt.ddp.module.named_parameters()}
     keep = ps.get_tensor_model_parallel_world_size() == 1 and ps.get_pipeline_model_parallel_world_size() == 1
     return {"tokens": tokens, "records": records, "informative": informative, "first": first if keep else None,
-            "last": last if keep else None}
+            "last": last if keep else None, "after": after if keep else None}
