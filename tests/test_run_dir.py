@@ -39,6 +39,19 @@ def _train(*args, **kw):
     return _cmd("train", *SMALL, *args, **kw)
 
 
+def _cmds(*arglists, timeout=600):
+    """Several commands that read but do not write the same files, started together (each is its own fresh
+    process, as `_cmd` runs it); their completed processes in order."""
+    procs = [subprocess.Popen([sys.executable, "-m", "rollplex_megatron", *a], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for a in arglists]
+    out = []
+    for a, p in zip(arglists, procs):
+        stdout, stderr = p.communicate(timeout=timeout)
+        out.append(subprocess.CompletedProcess([sys.executable, "-m", "rollplex_megatron", *a], p.returncode,
+                                               stdout, stderr))
+    return out
+
+
 def _popen_train(*args):
     return subprocess.Popen([sys.executable, "-m", "rollplex_megatron", "train", *SMALL, *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -73,27 +86,40 @@ def _one_line_error(p, *needles):
     return err[0]
 
 
-def test_run_directory_reuse_resume_settings_and_records(tmp_path):
+@pytest.fixture(scope="module")
+def two_step_run(tmp_path_factory):
+    """One 2-step default run (checkpoints at steps 1 and 2): its directory, which the reuse test goes on
+    with, its launcher's completed process, and an untouched copy taken right after it for the export test."""
+    root = tmp_path_factory.mktemp("two_step")
+    out = root / "run"
+    p = _train("train.steps=2", "train.save_every=1", f"train.out={out}")
+    assert p.returncode == 0, p.stderr[-3000:]
+    shutil.copytree(out, root / "pristine")
+    return out, p, root / "pristine"
+
+
+def test_run_directory_reuse_resume_settings_and_records(two_step_run, tmp_path):
     """A reused train.out is refused without resume; a resume refuses changed settings and steps at
     or below the checkpoint; a resume after a crash cuts the log back to the checkpoint, removes what
     interrupted saves left, and reports over the whole run. Refusals change nothing on disk."""
-    out = tmp_path / "run"
-    p = _train("train.steps=2", "train.save_every=1", f"train.out={out}")
-    assert p.returncode == 0, p.stderr[-3000:]
+    out, p, _ = two_step_run
     assert p.stdout.strip().splitlines()[-1] == str(out)
     assert (out / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rec = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     need = {"step", "reward_mean", "kl", "loss", "step_time_s", "phase_times", "peak_mem_bytes"}
     assert need <= set(rec) and {"rollout", "ref_logp", "update", "optimizer"} <= set(rec["phase_times"])
     before = _snapshot(out)
-    _one_line_error(_train("train.steps=2", f"train.out={out}"), "already holds a run", "train.resume=true",
-                    "new train.out")
-    _one_line_error(_train("train.steps=3", "train.resume=true", "optim.lr=0.5", f"train.out={out}"),
-                    "optim.lr is 0.5 here but 0.001")
-    _one_line_error(_train("train.steps=2", "train.resume=true", f"train.out={out}"),
-                    "train.steps=2 but step_000002 is at step 2")
-    _one_line_error(_train("train.steps=3", "train.resume=true", f"train.out={tmp_path / 'none'}"),
-                    "has no checkpoint to resume from")
+    # the refusals fail before any lock or process (check_start reads the directory only): started together
+    reused, changed, done, empty = _cmds(["train", *SMALL, "train.steps=2", f"train.out={out}"],
+                                         ["train", *SMALL, "train.steps=3", "train.resume=true", "optim.lr=0.5",
+                                          f"train.out={out}"],
+                                         ["train", *SMALL, "train.steps=2", "train.resume=true", f"train.out={out}"],
+                                         ["train", *SMALL, "train.steps=3", "train.resume=true",
+                                          f"train.out={tmp_path / 'none'}"])
+    _one_line_error(reused, "already holds a run", "train.resume=true", "new train.out")
+    _one_line_error(changed, "optim.lr is 0.5 here but 0.001")
+    _one_line_error(done, "train.steps=2 but step_000002 is at step 2")
+    _one_line_error(empty, "has no checkpoint to resume from")
     assert _snapshot(out) == before
     assert not (tmp_path / "none").exists()
     # A crash after step 3 was logged but before its checkpoint, during a save, and mid-log-rewrite:
@@ -282,8 +308,8 @@ def test_checkpoint_errors_name_model_type_file_and_tensor(tiny_hf, tmp_path):
         H.HFCheckpoint(deep).model_config()
     H.HFCheckpoint(tiny_hf).model_config()  # the untouched copy loads
     # From the CLI: one line; --debug gives the traceback.
-    _one_line_error(_cmd("verify-hf", "--hf-dir", str(llama)), "model_type 'llama'")
-    p = _cmd("verify-hf", "--hf-dir", str(llama), "--debug")
+    plain, p = _cmds(["verify-hf", "--hf-dir", str(llama)], ["verify-hf", "--hf-dir", str(llama), "--debug"])
+    _one_line_error(plain, "model_type 'llama'")
     assert p.returncode != 0 and "Traceback" in p.stderr and "CheckpointError" in p.stderr
 
 
@@ -297,8 +323,8 @@ def test_train_to_hf_exports_the_trained_actor_exactly(tiny_hf, tmp_path):
     p = _train("parallel.tp=2", f"train.init_hf={init}", "train.steps=2", "train.save_every=1", f"train.out={run}")
     assert p.returncode == 0, p.stderr[-3000:]
     exports = {}
-    for step in (1, 2):
-        p = _cmd("convert", "train-to-hf", "--run", str(run), "--step", str(step), "--out", str(tmp_path / f"hf{step}"))
+    for step, p in zip((1, 2), _cmds(*[["convert", "train-to-hf", "--run", str(run), "--step", str(step), "--out",
+                                        str(tmp_path / f"hf{step}")] for step in (1, 2)])):  # two exports at once
         assert p.returncode == 0, p.stderr[-3000:]
         exports[step] = H.HFCheckpoint(tmp_path / f"hf{step}")
     ck = exports[2]
@@ -317,19 +343,23 @@ def test_train_to_hf_exports_the_trained_actor_exactly(tiny_hf, tmp_path):
                 assert torch.equal(t, state["model"][name]), (step, rank, name)
     names = sorted(ck.keys())
     assert any(not torch.equal(exports[1].get(n), exports[2].get(n)) for n in names)  # training moved them
-    p = _cmd("verify-hf", "--hf-dir", str(ck.path), "--json")
+    export = _snapshot(ck.path)
+    to_hf = ["convert", "train-to-hf", "--run", str(run)]
+    p, missing, exists = _cmds(["verify-hf", "--hf-dir", str(ck.path), "--json"],  # all three only read
+                               [*to_hf, "--step", "7", "--out", str(tmp_path / "x")], [*to_hf, "--out", str(ck.path)])
     assert p.returncode == 0 and json.loads(p.stdout.strip().splitlines()[-1])["ok"] is True, p.stderr[-3000:]
-    _one_line_error(_cmd("convert", "train-to-hf", "--run", str(run), "--step", "7", "--out", str(tmp_path / "x")),
-                    "no checkpoint at step 7", "step_000001, step_000002")
-    _one_line_error(_cmd("convert", "train-to-hf", "--run", str(run), "--out", str(ck.path)), "already exists")
+    _one_line_error(missing, "no checkpoint at step 7", "step_000001, step_000002")
+    _one_line_error(exists, "already exists")
+    assert not (tmp_path / "x").exists() and _snapshot(ck.path) == export
 
 
-def test_train_to_hf_without_init_builds_config_with_transformers(tmp_path):
+def test_train_to_hf_without_init_builds_config_with_transformers(two_step_run, tmp_path):
     """The embedded default (no HF checkpoint): config.json from transformers' Qwen2_5_VLConfig,
-    stop tokens of the task in generation_config.json; it reads back as the run's model."""
-    run = tmp_path / "run"
-    p = _train("train.steps=1", f"train.out={run}")
-    assert p.returncode == 0, p.stderr[-3000:]
+    stop tokens of the task in generation_config.json; it reads back as the run's model (its latest
+    checkpoint, which the export takes without --step). The run is the reuse test's first one, as it was
+    when it finished."""
+    run = two_step_run[2]
+    assert T.read_meta(T.latest_checkpoint(run))["step"] == 2
     p = _cmd("convert", "train-to-hf", "--run", str(run), "--out", str(tmp_path / "hf"))
     assert p.returncode == 0, p.stderr[-3000:]
     ck = H.HFCheckpoint(tmp_path / "hf")
@@ -338,7 +368,7 @@ def test_train_to_hf_without_init_builds_config_with_transformers(tmp_path):
     H.validate_checkpoint(ck, ck.model_config())
     gen = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
     assert gen["eos_token_id"] and all(t < want.vocab_size for t in gen["eos_token_id"])
-    state = torch.load(run / "checkpoints" / "step_000001" / T.rank_file_name(0), weights_only=False)
+    state = torch.load(run / "checkpoints" / "step_000002" / T.rank_file_name(0), weights_only=False)
     back = H.shard_checkpoint(ck, ck.model_config(), 0, 1, 0, 1)
     # Rows past the true vocabulary (Megatron's TP padding) are masked out of every softmax and not
     # exported; from random init they hold random values, so only the real rows can match.
