@@ -50,15 +50,19 @@ def test_bench_json_schema_and_markdown(tiny_bench):
 
 
 def test_bench_refuses_to_overwrite_and_to_merge_another_machine(tiny_bench, tmp_path):
+    """Both refusals come before any benchmark runs; their two commands are started together."""
     before = tiny_bench.read_bytes()
-    p = _bench("--warmup", "1", "--modes", "serial", "--out", str(tiny_bench))
-    assert p.returncode == 1 and "--merge" in p.stderr and tiny_bench.read_bytes() == before
     other = json.loads(before)
     other["machine"]["host"] = "elsewhere"
     (tmp_path / "other.json").write_text(json.dumps(other))
-    p = _bench("--warmup", "1", "--modes", "serial", "--merge", str(tmp_path / "other.json"), "--out",
-               str(tmp_path / "m.json"))
-    assert p.returncode == 1 and "machine" in p.stderr and not (tmp_path / "m.json").exists()
+    cmds = [["--warmup", "1", "--modes", "serial", "--out", str(tiny_bench)],
+            ["--warmup", "1", "--modes", "serial", "--merge", str(tmp_path / "other.json"), "--out",
+             str(tmp_path / "m.json")]]
+    procs = [subprocess.Popen([sys.executable, "-m", "rollplex_megatron", "bench", "tiny", *c], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for c in cmds]
+    (_, overwrite), (_, merge) = [p.communicate(timeout=900) for p in procs]
+    assert procs[0].returncode == 1 and "--merge" in overwrite and tiny_bench.read_bytes() == before
+    assert procs[1].returncode == 1 and "machine" in merge and not (tmp_path / "m.json").exists()
 
 
 def test_modes_and_lengths_parse():
