@@ -5,6 +5,7 @@ from rollplex_megatron.data import build_source
 from rollplex_megatron.dist import run_local
 from rollplex_megatron.recipes import load_run_config
 from tests import trainer_workers as W
+from tests.in_turn import case, in_turn
 
 TOL = 1e-5  # DESIGN section 3, fp32 on CPU
 # Adam's epsilon is raised from 1e-8 to 1e-6 here: parameters whose gradient is almost zero (the
@@ -54,13 +55,42 @@ def _records_close(a, b, keys=("loss", "kl", "entropy", "grad_norm", "reward_mea
             assert abs(ra[k] - rb[k]) <= TOL * max(abs(rb[k]), 1e-3), (i, k, ra[k], rb[k])
 
 
-# serial_run and rollplex_run (conftest.py): BASE at the tiny checkpoint over 3 steps, shared with other files
+# serial_run and rollplex_run (conftest.py): BASE at the tiny checkpoint over 3 steps, shared with other files.
+# The other one-process runs without a class-level mutation share two jobs (`tests.in_turn`), each run on its
+# own fresh Runtime: the serial references in one, the runs compared with them in the other, so a run and
+# its reference never share a process.
+
+
+@pytest.fixture(scope="module")
+def serial_refs(tiny_hf, example_dir):
+    """The serial references of this file besides serial_run, in one job."""
+    return run_local(in_turn, 1, {
+        "data": (W.run_steps, (_data_cfg("serial", example_dir), 2)),
+        "ppo": (W.run_steps, (_cfg("serial", *PPO, hf=tiny_hf), 2)),
+        "knobs": (W.run_steps, (_cfg("serial", *KNOBS, hf=tiny_hf), 3)),
+        "seq_mean": (W.run_steps, (_cfg("serial", "train.loss_agg_mode=seq-mean-token-mean", hf=tiny_hf), 1)),
+    })[0]
+
+
+@pytest.fixture(scope="module")
+def mode_runs(tiny_hf, tiny_hf_tied, example_dir):
+    """The runs compared with the serial references (and the one-stage side of the PP=2 test), in one job.
+    The two loss mutants replace the loss on their own Runtime only (trainer_workers.run_steps)."""
+    calls = {("base", "prefix_shared"): (W.run_steps, (_cfg("prefix_shared", hf=tiny_hf), 3))}
+    for mode in ("prefix_shared", "rollplex"):
+        calls["data", mode] = (W.run_steps, (_data_cfg(mode, example_dir), 2))
+        calls["ppo", mode] = (W.run_steps, (_cfg(mode, *PPO, hf=tiny_hf), 2))
+    for mutant in ("untempered", "unbanned"):
+        calls["data_mutant", mutant] = (W.run_steps, (_data_cfg("rollplex", example_dir), 1, mutant))
+    calls["knobs", "rollplex"] = (W.run_steps, (_cfg("rollplex", *KNOBS, hf=tiny_hf), 3))
+    calls["tied", "rollplex"] = (W.run_steps, (_cfg("rollplex", hf=tiny_hf_tied), 2))
+    return run_local(in_turn, 1, calls)[0]
 
 
 @pytest.mark.parametrize("mode", ["prefix_shared", "rollplex"])
-def test_modes_match_serial_over_three_steps(request, tiny_hf, serial_run, mode):
-    run = request.getfixturevalue("rollplex_run") if mode == "rollplex" else run_local(
-        W.run_steps, 1, _cfg(mode, hf=tiny_hf), 3)[0]
+def test_modes_match_serial_over_three_steps(request, serial_run, mode):
+    run = request.getfixturevalue("rollplex_run") if mode == "rollplex" else case(
+        request.getfixturevalue("mode_runs"), ("base", mode))
     assert run["tokens"] == serial_run["tokens"]  # same rollouts every step
     first, ref = run["records"][0], serial_run["records"][0]
     for k in ("loss", "grad_norm", "entropy"):
@@ -81,8 +111,8 @@ def _data_cfg(mode, example_dir, *extra):
 
 
 @pytest.fixture(scope="module")
-def data_serial_run(example_dir):
-    return run_local(W.run_steps, 1, _data_cfg("serial", example_dir), 2)[0]
+def data_serial_run(serial_refs):
+    return case(serial_refs, "data")
 
 
 def test_dataset_batches_mix_images_and_videos_of_ragged_length(example_dir):
@@ -94,10 +124,10 @@ def test_dataset_batches_mix_images_and_videos_of_ragged_length(example_dir):
 
 
 @pytest.mark.parametrize("mode", ["prefix_shared", "rollplex"])
-def test_modes_match_serial_on_dataset_rows_at_temperature(example_dir, data_serial_run, mode):
+def test_modes_match_serial_on_dataset_rows_at_temperature(mode_runs, data_serial_run, mode):
     """Processor-built prompts, sampling at 0.7: same rollouts, same update, and every mode's
     trainer log-probs equal the sampler's (the loss sees the policy that was sampled)."""
-    run = run_local(W.run_steps, 1, _data_cfg(mode, example_dir), 2)[0]
+    run = case(mode_runs, ("data", mode))
     ref = data_serial_run
     assert run["tokens"] == ref["tokens"]
     _records_close(run["records"], ref["records"])
@@ -109,10 +139,10 @@ def test_modes_match_serial_on_dataset_rows_at_temperature(example_dir, data_ser
 
 
 @pytest.mark.parametrize("mutant", ["untempered", "unbanned"])
-def test_loss_on_another_policy_is_detected(example_dir, data_serial_run, mutant):
+def test_loss_on_another_policy_is_detected(mode_runs, data_serial_run, mutant):
     """Raw logits instead of logits / temperature, or the vision placeholders the sampler bans left in
     the trainer's softmax: the trainer's log-probs leave the sampler's."""
-    run = run_local(W.run_steps, 1, _data_cfg("rollplex", example_dir), 1, mutant)[0]
+    run = case(mode_runs, ("data_mutant", mutant))
     assert run["records"][0]["rollout_logp_diff"] > 100 * LOGP_TOL
     assert all(r["rollout_logp_diff"] <= LOGP_TOL for r in data_serial_run["records"])
 
@@ -121,12 +151,12 @@ KNOBS = ["train.loss_agg_mode=seq-mean-token-mean", "train.clip_ratio_c=3", "opt
          "optim.lr_decay_style=cosine", "optim.min_lr=1e-5", "train.steps=3"]
 
 
-def test_rollplex_matches_serial_with_the_grpo_knobs_on(tiny_hf, serial_run):
+def test_rollplex_matches_serial_with_the_grpo_knobs_on(serial_refs, mode_runs, serial_run):
     """Per-response loss aggregation, dual clip and a warm-up + cosine schedule: the modes still agree,
     and the knobs change the update (the learning rates follow megatron's scheduler). The token-mean side
     of the aggregation check is serial_run's first step (the same config and process as a 1-step run)."""
-    serial = run_local(W.run_steps, 1, _cfg("serial", *KNOBS, hf=tiny_hf), 3)[0]
-    rollplex = run_local(W.run_steps, 1, _cfg("rollplex", *KNOBS, hf=tiny_hf), 3)[0]
+    serial = case(serial_refs, "knobs")
+    rollplex = case(mode_runs, ("knobs", "rollplex"))
     assert rollplex["tokens"] == serial["tokens"]
     # seq-mean-token-mean at ratio 1 makes the loss the mean of group-centred advantages: 0 up to fp32
     # rounding (~1e-8), so it is compared absolutely; the gradient and the weights carry the comparison
@@ -135,7 +165,7 @@ def test_rollplex_matches_serial_with_the_grpo_knobs_on(tiny_hf, serial_run):
     err, name = _param_err(rollplex, serial)
     assert err <= TOL, (name, err)
     assert [r["lr"] for r in serial["records"]] == pytest.approx([0.0, 3e-4, 1e-5 + (3e-4 - 1e-5) * 0.5])
-    plain = run_local(W.run_steps, 1, _cfg("serial", "train.loss_agg_mode=seq-mean-token-mean", hf=tiny_hf), 1)[0]
+    plain = case(serial_refs, "seq_mean")
     token = serial_run["records"][0]
     assert abs(plain["records"][0]["grad_norm"] - token["grad_norm"]) > 1e-3 * token["grad_norm"]  # reaches the grad
 
@@ -144,16 +174,16 @@ PPO = ["train.ppo_mini_batches=2", "train.ppo_epochs=2", "train.dynamic_sampling
 
 
 @pytest.fixture(scope="module")
-def ppo_serial_run(tiny_hf):
-    return run_local(W.run_steps, 1, _cfg("serial", *PPO, hf=tiny_hf), 2)[0]
+def ppo_serial_run(serial_refs):
+    return case(serial_refs, "ppo")
 
 
 @pytest.mark.parametrize("mode", ["prefix_shared", "rollplex"])
-def test_modes_match_serial_with_mini_batches_epochs_and_dynamic_sampling(tiny_hf, ppo_serial_run, mode):
+def test_modes_match_serial_with_mini_batches_epochs_and_dynamic_sampling(mode_runs, ppo_serial_run, mode):
     """Two mini-batches x two epochs (4 optimizer steps a step) over a batch refilled by dynamic
     sampling: same groups trained, same update; the old log-probs of every mini-batch are the rollout
     policy's (they equal the sampler's), although the weights move between the updates."""
-    run, ref = run_local(W.run_steps, 1, _cfg(mode, *PPO, hf=tiny_hf), 2)[0], ppo_serial_run
+    run, ref = case(mode_runs, ("ppo", mode)), ppo_serial_run
     assert run["tokens"] == ref["tokens"]
     _records_close(run["records"], ref["records"])
     err, name = _param_err(run, ref)
@@ -206,12 +236,12 @@ def test_rollplex_tp2_and_dp2_match_single_process(tiny_hf, rollplex_run):
     assert err <= TOL, (name, err)
 
 
-def test_rollplex_pp2_matches_single_process(tiny_hf_tied):
+def test_rollplex_pp2_matches_single_process(tiny_hf_tied, mode_runs):
     """Two steps on two pipeline stages (tied embeddings: the first and last stage each hold a copy,
     synced by megatron's finalize_model_grads) against one process: the engine decodes across the
     pipeline, every stage gets the same rollouts, and the metrics (loss terms from the last stage)
     agree with one stage's."""
-    one = run_local(W.run_steps, 1, _cfg("rollplex", hf=tiny_hf_tied), 2)[0]
+    one = case(mode_runs, ("tied", "rollplex"))
     pp2 = run_local(W.run_steps, 2, _cfg("rollplex", "parallel.pp=2", hf=tiny_hf_tied), 2)
     assert pp2[0]["tokens"] == pp2[1]["tokens"] == one["tokens"]
     assert pp2[0]["records"][0]["entropy"] == pp2[1]["records"][0]["entropy"]  # broadcast from the last stage
