@@ -10,15 +10,39 @@ import torch
 from rollplex_megatron.dist import run_local
 from rollplex_megatron.recipes import load_run_config
 from tests import memory_workers as W
+from tests.in_turn import case, in_turn
 from tests.test_trainer import TOL, _param_err
 
 STEPS = ["workload.rollout_batch=16", "rollout.group_size=4", "workload.responses_per_micro_batch=4",
          "task.max_answer_tokens=4"]
 
 
-def test_offload_round_trip_is_bit_exact_and_frees_the_device_storage():
+ACTIVATION_CASES = [
+    ["model=tiny"],
+    ["model=qwen2_5_vl_3b", "model.num_layers=1", "model.vision.depth=2", "model.vision.fullatt_block_indexes=[1]"],
+]
+
+
+def _recompute_cfg(tp, pp):
+    return load_run_config([f"parallel.tp={tp}", f"parallel.pp={pp}", "rollout.group_size=3", "verify.seed=21"])
+
+
+@pytest.fixture(scope="module")
+def one_rank(tiny_hf):
+    """This file's one-process runs without a mutation, in one job (`tests.in_turn`), each on its own fresh
+    objects: the offload round trip, the activation counts, the recompute check at TP=PP=1 and the keep-plan
+    run (which is compared only with runs of other processes)."""
     cfg = load_run_config(["model=tiny", "dtype=bfloat16", "mode.name=rollplex", "memory.plan=phase"] + STEPS)
-    out = run_local(W.round_trip, 1, cfg)[0]
+    calls = {"round_trip": (W.round_trip, (cfg,))}
+    for i, overrides in enumerate(ACTIVATION_CASES):
+        calls["activations", i] = (_saved_bytes, (overrides,))
+    calls["recompute", 1, 1] = (W.recompute_vs_saved, (_recompute_cfg(1, 1), tiny_hf))
+    calls["keep"] = (W.plan_steps, (_cfg_of("keep", tiny_hf), 3))
+    return run_local(in_turn, 1, calls)[0]
+
+
+def test_offload_round_trip_is_bit_exact_and_frees_the_device_storage(one_rank):
+    out = case(one_rank, "round_trip")
     assert all(n > 0 for n in out["counts"].values()), out["counts"]  # bf16: main weights and Adam states exist
     assert out["released_update"] == {"main_weights": 0, "optimizer_states": 0, "reference_weights": 0}
     assert out["grads_rollout"] == 0
@@ -29,8 +53,8 @@ def test_offload_round_trip_is_bit_exact_and_frees_the_device_storage():
 
 
 @pytest.fixture(scope="module")
-def keep_run(tiny_hf):
-    return _plan_run(tiny_hf, "keep")
+def keep_run(one_rank):
+    return case(one_rank, "keep")
 
 
 def _cfg_of(plan, hf):
@@ -72,17 +96,16 @@ def test_stale_offload_is_detected(tiny_hf, keep_run):
 
 
 @pytest.mark.parametrize("tp,pp", [(1, 1), (1, 2), (2, 1)])
-def test_prefix_recompute_equals_the_saved_graph(tiny_hf, tp, pp):
-    cfg = load_run_config([f"parallel.tp={tp}", f"parallel.pp={pp}", "rollout.group_size=3", "verify.seed=21"])
-    outs = run_local(W.recompute_vs_saved, tp * pp, cfg, tiny_hf)
+def test_prefix_recompute_equals_the_saved_graph(request, tiny_hf, tp, pp):
+    outs = [case(request.getfixturevalue("one_rank"), ("recompute", 1, 1))] if tp * pp == 1 else run_local(
+        W.recompute_vs_saved, tp * pp, _recompute_cfg(tp, pp), tiny_hf)
     for o in outs:
         assert o["grad_norm_sum"] > 0 and o["same_logp"]
         assert o["err"] <= 1e-6, o["err"]  # same ops on the same inputs: equal up to reduction order
 
 
 def test_prefix_recompute_mutation_is_detected(tiny_hf):
-    cfg = load_run_config(["rollout.group_size=3", "verify.seed=21"])
-    o = run_local(W.recompute_vs_saved, 1, cfg, tiny_hf, "empty_recompute")[0]
+    o = run_local(W.recompute_vs_saved, 1, _recompute_cfg(1, 1), tiny_hf, "empty_recompute")[0]
     assert o["err"] > 1e-2
 
 
@@ -183,13 +206,10 @@ def _saved_bytes(overrides):
     return sum(seen.values()), prefix_graph_bytes(cfg.model, 1, 1, False, n, patches)
 
 
-@pytest.mark.parametrize("overrides", [
-    ["model=tiny"],
-    ["model=qwen2_5_vl_3b", "model.num_layers=1", "model.vision.depth=2", "model.vision.fullatt_block_indexes=[1]"],
-])
-def test_activation_count_matches_autograds_saved_tensors(overrides):
+@pytest.mark.parametrize("i", range(len(ACTIVATION_CASES)), ids=["tiny", "3b_one_layer"])
+def test_activation_count_matches_autograds_saved_tensors(one_rank, i):
     """The planner's per-token/per-patch bytes against what a bf16 prefix forward really saves."""
-    measured, predicted = run_local(_saved_bytes, 1, overrides)[0]
+    measured, predicted = case(one_rank, ("activations", i))
     assert abs(measured - predicted) / measured < 0.01, (measured, predicted)
 
 
