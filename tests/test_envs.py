@@ -149,9 +149,21 @@ def _episode_logits(frames):
     return out.shape, bool(torch.isfinite(out[..., :model.vocab_size]).all())
 
 
-@pytest.mark.parametrize("frames", [4, 1])
-def test_episode_prompt_runs_through_the_model(frames):
-    from rollplex_megatron.dist import run_local
+EPISODE_FRAMES = [4, 1]
 
-    shape, finite = run_local(_episode_logits, 1, frames)[0]
+
+@pytest.fixture(scope="module")
+def episode_logits():
+    """The model forward of every frame count in one job (`tests.in_turn`)."""
+    from rollplex_megatron.dist import run_local
+    from tests.in_turn import in_turn
+
+    return run_local(in_turn, 1, {f: (_episode_logits, (f,)) for f in EPISODE_FRAMES})[0]
+
+
+@pytest.mark.parametrize("frames", EPISODE_FRAMES)
+def test_episode_prompt_runs_through_the_model(episode_logits, frames):
+    from tests.in_turn import case
+
+    shape, finite = case(episode_logits, frames)
     assert shape[0] == 1 and finite

@@ -62,10 +62,19 @@ def _entropy_worker(seed):
     return grpo.vocab_parallel_entropy(local, ps.get_tensor_model_parallel_group()), logits
 
 
-def test_vocab_parallel_entropy_matches_full_softmax():
+@pytest.fixture(scope="module")
+def entropy_tp2():
+    """Both TP=2 entropy workers in one 2-rank job (`tests.in_turn`)."""
     from rollplex_megatron.dist import run_local
+    from tests.in_turn import in_turn
 
-    for h, logits in run_local(_entropy_worker, 2, 3):
+    return run_local(in_turn, 2, {"values": (_entropy_worker, (3,)), "grads": (_entropy_grad_worker, (5,))}, False)
+
+
+def test_vocab_parallel_entropy_matches_full_softmax(entropy_tp2):
+    from tests.in_turn import cases
+
+    for h, logits in cases(entropy_tp2, "values"):
         p = torch.softmax(logits[..., :37], -1)
         ref = -(p * p.log()).sum(-1)
         assert torch.allclose(h, ref, atol=1e-5)
@@ -85,11 +94,11 @@ def _entropy_grad_worker(seed):
     return full.grad, logits
 
 
-def test_vocab_parallel_entropy_gradient_matches_full_softmax():
+def test_vocab_parallel_entropy_gradient_matches_full_softmax(entropy_tp2):
     """The entropy bonus differentiates through the TP-split entropy: gradients equal the full one's."""
-    from rollplex_megatron.dist import run_local
+    from tests.in_turn import cases
 
-    grads = run_local(_entropy_grad_worker, 2, 5)
+    grads = cases(entropy_tp2, "grads")
     logits = grads[0][1].clone().requires_grad_(True)
     p = torch.softmax(logits, -1)
     (-(p * p.log()).sum(-1) * torch.arange(1.0, 7.0)).sum().backward()
