@@ -19,11 +19,24 @@ def _local_params(tp, pp, tie):
     return sum(p.numel() for p in build_model(cfg.model).parameters())
 
 
+@pytest.fixture(scope="module")
+def stage_params():
+    """The built models' parameter counts per pipeline depth, both tie settings in one job per depth
+    (`tests.in_turn`; each case builds its own model)."""
+    from tests.in_turn import cases, in_turn
+
+    out = {}
+    for pp in (1, 2):
+        res = run_local(in_turn, pp, {tie: (_local_params, (1, pp, tie)) for tie in (False, True)}, False)
+        out.update({(pp, tie): cases(res, tie) for tie in (False, True)})
+    return out
+
+
 @pytest.mark.parametrize("pp,tie", [(1, False), (1, True), (2, False), (2, True)])
-def test_parameter_count_equals_the_built_model(pp, tie):
+def test_parameter_count_equals_the_built_model(stage_params, pp, tie):
     """Exact at TP=1: the fullest pipeline stage's parameters as megatron builds them."""
     cfg = load_run_config([f"model.tie_word_embeddings={tie}"]).model
-    counts = run_local(_local_params, pp, 1, pp, tie)
+    counts = stage_params[pp, tie]
     assert max(counts) == M.params_per_gpu(cfg, 1, pp), (counts, M.params_per_gpu(cfg, 1, pp))
 
 
@@ -74,9 +87,19 @@ def test_small_kv_budget_plans_the_largest_wave():
     assert r["rollout_kv"].bytes == 3 * 140 * 512  # 3 of the 8 groups per wave, as the engine's waves
 
 
-def test_plan_memory_32b_reproduces_the_paper_setting():
-    p = subprocess.run([sys.executable, "-m", "rollplex_megatron", "plan-memory", "model=qwen2_5_vl_32b", "--json"],
-                       capture_output=True, text=True, timeout=300)
+@pytest.fixture(scope="module")
+def plan_memory_cli():
+    """The two `plan-memory` commands of the tests below, started together (the planner only: no model, no
+    worker), as completed processes."""
+    cmds = {"json": ["model=qwen2_5_vl_32b", "--json"], "budget": ["model=qwen2_5_vl_32b", "memory.budget_gib=40"]}
+    procs = {k: subprocess.Popen([sys.executable, "-m", "rollplex_megatron", "plan-memory", *c], stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True) for k, c in cmds.items()}
+    outs = {k: p.communicate(timeout=300) for k, p in procs.items()}
+    return {k: subprocess.CompletedProcess(cmds[k], p.returncode, *outs[k]) for k, p in procs.items()}
+
+
+def test_plan_memory_32b_reproduces_the_paper_setting(plan_memory_cli):
+    p = plan_memory_cli["json"]
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(p.stdout.strip().splitlines()[-1])
     assert res["gpus"] == 32 and (res["tp"], res["dp"]) == (8, 4)
@@ -85,9 +108,8 @@ def test_plan_memory_32b_reproduces_the_paper_setting():
     assert set(res["serial"]["by_phase_gib"]) == {"rollout", "old_logp", "ref_logp", "update", "optimizer"}
 
 
-def test_over_budget_names_the_class_and_the_fix():
-    p = subprocess.run([sys.executable, "-m", "rollplex_megatron", "plan-memory", "model=qwen2_5_vl_32b",
-                        "memory.budget_gib=40"], capture_output=True, text=True, timeout=300)
+def test_over_budget_names_the_class_and_the_fix(plan_memory_cli):
+    p = plan_memory_cli["budget"]
     assert p.returncode == 1
     # the Rollplex plan's peak is the optimizer step, where Adam's states are the largest class
     assert "optimizer_states" in p.stderr and "memory.budget_gib=40" in p.stderr
