@@ -13,6 +13,7 @@ import pytest
 from rollplex_megatron.dist import run_local
 from rollplex_megatron.recipes import load_run_config
 from tests import prefix_workers as W
+from tests.in_turn import case, cases, in_turn
 
 TOL = 1e-5
 
@@ -30,12 +31,31 @@ def _run(worker, cfg, hf):
     return _run_all(worker, cfg, hf)[0]
 
 
+def _bf16_cfg():
+    return load_run_config(["dtype=bfloat16", "rollout.group_size=4", "verify.seed=21"])
+
+
+@pytest.fixture(scope="module")
+def shared_jobs(tiny_hf):
+    """Runs that need the same layout and patch nothing, one job per layout (`tests.in_turn`; each case
+    builds its own models): at one process the fp32 exact case and the bf16 one; at PP=2 the exact case
+    and the position-offset mutation (a parameter of the run, no patch)."""
+    one = run_local(in_turn, 1, {"exact": (W.exact, (_cfg(1, 1, 1, 4, 7), tiny_hf)),
+                                 "bf16": (W.exact, (_bf16_cfg(), None))})[0]
+    pp2 = run_local(in_turn, 2, {"exact": (W.exact, (_cfg(1, 2, 1, 4, 9), tiny_hf)),
+                                 "offset": (W.wrong_position_offset, (_cfg(1, 2, 1, 4), tiny_hf))}, False)
+    return {(1, 1, 1, 4, 7): cases([one], "exact"), "bf16": case(one, "bf16"),
+            (1, 2, 1, 4, 9): cases(pp2, "exact"), W.wrong_position_offset: cases(pp2, "offset")}
+
+
 @pytest.mark.parametrize("tp,pp,dp,g,seed", [
     (1, 1, 1, 4, 7), (2, 1, 1, 4, 8), (1, 2, 1, 4, 9), (2, 2, 1, 4, 10), (1, 1, 2, 4, 11),
     (2, 1, 2, 1, 12), (1, 2, 2, 1, 13),
 ])
-def test_prefix_response_matches_full_sequence(tiny_hf, tp, pp, dp, g, seed):
-    ranks = _run_all(W.exact, _cfg(tp, pp, dp, g, seed), tiny_hf)
+def test_prefix_response_matches_full_sequence(request, tiny_hf, tp, pp, dp, g, seed):
+    key = (tp, pp, dp, g, seed)
+    ranks = request.getfixturevalue("shared_jobs")[key] if key in ((1, 1, 1, 4, 7), (1, 2, 1, 4, 9)) else _run_all(
+        W.exact, _cfg(tp, pp, dp, g, seed), tiny_hf)
     assert all(x["zero_reference_grads_local"] == [] for x in ranks), [x["zero_reference_grads_local"] for x in ranks]
     r = ranks[0]
     assert (r["tp"], r["pp"], r["dp"]) == (tp, pp, dp)
@@ -56,8 +76,9 @@ def test_tied_embeddings_over_pipeline(tiny_hf_tied):
     (W.dropped_gkv, "max_rel_err_grad"),
     (W.shared_kv_per_response, "max_rel_err_logp"),
 ])
-def test_mechanism_breakage_is_detected(tiny_hf, mutant, field):
-    r = _run(mutant, _cfg(1, 2, 1, 4), tiny_hf)
+def test_mechanism_breakage_is_detected(request, tiny_hf, mutant, field):
+    r = request.getfixturevalue("shared_jobs")[mutant][0] if mutant is W.wrong_position_offset else _run(
+        mutant, _cfg(1, 2, 1, 4), tiny_hf)
     assert r[field] > 100 * TOL, r
     assert not r["ok"]
 
@@ -72,13 +93,9 @@ def test_verify_equivalence_cli():
     assert (res["tp"], res["pp"], res["dp"]) == (2, 2, 1) and res["ok"]
 
 
-def _bf16_cfg():
-    return load_run_config(["dtype=bfloat16", "rollout.group_size=4", "verify.seed=21"])
-
-
-def test_bf16_gradient_rule_is_against_fp32():
+def test_bf16_gradient_rule_is_against_fp32(shared_jobs):
     """bf16: the prefix path may add at most 1e-2 to the serial path's own error against fp32."""
-    r = _run(W.exact, _bf16_cfg(), None)
+    r = shared_jobs["bf16"]
     ref = r["fp32_reference_local"]
     assert r["grad_rule"].startswith("excess") and r["ok"], r
     assert 0 < ref["rel_err_grad_global_serial"] < 0.05 and 0 < ref["rel_err_grad_global_prefix"] < 0.05, ref
