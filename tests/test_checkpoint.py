@@ -101,17 +101,24 @@ def test_conversion_leaves_nothing_on_failure(tiny_hf, tmp_path, monkeypatch):
 
 
 def test_convert_cli_round_trip(tiny_hf, tmp_path):
-    run = lambda *a: subprocess.run([sys.executable, "-m", "rollplex_megatron", "convert", *a],  # noqa: E731
-                                    capture_output=True, text=True, timeout=300)
-    r = run("hf-to-mcore", "--hf-dir", tiny_hf, "--out", str(tmp_path / "mc"), "--tp", "2", "--pp", "2")
-    assert r.returncode == 0, r.stderr
-    r = run("mcore-to-hf", "--mcore-dir", str(tmp_path / "mc"), "--out", str(tmp_path / "hf"))
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.strip().splitlines()[-1] == str(tmp_path / "hf")
+    start = lambda *a: subprocess.Popen([sys.executable, "-m", "rollplex_megatron", "convert", *a],  # noqa: E731
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    r = start("hf-to-mcore", "--hf-dir", tiny_hf, "--out", str(tmp_path / "mc"), "--tp", "2", "--pp", "2")
+    err = r.communicate(timeout=300)[1]
+    assert r.returncode == 0, err
+    mc = {p.relative_to(tmp_path / "mc"): p.read_bytes() for p in sorted((tmp_path / "mc").rglob("*")) if p.is_file()}
+    # the conversion back and the refused second conversion into the same directory start together (the
+    # refusal writes nothing: the directory's files are checked after both)
+    back_p = start("mcore-to-hf", "--mcore-dir", str(tmp_path / "mc"), "--out", str(tmp_path / "hf"))
+    again = start("hf-to-mcore", "--hf-dir", tiny_hf, "--out", str(tmp_path / "mc"))
+    (out, err), (_, again_err) = back_p.communicate(timeout=300), again.communicate(timeout=300)
+    assert back_p.returncode == 0, err
+    assert out.strip().splitlines()[-1] == str(tmp_path / "hf")
     src, back = _load_all(tiny_hf), _load_all(tmp_path / "hf")
     assert set(src) == set(back) and all(torch.equal(src[k], back[k]) for k in src)
-    r = run("hf-to-mcore", "--hf-dir", tiny_hf, "--out", str(tmp_path / "mc"))
-    assert r.returncode != 0 and "already exists" in r.stderr
+    assert again.returncode != 0 and "already exists" in again_err
+    assert {p.relative_to(tmp_path / "mc"): p.read_bytes() for p in sorted((tmp_path / "mc").rglob("*"))
+            if p.is_file()} == mc
 
 
 def test_module_tree_naming_round_trip(tiny_hf, tmp_path):
