@@ -79,9 +79,6 @@ def shared_prefix_decode_attention(q_BND, prefix_k_GrPND, prefix_v_GrPND, prefix
 
 
 
-DECODE_ATTENTION = ("auto", "flash", "math")
-
-
 def flash_decode_available(dtype: torch.dtype, device: torch.device | str, head_dim: int) -> bool:
     """Whether the fused path can run: a CUDA device of sm80 or newer, a torch build with flash
     attention, half precision, and a head dim flash supports (<= 256, a multiple of 8)."""
