@@ -147,6 +147,14 @@ def scheduler_main(env: dict, decode_steps: int, step_s: float, mutation: str = 
         B.bind_modules = copied
     if mutation == "die":  # the scheduler process dies in the middle of the step's first job
         B.run_prefix = lambda model, prompt: os._exit(3)
+    if mutation == "drain_lost":  # the scheduler forgets a Drain that arrived before its step's BeginStep
+        new_step = B.SchedulerBridge._new_step
+
+        def forgetting(self, step, jobs):
+            new_step(self, step, jobs)
+            self._drained = -2
+
+        B.SchedulerBridge._new_step = forgetting
     if mutation == "stuck":  # the scheduler hangs inside the step's first job
         B.run_prefix = lambda model, prompt: time.sleep(3600)
     install_direct(StandInScheduler, StandInRunner)
@@ -318,6 +326,37 @@ def trainer_idle_gate(cfg) -> dict:
         bridge.close()
         proc.join(30)
     return seen
+
+
+def trainer_early_drain(cfg, mutation: str = "", timeout: float = 60.0) -> dict:
+    """A rollout so short that the trainer's Drain reaches an idle-only scheduler before the step's BeginStep:
+    every job must still run (after the drain), none may wait for a drain that already came."""
+    import multiprocessing as mp
+
+    from rollplex_megatron.rollout.sglang.client import TrainerBridge
+
+    ref, actor = _models(cfg)
+    bridge = TrainerBridge(timeout=timeout)
+    proc = mp.get_context("spawn").Process(target=scheduler_main, args=(bridge.env(), 0, 0.01, mutation),
+                                           daemon=True)
+    proc.start()
+    try:
+        bridge.accept(timeout=120)
+        bridge.send_modules({"reference": ref, "actor": actor}, cfg.model, "float32", {}, 1)
+        out = {}
+        for step in range(2):
+            _, items, *_ = _jobs(cfg, step, 2)
+            bridge.drain(step)  # on the wire before the step's BeginStep
+            try:
+                stats = bridge.run_step(step, items)
+            except Exception as e:
+                out["error"] = f"{type(e).__name__}: {e}"
+                break
+            out[step] = (sum(i.done for i in items), len(items), stats["items_after"])
+        return out
+    finally:
+        bridge.close()
+        proc.join(30)
 
 
 def trainer_failure(cfg, mutation: str, timeout: float) -> dict:

@@ -55,6 +55,16 @@ def test_jobs_wait_for_the_end_of_decoding_before_idle_drain():
     assert r["before"] == 0 and r["after"] == r["n"] == 4 and r["in_window"] == 0, r
 
 
+def test_drain_before_its_step_start_still_drains():
+    """The trainer's Drain (from its decode thread) overtakes the step's BeginStep (from its bridge thread) when
+    the rollout is short: the scheduler keeps it, and every job runs. Mutation: a scheduler that forgets such a
+    drain at the step's start leaves the jobs waiting until the bridge's timeout."""
+    r = run_local(W.trainer_early_drain, 1, _cfg())[0]
+    assert r == {0: (4, 4, 4), 1: (4, 4, 4)}, r
+    m = run_local(W.trainer_early_drain, 1, _cfg(), "drain_lost", 3.0)[0]
+    assert "BridgeTimeout" in m.get("error", "") and "step 0: item" in m["error"], m
+
+
 def test_scheduler_death_names_step_and_item():
     """The scheduler process dies inside a job: the trainer raises at once, naming the step and the item."""
     r = run_local(W.trainer_failure, 1, _cfg(), "die", 60.0)[0]

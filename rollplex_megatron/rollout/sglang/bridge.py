@@ -112,6 +112,9 @@ class SchedulerBridge:
         self._stream = torch.cuda.Stream() if torch.cuda.is_available() else None
         self._out: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
+        # the latest step whose Drain arrived: the trainer's Drain comes from its decode thread and its BeginStep
+        # from its bridge thread, so a short rollout's Drain can overtake the BeginStep of its own step
+        self._drained = -2
         self._new_step(-1, 0)
         self.weights = threading.Event()  # set once the trainer's WeightHandles arrived
         self._weights: list = []
@@ -170,7 +173,7 @@ class SchedulerBridge:
     def _new_step(self, step: int, jobs: int) -> None:
         with self._lock:
             self.step, self._jobs_done, self._jobs_expected, self._ended = step, 0, jobs, False
-            self._drain, self._wave, self._decode0 = False, False, self.decode_steps
+            self._wave, self._decode0 = False, self.decode_steps
             self._stats = {"items_in_window": 0, "items_after": 0, "window_s": 0.0, "after_s": 0.0}
 
     def _admit(self) -> tuple[bool, bool]:
@@ -178,7 +181,9 @@ class SchedulerBridge:
         closed). Only the decode thread touches the queues; a closed bridge drops them here. At SGLang TP > 1
         every rank joins the agreement at every hook call, closed or not, so none waits on another."""
         closed = self.closed.is_set()
-        n, drain = (0 if closed else len(self.pending)), (not closed and self._drain)
+        with self._lock:
+            drained = self._drained >= self.step >= 0
+        n, drain = (0 if closed else len(self.pending)), (not closed and drained)
         bind = not closed and self._modules_msg is not None
         if self._group is not None:
             t = torch.tensor([n, int(drain), int(bind), int(closed)])
@@ -254,7 +259,8 @@ class SchedulerBridge:
                         ready.record()
                     self.pending.append((msg, ready))
                 elif isinstance(msg, P.Drain):
-                    self._drain = True
+                    with self._lock:
+                        self._drained = max(self._drained, msg.step)
                 elif isinstance(msg, P.EndStep):
                     with self._lock:
                         self._ended = True

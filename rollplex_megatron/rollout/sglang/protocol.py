@@ -9,7 +9,9 @@ One RL step is a handshake: `BeginStep` (the step's jobs announced by count) -> 
 `depth` unanswered at a time (the bounded queue) -> a `Result` or `Failed` per job -> `EndStep` ->
 `StepDone`. Jobs run between SGLang's decode steps; those left run when SGLang is idle, but only
 after `Drain` (the trainer's word that the rollout's decoding is over: SGLang is also idle between
-the step's start and its first batch, which is no decode window). Every wait has a timeout that
+the step's start and its first batch, which is no decode window). `Drain(step)` is sent from another
+thread than the step's `BeginStep` and may arrive before it; the scheduler keeps the latest drained
+step, so a drain is never lost to the step it belongs to. Every wait has a timeout that
 names the step and the item it waited for, and a closed connection (the other process died or shut
 down) is an error naming them too, so neither side hangs on the other.
 """
