@@ -402,14 +402,26 @@ def check_sampling(temperature: float, top_p: float, top_k: int, where: str) -> 
 
 @dataclass(kw_only=True)
 class WorkloadConfig:
-    """Batch shape of one RL step."""
+    """Batch shape of one RL step.
+
+    Training micro-batches pack a rank's responses (per PPO mini-batch) in order, by count
+    (`responses_per_micro_batch`) or, with `micro_batch_tokens` > 0, greedily up to that many response
+    tokens each, the count then ignored; a response longer than the budget goes alone. The budget counts
+    response tokens only (serial's full-sequence micro-batches also carry each response's prompt), so
+    every mode packs the same responses the same way; the loss is normalised by global token counts,
+    so the packing does not change the update. DP ranks may get different numbers of micro-batches.
+    """
 
     rollout_batch: int = 64  # responses per step over all data-parallel ranks (prompts x group size)
-    responses_per_micro_batch: int = 8  # packed responses per training micro-batch
+    responses_per_micro_batch: int = 8  # packed responses per training micro-batch (micro_batch_tokens=0)
+    micro_batch_tokens: int = 0  # > 0: response tokens per training micro-batch (replaces the count); 0 off
 
     def __post_init__(self) -> None:
         if self.rollout_batch < 1 or self.responses_per_micro_batch < 1:
             raise ValueError("workload.rollout_batch and workload.responses_per_micro_batch must be >= 1")
+        if self.micro_batch_tokens < 0:
+            raise ValueError(f"workload.micro_batch_tokens must be >= 0, got {self.micro_batch_tokens} (0 packs by "
+                             "workload.responses_per_micro_batch)")
 
 
 @dataclass(kw_only=True)

@@ -23,6 +23,8 @@ from rollplex_megatron.recipes import load_run_config
     (["model.vision.fullatt_block_indexes=[9]"], r"fullatt_block_indexes \[9\] out of range for depth 4"),
     (["smoke.image_grid=[1,3,4]"], r"smoke.image_grid h and w must be multiples"),
     (["parallel.tp=0"], r"parallel.tp must be >= 1"),
+    (["workload.micro_batch_tokens=-8"],
+     r"workload.micro_batch_tokens must be >= 0, got -8 \(0 packs by workload.responses_per_micro_batch\)"),
 ])
 def test_config_errors_name_the_setting(overrides, match):
     with pytest.raises(ValueError, match=match):

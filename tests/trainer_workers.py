@@ -4,7 +4,8 @@ from __future__ import annotations
 
 def run_steps(cfg, steps: int, mutant: str = "", weights_after: int = 0):
     """`steps` RL steps of cfg.mode; per-step rollout tokens and records, initial and final weights (with
-    `weights_after`, also the weights after that many steps: a longer run stands in for a shorter one)."""
+    `weights_after`, also the weights after that many steps: a longer run stands in for a shorter one), and
+    how many responses each micro-batch the trainer built holds (`micro_batches`: one list per build)."""
     from megatron.core import parallel_state as ps
 
     from rollplex_megatron.trainer.loop import run_step
@@ -50,7 +51,23 @@ def run_steps(cfg, steps: int, mutant: str = "", weights_after: int = 0):
                                                  rt.backend, loss_fn=rt.loss(prep.minis[m]))[0]
 
         Rollplex.prepare, Rollplex.update = keep_all, stale
+    if mutant == "twice_overflow":  # the token packer puts the response that overflows in two micro-batches
+        from rollplex_megatron.prefix import batch
+
+        packer, batch.pack_responses = batch.pack_responses, _twice_overflow
+        try:  # this run only: the job's later cases pack with the real packer
+            return run_steps(cfg, steps, "", weights_after)
+        finally:
+            batch.pack_responses = packer
     rt = Runtime(cfg)
+    built, sizes = rt.micro_batches, []
+
+    def counted(batch, kind, mini):
+        mbs = built(batch, kind, mini)
+        sizes.append([len(mb.responses) for mb in mbs])
+        return mbs
+
+    rt.micro_batches = counted
     if mutant in ("untempered", "unbanned"):  # the loss scores another policy than the one sampled
         from functools import partial
 
@@ -75,4 +92,18 @@ def run_steps(cfg, steps: int, mutant: str = "", weights_after: int = 0):
     last = {n: p.detach().float().clone() for n, p in rt.ddp.module.named_parameters()}
     keep = ps.get_tensor_model_parallel_world_size() == 1 and ps.get_pipeline_model_parallel_world_size() == 1
     return {"tokens": tokens, "records": records, "informative": informative, "first": first if keep else None,
-            "last": last if keep else None, "after": after if keep else None}
+            "last": last if keep else None, "after": after if keep else None, "micro_batches": sizes}
+
+
+def _twice_overflow(lens, per_mb, max_tokens=0):
+    """A broken token packer: the response that does not fit stays in the full micro-batch and also opens
+    the next (packed twice: its tokens weigh double in the update)."""
+    out, used = [[]], 0
+    for i, n in enumerate(lens):
+        if out[-1] and used + n > max_tokens:
+            out[-1].append(i)
+            out.append([])
+            used = 0
+        out[-1].append(i)
+        used += n
+    return out

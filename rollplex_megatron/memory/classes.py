@@ -1,7 +1,8 @@
 """The planner's vocabulary, shared with the modes that declare their memory: tensor classes, the
 step's shape, and what a mode's declaration is given to size its own classes.
 
-Legend: P = prefix tokens, R = response tokens, mb = responses per micro-batch.
+Legend: P = prefix tokens, R = response tokens, mb = responses per micro-batch (under a token budget, enough
+R-token responses to cover it: planner.micro_batch_responses).
 """
 from __future__ import annotations
 

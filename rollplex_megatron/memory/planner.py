@@ -159,9 +159,20 @@ def workload_shape(cfg: RunConfig, prefix_tokens: int | None = None, patches: in
     """The step's shape from `cfg.plan` (plan-memory) or from a task's real prompt (the trainer)."""
     p = cfg.plan
     pick = lambda given, default: default if given is None else given  # noqa: E731 (0 patches is a real value)
-    return Shape(cfg.prompts_per_rank, cfg.rollout.group_size, pick(prefix_tokens, p.prefix_tokens),
-                 pick(response_tokens, p.response_tokens), pick(patches, p.vision_patches),
-                 cfg.workload.responses_per_micro_batch)
+    r = pick(response_tokens, p.response_tokens)
+    return Shape(cfg.prompts_per_rank, cfg.rollout.group_size, pick(prefix_tokens, p.prefix_tokens), r,
+                 pick(patches, p.vision_patches), micro_batch_responses(cfg, r))
+
+
+def micro_batch_responses(cfg: RunConfig, response_tokens: int) -> int:
+    """The shape's responses per micro-batch: the count, or under `workload.micro_batch_tokens` enough
+    responses of `response_tokens` to cover the budget (mb x R >= max(budget, R), the most response tokens
+    a packed micro-batch holds), at most the rank's samples."""
+    w = cfg.workload
+    if w.micro_batch_tokens <= 0:
+        return w.responses_per_micro_batch
+    fit = -(-w.micro_batch_tokens // max(response_tokens, 1))
+    return max(1, min(fit, cfg.prompts_per_rank * cfg.rollout.group_size))
 
 
 def _weights(cfg: RunConfig) -> dict[str, int]:
@@ -345,14 +356,15 @@ FIXES = {  # what shrinks each class, in the config's terms
     "rollout_kv": "a smaller memory.kv_cache_gib (more waves), fewer prompts per DP rank or a larger parallel.tp",
     "actor_prefix_graph": "fewer prompts per DP rank",
     "actor_prefix_kv": "fewer prompts per DP rank or shorter prompts",
-    "update_activations": "fewer workload.responses_per_micro_batch, plan.sequence_parallel=true or a larger "
-                          "parallel.tp",
+    "update_activations": "fewer workload.responses_per_micro_batch (or a smaller workload.micro_batch_tokens "
+                          "when set), plan.sequence_parallel=true or a larger parallel.tp",
 }
 RUNTIME_FIXES = {  # the trainer honours no plan.* setting: only what its own config changes
     "optimizer_states": "a larger parallel.tp/pp",
     "main_weights": "a larger parallel.tp/pp",
     "optimizer_workspace": "a larger parallel.tp/pp (or transformer-engine/apex installed: a fused Adam)",
-    "update_activations": "fewer workload.responses_per_micro_batch or a larger parallel.tp",
+    "update_activations": "fewer workload.responses_per_micro_batch (or a smaller workload.micro_batch_tokens "
+                          "when set) or a larger parallel.tp",
 }
 RELEASED_BY_PHASE_PLAN = {"main_weights", "optimizer_states", "grads", "reference_weights", "actor_prefix_graph"}
 

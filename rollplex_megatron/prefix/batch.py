@@ -95,23 +95,44 @@ def check_group_prompts(groups: list[Group], group_ids: list[list[int]]) -> None
                 raise ValueError(f"samples {members[0]} and {m} are in one group but have different prompts")
 
 
-def _chunks(groups: list[Group], per_mb: int, select: list[int] | None) -> list[list[tuple[int, int]]]:
+def pack_responses(lens: list[int], per_mb: int, max_tokens: int = 0) -> list[list[int]]:
+    """Consecutive runs of response indices, one per micro-batch, in order: `per_mb` responses each, or
+    with `max_tokens` > 0 (the count then ignored) as many as fit `max_tokens` response tokens, filled
+    greedily; a response longer than the budget goes alone."""
+    if max_tokens <= 0:
+        return [list(range(i, min(i + per_mb, len(lens)))) for i in range(0, len(lens), per_mb)]
+    out: list[list[int]] = []
+    used = 0
+    for i, n in enumerate(lens):
+        if not out or used + n > max_tokens:
+            out.append([])
+            used = 0
+        out[-1].append(i)
+        used += n
+    return out
+
+
+def _chunks(groups: list[Group], per_mb: int, select: list[int] | None,
+            max_tokens: int = 0) -> list[list[tuple[int, int]]]:
     ids = range(len(groups)) if select is None else select
     flat = [(gi, ri) for gi in ids for ri in range(len(groups[gi].responses))]
-    return [flat[i:i + per_mb] for i in range(0, len(flat), per_mb)]
+    lens = [groups[gi].responses[ri].numel() for gi, ri in flat]
+    return [[flat[i] for i in run] for run in pack_responses(lens, per_mb, max_tokens)]
 
 
 def response_micro_batches(cfg: ModelConfig, groups: list[Group], per_mb: int, total_tokens: int,
-                           position_offset: int = 0, select: list[int] | None = None) -> list[MicroBatch]:
+                           position_offset: int = 0, select: list[int] | None = None,
+                           max_tokens: int = 0) -> list[MicroBatch]:
     """Response-stage micro-batches: [prompt[-1], response[:-1]] packed, positions after the prefix.
 
     `select`: only these groups' responses (a PPO mini-batch), still named by their index in `groups`.
+    `max_tokens` > 0: packed up to that many response tokens instead of `per_mb` responses (`pack_responses`).
     `position_offset` exists only for mutation tests (a wrong offset must be detected).
     """
     ids = range(len(groups)) if select is None else select
     last_pos = {gi: prompt_positions(cfg, groups[gi].prompt)[:, :, -1:] for gi in ids}  # [3,1,1]
     out = []
-    for members in _chunks(groups, per_mb, select):
+    for members in _chunks(groups, per_mb, select, max_tokens):
         ids, pos, lab, w, seg, p, grp = [], [], [], [], [], [], []
         for s, (gi, ri) in enumerate(members):
             r = groups[gi].responses[ri]
@@ -134,11 +155,12 @@ def response_micro_batches(cfg: ModelConfig, groups: list[Group], per_mb: int, t
 
 
 def full_micro_batches(cfg: ModelConfig, groups: list[Group], per_mb: int, total_tokens: int,
-                       select: list[int] | None = None) -> list[MicroBatch]:
+                       select: list[int] | None = None, max_tokens: int = 0) -> list[MicroBatch]:
     """Full-sequence micro-batches: each response with its whole prompt (the serial baseline);
-    `select` as in `response_micro_batches`."""
+    `select` and `max_tokens` as in `response_micro_batches` (the budget counts response tokens only, so
+    both kinds hold the same responses)."""
     out = []
-    for members in _chunks(groups, per_mb, select):
+    for members in _chunks(groups, per_mb, select, max_tokens):
         ids, pos, lab, w, msk, seg, p = [], [], [], [], [], [], []
         vis: dict[str, list] = {}
         for s, (gi, ri) in enumerate(members):

@@ -254,8 +254,9 @@ class Runtime:
         """Full-sequence or response-stage micro-batches of one mini-batch, with the advantages (and
         the loss aggregation's weights) laid per token."""
         build = B.full_micro_batches if kind == "full" else B.response_micro_batches
-        mbs = build(self.cfg.model, batch.groups, self.cfg.workload.responses_per_micro_batch, mini.total_tokens,
-                    select=mini.groups)
+        w = self.cfg.workload
+        mbs = build(self.cfg.model, batch.groups, w.responses_per_micro_batch, mini.total_tokens, select=mini.groups,
+                    max_tokens=w.micro_batch_tokens)
         keys = [(gi, ri) for gi in mini.groups for ri in range(len(batch.groups[gi].responses))]
         lens = [batch.groups[gi].responses[ri].numel() for gi, ri in keys]
         B.attach_token_data(mbs, "adv", {(gi, ri): torch.full((n,), float(batch.groups[gi].advantages[ri]))
