@@ -541,6 +541,9 @@ class TrainConfig:
     kl_coef: float = 0.0  # coefficient of the KL to the reference in the loss
     kl_estimator: str = "low_var_kl"  # k1 | k2 | k3 | low_var_kl (k3 clamped as verl clamps it); logged as `kl`
     entropy_coef: float = 0.0  # entropy bonus (token mean of the policy entropy) subtracted from the loss
+    # log-probs and entropy over the vocabulary: torch (fp32 copies of the logits) or triton (one read of the
+    # logits, `rl/triton_logprob.py`; CUDA); auto is torch until the kernel's GPU tests have run
+    logprob_kernel: str = "auto"
     clip_low: float = 0.2  # PPO ratio clip below 1
     clip_high: float = 0.2  # PPO ratio clip above 1
     clip_ratio_c: float = 0.0  # dual clip: negative-advantage tokens' loss capped at clip_ratio_c * |A| (0: off; > 1)
@@ -563,6 +566,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.steps < 1:
             raise ValueError(f"train.steps must be >= 1, got {self.steps}")
+        if self.logprob_kernel not in ("auto", "triton", "torch"):
+            raise ValueError(f"train.logprob_kernel must be auto, triton or torch, got {self.logprob_kernel!r}")
         if min(self.kl_coef, self.entropy_coef, self.clip_low, self.clip_high) < 0:
             raise ValueError("train.kl_coef, train.entropy_coef, train.clip_low and train.clip_high must be >= 0")
         if self.ppo_mini_batches < 1 or self.ppo_epochs < 1:

@@ -92,7 +92,8 @@ def run_steps(cfg, steps: int, mutant: str = "", weights_after: int = 0):
     last = {n: p.detach().float().clone() for n, p in rt.ddp.module.named_parameters()}
     keep = ps.get_tensor_model_parallel_world_size() == 1 and ps.get_pipeline_model_parallel_world_size() == 1
     return {"tokens": tokens, "records": records, "informative": informative, "first": first if keep else None,
-            "last": last if keep else None, "after": after if keep else None, "micro_batches": sizes}
+            "last": last if keep else None, "after": after if keep else None, "micro_batches": sizes,
+            "logprob_kernel": rt.logprob_kernel}
 
 
 def _twice_overflow(lens, per_mb, max_tokens=0):

@@ -21,7 +21,6 @@ from typing import Protocol
 
 import torch
 from megatron.core import parallel_state as ps
-from megatron.core import tensor_parallel
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
@@ -30,7 +29,7 @@ from megatron.core.utils import get_model_config
 from rollplex_megatron.attention.kv_store import KVStore
 from rollplex_megatron.attention.prefix import PrefixContext
 from rollplex_megatron.prefix.batch import Group, MicroBatch, split_token_values
-from rollplex_megatron.rl.grpo import policy_logits
+from rollplex_megatron.rl.grpo import policy_logprob_entropy
 from rollplex_megatron.runtime import device
 
 
@@ -145,11 +144,11 @@ def prefix_backward(model, states: list[PrefixState], store: KVStore) -> None:
 
 
 def logprob_loss(mb: MicroBatch, logits_BTV: torch.Tensor, temperature: float = 1.0, banned: tuple[int, ...] = (),
-                 tp_rank: int = 0):
+                 tp_rank: int = 0, tp_group=None, kernel: str = "torch"):
     """The scoring phases' loss function: log-probs of the labels under the policy the rollout sampled
-    from (`rl.grpo.policy_logits`), and the advantage-weighted log-likelihood of `mb.weight`."""
-    logits = policy_logits(logits_BTV, temperature, banned, tp_rank)
-    logp = -tensor_parallel.vocab_parallel_cross_entropy(logits, mb.labels)
+    from (`rl.grpo.policy_logits`; `kernel`: `rl.grpo.policy_logprob_entropy`'s), and the
+    advantage-weighted log-likelihood of `mb.weight`."""
+    logp, _ = policy_logprob_entropy(logits_BTV, mb.labels, temperature, banned, tp_rank, tp_group, kernel=kernel)
     loss = -(logp * mb.weight).sum()
     n = mb.label_mask.sum().to(torch.int)
     return loss, n, {"loss": loss.detach(), "logp": logp.detach()[mb.label_mask]}

@@ -139,6 +139,46 @@ def vocab_parallel_entropy(logits_local: torch.Tensor, group=None) -> torch.Tens
     return (torch.log(z) + m - ex / z).squeeze(-1)
 
 
+LOGPROB_KERNELS = ("auto", "triton", "torch")
+
+
+def logprob_kernel_for(kernel: str, device) -> str:
+    """`train.logprob_kernel` resolved on `device`: `auto` is the torch path (the fused kernel is chosen
+    explicitly until its GPU tests and benchmark have run); `triton` needs CUDA or TRITON_INTERPRET=1."""
+    if kernel not in LOGPROB_KERNELS:
+        raise ValueError(f"train.logprob_kernel must be one of {LOGPROB_KERNELS}, got {kernel!r}")
+    if kernel == "triton":
+        from rollplex_megatron.attention.triton_decode import INTERPRET
+
+        if torch.device(device).type != "cuda" and not INTERPRET:
+            raise ValueError("train.logprob_kernel=triton needs a CUDA device (or TRITON_INTERPRET=1); use auto")
+        return "triton"
+    return "torch"
+
+
+def policy_logprob_entropy(logits_BTV: torch.Tensor, labels_BT: torch.Tensor, temperature: float = 1.0,
+                           banned: tuple[int, ...] = (), tp_rank: int = 0, tp_group=None,
+                           entropy_mask: torch.Tensor | None = None, entropy_grad: bool = False,
+                           kernel: str = "torch") -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs of the labels [B, T] and the entropy of the tokens `entropy_mask` selects (None: no entropy)
+    under the sampled policy (`policy_logits`). `kernel`: "torch" (policy_logits, megatron's
+    vocab_parallel_cross_entropy, `vocab_parallel_entropy`; the entropy differentiable only with
+    `entropy_grad`) or "triton" (`triton_logprob.fused_logprob_entropy`: one read of the logits)."""
+    if kernel == "triton":
+        from rollplex_megatron.rl.triton_logprob import fused_logprob_entropy
+
+        logp, ent = fused_logprob_entropy(logits_BTV, labels_BT, temperature, banned, tp_rank, tp_group)
+        if entropy_mask is None:
+            return logp, None
+        return logp, (ent if entropy_grad else ent.detach())[entropy_mask]
+    logits = policy_logits(logits_BTV, temperature, banned, tp_rank)
+    entropy = None
+    if entropy_mask is not None:  # before the cross-entropy, which overwrites its input in place
+        with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
+            entropy = vocab_parallel_entropy(logits[entropy_mask], tp_group)  # logits[mask] is a copy
+    return -tensor_parallel.vocab_parallel_cross_entropy(logits, labels_BT), entropy
+
+
 class GRPOLoss:
     """Megatron loss function of one packed micro-batch (per-token-loss contract).
 
@@ -150,12 +190,14 @@ class GRPOLoss:
     Log-probs and entropy are those of the policy the rollout sampled from (`policy_logits`: the
     temperature and the banned vision placeholders; the scoring phases use the same). "kl" is the
     mean of `kl_estimator` (what the loss adds), "kl_k1" the plain mean log-ratio beside it.
+    `kernel` computes them (`policy_logprob_entropy`: "torch" or "triton").
     """
 
     def __init__(self, kl_coef: float, clip_low: float, clip_high: float, total_tokens: int, tp_group=None,
                  entropy_coef: float = 0.0, temperature: float = 1.0, kl_estimator: str = "low_var_kl",
-                 banned: tuple[int, ...] = (), clip_ratio_c: float = 0.0):
+                 banned: tuple[int, ...] = (), clip_ratio_c: float = 0.0, kernel: str = "torch"):
         check_kl_estimator(kl_estimator)
+        self.kernel = kernel
         self.kl_coef, self.clip_low, self.clip_high = kl_coef, clip_low, clip_high
         self.total_tokens, self.tp_group, self.entropy_coef = total_tokens, tp_group, entropy_coef
         self.temperature, self.kl_estimator, self.banned = temperature, kl_estimator, tuple(banned)
@@ -164,12 +206,9 @@ class GRPOLoss:
 
     def __call__(self, mb, logits_BTV: torch.Tensor):
         """(loss, tokens, {"loss", "logp", "kl", "kl_k1", "entropy", "clipfrac"}) for megatron's schedule."""
-        logits = policy_logits(logits_BTV, self.temperature, self.banned, self.tp_rank)
         mask = mb.label_mask
-        # Before the cross-entropy, which overwrites its input in place (logits[mask] is a copy).
-        with torch.set_grad_enabled(torch.is_grad_enabled() and self.entropy_coef > 0):
-            entropy = vocab_parallel_entropy(logits[mask], self.tp_group)
-        logp = -tensor_parallel.vocab_parallel_cross_entropy(logits, mb.labels)
+        logp, entropy = policy_logprob_entropy(logits_BTV, mb.labels, self.temperature, self.banned, self.tp_rank,
+                                               self.tp_group, mask, self.entropy_coef > 0, self.kernel)
         # Off the loss positions (a full sequence's prompt) old/ref equal logp: no exp() of a stray log-ratio.
         old = torch.where(mask, mb.token_data["old_logp"], logp.detach()) if "old_logp" in mb.token_data \
             else logp.detach()

@@ -24,7 +24,7 @@ from rollplex_megatron.optim import build_optimizer, build_scheduler, current_lr
 from rollplex_megatron.prefix import batch as B
 from rollplex_megatron.prefix import execution as X
 from rollplex_megatron.prefix.batch import Group, validate_groups
-from rollplex_megatron.rl.grpo import GRPOLoss, group_advantages, loss_weights
+from rollplex_megatron.rl.grpo import GRPOLoss, group_advantages, logprob_kernel_for, loss_weights
 from rollplex_megatron.rollout.embedded import EmbeddedEngine
 from rollplex_megatron.rollout.engine import RolloutRequest
 from rollplex_megatron.rollout.sglang.engine import SGLangEngine, import_sglang
@@ -192,8 +192,10 @@ class Runtime:
         self.sampling = SamplingParams(r.temperature, r.top_p, r.top_k)
         # every log-prob the loss sees is the sampled policy's: its temperature, its banned tokens (DESIGN 3)
         self.banned = cfg.model.vision_token_ids  # the engine's sampler bans them too
+        self.logprob_kernel = logprob_kernel_for(cfg.train.logprob_kernel, device())
         self.score_loss = partial(X.logprob_loss, temperature=r.temperature, banned=self.banned,
-                                  tp_rank=ps.get_tensor_model_parallel_rank())
+                                  tp_rank=ps.get_tensor_model_parallel_rank(),
+                                  tp_group=ps.get_tensor_model_parallel_group(), kernel=self.logprob_kernel)
         self.backend = cfg.mode.attention_backend
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         self.pp_size = ps.get_pipeline_model_parallel_world_size()
@@ -272,7 +274,8 @@ class Runtime:
         """The GRPO loss of one mini-batch (its statistics are token means over its global token count)."""
         t = self.cfg.train
         return GRPOLoss(t.kl_coef, t.clip_low, t.clip_high, mini.total_tokens, self.tp_group, t.entropy_coef,
-                        self.cfg.rollout.temperature, t.kl_estimator, self.banned, t.clip_ratio_c)
+                        self.cfg.rollout.temperature, t.kl_estimator, self.banned, t.clip_ratio_c,
+                        self.logprob_kernel)
 
     def sync_rollout_weights(self) -> float:
         """After the step's optimizer steps: the rollout's weights brought up to date (its engine's
