@@ -153,3 +153,83 @@ def test_engine_checkpoint_round_trip_resumes_the_same_update(tiny_hf, tmp_path)
     assert r["rel_loaded"] <= 1e-6 and r["lr"][0] == r["lr"][1], r
     assert r["rel_weights_only"] > 1e-3 and r["rel_fresh"] > 1e-3, r
     assert r["kept"] == ["global_step_2/actor/checkpoints/step_000002"], r["kept"]
+
+
+def _verl_batch(seed: int, uids: int, n: int, pad: int = 0):
+    """A step's rows as verl's v1 trainer holds them (a TransferQueue `KVBatchMeta`: the agent loop's
+    `{uid}_{session}_{index}` keys, tags with each row's sequence length), uids interleaved by finish order."""
+    import uuid
+
+    from transfer_queue import KVBatchMeta
+
+    g = torch.Generator().manual_seed(seed)
+    ids = [str(uuid.UUID(int=int(torch.randint(0, 2**62, (1,), generator=g)))) for _ in range(uids)]
+    rows = [(u, s) for u in ids for s in range(n)]
+    rows = [rows[i] for i in torch.randperm(len(rows), generator=g).tolist()]
+    keys = [f"{u}_{s}_0" for u, s in rows] + [f"pad{'0' * 8}_{i}_0" for i in range(pad)]
+    tags = [{"seq_len": int(torch.randint(20, 400, (1,), generator=g))} for _ in rows]
+    tags += [{"seq_len": 2, "is_padding": True} for _ in range(pad)]
+    return KVBatchMeta(keys=keys, tags=tags, partition_id="train")
+
+
+def _shares(keys: list[str], dp: int) -> list[list[str]]:
+    size = len(keys) // dp
+    return [keys[i * size:(i + 1) * size] for i in range(dp)]
+
+
+def _split_uids(keys: list[str], dp: int, pad: bool = False) -> int:
+    """How many uids have rows on more than one DP rank (verl's dispatch hands rank r the r-th equal share)."""
+    from rollplex_megatron.integrations.verl.trainer import row_uid
+
+    where: dict = {}
+    for r, share in enumerate(_shares(keys, dp)):
+        for k in share:
+            if pad or not k.startswith("pad"):
+                where.setdefault(row_uid(k), set()).add(r)
+    return sum(len(v) > 1 for v in where.values())
+
+
+@pytest.mark.parametrize("seed,uids,n,dp,pad", [(0, 8, 4, 2, 0), (1, 12, 5, 4, 4), (2, 6, 8, 2, 0), (3, 9, 3, 3, 3)])
+def test_the_trainer_balances_whole_uids_over_dp_ranks(seed, uids, n, dp, pad):
+    """verl's v1 step balances every batch over DP ranks by length, splitting groups (each rank then computes
+    their prompt again); the rollplex trainer's `_balance_batch` gives every rank the same number of rows with
+    each uid on one rank, contiguous, and balanced: no rank's workload exceeds the mean by more than the
+    heaviest group. Mutation: verl's own balancing on the same batch splits uids."""
+    from omegaconf import OmegaConf
+    from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+    from verl.utils.seqlen_balancing import calculate_workload
+
+    from rollplex_megatron.integrations.verl.trainer import RollplexTrainer, row_uid
+
+    def trainer(cls):
+        t = object.__new__(cls)
+        t.actor_rollout_wg = type("WG", (), {"_dispatch_info": {"actor": [r for r in range(dp) for _ in range(2)]}})()
+        t.use_critic, t.global_steps = False, 1
+        t.tokenizer = type("Tok", (), {"eos_token_id": 0})()  # the batches divide: verl's padding adds no row
+        t.config = OmegaConf.create({"trainer": {"critic_warmup": 0}, "actor_rollout_ref": {
+            "actor": {"ppo_mini_batch_size": 1}, "rollout": {"n": 1}}})
+        return t
+
+    batch, metrics = _verl_batch(seed, uids, n, pad), {}
+    before = list(batch.keys)
+    seqlen = {k: t["seq_len"] for k, t in zip(batch.keys, batch.tags)}
+    out = trainer(RollplexTrainer)._balance_batch(batch, metrics)
+    assert sorted(out.keys) == sorted(before) and len(out.keys) % dp == 0
+    assert _split_uids(out.keys, dp) == 0
+    for share in _shares(out.keys, dp):  # a uid's rows are contiguous in its rank's share
+        runs = [row_uid(k) for i, k in enumerate(share) if i == 0 or row_uid(share[i - 1]) != row_uid(k)]
+        assert len(runs) == len(set(runs)), runs
+    work = [sum(calculate_workload(torch.tensor([seqlen[k] for k in s])).tolist()) for s in _shares(out.keys, dp)]
+    heaviest = n * float(calculate_workload(torch.tensor([max(seqlen.values())]))[0])
+    assert max(work) - sum(work) / dp <= heaviest, work
+    assert any(k.startswith("global_seqlen") for k in metrics)
+    plain = trainer(PPOTrainerSync)._balance_batch(_verl_batch(seed, uids, n, pad), {})
+    assert _split_uids(plain.keys, dp) > 0  # the mutation: verl's balancing spreads groups
+
+
+def test_group_partitions_refuses_what_cannot_split_equally():
+    from rollplex_megatron.integrations.verl.trainer import group_partitions
+
+    assert group_partitions(["a"] * 3 + ["b"] * 3, [1.0] * 6, 4) is None  # 6 rows over 4 ranks
+    assert group_partitions(["a"] * 3 + ["b"] * 1, [1.0] * 4, 2) is None  # a group larger than a share
+    assert group_partitions(["a", "a", "b", "b"], [1.0, 1.0, 5.0, 5.0], 2) == [[2, 3], [0, 1]]
