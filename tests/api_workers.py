@@ -17,7 +17,8 @@ from rollplex_megatron.runtime import wrap_ddp
 VOCAB = 256
 
 
-def build_gpt(tp: int, pp: int, tied: bool, parallel_output: bool = True) -> GPTModel:
+def build_gpt(tp: int, pp: int, tied: bool, parallel_output: bool = True,
+              dtype: torch.dtype = torch.float32) -> GPTModel:
     """A small GPT stage built the way a Megatron user builds one, with the prefix-attention spec."""
     cfg = TransformerConfig(num_layers=4, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
                             num_query_groups=2, normalization="RMSNorm", gated_linear_unit=True,
@@ -26,7 +27,7 @@ def build_gpt(tp: int, pp: int, tied: bool, parallel_output: bool = True) -> GPT
                             masked_softmax_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
                             persist_layer_norm=False, use_cpu_initialization=not torch.cuda.is_available(),
                             init_method_std=0.3, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                            pipeline_dtype=torch.float32, calculate_per_token_loss=True)
+                            params_dtype=dtype, pipeline_dtype=dtype, calculate_per_token_loss=True)
     spec = rpx.with_prefix_attention(get_gpt_layer_local_spec(normalization="RMSNorm"))
     return GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=512,
                     pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
@@ -65,7 +66,12 @@ def prefix_vs_full(tp: int, pp: int, tied: bool, seed: int) -> dict:
     """Per rank: largest relative error of log-probs and of each parameter's gradient, prefix path
     vs full sequences; the same for a wrong response position offset (must be large)."""
     init_parallel(tp, pp, seed)
-    model = rpx.PrefixGPT(build_gpt(tp, pp, tied))
+    # float64 weights and activations (megatron's DDP keeps its gradient buffers in fp32): at fp32 this
+    # deliberately ill-conditioned model (init std 0.3) put the two paths' rounding at 1.07e-5 of a layer-0
+    # gradient on an AMD EPYC, at the bound; in float64 the paths differ by ~1e-6 (the fp32 buffers), a
+    # response position off by one by ~1
+    torch.set_default_dtype(torch.float64)
+    model = rpx.PrefixGPT(build_gpt(tp, pp, tied, dtype=torch.float64))
     ddp = wrap_ddp(model)
     groups = _batch(seed)
     full_lp, full_g = _run(ddp, groups, "full")

@@ -1,5 +1,6 @@
 """The public API on a plain megatron-core GPTModel (local spec, RoPE; not this project's model):
-prefix stage + response stage + prefix backward around megatron's schedule equal full sequences at
+prefix stage + response stage + prefix backward around megatron's schedule equal full sequences (float64 weights
+and activations, fp32 gradient buffers: `api_workers.prefix_vs_full` says why) within
 DESIGN's fp32 tolerance, at TP=2 and at TP=2 x PP=2 with tied embeddings; a wrong response position
 is caught."""
 import pytest
