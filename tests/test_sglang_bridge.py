@@ -9,6 +9,7 @@ from __future__ import annotations
 from rollplex_megatron.dist import run_local
 from rollplex_megatron.recipes import load_run_config
 from tests import sglang_workers as W
+from tests.in_turn import case, in_turn
 
 TOL = 1e-5  # DESIGN section 3, fp32 on CPU
 
@@ -59,9 +60,10 @@ def test_drain_before_its_step_start_still_drains():
     """The trainer's Drain (from its decode thread) overtakes the step's BeginStep (from its bridge thread) when
     the rollout is short: the scheduler keeps it, and every job runs. Mutation: a scheduler that forgets such a
     drain at the step's start leaves the jobs waiting until the bridge's timeout."""
-    r = run_local(W.trainer_early_drain, 1, _cfg())[0]
+    runs = run_local(in_turn, 1, {"kept": (W.trainer_early_drain, (_cfg(),)),
+                                  "lost": (W.trainer_early_drain, (_cfg(), "drain_lost", 3.0))})[0]
+    r, m = case(runs, "kept"), case(runs, "lost")
     assert r == {0: (4, 4, 4), 1: (4, 4, 4)}, r
-    m = run_local(W.trainer_early_drain, 1, _cfg(), "drain_lost", 3.0)[0]
     assert "BridgeTimeout" in m.get("error", "") and "step 0: item" in m["error"], m
 
 
