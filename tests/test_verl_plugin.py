@@ -72,6 +72,19 @@ def test_dp2_gradients_equal_one_rank_on_the_whole_batch(tiny_hf, tp1):
         assert max(errs.values()) <= TOL, max(errs.items(), key=lambda kv: kv[1])
 
 
+def test_dynamic_batch_size_packs_response_tokens_and_keeps_the_update(tp1):
+    """Under verl's dynamic batch size a response-stage micro-batch holds responses up to max_token_len_per_gpu
+    response tokens (a longer response alone) instead of a count; the log-probs, the loss and every gradient
+    equal the count packing's (DESIGN's fp32 bound); mutation: a packer that repeats a response."""
+    r = tp1["dynamic"]
+    count, dyn = r["count_packing"]["shared"], r["dynamic_packing"]["shared"]
+    assert sum(count) == sum(dyn) == sum(r["lens"]) and len(count) != len(dyn), r
+    assert all(n <= r["budget"] or n in r["lens"] for n in dyn), r  # over the budget: one long response alone
+    assert any(n > r["budget"] for n in r["lens"]), r  # the case has such a response
+    assert r["logp"] <= TOL and r["loss"] <= TOL and r["grad"] <= TOL and r["grad_norm"] > 1e-3, r
+    assert r["mutant_grad"] > 10 * TOL, r  # the comparison can fail: a packer that packs a response twice
+
+
 def test_the_trainer_has_verls_sync_behaviour():
     """verl's trainer base branches on `self.trainer_mode == "sync"`; the rollplex trainer must read as sync."""
     from rollplex_megatron.integrations.verl.trainer import RollplexTrainer

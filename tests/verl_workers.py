@@ -257,6 +257,48 @@ def checkpoint_round_trip(hf_dir: str, root: str) -> dict:
     return out
 
 
+def dynamic_vs_count(hf_dir: str, budget: int = 7) -> dict:
+    """One engine, the same batch twice: packed by count (micro_batch_size_per_gpu=4) and under verl's dynamic
+    batch size (max_token_len_per_gpu=`budget` response tokens per response-stage micro-batch): log-probs, the
+    per-micro-batch losses' sum and every gradient as relative errors, and both packings."""
+    os.environ["VERL_ENGINE_VENDOR"] = "rollplex"
+    import verl  # noqa: F401
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.losses import ppo_loss
+
+    from rollplex_megatron.models.qwen25vl.hf import HFCheckpoint
+
+    cfg = HFCheckpoint(hf_dir).model_config()
+    e = new_engine(hf_dir, 1, share_prefix=True)
+    loss_fn = partial(ppo_loss, config=actor_config())
+    from rollplex_megatron.prefix import batch as PB
+    from tests.trainer_workers import _twice_overflow
+
+    got, packer = {}, PB.pack_responses
+    for kind in ("count", "dynamic", "twice_overflow"):  # the last: a packer that packs a response twice
+        batch = verl_batch(cfg, 7)  # shared_vs_full's batch (its gradient is not zero: asserted below)
+        if kind != "count":
+            tu.assign_non_tensor(batch, use_dynamic_bsz=True, max_token_len_per_gpu=budget)
+        PB.pack_responses = packer if kind != "twice_overflow" else (  # under the budget only
+            lambda lens, per, mt=0: _twice_overflow(lens, per, mt) if mt > 0 else packer(lens, per, mt))
+        try:
+            with e.train_mode():  # the gradients are read inside it (leaving it zeroes them)
+                e.optimizer_zero_grad()
+                o = e.forward_backward_batch(batch, loss_fn)
+                grads = _grads(e)
+        finally:
+            PB.pack_responses = packer
+        got[kind] = {"logp": o["model_output"]["log_probs"].values().detach().clone(),
+                     "loss": torch.tensor(o["loss"]).sum(), "grads": grads, "packing": dict(e.last_packing),
+                     "lens": [int(n) for n in batch["responses"].offsets().diff().tolist()]}
+    c, d, m = got["count"], got["dynamic"], got["twice_overflow"]
+    return {"logp": _rel(d["logp"], c["logp"]), "loss": _rel(d["loss"], c["loss"]),
+            "grad": max(_rel(d["grads"][n], c["grads"][n]) for n in c["grads"]),
+            "mutant_grad": max(_rel(m["grads"][n], c["grads"][n]) for n in c["grads"]),
+            "grad_norm": float(torch.stack([t.norm() for t in c["grads"].values()]).norm()),
+            "count_packing": c["packing"], "dynamic_packing": d["packing"], "lens": c["lens"], "budget": budget}
+
+
 def tp1_cases(hf_dir: str) -> dict:
     """The TP 1 runs of the tests in one process, one after another (each builds its own engines from the
     checkpoint): `shared_vs_full` on a well-formed batch, on a batch with a wrong uid, then (last: it patches
@@ -264,7 +306,7 @@ def tp1_cases(hf_dir: str) -> dict:
     from rollplex_megatron.integrations.verl import batch as B
 
     out = {"plain": shared_vs_full(hf_dir, 1), "wrong_uid": shared_vs_full(hf_dir, 1, "", True),
-           "dp_one": dp_grads(hf_dir)}
+           "dp_one": dp_grads(hf_dir), "dynamic": dynamic_vs_count(hf_dir)}
     same_prompt = B.same_prompt
     try:
         out["trust_uid"] = shared_vs_full(hf_dir, 1, "trust_uid", True)

@@ -64,14 +64,19 @@ def check_engine_config(ec) -> None:
                              f"keeps its model and optimizer resident)")
 
 
-def responses_per_micro_batch(data, vg) -> int:
-    """Responses per packed response-stage micro-batch: verl's `micro_batch_size_per_gpu`; under its dynamic
-    batch size (`use_dynamic_bsz`, `max_token_len_per_gpu`) as many of the longest response as fit the token
-    budget (a response-stage micro-batch holds response tokens only: the prompt runs once per group); 8 when
-    neither is set. The loss and the gradient do not depend on the packing."""
-    if tu.get(data, "use_dynamic_bsz", False) and tu.get(data, "max_token_len_per_gpu", None):
-        return max(1, int(tu.get(data, "max_token_len_per_gpu")) // (max(vg.response_lens) + 1))
-    return int(tu.get(data, "micro_batch_size_per_gpu", None) or 8)
+def micro_batch_plan(data, vg) -> tuple[int, int, int]:
+    """How the batch's samples are packed: (responses per response-stage micro-batch, that micro-batch's token
+    budget, responses per full-sequence micro-batch). verl's `micro_batch_size_per_gpu` (8 when unset) counts
+    responses; under its dynamic batch size (`use_dynamic_bsz`, `max_token_len_per_gpu`) a response-stage
+    micro-batch holds responses up to that many tokens (it holds response tokens only: the prompt runs once per
+    group; `prefix.batch.pack_responses`, a longer response alone), and a full-sequence micro-batch as many of
+    the longest prompt + response as fit. The loss and the gradient do not depend on the packing."""
+    budget = int(tu.get(data, "max_token_len_per_gpu", None) or 0) if tu.get(data, "use_dynamic_bsz", False) else 0
+    if budget > 0:
+        longest = max([vg.prompt_lens[s] + vg.response_lens[s] for g in vg.full for s in vg.rows[g]] or [1])
+        return 1, budget, max(1, budget // longest)
+    per = int(tu.get(data, "micro_batch_size_per_gpu", None) or 8)
+    return per, 0, per
 
 
 class RollplexMegatronEngine(BaseEngine):
@@ -90,6 +95,7 @@ class RollplexMegatronEngine(BaseEngine):
                 raise ValueError(f"{ENV_PREFIX}={mode!r}; use shared or full")
             share_prefix = mode == "shared"
         self.share_prefix = share_prefix
+        self.last_packing: dict = {}  # the last batch's micro-batches: response tokens (shared), responses (full)
         self.forward_only = bool(_setting(engine_config, "forward_only", False))
         dtype = dtype or os.environ.get(ENV_DTYPE) or str(_setting(engine_config, "dtype", "bfloat16"))
         if dtype not in DTYPES:
@@ -215,9 +221,11 @@ class RollplexMegatronEngine(BaseEngine):
         if loss_function is not None and tu.get(data, "global_batch_size") is None:
             raise ValueError("rollplex verl engine: the batch has no `global_batch_size` (verl's trainer sets it "
                              "from ppo_mini_batch_size * rollout.n)")
-        per_mb = responses_per_micro_batch(data, vg)
-        shared = response_micro_batches(self.cfg, vg.groups, per_mb, 1, select=vg.shared)
-        full = full_micro_batches(self.cfg, vg.groups, per_mb, 1, select=vg.full)
+        per_mb, budget, per_full = micro_batch_plan(data, vg)
+        shared = response_micro_batches(self.cfg, vg.groups, per_mb, 1, select=vg.shared, max_tokens=budget)
+        full = full_micro_batches(self.cfg, vg.groups, per_full, 1, select=vg.full)
+        self.last_packing = {"shared": [int(mb.label_mask.sum()) for mb in shared],
+                             "full": [len(mb.responses) for mb in full]}
         outputs: dict[int, dict] = {}
         loss_fn = self._loss_fn(vg, data, loss_function, temperature, entropy, dp_size, outputs)
         model, dev = self.module, device()
