@@ -5,10 +5,11 @@ Legend: R = rows (tokens of a packed micro-batch), V = this TP rank's vocabulary
 The torch path (`grpo.policy_logits` + megatron's `vocab_parallel_cross_entropy` + `vocab_parallel_entropy`)
 makes fp32 copies of the [R, V] logits (the upcast, the temperature, the entropy's exp and products, the
 cross-entropy's shifted logits and the softmax it saves for backward) and runs many [R, V] passes a
-micro-batch (counted from the code; not yet measured against this kernel). Here one program per row reads the logits once and keeps, in registers, the row's running max,
-its sum of exp and its sum of exp times the logit, and the label's logit; across TP shards those four
-numbers per row are combined by all-reduces of [R] vectors. Backward reads the logits once more and
-writes their gradient in their own dtype. Nothing of size [R, V] is kept but the logits themselves.
+micro-batch (counted from the code; not yet measured against this kernel). Here one program per row reads the logits
+once and keeps, in registers, the row's running max, its sum of exp, its sum of exp times the logit, and the
+label's logit; across TP shards those four numbers per row are combined by all-reduces of [R] vectors.
+Backward reads the logits once more and writes their gradient in their own dtype. Nothing of size [R, V] is
+kept but the logits themselves.
 
 The distribution is the sampled policy's, as in `grpo.policy_logits`: x = logits / temperature (fp32),
 with the banned columns (vision placeholders) and the vocabulary padding (the dtype minimum) left out.
