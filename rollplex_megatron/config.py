@@ -400,6 +400,9 @@ def check_sampling(temperature: float, top_p: float, top_k: int, where: str) -> 
         raise ValueError(f"{where}top_k must be >= 0 (0 keeps all tokens), got {top_k}")
 
 
+LOGPROB_KERNELS = ("auto", "triton", "torch")  # train.logprob_kernel (rl/grpo.logprob_kernel_for)
+
+
 @dataclass(kw_only=True)
 class WorkloadConfig:
     """Batch shape of one RL step.
@@ -566,7 +569,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.steps < 1:
             raise ValueError(f"train.steps must be >= 1, got {self.steps}")
-        if self.logprob_kernel not in ("auto", "triton", "torch"):
+        if self.logprob_kernel not in LOGPROB_KERNELS:
             raise ValueError(f"train.logprob_kernel must be auto, triton or torch, got {self.logprob_kernel!r}")
         if min(self.kl_coef, self.entropy_coef, self.clip_low, self.clip_high) < 0:
             raise ValueError("train.kl_coef, train.entropy_coef, train.clip_low and train.clip_high must be >= 0")

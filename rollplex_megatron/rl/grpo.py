@@ -10,6 +10,8 @@ import torch.distributed as dist
 from megatron.core import tensor_parallel
 from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
+from rollplex_megatron.config import LOGPROB_KERNELS
+
 
 def policy_logits(logits_BTV: torch.Tensor, temperature: float = 1.0, banned: tuple[int, ...] = (),
                   tp_rank: int = 0) -> torch.Tensor:
@@ -137,9 +139,6 @@ def vocab_parallel_entropy(logits_local: torch.Tensor, group=None) -> torch.Tens
         dist.all_reduce(z, group=group)
         dist.all_reduce(ex, group=group)
     return (torch.log(z) + m - ex / z).squeeze(-1)
-
-
-LOGPROB_KERNELS = ("auto", "triton", "torch")
 
 
 def logprob_kernel_for(kernel: str, device) -> str:
