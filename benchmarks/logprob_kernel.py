@@ -62,8 +62,10 @@ def _rel(a, b) -> float:
 
 
 def main() -> int:
+    from rollplex_megatron.dist import init_parallel
     from rollplex_megatron.runtime import environment_record
 
+    init_parallel()  # the torch path's vocab-parallel cross-entropy reads megatron's TP group (TP 1 here)
     p = argparse.ArgumentParser()
     p.add_argument("--rows", type=int, nargs="+", default=[4096, 8192, 16384])
     p.add_argument("--vocab", type=int, default=151936)  # Qwen2.5-VL's padded vocabulary at TP 1
