@@ -20,11 +20,16 @@ import torch
 from rollplex_megatron.rl.grpo import policy_logprob_entropy
 
 
+_BANNED = (151652, 151653, 151654, 151655, 151656)  # Qwen2.5-VL's vision placeholder ids
+
+
 def _inputs(rows: int, vocab: int, seed: int):
     g = torch.Generator(device="cuda").manual_seed(seed)
     logits = (torch.randn(1, rows, vocab, generator=g, device="cuda") * 4).to(torch.bfloat16)
     logits[..., vocab - 128:] = torch.finfo(torch.bfloat16).min  # the padded vocabulary columns
     labels = torch.randint(0, vocab - 128, (1, rows), generator=g, device="cuda")
+    for b in _BANNED:  # sampled tokens are never banned; a banned label's log-prob is only "very negative"
+        labels[labels == b] = b - len(_BANNED)
     mask = torch.rand(1, rows, generator=g, device="cuda") < 0.9
     w = torch.randn(1, rows, generator=g, device="cuda")
     u = torch.randn(int(mask.sum()), generator=g, device="cuda")
@@ -74,7 +79,7 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--out", default="")
     a = p.parse_args()
-    banned = (151652, 151653, 151654, 151655, 151656)  # Qwen2.5-VL's vision placeholder ids
+    banned = _BANNED
     rows = []
     for r in a.rows:
         args = (*_inputs(r, a.vocab, r), a.temperature, banned)
