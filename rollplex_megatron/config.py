@@ -545,7 +545,7 @@ class TrainConfig:
     kl_estimator: str = "low_var_kl"  # k1 | k2 | k3 | low_var_kl (k3 clamped as verl clamps it); logged as `kl`
     entropy_coef: float = 0.0  # entropy bonus (token mean of the policy entropy) subtracted from the loss
     # log-probs and entropy over the vocabulary: torch (fp32 copies of the logits) or triton (one read of the
-    # logits, `rl/triton_logprob.py`; CUDA); auto is torch until the kernel's GPU tests have run
+    # logits, `rl/triton_logprob.py`; CUDA); auto is triton on CUDA, torch elsewhere
     logprob_kernel: str = "auto"
     clip_low: float = 0.2  # PPO ratio clip below 1
     clip_high: float = 0.2  # PPO ratio clip above 1

@@ -142,7 +142,7 @@ def vocab_parallel_entropy(logits_local: torch.Tensor, group=None) -> torch.Tens
 
 
 def logprob_kernel_for(kernel: str, device) -> str:
-    """`train.logprob_kernel` resolved on `device`: `auto` is the fused kernel on CUDA (GPU-tested, and 5.9-6.8x
+    """`train.logprob_kernel` resolved on `device`: `auto` is the fused kernel on CUDA (GPU-tested, and 6.0-6.9x
     faster than the torch path with a twelfth of its memory at 4k-16k rows: benchmarks/results/
     logprob_kernel_h200.json) and the torch path elsewhere; `triton` needs CUDA or TRITON_INTERPRET=1."""
     if kernel not in LOGPROB_KERNELS:
