@@ -7,7 +7,7 @@ training storage, `rollout.bound_model`), or a rollplex variant `rollplex:<windo
 tail, green, auto) or `rollplex:keep` (memory.plan=keep). Every figure is a median of the steady
 steps (after `--warmup`); the warm-up steps are kept apart with the phases that hold their excess.
 `--profile` runs one more step per mode under torch.profiler and saves its top ops per phase beside
-the JSON (that step is left out of every figure).
+the JSON (that step is left out of every figure); `--profile-phases update,...` profiles only those.
 Ratios compare medians of one JSON, whose modes ran on one machine (`machine`: host and GPU UUIDs;
 `--merge` adds modes only to a JSON of the same machine).
 """
@@ -79,10 +79,13 @@ def machine() -> dict:
 
 
 def run_mode(suite: str, overrides: list[str], mode_over: list[str], out: Path, timeout: float | None,
-             profile_step: int = 0) -> list[dict]:
+             profile_step: int = 0, profile_phases: str = "") -> list[dict]:
     """Train one mode in its own process; its step records. `profile_step`: one more step, profiled
-    (its kernel table lands in `out`/profile_step<K>.json; its record is left out of the figures)."""
+    (its kernel table lands in `out`/profile_step<K>.json; its record is left out of the figures), only
+    in `profile_phases` (comma-separated; empty: every phase)."""
     extra = [f"train.steps={profile_step}", f"train.profile_step={profile_step}"] if profile_step else []
+    if profile_step and profile_phases:
+        extra.append(f"train.profile_phases=[{profile_phases}]")
     cmd = [sys.executable, "-m", "rollplex_megatron", "train", f"+bench={suite}", *overrides, *mode_over, *extra,
            f"train.out={out}", "train.save_final=false", "train.progress=false"]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
@@ -245,6 +248,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--timeout", type=float, default=None, help="seconds per mode")
     ap.add_argument("--profile", action="store_true",
                     help="one extra step per mode under torch.profiler: top ops per phase, saved beside the JSON")
+    ap.add_argument("--profile-phases", default="",
+                    help="with --profile: only these phases (comma-separated, e.g. update,ref_logp; default all)")
     a, overrides = ap.parse_known_args(argv)
     if a.render:
         (Path(a.md) if a.md else ROOT / "BENCHMARKS.md").write_text(render_markdown(RESULTS))
@@ -253,7 +258,11 @@ def main(argv: list[str]) -> int:
         have = sorted(p.stem for p in (RECIPES_DIR / "bench").glob("*.yaml"))
         raise ValueError(f"bench: name a suite, one of {have} (recipes/bench/SUITE.yaml)")
     specs = parse_modes(a.modes)
+    if a.profile_phases and not a.profile:
+        raise ValueError("bench: --profile-phases needs --profile")
     cfg = load_run_config([f"+bench={a.suite}", *overrides])
+    if a.profile_phases:  # its phase names checked before any run; kept out of `settings` (no figure depends on it)
+        load_run_config([f"+bench={a.suite}", *overrides, f"train.profile_phases=[{a.profile_phases}]"])
     steps = cfg.train.steps
     if steps < a.warmup + 3:
         raise ValueError(f"bench: train.steps={steps} leaves fewer than 3 steady steps after --warmup {a.warmup}; "
@@ -286,7 +295,8 @@ def main(argv: list[str]) -> int:
         for label, over in specs:
             print(f"bench {a.suite}: {label} ...", flush=True)
             run = Path(tmp) / label.replace(":", "_")
-            recs = run_mode(a.suite, overrides, over, run, a.timeout, steps + 1 if a.profile else 0)
+            recs = run_mode(a.suite, overrides, over, run, a.timeout, steps + 1 if a.profile else 0,
+                            a.profile_phases)
             modes[label] = summarize_mode(label, recs, a.warmup, bool(recs[-1].get("prefix_recompute")))
             if a.profile:
                 prof = out.parent / f"{out.stem}_{label.replace(':', '_')}_profile.json"

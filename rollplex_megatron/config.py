@@ -401,6 +401,8 @@ def check_sampling(temperature: float, top_p: float, top_k: int, where: str) -> 
 
 
 LOGPROB_KERNELS = ("auto", "triton", "torch")  # train.logprob_kernel (rl/grpo.logprob_kernel_for)
+# the step's timed phases (trainer/metrics.PhaseTimer names; weight_refresh only with a rollout model of its own)
+STEP_PHASES = ("rollout", "reward", "old_logp", "ref_logp", "update", "optimizer", "weight_refresh")
 
 
 @dataclass(kw_only=True)
@@ -565,6 +567,8 @@ class TrainConfig:
     val_every: int = 0  # evaluate data.val_files every k steps and after the last (0: never)
     profile_step: int = 0  # profile this step (1-based) with torch.profiler: top kernels per phase in
     # <run dir>/profile_step<K>.json (0: off); the profiled step's times include the profiler's overhead
+    profile_phases: list[str] = field(default_factory=list)  # the phases profile_step profiles (empty: all of
+    # them); at 3B a whole profiled step can outlast the GPU machine's 10-minute call, one phase fits
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -578,6 +582,9 @@ class TrainConfig:
                              f"({self.ppo_epochs}) must be >= 1")
         if self.profile_step < 0:
             raise ValueError(f"train.profile_step must be >= 0 (0: off), got {self.profile_step}")
+        bad = [p for p in self.profile_phases if p not in STEP_PHASES]
+        if bad:
+            raise ValueError(f"train.profile_phases: unknown phase(s) {bad}; the phases are {list(STEP_PHASES)}")
         if self.max_resample_rounds < 0:
             raise ValueError(f"train.max_resample_rounds must be >= 0, got {self.max_resample_rounds}")
         if self.save_every < 0 or self.val_every < 0:

@@ -24,6 +24,8 @@ from rollplex_megatron.recipes import load_run_config
     (["smoke.image_grid=[1,3,4]"], r"smoke.image_grid h and w must be multiples"),
     (["parallel.tp=0"], r"parallel.tp must be >= 1"),
     (["train.logprob_kernel=fast"], r"train.logprob_kernel must be auto, triton or torch, got 'fast'"),
+    (["train.profile_phases=[update,decode]"],
+     r"train.profile_phases: unknown phase\(s\) \['decode'\]; the phases are"),
     (["workload.micro_batch_tokens=-8"],
      r"workload.micro_batch_tokens must be >= 0, got -8 \(0 packs by workload.responses_per_micro_batch\)"),
 ])

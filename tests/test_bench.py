@@ -17,7 +17,8 @@ def _bench(*args):
 @pytest.fixture(scope="module")
 def tiny_bench(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "bench_tiny.json"
-    p = _bench("--warmup", "1", "--modes", "serial,rollplex", "--out", str(out), "--profile")
+    p = _bench("--warmup", "1", "--modes", "serial,rollplex", "--out", str(out), "--profile", "--profile-phases",
+               "rollout,update")
     assert p.returncode == 0, p.stderr[-3000:]
     return out
 
@@ -42,7 +43,12 @@ def test_bench_json_schema_and_markdown(tiny_bench):
     assert d["ratios"]["serial/rollplex"] == pytest.approx(
         d["modes"]["serial"]["steady"]["median_s"] / d["modes"]["rollplex"]["steady"]["median_s"])
     prof = json.loads((tiny_bench.parent / d["modes"]["rollplex"]["profile"]).read_text())
-    assert prof["step"] == 5 and {"rollout", "update"} <= set(prof["top_ops_per_phase"])  # the extra step
+    assert prof["step"] == 5 and set(prof["top_ops_per_phase"]) == {"rollout", "update"}  # the extra step, and
+    assert {"reward", "ref_logp", "optimizer"} <= set(prof["phase_times"])  # only the phases asked for profiled
+    busy = prof["busy_per_phase"]["update"]  # every op's self time: at least the top ops', and within the phase
+    assert busy["events"] >= sum(r["count"] for r in prof["top_ops_per_phase"]["update"])
+    assert sum(r["cpu_ms"] for r in prof["top_ops_per_phase"]["update"]) <= busy["cpu_ms"] + 1e-6
+    assert busy["cpu_ms"] <= prof["phase_times"]["update"] * 1e3
     assert all(row["count"] >= 1 and row["cpu_ms"] >= 0 for row in prof["top_ops_per_phase"]["update"])
     assert any("mm" in row["name"] or "linear" in row["name"] for row in prof["top_ops_per_phase"]["update"])
     md = (tiny_bench.parent / "BENCHMARKS.md").read_text()

@@ -37,8 +37,9 @@ RESUMABLE = ("train.steps", "train.save_every", "train.save_final", "train.resum
              "train.progress", "run_dir", "mode.", "memory.", "rollout.cuda_graphs",
              "rollout.decode_attention", "rollout.sampling_kernel", "train.logprob_kernel", "parallel.backend",
              "smoke.", "verify.", "plan.",
-             "train.val_every", "val.", "data.val_files", "data.prefetch",  # evaluation, prefetch, trackers:
-             "train.tensorboard", "train.wandb")  # what a step computes stays the same
+             "train.val_every", "val.", "data.val_files", "data.prefetch",  # evaluation, prefetch, trackers,
+             "train.tensorboard", "train.wandb",  # the profiler: what a step computes stays the same
+             "train.profile_step", "train.profile_phases")
 
 
 class RunDirError(ValueError):

@@ -37,7 +37,7 @@ def run_step(rt: Runtime, mode: Mode, step: int) -> dict:
     optimizer step each; the learning-rate schedule advances once per RL step."""
     rt.memory.new_step()
     rt.data_seconds = 0.0
-    t = PhaseTimer(rt.memory, profile=rt.cfg.train.profile_step == step + 1)
+    t = PhaseTimer(rt.memory, profile=rt.cfg.train.profile_step == step + 1, profile_phases=rt.cfg.train.profile_phases)
     t0 = time.perf_counter()
     prep = mode.prepare(rt, step, t)
     rt.last_batch = prep.batch  # kept for inspection (tests compare rollouts across modes)
@@ -62,7 +62,7 @@ def run_step(rt: Runtime, mode: Mode, step: int) -> dict:
             "prefix_recompute": rt.recompute, "phase_managed_bytes": dict(rt.memory.phase_bytes),
             "offload_bytes": dict(rt.memory.copy_bytes), "host_allocations": rt.memory.host_allocations,
             "rollout": prep.stats, "rollout_layout": rt.plan.get("rollout_layout"),
-            **({"profile": t.kernel_table()} if t.profile else {})}
+            **({"profile": {"top": t.kernel_table(), "busy": t.totals}} if t.profile else {})}
 
 
 def _run_dir(cfg: RunConfig) -> Path:
@@ -143,7 +143,8 @@ def train_rank(cfg: RunConfig) -> dict:
             if profile is not None and rank0:
                 (run / f"profile_step{step + 1}.json").write_text(json.dumps(
                     {"step": step + 1, "mode": mode.name, "phase_times": rec["phase_times"],
-                     "top_ops_per_phase": profile}, indent=1))
+                     "top_ops_per_phase": profile["top"],
+                     "busy_per_phase": profile["busy"]}, indent=1))  # summed self times: GPU or host bound
             records.append(rec)
             _log(metrics_path, rec, bar, rank0, tracker)
             last = step + 1 == cfg.train.steps

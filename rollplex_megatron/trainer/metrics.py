@@ -17,12 +17,14 @@ class PhaseTimer:
     """Per named phase of one step: wall seconds (device-synchronised), the allocator's peak, and the
     memory manager's residency actions on entry (their copies count in the phase's time)."""
 
-    def __init__(self, memory=None, profile: bool = False):
+    def __init__(self, memory=None, profile: bool = False, profile_phases=()):
         self.memory = memory
         self.times: dict[str, float] = {}
         self.peaks: dict[str, int] = {}
         self.profile = profile  # each phase under its own torch.profiler; `kernels` holds the top ops
+        self.profile_phases = frozenset(profile_phases)  # the phases profiled (empty: all)
         self.kernels: dict[str, dict] = {}
+        self.totals: dict[str, dict] = {}  # per profiled phase: op events, summed self device and CPU ms
 
     @contextmanager
     def __call__(self, name: str, residency: str | None = None):
@@ -34,16 +36,21 @@ class PhaseTimer:
             self.memory.enter(residency or name)
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()  # after the releases, so the peak is this phase's
-        prof = _profiler() if self.profile else nullcontext()
+        profiled = self.profile and (not self.profile_phases or name in self.profile_phases)
+        prof = _profiler() if profiled else nullcontext()
         with prof:
             yield
             sync()
         self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
         if torch.cuda.is_available():
             self.peaks[name] = max(self.peaks.get(name, 0), torch.cuda.max_memory_allocated())
-        if self.profile:
+        if profiled:
             self.kernels.setdefault(name, {})
-            for row in top_ops(prof):
+            rows = top_ops(prof, limit=None)
+            tot = self.totals.setdefault(name, {"events": 0, "device_ms": 0.0, "cpu_ms": 0.0})
+            for k in tot:  # busy time: the device's kernels and the host's ops, against the phase's wall time
+                tot[k] += sum(r["count" if k == "events" else k] for r in rows)
+            for row in rows[:40]:
                 acc = self.kernels[name].setdefault(row["name"], {**row, "count": 0, "device_ms": 0.0, "cpu_ms": 0.0})
                 for k in ("count", "device_ms", "cpu_ms"):
                     acc[k] += row[k]
@@ -61,8 +68,9 @@ def _profiler():
     return torch.profiler.profile(activities=acts)
 
 
-def top_ops(prof, limit: int = 40) -> list[dict]:
-    """The profiled ops with their count, self device time and self CPU time (ms)."""
+def top_ops(prof, limit: int | None = 40) -> list[dict]:
+    """The profiled ops with their count, self device time and self CPU time (ms), the `limit` largest
+    (None: all)."""
     rows = []
     for e in prof.key_averages():
         dev = getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0))
