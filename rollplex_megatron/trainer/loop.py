@@ -62,7 +62,9 @@ def run_step(rt: Runtime, mode: Mode, step: int) -> dict:
             "prefix_recompute": rt.recompute, "phase_managed_bytes": dict(rt.memory.phase_bytes),
             "offload_bytes": dict(rt.memory.copy_bytes), "host_allocations": rt.memory.host_allocations,
             "rollout": prep.stats, "rollout_layout": rt.plan.get("rollout_layout"),
-            **({"profile": {"top": t.kernel_table(), "busy": t.totals}} if t.profile else {})}
+            **({"profile": {"top": t.kernel_table(), "by_count": t.kernel_table(key="count"),
+                         "by_cpu": t.kernel_table(key="cpu_ms"),
+                         "busy": t.totals}} if t.profile else {})}
 
 
 def _run_dir(cfg: RunConfig) -> Path:
@@ -144,6 +146,8 @@ def train_rank(cfg: RunConfig) -> dict:
                 (run / f"profile_step{step + 1}.json").write_text(json.dumps(
                     {"step": step + 1, "mode": mode.name, "phase_times": rec["phase_times"],
                      "top_ops_per_phase": profile["top"],
+                     "most_run_ops_per_phase": profile["by_count"],  # a host-bound phase shows here
+                     "host_heavy_ops_per_phase": profile["by_cpu"],
                      "busy_per_phase": profile["busy"]}, indent=1))  # summed self times: GPU or host bound
             records.append(rec)
             _log(metrics_path, rec, bar, rank0, tracker)

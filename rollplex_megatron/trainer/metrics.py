@@ -38,6 +38,7 @@ class PhaseTimer:
             torch.cuda.reset_peak_memory_stats()  # after the releases, so the peak is this phase's
         profiled = self.profile and (not self.profile_phases or name in self.profile_phases)
         prof = _profiler() if profiled else nullcontext()
+        compiled = _compiled_frames()
         with prof:
             yield
             sync()
@@ -47,18 +48,26 @@ class PhaseTimer:
         if profiled:
             self.kernels.setdefault(name, {})
             rows = top_ops(prof, limit=None)
-            tot = self.totals.setdefault(name, {"events": 0, "device_ms": 0.0, "cpu_ms": 0.0})
-            for k in tot:  # busy time: the device's kernels and the host's ops, against the phase's wall time
+            tot = self.totals.setdefault(name, {"events": 0, "device_ms": 0.0, "cpu_ms": 0.0, "compiled_frames": 0})
+            tot["compiled_frames"] += _compiled_frames() - compiled  # torch.compile (re)compilations inside the phase
+            for k in ("events", "device_ms", "cpu_ms"):  # busy time: device kernels and host ops vs the phase's wall
                 tot[k] += sum(r["count" if k == "events" else k] for r in rows)
-            for row in rows[:40]:
+            for row in rows:  # every op: the by-count table shows a phase bound by many small host-issued ops
                 acc = self.kernels[name].setdefault(row["name"], {**row, "count": 0, "device_ms": 0.0, "cpu_ms": 0.0})
                 for k in ("count", "device_ms", "cpu_ms"):
                     acc[k] += row[k]
 
-    def kernel_table(self, top: int = 15) -> dict:
-        """Per phase: its `top` ops by device time (GPU kernels) or, on CPU, by self CPU time."""
-        key = "device_ms" if torch.cuda.is_available() else "cpu_ms"
+    def kernel_table(self, top: int = 15, key: str | None = None) -> dict:
+        """Per phase: its `top` ops by `key`: device time (GPU kernels) or, on CPU, self CPU time by
+        default; "count" ranks them by how often they ran."""
+        key = key or ("device_ms" if torch.cuda.is_available() else "cpu_ms")
         return {ph: sorted(rows.values(), key=lambda r: -r[key])[:top] for ph, rows in self.kernels.items()}
+
+
+def _compiled_frames() -> int:
+    """Frames torch.compile has compiled so far in this process (each recompilation counts)."""
+    from torch._dynamo.utils import counters
+    return int(counters["frames"]["ok"])
 
 
 def _profiler():
