@@ -51,6 +51,12 @@ def test_bench_json_schema_and_markdown(tiny_bench):
     assert busy["cpu_ms"] <= prof["phase_times"]["update"] * 1e3
     assert all(row["count"] >= 1 and row["cpu_ms"] >= 0 for row in prof["top_ops_per_phase"]["update"])
     assert any("mm" in row["name"] or "linear" in row["name"] for row in prof["top_ops_per_phase"]["update"])
+    for table, key in (("most_run_ops_per_phase", "count"), ("host_heavy_ops_per_phase", "cpu_ms")):
+        rows = prof[table]["update"]  # the same ops ranked by how often they ran / their host time
+        assert rows and [r[key] for r in rows] == sorted((r[key] for r in rows), reverse=True)
+    assert max(r["count"] for r in prof["most_run_ops_per_phase"]["update"]) >= max(
+        r["count"] for r in prof["top_ops_per_phase"]["update"])
+    assert busy["compiled_frames"] == 0  # nothing is torch.compiled on CPU
     md = (tiny_bench.parent / "BENCHMARKS.md").read_text()
     assert "## tiny" in md and "| serial |" in md and "serial/rollplex" in md
 
