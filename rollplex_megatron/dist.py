@@ -1,7 +1,8 @@
 """torch.distributed + megatron parallel state, and running a function in N local processes.
 
 `run_local` is the one multi-process helper (tests and CLI commands use it when not under
-torchrun): spawn N processes, free port, gloo on CPU / NCCL on GPU, collect each rank's return
+torchrun): start N processes (forked by a forkserver that has the heavy imports loaded, on a CPU
+machine; spawned on a GPU one), free port, gloo on CPU / NCCL on GPU, collect each rank's return
 value, re-raise the first failure with its traceback. Workers exit when their launcher dies
 (`exit_with_parent`), and a rank that fails does not leave the others waiting in a collective.
 """
@@ -313,7 +314,31 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, fn, args, out_dir: str) -> None:
+# What a forkserver imports once, before it forks the workers of every later `run_local` call: a worker
+# then starts with torch, megatron-core, transformers and the trainer loaded instead of importing them
+# (about 10 s of one core per process on a CPU machine).
+PRELOAD = ("rollplex_megatron.trainer.loop", "rollplex_megatron.rollout.engine")
+
+
+def _context(fn, defer_sigterm: bool):
+    """The workers' start method: on a CPU machine a forkserver with `PRELOAD` (and `fn`'s module, at its
+    first start) loaded; `spawn` on a GPU machine (a process forked after anything touched the CUDA driver
+    cannot use CUDA, and a GPU run's start-up is not its cost), when the workers must start with SIGTERM
+    ignored (a forkserver's children do not inherit the launcher's signal dispositions), or when
+    ROLLPLEX_START_METHOD=spawn asks for it."""
+    method = os.environ.get("ROLLPLEX_START_METHOD", "auto")
+    if method not in ("auto", "spawn", "forkserver"):
+        raise ValueError(f"ROLLPLEX_START_METHOD={method!r}: choose auto, spawn or forkserver")
+    if method == "spawn" or defer_sigterm or (method == "auto" and torch.cuda.is_available()):
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([*PRELOAD, fn.__module__])  # read only when the forkserver starts
+    return ctx
+
+
+def _worker(rank: int, world: int, port: int, fn, args, out_dir: str, env: dict) -> None:
+    os.environ.clear()  # the launcher's environment now, as under spawn (a forkserver's is its start's)
+    os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     exit_with_parent()
@@ -375,9 +400,9 @@ def run_local(fn, world_size: int, *args, on_start=None, grace_s: float = 30.0, 
     launcher re-sends it until their handler (`trainer.loop.Preemption`) has taken it.
     """
     with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.get_context("spawn")
+        ctx = _context(fn, defer_sigterm)
         port = free_port()
-        procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, out_dir))
+        procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, out_dir, dict(os.environ)))
                  for r in range(world_size)]
         old = signal.signal(signal.SIGTERM, signal.SIG_IGN) if defer_sigterm else None
         try:

@@ -13,3 +13,10 @@ def one_fails_one_ignores_sigterm() -> None:
         raise RuntimeError("rank 0 broke")
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     time.sleep(60)
+
+
+def environment_and_threads(name: str) -> tuple[str | None, str, int]:
+    """What a worker sees: the variable `name`, its RANK, and torch's intra-op threads."""
+    import torch
+
+    return os.environ.get(name), os.environ["RANK"], torch.get_num_threads()

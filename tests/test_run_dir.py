@@ -145,6 +145,25 @@ def test_a_failed_rank_stops_the_others_even_if_they_ignore_sigterm():
     assert time.monotonic() - t0 < 40  # not the 60 s the stuck rank would wait
 
 
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_workers_see_the_launchers_environment_at_each_call(method, monkeypatch):
+    """Under the CPU default, a forkserver started at an earlier call forks the workers: each call's
+    workers still get the launcher's environment as it is at that call (as spawned ones would), and the
+    per-rank thread count."""
+    monkeypatch.setenv("ROLLPLEX_START_METHOD", method)
+    monkeypatch.delenv("ROLLPLEX_NUM_THREADS", raising=False)
+    for value in ("first", "second"):
+        monkeypatch.setenv("ROLLPLEX_TEST_VALUE", value)
+        got = run_local(launch_workers.environment_and_threads, 2, "ROLLPLEX_TEST_VALUE")
+        threads = max(1, (os.cpu_count() or 1) // 2)
+        assert got == [(value, "0", threads), (value, "1", threads)]
+    monkeypatch.delenv("ROLLPLEX_TEST_VALUE")
+    assert run_local(launch_workers.environment_and_threads, 1, "ROLLPLEX_TEST_VALUE")[0][0] is None
+    monkeypatch.setenv("ROLLPLEX_START_METHOD", "fork")
+    with pytest.raises(ValueError, match="ROLLPLEX_START_METHOD='fork': choose auto, spawn or forkserver"):
+        run_local(launch_workers.environment_and_threads, 1, "X")
+
+
 def test_run_dir_edge_cases(tmp_path):
     """A run that stopped before its first checkpoint: neither restart nor resume, one message for
     both; a torn last record is dropped on resume; a reused worker pid does not block the lock."""
