@@ -3,7 +3,8 @@ one JSON per suite under benchmarks/results/ and BENCHMARKS.md generated from th
 
 A suite is a recipe `recipes/bench/SUITE.yaml` (model, workload, drawn response lengths). A mode is
 `serial`, `prefix_shared`, `rollplex`, `<mode>:bound` (the rollout on a model of its own bound to the
-training storage, `rollout.bound_model`), or a rollplex variant `rollplex:<window>` (interleave, stream,
+training storage, `rollout.bound_model`), `<mode>:tokens<N>` (training micro-batches packed up to N
+response tokens, `workload.micro_batch_tokens`), or a rollplex variant `rollplex:<window>` (interleave, stream,
 tail, green, auto) or `rollplex:keep` (memory.plan=keep). Every figure is a median of the steady
 steps (after `--warmup`); the warm-up steps are kept apart with the phases that hold their excess.
 `--profile` runs one more step per mode under torch.profiler and saves its top ops per phase beside
@@ -59,12 +60,15 @@ def parse_modes(spec: str) -> list[tuple[str, list[str]]]:
         if name not in PHASE_FLOPS:
             raise ValueError(f"--modes: unknown mode {name!r} in {label!r}; choose from {', '.join(PHASE_FLOPS)}")
         over = [f"mode.name={name}"]
+        budget = variant[len("tokens"):] if variant.startswith("tokens") else ""
         if variant == "bound":  # any mode: the rollout on a model of its own bound to the training storage
             over.append("rollout.bound_model=true")
+        elif budget.isdigit() and int(budget) > 0:  # any mode: micro-batches packed up to N response tokens
+            over.append(f"workload.micro_batch_tokens={int(budget)}")
         elif variant:
             if name != "rollplex" or variant not in (*WINDOWS, "keep"):
-                raise ValueError(f"--modes: {label!r}: a variant is rollplex:<{'|'.join(WINDOWS)}|keep> or "
-                                 f"<mode>:bound")
+                raise ValueError(f"--modes: {label!r}: a variant is rollplex:<{'|'.join(WINDOWS)}|keep>, "
+                                 f"<mode>:bound or <mode>:tokens<N> (N > 0)")
             over.append("memory.plan=keep" if variant == "keep" else f"mode.window={variant}")
         out.append((label, over))
     if not out:
