@@ -4,8 +4,9 @@ one JSON per suite under benchmarks/results/ and BENCHMARKS.md generated from th
 A suite is a recipe `recipes/bench/SUITE.yaml` (model, workload, drawn response lengths). A mode is
 `serial`, `prefix_shared`, `rollplex`, `<mode>:bound` (the rollout on a model of its own bound to the
 training storage, `rollout.bound_model`), `<mode>:tokens<N>` (training micro-batches packed up to N
-response tokens, `workload.micro_batch_tokens`), or a rollplex variant `rollplex:<window>` (interleave, stream,
-tail, green, auto) or `rollplex:keep` (memory.plan=keep). Every figure is a median of the steady
+response tokens, `workload.micro_batch_tokens`), `<mode>:keep` / `<mode>:memauto` (memory.plan=keep /
+auto: release only what the device's free memory requires), or a rollplex variant `rollplex:<window>`
+(interleave, stream, tail, green, auto). Every figure is a median of the steady
 steps (after `--warmup`); the warm-up steps are kept apart with the phases that hold their excess.
 `--profile` runs one more step per mode under torch.profiler and saves its top ops per phase beside
 the JSON (that step is left out of every figure); `--profile-phases update,...` profiles only those.
@@ -65,11 +66,13 @@ def parse_modes(spec: str) -> list[tuple[str, list[str]]]:
             over.append("rollout.bound_model=true")
         elif budget.isdigit() and int(budget) > 0:  # any mode: micro-batches packed up to N response tokens
             over.append(f"workload.micro_batch_tokens={int(budget)}")
+        elif variant in ("keep", "memauto"):  # any mode: memory.plan=keep or auto
+            over.append(f"memory.plan={'keep' if variant == 'keep' else 'auto'}")
         elif variant:
-            if name != "rollplex" or variant not in (*WINDOWS, "keep"):
-                raise ValueError(f"--modes: {label!r}: a variant is rollplex:<{'|'.join(WINDOWS)}|keep>, "
-                                 f"<mode>:bound or <mode>:tokens<N> (N > 0)")
-            over.append("memory.plan=keep" if variant == "keep" else f"mode.window={variant}")
+            if name != "rollplex" or variant not in WINDOWS:
+                raise ValueError(f"--modes: {label!r}: a variant is rollplex:<{'|'.join(WINDOWS)}>, <mode>:bound, "
+                                 f"<mode>:tokens<N> (N > 0), <mode>:keep or <mode>:memauto (memory.plan)")
+            over.append(f"mode.window={variant}")
         out.append((label, over))
     if not out:
         raise ValueError("--modes: no mode given")

@@ -462,9 +462,10 @@ class MemoryConfig:
     # Residency plan (memory/manager.py): keep = everything stays on the device (naive colocation);
     # phase = main weights and Adam states offloaded outside the optimizer step, gradients freed
     # outside the update, the reference offloaded where unused, the actor prefix recomputed.
-    # auto = release only what the budget needs (memory/planner.py RELEASE_ORDER), class by class, nothing
-    # when everything fits: the budget is memory.budget_gib, or with 0 the device's free memory at start-up
-    # minus memory.auto_margin_gib (on CPU, without a budget, auto keeps everything)
+    # auto = release only what the budget needs (memory/planner.py auto_release: a minimal set of
+    # RELEASE_ORDER's classes), nothing when everything fits: the budget is memory.budget_gib, or with 0
+    # the device's free memory at start-up minus memory.auto_margin_gib (on CPU, without a budget, auto
+    # keeps everything)
     plan: str = "phase"
     auto_margin_gib: float = 4.0  # memory.plan=auto without a budget: free device memory left unplanned
 

@@ -306,18 +306,29 @@ def runtime_plan(cfg: RunConfig, s: Shape) -> list[TensorClass]:
 
 
 def auto_release(cfg: RunConfig, s: Shape, budget_gib: float) -> frozenset:
-    """`memory.plan=auto`: release classes in RELEASE_ORDER until the run's peak fits `budget_gib`
-    (nothing when everything fits); raises, naming the class and the fix, when even all released do not."""
+    """`memory.plan=auto`: the classes to release so the run's peak fits `budget_gib` (none when
+    everything fits). Releases classes in RELEASE_ORDER until the peak fits, then keeps again, from the
+    last released backwards, every class whose keeping still fits: the set is minimal (keeping any one of
+    its classes goes over the budget), and of the releasable classes it prefers the cheap ones. Raises,
+    naming the class and the fix, when even all released do not fit."""
     rc, mode = runtime_cfg(cfg), cfg.mode.name
+
+    def fits(chosen) -> bool:
+        return summarize(plan(rc, mode, frozenset(chosen), "embedded", s), mode)["peak_gib"] <= budget_gib
+
     chosen: list[str] = []
     for name in (None, *RELEASE_ORDER):
         if name is not None:
             chosen.append(name)
+        if fits(chosen):
+            break
+    else:
         summary = summarize(plan(rc, mode, frozenset(chosen), "embedded", s), mode)
-        if summary["peak_gib"] <= budget_gib:
-            return frozenset(chosen)
-    check_budget(summary, budget_gib, f"{mode} (memory.plan=auto, everything releasable released)", runtime=True)
-    return frozenset(chosen)  # pragma: no cover - check_budget raised
+        check_budget(summary, budget_gib, f"{mode} (memory.plan=auto, everything releasable released)", runtime=True)
+    for name in reversed(chosen[:-1]):  # e.g. rollplex: the prefix graphs alone, the optimizer states kept
+        if fits([c for c in chosen if c != name]):
+            chosen.remove(name)
+    return frozenset(chosen)
 
 
 def rollout_rank_plan(cfg: RunConfig, s: Shape | None = None) -> dict:
