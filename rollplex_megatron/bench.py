@@ -5,8 +5,8 @@ A suite is a recipe `recipes/bench/SUITE.yaml` (model, workload, drawn response 
 `serial`, `prefix_shared`, `rollplex`, `<mode>:bound` (the rollout on a model of its own bound to the
 training storage, `rollout.bound_model`), `<mode>:tokens<N>` (training micro-batches packed up to N
 response tokens, `workload.micro_batch_tokens`), `<mode>:keep` / `<mode>:memauto` (memory.plan=keep /
-auto: release only what the device's free memory requires), or a rollplex variant `rollplex:<window>`
-(interleave, stream, tail, green, auto). Every figure is a median of the steady
+auto: release only what the device's free memory requires), `<mode>:torchnorm` (train.norm_kernel=torch:
+torch's composite RMSNorm), or a rollplex variant `rollplex:<window>` (interleave, stream, tail, green, auto). Every figure is a median of the steady
 steps (after `--warmup`); the warm-up steps are kept apart with the phases that hold their excess.
 `--profile` runs one more step per mode under torch.profiler and saves its top ops per phase beside
 the JSON (that step is left out of every figure); `--profile-phases update,...` profiles only those.
