@@ -24,6 +24,7 @@ from rollplex_megatron.recipes import load_run_config
     (["smoke.image_grid=[1,3,4]"], r"smoke.image_grid h and w must be multiples"),
     (["parallel.tp=0"], r"parallel.tp must be >= 1"),
     (["train.logprob_kernel=fast"], r"train.logprob_kernel must be auto, triton or torch, got 'fast'"),
+    (["train.norm_kernel=fused"], r"train.norm_kernel must be auto, triton or torch, got 'fused'"),
     (["train.profile_phases=[update,decode]"],
      r"train.profile_phases: unknown phase\(s\) \['decode'\]; the phases are"),
     (["workload.micro_batch_tokens=-8"],

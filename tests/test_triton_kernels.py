@@ -8,8 +8,15 @@ CUDA) in fp32; on the GPU machine the same tests run the compiled kernels, in bf
 - sampling: `fused_sample` draws the tokens `sample_tokens(row_uniforms(...))` draws, for several
   temperatures, seeds and logit magnitudes, never a banned id; log-probs within fp32 rounding;
   mutation: another step's uniforms draw other tokens;
-- the engine: decode with both kernels gives the tokens and log-probs of the torch paths.
+- the engine: decode with both kernels gives the tokens and log-probs of the torch paths;
+- RMSNorm (`models/triton_norm.py`, fp32 and bf16 under the interpreter): forward, gx and gw against
+  torch.nn.RMSNorm's autograd on rows of very different scales, 3-D and strided inputs; mutations: a wrong
+  epsilon, torch's default epsilon taken as bf16's, x * r rounded before the weight, gn rounded to bf16,
+  the r^3 term dropped; `train.norm_kernel=triton` replaces every RMSNorm of the model and trains as torch's.
 """
+import importlib.util
+import inspect
+
 import pytest
 import torch
 
@@ -21,6 +28,7 @@ from rollplex_megatron.attention.triton_decode import (
     triton_shared_prefix_decode_attention,
 )
 from rollplex_megatron.dist import run_local
+from rollplex_megatron.models import triton_norm as TN
 from rollplex_megatron.recipes import load_run_config
 from rollplex_megatron.rollout.sampling import SamplingParams, row_uniforms, sample_tokens
 from rollplex_megatron.rollout.triton_sampling import fused_sample
@@ -196,3 +204,172 @@ def test_fused_rms_norm_equals_torchs_and_is_swapped_in_only_for_decode_inputs(m
         norm(x.requires_grad_(True)).sum().backward()  # autograd: torch's module
     assert len(calls) == 1 and norm.weight.grad is not None
     assert "forward" not in vars(norm)  # the module's own forward is back
+
+
+def _norm_case(seed, xdt, wdt, shape=(3, 17), h=320, eps=1e-6, strided=False):
+    """torch.nn.RMSNorm (weight of `wdt`) on x of `xdt` whose rows span 1e-2..1e2 in scale: the module, x, a
+    gradient for y, and torch's y, gx and gw (the composite's autograd beside fp32 weights)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = int(torch.tensor(shape).prod())
+    scale = torch.logspace(-2, 2, rows)[torch.randperm(rows, generator=g)].view(*shape, 1)
+    x = (torch.randn(*shape, 2 * h if strided else h, generator=g) * scale).to(xdt)
+    x = x[..., ::2] if strided else x.transpose(0, 1).contiguous().transpose(0, 1)  # neither contiguous
+    assert not x.is_contiguous()
+    norm = torch.nn.RMSNorm(h, eps=eps).to(wdt)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(h, generator=g) * 2)
+    gy = torch.randn(x.shape, generator=g).to(xdt)
+    xr = x.detach().requires_grad_()
+    y = norm(xr)
+    y.backward(gy)
+    return norm, x, gy, (y.detach(), xr.grad, norm.weight.grad.clone())
+
+
+def _fused(norm, x, gy, eps=None):
+    x = x.detach().requires_grad_()
+    w = norm.weight.detach().clone().requires_grad_()
+    y = TN.fused_rms_norm(x, w, norm.eps if eps is None else eps)
+    y.backward(gy)
+    return y.detach(), x.grad, w.grad
+
+
+def _bits_apart(a, b):
+    """How many representable values apart two same-dtype (16-bit) tensors are, elementwise."""
+    return (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
+
+
+def _agrees(got, want) -> bool:
+    """The bound the fused norm is held to. fp32: 1e-5 relative (DESIGN). bf16 y and gx: equal but for
+    the rounding of a reduction in another order, i.e. at most 1 in 1000 elements differ and those by one
+    ulp; gw (the weight's dtype) 1e-5 relative in fp32, the bf16 rule in bf16."""
+    for a, b in zip(got, want):
+        if a.dtype == torch.float32:
+            if not _rel(a, b) < 1e-5:
+                return False
+        elif (a != b).float().mean() > 1e-3 or _bits_apart(a, b).max() > 1:
+            return False
+    return True
+
+
+def _mutant(tmp_path, kernel, old, new):
+    """`kernel` (a JITFunction of models/triton_norm.py) with the line `old` replaced by `new`."""
+    src = inspect.getsource(kernel.fn)
+    assert old in src
+    path = tmp_path / f"mutant_{abs(hash(new))}.py"
+    path.write_text("import triton\nimport triton.language as tl\n"
+                    "from rollplex_megatron.models.triton_norm import _cast\n\n" + src.replace(old, new))
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return getattr(mod, kernel.fn.__name__)
+
+
+NORM_DTYPES = [(torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("xdt,wdt", NORM_DTYPES, ids=["fp32", "bf16_fp32w", "bf16_bf16w"])
+def test_fused_rms_norm_equals_torchs_autograd(xdt, wdt, tmp_path, monkeypatch):
+    """y, gx and gw of `fused_rms_norm` against torch.nn.RMSNorm (fp32 weights beside bf16 inputs: torch's
+    composite; matched dtypes: torch's own CPU kernel) on 3-D, non-contiguous and last-dim-strided inputs.
+    Measured (CPU, interpreter, these seeds): fp32 y, gx and gw within 1.1e-7 relative; bf16 beside fp32
+    weights y bit-equal, gx bit-equal but for 1 element in 5040 one ulp off, gw (fp32) within 1.0e-7; bf16
+    weights y 1 element in 10^4 one ulp off, gx and gw bit-equal. Each mutation breaks `_agrees`."""
+    cases = [_norm_case(0, xdt, wdt), _norm_case(1, xdt, wdt, shape=(2, 5, 7), h=72, strided=True)]
+    for norm, x, gy, want in cases:
+        got = _fused(norm, x, gy)
+        assert [t.dtype for t in got] == [xdt, xdt, wdt] and got[1].shape == x.shape
+        assert _agrees(got, want), [(_rel(a, b), float((a != b).float().mean())) for a, b in zip(got, want)]
+    norm, x, gy, want = cases[0]
+    assert not _agrees(_fused(norm, x, gy, eps=1e-2), want)  # a wrong epsilon (rows of rms 1e-2)
+    bwd = {"gn_rounded": ("gn = gy * w[None, :]", "gn = (gy * w[None, :]).to(tl.bfloat16).to(tl.float32)"),
+           "no_r3_term": ("gx = gn * r - (gr * (r * r * r) / n_cols) * x", "gx = gn * r")}
+    for name, (old, new) in bwd.items():
+        with monkeypatch.context() as m:
+            m.setattr(TN, "_rms_norm_bwd", _mutant(tmp_path, TN._rms_norm_bwd, old, new))
+            assert not _agrees(_fused(norm, x, gy), want), name
+    if xdt == torch.bfloat16:  # the old decode kernel's rounding: x * r cast to bf16 before the weight product
+        rounded = _mutant(tmp_path, TN._rms_norm_fwd, "y = _cast(x * r[:, None] * w[None, :],",
+                          "y = _cast(_cast(x * r[:, None], y_ptr.dtype.element_ty, RNE_BF16).to(tl.float32)"
+                          " * w[None, :],")
+        monkeypatch.setattr(TN, "_rms_norm_fwd", rounded)
+        assert not _agrees(_fused(norm, x, gy), want)
+
+
+def test_fused_rms_norm_default_epsilon_is_torchs():
+    """eps=None: torch.nn.RMSNorm takes fp32's machine epsilon for bf16 inputs too (not bf16's, 2^-7, which
+    moves rows of rms 0.1 by far more than an ulp); the subclass through the module forward."""
+    norm, x, gy, _ = _norm_case(2, torch.bfloat16, torch.float32, eps=None)
+    want = norm(x)
+    fused = TN.FusedRMSNorm.taking_over(norm)
+    assert fused.weight is norm.weight and fused.eps is None
+    got = fused(x)
+    assert (got != want).float().mean() <= 1e-3 and _bits_apart(got, want).max() <= 1
+    bf16_eps = TN.fused_rms_norm(x, norm.weight, torch.finfo(torch.bfloat16).eps)  # mutation
+    assert (bf16_eps != want).float().mean() > 0.01
+
+
+def _swapped_tiny_model():
+    """In a rank process: the tiny model's RMSNorms before and after `use_norm_kernel`, and the decode context
+    over the fused ones."""
+    from rollplex_megatron.dist import init_parallel
+    from rollplex_megatron.models.qwen25vl import build_model
+    from rollplex_megatron.rollout import triton_norm as RN
+
+    init_parallel(1, 1)
+    cfg = load_run_config(["model=tiny"]).model
+    model = build_model(cfg)
+    before = dict(model.named_parameters())
+    out = {"torch": TN.use_norm_kernel(model, "torch"), "triton": TN.use_norm_kernel(model, "triton"),
+           "want": 2 * cfg.num_layers + 1 + 2 * cfg.vision.depth + 1,
+           "types": sorted({type(m).__name__ for m in model.modules() if isinstance(m, torch.nn.RMSNorm)})}
+    after = dict(model.named_parameters())
+    out["same_params"] = after.keys() == before.keys() and all(after[n] is p for n, p in before.items())
+    norm, calls, kernel = model.language_model.decoder.final_layernorm, [], RN.triton_rms_norm
+    RN.triton_rms_norm = lambda *a: calls.append(1) or kernel(*a)
+    x = torch.randn(1, 3, cfg.hidden_size)
+    with RN.fused_rms_norms(model.language_model), torch.no_grad():
+        out["decode_equal"] = torch.equal(norm(x), TN.FusedRMSNorm.forward(norm, x))  # the context's kernel
+        out["decode_calls"] = len(calls)
+        norm(torch.randn(1, 1, 3, cfg.hidden_size))  # another shape: FusedRMSNorm's own forward
+    out["calls"], out["restored"] = len(calls), "forward" not in vars(norm)
+    return out
+
+
+def test_norm_kernel_setting_resolves_and_replaces_every_rmsnorm(monkeypatch):
+    """auto is torch's RMSNorm on CPU; triton (under the interpreter) replaces each of the tiny model's
+    RMSNorms (LLM layers' two, the final norm, vision blocks' two, the merger's ln_q) by a FusedRMSNorm on
+    the same Parameter; without the interpreter triton is refused, and a bad value names the setting.
+    The decode context (rollout/triton_norm.py) runs over the subclass and falls back to its forward."""
+    assert TN.norm_kernel_for("auto", "cpu") == "torch" and TN.norm_kernel_for("triton", "cpu") == "triton"
+    with pytest.raises(ValueError, match=r"^train.norm_kernel must be auto, triton or torch, got 'fast'$"):
+        TN.norm_kernel_for("fast", "cpu")
+    monkeypatch.setattr(TN, "INTERPRET", False)
+    with pytest.raises(ValueError, match="train.norm_kernel=triton needs a CUDA device"):
+        TN.norm_kernel_for("triton", "cpu")
+    out = run_local(_swapped_tiny_model, 1)[0]
+    assert (out["torch"], out["triton"], out["types"]) == (0, out["want"], ["FusedRMSNorm"]) and out["same_params"]
+    assert out["decode_equal"] and out["decode_calls"] == 1 and out["calls"] == 1 and out["restored"]
+
+
+def test_trainer_step_with_the_fused_norm_gives_the_torch_update(tiny_hf):
+    """A rollplex step at the tiny checkpoint with train.norm_kernel=triton (every RMSNorm of actor and
+    reference fused, interpreted) against torch: the same tokens, loss and gradient norm within the first
+    step's bound (STEP1_TOL; measured 0 and 1.0e-7) and every parameter after the optimizer step within TOL
+    (measured 6e-7). A second step's loss differs by 9e-6, close to TOL: the KL term, at weights that already
+    differ by the first step's rounding, amplifies it (test_trainer.py's note on lr 3e-4)."""
+    from tests import trainer_workers as W
+    from tests.in_turn import case, in_turn
+    from tests.test_trainer import STEP1_TOL, TOL, _cfg, _param_err
+
+    small = ["workload.rollout_batch=8", "workload.responses_per_micro_batch=4"]
+    runs = run_local(in_turn, 1, {k: (W.run_steps, (_cfg("rollplex", *small, f"train.norm_kernel={k}", hf=tiny_hf),
+                                                    1)) for k in ("torch", "triton")})[0]
+    fused, plain = case(runs, "triton"), case(runs, "torch")
+    assert (fused["norm_kernel"], fused["norms"]) == ("triton", ["FusedRMSNorm"])
+    assert (plain["norm_kernel"], plain["norms"]) == ("torch", ["RMSNorm"])
+    assert fused["tokens"] == plain["tokens"]
+    (a,), (b,) = fused["records"], plain["records"]
+    for k in ("loss", "grad_norm"):
+        assert abs(a[k] - b[k]) <= STEP1_TOL * abs(b[k]), (k, a[k], b[k])
+    err, name = _param_err(fused, plain)
+    assert err <= TOL, (name, err)

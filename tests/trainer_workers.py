@@ -6,6 +6,7 @@ def run_steps(cfg, steps: int, mutant: str = "", weights_after: int = 0):
     """`steps` RL steps of cfg.mode; per-step rollout tokens and records, initial and final weights (with
     `weights_after`, also the weights after that many steps: a longer run stands in for a shorter one), and
     how many responses each micro-batch the trainer built holds (`micro_batches`: one list per build)."""
+    import torch
     from megatron.core import parallel_state as ps
 
     from rollplex_megatron.trainer.loop import run_step
@@ -93,7 +94,9 @@ def run_steps(cfg, steps: int, mutant: str = "", weights_after: int = 0):
     keep = ps.get_tensor_model_parallel_world_size() == 1 and ps.get_pipeline_model_parallel_world_size() == 1
     return {"tokens": tokens, "records": records, "informative": informative, "first": first if keep else None,
             "last": last if keep else None, "after": after if keep else None, "micro_batches": sizes,
-            "logprob_kernel": rt.logprob_kernel}
+            "logprob_kernel": rt.logprob_kernel, "norm_kernel": rt.norm_kernel,
+            "norms": sorted({type(m).__name__ for m in [*rt.ddp.module.modules(), *rt.ref.modules()]
+                             if isinstance(m, torch.nn.RMSNorm)})}
 
 
 def _twice_overflow(lens, per_mb, max_tokens=0):

@@ -12,7 +12,8 @@ One function, `plan(cfg, mode, residency, engine)`, models every combination:
   the shape of the task's real prompts (checked against `memory.budget_gib` before the models are
   built, and against the allocator's per-phase peaks on the GPU).
 Activations are what megatron-core's local layers save for backward in bf16, counted tensor by
-tensor (the count is tested exactly against autograd's saved tensors); phase workspaces (the loss's
+tensor (the count is tested exactly against autograd's saved tensors), with the RMSNorm that runs
+(`train.norm_kernel`, `norm_kernel`); phase workspaces (the loss's
 logits, torch Adam's sqrt buffer) are classes of their one phase.
 """
 from __future__ import annotations
@@ -21,6 +22,8 @@ from dataclasses import asdict, replace
 
 from rollplex_megatron.config import ModelConfig, RunConfig
 from rollplex_megatron.memory.classes import PlanInputs, Shape, TensorClass
+from rollplex_megatron.models.triton_norm import norm_kernel_for
+from rollplex_megatron.runtime import device
 from rollplex_megatron.trainer.modes import get_mode
 from rollplex_megatron.weights.plan import plan_pairs, rank_pairs, split_gemm_bytes, split_local
 
@@ -100,45 +103,61 @@ def kv_bytes_per_token(cfg: ModelConfig, tp: int, layers: int, elem: int = 2) ->
     return 2 * layers * heads * cfg.head_dim * elem
 
 
-def layer_activation_bytes(cfg: ModelConfig, tp: int, sp: bool) -> int:
+def norm_kernel(cfg: RunConfig) -> str:
+    """The RMSNorm a plan counts: `train.norm_kernel`, `auto` meaning the GPU run's triton (the trainer's own
+    plan resolves it on its device first: `runtime_cfg`)."""
+    return "torch" if cfg.train.norm_kernel == "torch" else "triton"
+
+
+def norm_bytes(width: int, norm: str) -> int:
+    """What one RMSNorm saves per row in bf16: torch's composite an fp32 input, its fp32 normalised output
+    and an fp32 rsqrt (8 width + 4); the fused kernel (models/triton_norm.py) the bf16 input and the fp32
+    rsqrt (2 width + 4)."""
+    return (8 if norm == "torch" else 2) * width + 4
+
+
+def layer_activation_bytes(cfg: ModelConfig, tp: int, sp: bool, norm: str = "torch") -> int:
     """Bytes one decoder layer saves for backward per token in bf16 (megatron-core's local spec).
 
-    Counted from the tensors autograd saves (tests/test_memory_plan.py checks the count exactly):
-    each RMSNorm keeps an fp32 input, its fp32 normalised output and an fp32 rsqrt (8h + 4, twice);
-    QKV and fc1 keep their bf16 inputs (2h each); rotary keeps cos/sin of q and k (8D); attention
-    keeps q and k after rotary, the fused QKV buffer (v is a view of it), its output and an fp32
-    log-sum-exp per head; linear_proj's input is that output; fc1's output (2f wide), the SwiGLU
-    halves and fc2's input cost 10f. Sequence parallelism splits the h-wide terms over TP."""
+    Counted from the tensors autograd saves (tests/test_memory_plan.py checks the count exactly, and
+    tests/test_memory_runtime.py against autograd): each RMSNorm's saved tensors (`norm_bytes`, twice);
+    QKV and fc1 keep their bf16 inputs (2h each); rotary keeps cos/sin of q and k (8D); attention keeps
+    q and k after rotary, the fused QKV buffer (v is a view of it), its output and an fp32 log-sum-exp per
+    head; linear_proj's input is that output; fc1's output (2f wide), the SwiGLU halves and fc2's input
+    cost 10f. Sequence parallelism splits the h-wide terms over TP."""
     h, d = cfg.hidden_size, cfg.head_dim
     q = cfg.num_attention_heads * d // tp
     kv = max(cfg.num_query_groups // tp, 1) * d
     heads = cfg.num_attention_heads // tp
-    replicated = (20 * h + 8) // (tp if sp else 1)
+    replicated = (2 * norm_bytes(h, norm) + 4 * h) // (tp if sp else 1)
     return replicated + 8 * d + 2 * q + 2 * kv + 2 * (q + 2 * kv) + 4 * heads + 2 * q + 10 * cfg.ffn_hidden_size // tp
 
 
-def block_activation_bytes(cfg: ModelConfig, tp: int) -> int:
+def block_activation_bytes(cfg: ModelConfig, tp: int, norm: str = "torch") -> int:
     """The same for one vision block, per patch: norms and QKV/fc1 inputs replicated, windowed
     attention's gathered q/k/v and scattered output, linear_proj input, SwiGLU MLP."""
     v = cfg.vision
     vh = v.hidden_size
     d, heads = vh // v.num_heads, v.num_heads // tp
-    return 20 * vh + 8 + 8 * d + (10 * vh) // tp + 4 * heads + 10 * cfg.padded_vision_ffn(tp) // tp
+    return (2 * norm_bytes(vh, norm) + 4 * vh + 8 * d + (10 * vh) // tp + 4 * heads
+            + 10 * cfg.padded_vision_ffn(tp) // tp)
 
 
-def vision_base_bytes(cfg: ModelConfig, tp: int) -> int:
+def vision_base_bytes(cfg: ModelConfig, tp: int, norm: str = "torch") -> int:
     """Per patch outside the blocks: the patch embedding's input and the merger (norm, MLP)."""
     v = cfg.vision
     pixels = 2 * v.in_channels * v.temporal_patch_size * v.patch_size**2
-    return pixels + 8 * v.hidden_size + 4 + 2 * v.hidden_size + 4 * v.hidden_size // tp
+    return pixels + norm_bytes(v.hidden_size, norm) + 2 * v.hidden_size + 4 * v.hidden_size // tp
 
 
-def prefix_graph_bytes(cfg: ModelConfig, tp: int, pp: int, sp: bool, tokens: int, patches: int) -> int:
-    """What one prefix forward with a graph saves on the fullest stage (vision on the first)."""
+def prefix_graph_bytes(cfg: ModelConfig, tp: int, pp: int, sp: bool, tokens: int, patches: int,
+                       norm: str = "torch") -> int:
+    """What one prefix forward with a graph saves on the fullest stage (vision on the first); `norm`: the
+    RMSNorm that runs (torch | triton)."""
     h = cfg.hidden_size
-    llm = tokens * (cfg.num_layers // pp) * layer_activation_bytes(cfg, tp, sp)
-    final_norm = tokens * (8 * h + 4) // (tp if sp else 1) if pp == 1 else 0
-    vis = patches * (cfg.vision.depth * block_activation_bytes(cfg, tp) + vision_base_bytes(cfg, tp))
+    llm = tokens * (cfg.num_layers // pp) * layer_activation_bytes(cfg, tp, sp, norm)
+    final_norm = tokens * norm_bytes(h, norm) // (tp if sp else 1) if pp == 1 else 0
+    vis = patches * (cfg.vision.depth * block_activation_bytes(cfg, tp, norm) + vision_base_bytes(cfg, tp, norm))
     return llm + final_norm + vis
 
 
@@ -148,10 +167,11 @@ def logits_bytes(cfg: ModelConfig, tp: int, tokens: int) -> int:
     return tokens * (cfg.vocab_size // tp) * 10
 
 
-def training_forward_bytes(cfg: ModelConfig, tp: int, pp: int, sp: bool, tokens: int, patches: int) -> int:
+def training_forward_bytes(cfg: ModelConfig, tp: int, pp: int, sp: bool, tokens: int, patches: int,
+                           norm: str = "torch") -> int:
     """A micro-batch's saved activations plus the loss workspace (the update's peak moment)."""
     out_in = tokens * 2 * cfg.hidden_size // (tp if sp else 1)  # the output layer's input
-    return prefix_graph_bytes(cfg, tp, pp, sp, tokens, patches) + out_in + logits_bytes(cfg, tp, tokens)
+    return prefix_graph_bytes(cfg, tp, pp, sp, tokens, patches, norm) + out_in + logits_bytes(cfg, tp, tokens)
 
 
 def workload_shape(cfg: RunConfig, prefix_tokens: int | None = None, patches: int | None = None,
@@ -221,7 +241,7 @@ def plan(cfg: RunConfig, mode: str, residency: str, engine: str, s: Shape | None
     Phase workspaces (loss, Adam, the micro-batch's activations) are classes of their one phase.
     """
     s = s or workload_shape(cfg)
-    m, par, sp = cfg.model, cfg.parallel, cfg.plan.sequence_parallel
+    m, par, sp, norm = cfg.model, cfg.parallel, cfg.plan.sequence_parallel, norm_kernel(cfg)
     e = 2 if cfg.dtype == "bfloat16" else 4
     allp = phases(mode)
     w = _weights(cfg)
@@ -267,10 +287,10 @@ def plan(cfg: RunConfig, mode: str, residency: str, engine: str, s: Shape | None
         out.append(TensorClass("decode_workspace", s.samples * v * 10, ("rollout",), "free",
                                "one decode step's logits and sampling uniforms"))
     inputs = PlanInputs(s, keep, prefix_kv_fp32=s.prompts * s.P * kv32, prefix_kv=s.prompts * s.P * kv_tok,
-                        prefix_graph=prefix_graph_bytes(m, par.tp, par.pp, sp, s.P, s.patches),
+                        prefix_graph=prefix_graph_bytes(m, par.tp, par.pp, sp, s.P, s.patches, norm),
                         logits=lambda tokens: logits_bytes(m, par.tp, tokens),
                         activations=lambda tokens, patches: training_forward_bytes(m, par.tp, par.pp, sp, tokens,
-                                                                                   patches),
+                                                                                   patches, norm),
                         rounds=1 + cfg.train.max_resample_rounds if cfg.train.dynamic_sampling else 1)
     out += get_mode(mode).memory_classes(inputs)
     adam = 0 if cfg.plan.fused_adam else w["optimizer_states"] // 2
@@ -291,13 +311,15 @@ def rollplex_plan(cfg: RunConfig, s: Shape | None = None) -> list[TensorClass]:
 
 def runtime_cfg(cfg: RunConfig) -> RunConfig:
     """`cfg` with the plan.* layout the trainer really runs: no sequence parallelism, megatron's
-    plain optimizer, and torch's Adam unless transformer-engine or apex gives megatron a fused one."""
+    plain optimizer, torch's Adam unless transformer-engine or apex gives megatron a fused one, and
+    `train.norm_kernel` resolved on this process's device (auto: torch's RMSNorm on CPU)."""
     try:
         from megatron.core.optimizer import USING_PYTORCH_OPTIMIZER as torch_adam
     except ImportError:  # pragma: no cover - older megatron-core
         torch_adam = True
     return replace(cfg, plan=replace(cfg.plan, sequence_parallel=False, distributed_optimizer=False,
-                                     fused_adam=not torch_adam))
+                                     fused_adam=not torch_adam),
+                   train=replace(cfg.train, norm_kernel=norm_kernel_for(cfg.train.norm_kernel, device())))
 
 
 def runtime_plan(cfg: RunConfig, s: Shape) -> list[TensorClass]:

@@ -20,6 +20,7 @@ from rollplex_megatron.memory.planner import (RELEASE_ORDER, auto_release, check
                                               rollout_rank_plan, runtime_cfg, runtime_plan, summarize,
                                               workload_shape)
 from rollplex_megatron.models.qwen25vl import build_model
+from rollplex_megatron.models.triton_norm import norm_kernel_for, use_norm_kernel
 from rollplex_megatron.optim import build_optimizer, build_scheduler, current_lr, optimizer_step
 from rollplex_megatron.prefix import batch as B
 from rollplex_megatron.prefix import execution as X
@@ -125,9 +126,22 @@ def auto_budget_gib(cfg: RunConfig) -> float | None:
     return float(budget)
 
 
-def build_policy(cfg: RunConfig):
-    """This rank's stage of the model, with `train.init_hf`'s weights when it is set (else megatron's init)."""
+def training_model(cfg: RunConfig):
+    """This rank's stage of a training-side model (megatron's init) with `train.norm_kernel`'s RMSNorms.
+
+    The switch applies to the models built here: the actor, the reference and `eval`'s policy (and, through
+    ROLLPLEX_VERL_NORM_KERNEL, the verl engine's). The rollout's own models (replicas at `rollout.tp`, the
+    disaggregated rollout ranks, SGLang's prefix jobs) and the benchmark/verification builds keep torch's
+    RMSNorm; the decode step has its own kernel context (rollout/triton_norm.py) over either."""
     model = build_model(cfg.model, cfg.dtype, cfg.megatron)
+    use_norm_kernel(model, norm_kernel_for(cfg.train.norm_kernel, device()))
+    return model
+
+
+def build_policy(cfg: RunConfig):
+    """This rank's stage of the model (`training_model`), with `train.init_hf`'s weights when it is set
+    (else megatron's init)."""
+    model = training_model(cfg)
     if cfg.train.init_hf:
         load_hf_into_model(model, HFCheckpoint(cfg.train.init_hf), cfg.model, ps.get_tensor_model_parallel_rank(),
                            cfg.parallel.tp, ps.get_pipeline_model_parallel_rank(), cfg.parallel.pp)
@@ -163,7 +177,7 @@ class Runtime:
         self.source = build_source(cfg)  # bad data settings fail before building models
         self.plan = memory_plan(cfg, self.source)  # over memory.budget_gib: fails here, before any model
         actor = build_policy(cfg)
-        self.ref = build_model(cfg.model, cfg.dtype, cfg.megatron)
+        self.ref = training_model(cfg)
         self.ref.load_state_dict(actor.state_dict())  # the reference is the initial policy, frozen
         self.ref.requires_grad_(False)
         self.ddp = wrap_ddp(actor)
@@ -193,6 +207,7 @@ class Runtime:
         # every log-prob the loss sees is the sampled policy's: its temperature, its banned tokens (DESIGN 3)
         self.banned = cfg.model.vision_token_ids  # the engine's sampler bans them too
         self.logprob_kernel = logprob_kernel_for(cfg.train.logprob_kernel, device())
+        self.norm_kernel = norm_kernel_for(cfg.train.norm_kernel, device())  # what training_model applied
         self.score_loss = partial(X.logprob_loss, temperature=r.temperature, banned=self.banned,
                                   tp_rank=ps.get_tensor_model_parallel_rank(),
                                   tp_group=ps.get_tensor_model_parallel_group(), kernel=self.logprob_kernel)
