@@ -212,13 +212,13 @@ def _norm_case(seed, xdt, wdt, shape=(3, 17), h=320, eps=1e-6, strided=False):
     g = torch.Generator().manual_seed(seed)
     rows = int(torch.tensor(shape).prod())
     scale = torch.logspace(-2, 2, rows)[torch.randperm(rows, generator=g)].view(*shape, 1)
-    x = (torch.randn(*shape, 2 * h if strided else h, generator=g) * scale).to(xdt)
+    x = (torch.randn(*shape, 2 * h if strided else h, generator=g) * scale).to(DEV, xdt)
     x = x[..., ::2] if strided else x.transpose(0, 1).contiguous().transpose(0, 1)  # neither contiguous
     assert not x.is_contiguous()
-    norm = torch.nn.RMSNorm(h, eps=eps).to(wdt)
+    norm = torch.nn.RMSNorm(h, eps=eps).to(DEV, wdt)
     with torch.no_grad():
         norm.weight.copy_(torch.randn(h, generator=g) * 2)
-    gy = torch.randn(x.shape, generator=g).to(xdt)
+    gy = torch.randn(x.shape, generator=g).to(DEV, xdt)
     xr = x.detach().requires_grad_()
     y = norm(xr)
     y.backward(gy)
@@ -326,11 +326,11 @@ def _swapped_tiny_model():
     out["same_params"] = after.keys() == before.keys() and all(after[n] is p for n, p in before.items())
     norm, calls, kernel = model.language_model.decoder.final_layernorm, [], RN.triton_rms_norm
     RN.triton_rms_norm = lambda *a: calls.append(1) or kernel(*a)
-    x = torch.randn(1, 3, cfg.hidden_size)
+    x = torch.randn(1, 3, cfg.hidden_size, device=norm.weight.device)
     with RN.fused_rms_norms(model.language_model), torch.no_grad():
         out["decode_equal"] = torch.equal(norm(x), TN.FusedRMSNorm.forward(norm, x))  # the context's kernel
         out["decode_calls"] = len(calls)
-        norm(torch.randn(1, 1, 3, cfg.hidden_size))  # another shape: FusedRMSNorm's own forward
+        norm(torch.randn(1, 1, 3, cfg.hidden_size, device=x.device))  # another shape: FusedRMSNorm's own forward
     out["calls"], out["restored"] = len(calls), "forward" not in vars(norm)
     return out
 
@@ -340,7 +340,8 @@ def test_norm_kernel_setting_resolves_and_replaces_every_rmsnorm(monkeypatch):
     RMSNorms (LLM layers' two, the final norm, vision blocks' two, the merger's ln_q) by a FusedRMSNorm on
     the same Parameter; without the interpreter triton is refused, and a bad value names the setting.
     The decode context (rollout/triton_norm.py) runs over the subclass and falls back to its forward."""
-    assert TN.norm_kernel_for("auto", "cpu") == "torch" and TN.norm_kernel_for("triton", "cpu") == "triton"
+    assert TN.norm_kernel_for("auto", "cpu") == "torch" and TN.norm_kernel_for("triton", DEV) == "triton"
+    assert TN.norm_kernel_for("auto", DEV) == ("triton" if GPU else "torch")
     with pytest.raises(ValueError, match=r"^train.norm_kernel must be auto, triton or torch, got 'fast'$"):
         TN.norm_kernel_for("fast", "cpu")
     monkeypatch.setattr(TN, "INTERPRET", False)
@@ -369,7 +370,11 @@ def test_trainer_step_with_the_fused_norm_gives_the_torch_update(tiny_hf):
     assert (plain["norm_kernel"], plain["norms"]) == ("torch", ["RMSNorm"])
     assert fused["tokens"] == plain["tokens"]
     (a,), (b,) = fused["records"], plain["records"]
+    # on CPU both runs share every op but the norm's (interpreted): the mechanism's bound; on the GPU the
+    # kernel's rsqrt and sums are the device's, beside other kernels: DESIGN's fp32 bound (the H200 at
+    # 3a15c52: the gradient norm 8.9e-6 relative apart, close to it)
+    bound = TOL if GPU else STEP1_TOL
     for k in ("loss", "grad_norm"):
-        assert abs(a[k] - b[k]) <= STEP1_TOL * abs(b[k]), (k, a[k], b[k])
+        assert abs(a[k] - b[k]) <= bound * abs(b[k]), (k, a[k], b[k])
     err, name = _param_err(fused, plain)
     assert err <= TOL, (name, err)
