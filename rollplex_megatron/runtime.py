@@ -19,6 +19,21 @@ def device():
     return torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
 
 
+def kernel_for(setting: str, kernel: str, dev) -> str:
+    """A kernel switch (`train.logprob_kernel`, `train.norm_kernel`: auto | triton | torch) resolved on `dev`:
+    `auto` is the Triton kernel on CUDA and the torch path elsewhere; `triton` needs CUDA or TRITON_INTERPRET=1
+    (the kernels under Triton's interpreter: CPU tests)."""
+    if kernel not in ("auto", "triton", "torch"):
+        raise ValueError(f"{setting} must be auto, triton or torch, got {kernel!r}")
+    on_cuda = torch.device(dev).type == "cuda"
+    if kernel == "triton" and not on_cuda:
+        from rollplex_megatron.attention import triton_decode
+
+        if not triton_decode.INTERPRET:
+            raise ValueError(f"{setting}=triton needs a CUDA device (or TRITON_INTERPRET=1); use auto or torch")
+    return "triton" if kernel == "triton" or (kernel == "auto" and on_cuda) else "torch"
+
+
 def sync() -> None:
     """Wait for the device (a no-op on CPU): phase timings and host reads need it."""
     if torch.cuda.is_available():

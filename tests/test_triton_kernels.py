@@ -27,6 +27,7 @@ from rollplex_megatron.attention.triton_decode import (
     triton_index,
     triton_shared_prefix_decode_attention,
 )
+from rollplex_megatron.attention import triton_decode
 from rollplex_megatron.dist import run_local
 from rollplex_megatron.models import triton_norm as TN
 from rollplex_megatron.recipes import load_run_config
@@ -344,7 +345,7 @@ def test_norm_kernel_setting_resolves_and_replaces_every_rmsnorm(monkeypatch):
     assert TN.norm_kernel_for("auto", DEV) == ("triton" if GPU else "torch")
     with pytest.raises(ValueError, match=r"^train.norm_kernel must be auto, triton or torch, got 'fast'$"):
         TN.norm_kernel_for("fast", "cpu")
-    monkeypatch.setattr(TN, "INTERPRET", False)
+    monkeypatch.setattr(triton_decode, "INTERPRET", False)  # what the resolver (runtime.kernel_for) reads
     with pytest.raises(ValueError, match="train.norm_kernel=triton needs a CUDA device"):
         TN.norm_kernel_for("triton", "cpu")
     out = run_local(_swapped_tiny_model, 1)[0]

@@ -22,8 +22,7 @@ from dataclasses import asdict, replace
 
 from rollplex_megatron.config import ModelConfig, RunConfig
 from rollplex_megatron.memory.classes import PlanInputs, Shape, TensorClass
-from rollplex_megatron.models.triton_norm import norm_kernel_for
-from rollplex_megatron.runtime import device
+from rollplex_megatron.runtime import device, kernel_for
 from rollplex_megatron.trainer.modes import get_mode
 from rollplex_megatron.weights.plan import plan_pairs, rank_pairs, split_gemm_bytes, split_local
 
@@ -317,9 +316,9 @@ def runtime_cfg(cfg: RunConfig) -> RunConfig:
         from megatron.core.optimizer import USING_PYTORCH_OPTIMIZER as torch_adam
     except ImportError:  # pragma: no cover - older megatron-core
         torch_adam = True
+    norm = kernel_for("train.norm_kernel", cfg.train.norm_kernel, device())
     return replace(cfg, plan=replace(cfg.plan, sequence_parallel=False, distributed_optimizer=False,
-                                     fused_adam=not torch_adam),
-                   train=replace(cfg.train, norm_kernel=norm_kernel_for(cfg.train.norm_kernel, device())))
+                                     fused_adam=not torch_adam), train=replace(cfg.train, norm_kernel=norm))
 
 
 def runtime_plan(cfg: RunConfig, s: Shape) -> list[TensorClass]:

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from rollplex_megatron.attention.triton_decode import INTERPRET
-from rollplex_megatron.config import NORM_KERNELS
+from rollplex_megatron.runtime import kernel_for
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # fp32 math; other inputs keep torch's module
 
@@ -199,10 +199,5 @@ def use_norm_kernel(model: torch.nn.Module, kernel: str) -> int:
 
 def norm_kernel_for(kernel: str, device) -> str:
     """`train.norm_kernel` resolved on `device`: `auto` is the fused kernel on CUDA and torch's RMSNorm
-    elsewhere; `triton` needs CUDA or TRITON_INTERPRET=1."""
-    if kernel not in NORM_KERNELS:
-        raise ValueError(f"train.norm_kernel must be auto, triton or torch, got {kernel!r}")
-    on_cuda = torch.device(device).type == "cuda"
-    if kernel == "triton" and not (on_cuda or INTERPRET):
-        raise ValueError("train.norm_kernel=triton needs a CUDA device (or TRITON_INTERPRET=1); use auto or torch")
-    return "triton" if kernel == "triton" or (kernel == "auto" and on_cuda) else "torch"
+    elsewhere (`runtime.kernel_for`)."""
+    return kernel_for("train.norm_kernel", kernel, device)

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from megatron.core import tensor_parallel
 from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
-from rollplex_megatron.config import LOGPROB_KERNELS
+from rollplex_megatron.runtime import kernel_for
 
 
 def policy_logits(logits_BTV: torch.Tensor, temperature: float = 1.0, banned: tuple[int, ...] = (),
@@ -144,17 +144,8 @@ def vocab_parallel_entropy(logits_local: torch.Tensor, group=None) -> torch.Tens
 def logprob_kernel_for(kernel: str, device) -> str:
     """`train.logprob_kernel` resolved on `device`: `auto` is the fused kernel on CUDA (GPU-tested, and 6.0-6.9x
     faster than the torch path with a twelfth of its memory at 4k-16k rows: benchmarks/results/
-    logprob_kernel_h200.json) and the torch path elsewhere; `triton` needs CUDA or TRITON_INTERPRET=1."""
-    if kernel not in LOGPROB_KERNELS:
-        raise ValueError(f"train.logprob_kernel must be one of {LOGPROB_KERNELS}, got {kernel!r}")
-    on_cuda = torch.device(device).type == "cuda"
-    if kernel == "triton":
-        from rollplex_megatron.attention.triton_decode import INTERPRET
-
-        if not on_cuda and not INTERPRET:
-            raise ValueError("train.logprob_kernel=triton needs a CUDA device (or TRITON_INTERPRET=1); use auto")
-        return "triton"
-    return "triton" if kernel == "auto" and on_cuda else "torch"
+    logprob_kernel_h200.json) and the torch path elsewhere (`runtime.kernel_for`)."""
+    return kernel_for("train.logprob_kernel", kernel, device)
 
 
 def policy_logprob_entropy(logits_BTV: torch.Tensor, labels_BT: torch.Tensor, temperature: float = 1.0,
