@@ -6,7 +6,8 @@ A suite is a recipe `recipes/bench/SUITE.yaml` (model, workload, drawn response 
 training storage, `rollout.bound_model`), `<mode>:tokens<N>` (training micro-batches packed up to N
 response tokens, `workload.micro_batch_tokens`), `<mode>:keep` / `<mode>:memauto` (memory.plan=keep /
 auto: release only what the device's free memory requires), `<mode>:torchnorm` (train.norm_kernel=torch:
-torch's composite RMSNorm), or a rollplex variant `rollplex:<window>` (interleave, stream, tail, green,
+torch's composite RMSNorm), `<mode>:fusedrope` (train.rope_kernel=triton: the training models' RoPE as
+one kernel per q and k), or a rollplex variant `rollplex:<window>` (interleave, stream, tail, green,
 auto). Every figure is a median of the steady
 steps (after `--warmup`); the warm-up steps are kept apart with the phases that hold their excess.
 `--profile` runs one more step per mode under torch.profiler and saves its top ops per phase beside
@@ -71,10 +72,13 @@ def parse_modes(spec: str) -> list[tuple[str, list[str]]]:
             over.append(f"memory.plan={'keep' if variant == 'keep' else 'auto'}")
         elif variant == "torchnorm":  # any mode: torch's composite RMSNorm in the training models
             over.append("train.norm_kernel=torch")
+        elif variant == "fusedrope":  # any mode: the fused RoPE in the training models
+            over.append("train.rope_kernel=triton")
         elif variant:
             if name != "rollplex" or variant not in WINDOWS:
                 raise ValueError(f"--modes: {label!r}: a variant is rollplex:<{'|'.join(WINDOWS)}>, <mode>:bound, "
-                                 f"<mode>:tokens<N> (N > 0), <mode>:keep, <mode>:memauto or <mode>:torchnorm")
+                                 f"<mode>:tokens<N> (N > 0), <mode>:keep, <mode>:memauto, <mode>:torchnorm or "
+                                 f"<mode>:fusedrope")
             over.append(f"mode.window={variant}")
         out.append((label, over))
     if not out:

@@ -402,6 +402,7 @@ def check_sampling(temperature: float, top_p: float, top_k: int, where: str) -> 
 
 LOGPROB_KERNELS = ("auto", "triton", "torch")  # train.logprob_kernel (rl/grpo.logprob_kernel_for)
 NORM_KERNELS = ("auto", "triton", "torch")  # train.norm_kernel (models/triton_norm.norm_kernel_for)
+ROPE_KERNELS = ("auto", "triton", "torch")  # train.rope_kernel (models/triton_rope.rope_kernel_for)
 # the step's timed phases (trainer/metrics.PhaseTimer names; weight_refresh only with a rollout model of its own)
 STEP_PHASES = ("rollout", "reward", "old_logp", "ref_logp", "update", "optimizer", "weight_refresh")
 
@@ -555,6 +556,10 @@ class TrainConfig:
     # (one kernel forward, one backward, the same roundings: models/triton_norm.py; CUDA); auto is triton on
     # CUDA, torch elsewhere
     norm_kernel: str = "auto"
+    # the training models' RoPE: torch (megatron's unfused rotary in every layer) or triton (cos/sin once per
+    # forward, one kernel per q and k in the attention context, megatron's roundings: models/triton_rope.py);
+    # auto is triton on CUDA. The default stays torch until the kernel's tests have run on a GPU
+    rope_kernel: str = "torch"
     clip_low: float = 0.2  # PPO ratio clip below 1
     clip_high: float = 0.2  # PPO ratio clip above 1
     clip_ratio_c: float = 0.0  # dual clip: negative-advantage tokens' loss capped at clip_ratio_c * |A| (0: off; > 1)
@@ -583,6 +588,8 @@ class TrainConfig:
             raise ValueError(f"train.logprob_kernel must be auto, triton or torch, got {self.logprob_kernel!r}")
         if self.norm_kernel not in NORM_KERNELS:
             raise ValueError(f"train.norm_kernel must be auto, triton or torch, got {self.norm_kernel!r}")
+        if self.rope_kernel not in ROPE_KERNELS:
+            raise ValueError(f"train.rope_kernel must be auto, triton or torch, got {self.rope_kernel!r}")
         if min(self.kl_coef, self.entropy_coef, self.clip_low, self.clip_high) < 0:
             raise ValueError("train.kl_coef, train.entropy_coef, train.clip_low and train.clip_high must be >= 0")
         if self.ppo_mini_batches < 1 or self.ppo_epochs < 1:

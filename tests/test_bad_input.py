@@ -25,6 +25,7 @@ from rollplex_megatron.recipes import load_run_config
     (["parallel.tp=0"], r"parallel.tp must be >= 1"),
     (["train.logprob_kernel=fast"], r"train.logprob_kernel must be auto, triton or torch, got 'fast'"),
     (["train.norm_kernel=fused"], r"train.norm_kernel must be auto, triton or torch, got 'fused'"),
+    (["train.rope_kernel=fast"], r"train.rope_kernel must be auto, triton or torch, got 'fast'"),
     (["train.profile_phases=[update,decode]"],
      r"train.profile_phases: unknown phase\(s\) \['decode'\]; the phases are"),
     (["workload.micro_batch_tokens=-8"],

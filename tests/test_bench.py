@@ -79,14 +79,15 @@ def test_bench_refuses_to_overwrite_and_to_merge_another_machine(tiny_bench, tmp
 
 def test_modes_and_lengths_parse():
     assert bench.parse_modes("serial,rollplex:stream,rollplex:keep,serial:bound,prefix_shared:tokens8192,"
-                             "serial:memauto,rollplex:auto,rollplex:torchnorm") == [
+                             "serial:memauto,rollplex:auto,rollplex:torchnorm,serial:fusedrope") == [
         ("serial", ["mode.name=serial"]), ("rollplex:stream", ["mode.name=rollplex", "mode.window=stream"]),
         ("rollplex:keep", ["mode.name=rollplex", "memory.plan=keep"]),
         ("serial:bound", ["mode.name=serial", "rollout.bound_model=true"]),
         ("prefix_shared:tokens8192", ["mode.name=prefix_shared", "workload.micro_batch_tokens=8192"]),
         ("serial:memauto", ["mode.name=serial", "memory.plan=auto"]),
         ("rollplex:auto", ["mode.name=rollplex", "mode.window=auto"]),  # the window's auto, not the plan's
-        ("rollplex:torchnorm", ["mode.name=rollplex", "train.norm_kernel=torch"])]
+        ("rollplex:torchnorm", ["mode.name=rollplex", "train.norm_kernel=torch"]),
+        ("serial:fusedrope", ["mode.name=serial", "train.rope_kernel=triton"])]
     for bad in ("serial:stream", "serial:auto", "rollplex:tokens", "rollplex:tokens0", "rollplex:tokens-4",
                 "rollplex:tokens8k"):
         with pytest.raises(ValueError, match="variant"):

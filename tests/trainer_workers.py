@@ -9,10 +9,22 @@ def run_steps(cfg, steps: int, mutant: str = "", weights_after: int = 0):
     import torch
     from megatron.core import parallel_state as ps
 
+    from rollplex_megatron.models import triton_rope
     from rollplex_megatron.trainer.loop import run_step
     from rollplex_megatron.trainer.modes import MODES
     from rollplex_megatron.trainer.runtime import Runtime
 
+    if not hasattr(triton_rope, "launches"):  # the fused RoPE's kernels, counted once per process
+        launch, triton_rope.launches = triton_rope._launch, {"forward": 0, "backward": 0}
+
+        def counted(x, cos, sin, backward):
+            triton_rope.launches["backward" if backward else "forward"] += 1
+            return launch(x, cos, sin, backward)
+
+        triton_rope._launch = counted
+    launches_before = dict(triton_rope.launches)
+    if mutant == "unrotated_rope":  # the attention contexts take the rotary tables and leave q and k as they are
+        triton_rope.fused_rope = lambda x, tables: x
     if mutant == "skip_prefix_backward":
         from rollplex_megatron.prefix import execution
 
@@ -94,7 +106,10 @@ def run_steps(cfg, steps: int, mutant: str = "", weights_after: int = 0):
     keep = ps.get_tensor_model_parallel_world_size() == 1 and ps.get_pipeline_model_parallel_world_size() == 1
     return {"tokens": tokens, "records": records, "informative": informative, "first": first if keep else None,
             "last": last if keep else None, "after": after if keep else None, "micro_batches": sizes,
-            "logprob_kernel": rt.logprob_kernel, "norm_kernel": rt.norm_kernel,
+            "logprob_kernel": rt.logprob_kernel, "norm_kernel": rt.norm_kernel, "rope_kernel": rt.rope_kernel,
+            "rope_launches": {k: n - launches_before[k] for k, n in triton_rope.launches.items()},
+            "ropes": sorted({m.rope_kernel for m in [*rt.ddp.module.modules(), *rt.ref.modules()]
+                             if hasattr(m, "rope_kernel")}),
             "norms": sorted({type(m).__name__ for m in [*rt.ddp.module.modules(), *rt.ref.modules()]
                              if isinstance(m, torch.nn.RMSNorm)})}
 

@@ -9,7 +9,19 @@ class AttentionContext(PackedSeqParams):
 
     `attend(layer_number, query [S,B,Nq,D], key/value [S,B,Ng,D], scale) -> [S,B,Nq*D]`, with
     post-RoPE inputs and GQA not expanded. Contexts reach core attention as `packed_seq_params`.
+    Under `train.rope_kernel=triton` the model gives the layers no rotary embedding and sets `rotary` (the
+    forward's cos/sin tables, models/triton_rope.py): `attend` then rotates its inputs first (`rotate`).
     """
+
+    rotary = None  # (cos, sin) [S,B,1,D] in the activations' dtype, or None: megatron applied RoPE
+
+    def rotate(self, query, key):
+        """query and key after RoPE: unchanged unless the context carries the rotary tables."""
+        if self.rotary is None:
+            return query, key
+        from rollplex_megatron.models.triton_rope import fused_rope
+
+        return fused_rope(query, self.rotary), fused_rope(key, self.rotary)
 
     def attend(self, layer: int, query, key, value, scale):  # pragma: no cover - contract
         """Attention output for one layer."""

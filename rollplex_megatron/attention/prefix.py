@@ -68,6 +68,7 @@ class PrefixContext(AttentionContext):
 
     def attend(self, layer: int, query, key, value, scale):
         """Attention for core attention's inputs: query [T,1,Nq,D], key/value [T,1,Ng,D]."""
+        query, key = self.rotate(query, key)
         if self.mode == "record":
             self.store.record(layer, self.group, key, value, self.keep_graph, self.trainable)
             return sdpa_attention(query, key, value, None, True, scale)
@@ -164,6 +165,7 @@ class SegmentContext(AttentionContext):
 
     def attend(self, layer: int, query, key, value, scale):
         """query/key/value [N,1,H,D] -> [N,1,H*D], attention within each segment."""
+        query, key = self.rotate(query, key)
         n, _, h, d = query.shape
         out = query.new_empty(n, h, d)
         q2, k2, v2 = query[:, 0], key[:, 0], value[:, 0]

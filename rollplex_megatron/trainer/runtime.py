@@ -21,6 +21,7 @@ from rollplex_megatron.memory.planner import (RELEASE_ORDER, auto_release, check
                                               workload_shape)
 from rollplex_megatron.models.qwen25vl import build_model
 from rollplex_megatron.models.triton_norm import norm_kernel_for, use_norm_kernel
+from rollplex_megatron.models.triton_rope import rope_kernel_for, use_rope_kernel
 from rollplex_megatron.optim import build_optimizer, build_scheduler, current_lr, optimizer_step
 from rollplex_megatron.prefix import batch as B
 from rollplex_megatron.prefix import execution as X
@@ -127,7 +128,8 @@ def auto_budget_gib(cfg: RunConfig) -> float | None:
 
 
 def training_model(cfg: RunConfig):
-    """This rank's stage of a training-side model (megatron's init) with `train.norm_kernel`'s RMSNorms.
+    """This rank's stage of a training-side model (megatron's init) with `train.norm_kernel`'s RMSNorms and
+    `train.rope_kernel`'s RoPE.
 
     The switch applies to the models built here: the actor, the reference and `eval`'s policy (and, through
     ROLLPLEX_VERL_NORM_KERNEL, the verl engine's). The rollout's own models (replicas at `rollout.tp`, the
@@ -135,6 +137,7 @@ def training_model(cfg: RunConfig):
     RMSNorm; the decode step has its own kernel context (rollout/triton_norm.py) over either."""
     model = build_model(cfg.model, cfg.dtype, cfg.megatron)
     use_norm_kernel(model, norm_kernel_for(cfg.train.norm_kernel, device()))
+    use_rope_kernel(model, rope_kernel_for(cfg.train.rope_kernel, device()))
     return model
 
 
@@ -208,6 +211,7 @@ class Runtime:
         self.banned = cfg.model.vision_token_ids  # the engine's sampler bans them too
         self.logprob_kernel = logprob_kernel_for(cfg.train.logprob_kernel, device())
         self.norm_kernel = norm_kernel_for(cfg.train.norm_kernel, device())  # what training_model applied
+        self.rope_kernel = rope_kernel_for(cfg.train.rope_kernel, device())
         self.score_loss = partial(X.logprob_loss, temperature=r.temperature, banned=self.banned,
                                   tp_rank=ps.get_tensor_model_parallel_rank(),
                                   tp_group=ps.get_tensor_model_parallel_group(), kernel=self.logprob_kernel)

@@ -24,9 +24,10 @@ from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from rollplex_megatron.attention import SDPACoreAttention
-from rollplex_megatron.attention.prefix import SegmentContext
+from rollplex_megatron.attention.prefix import PrefixContext, SegmentContext
 from rollplex_megatron.config import ModelConfig
 from rollplex_megatron.models.qwen25vl import positions as P
+from rollplex_megatron.models.triton_rope import rope_tables
 from rollplex_megatron.runtime import device
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -167,6 +168,8 @@ class PatchMerger(MegatronModule):
 class VisionTower(MegatronModule):
     """Qwen2.5-VL vision encoder: Conv3d patches, 2D RoPE, window/full attention, 2x2 merger."""
 
+    rope_kernel = "torch"  # train.rope_kernel: triton = the contexts rotate q and k (models/triton_rope.py)
+
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, tp: int, meta: bool = False):
         tc = vision_transformer_config(cfg, dtype, tp, meta)
         super().__init__(config=tc)
@@ -200,7 +203,11 @@ class VisionTower(MegatronModule):
         # attention within contiguous segments in window order; no [N, N] mask is built.
         full = SegmentContext(cu=P.vision_cu_seqlens(grid_thw).long(), device=x.device)
         window = SegmentContext(cu=cu_window.long(), device=x.device)
-        x = self.blocks(x[order_N.to(x.device)][:, None], full, window, rot[order_N].to(x.device))
+        rot = rot[order_N].to(x.device)
+        if self.rope_kernel == "triton":  # one cos/sin table for all blocks, applied by the contexts' kernel
+            full.rotary = window.rotary = rope_tables(rot, x.dtype)
+            rot = None
+        x = self.blocks(x[order_N.to(x.device)][:, None], full, window, rot)
         merged = self.merger(x[:, 0])
         return merged[torch.argsort(order_U).to(merged.device)]
 
@@ -210,7 +217,12 @@ class Qwen25VLModel(MegatronModule):
 
     First stage: vision tower and token embedding; vision embeddings replace the image/video
     placeholder tokens. Last stage: output logits, with the padded vocabulary masked out.
+    `rope_kernel` (train.rope_kernel, `use_rope_kernel`): "triton" gives a forward with an attention context
+    (a PrefixContext) no rotary embedding in the layers and the context the forward's cos/sin tables (its attention
+    rotates q and k with one kernel each, megatron's roundings); "torch" is megatron's own rotary.
     """
+
+    rope_kernel = "torch"
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32,
                  pre_process: bool = True, post_process: bool = True, megatron: dict | None = None,
@@ -286,6 +298,14 @@ class Qwen25VLModel(MegatronModule):
         if self.pre_process and decoder_input is None:
             decoder_input = self.embed(input_ids, pixel_values, image_grid_thw,
                                        pixel_values_videos, video_grid_thw, check)
+        if self._context_rope(attention_context):  # GPTModel.forward's steps, RoPE left to the context
+            lm = self.language_model
+            hidden = self._layers(decoder_input, position_ids, attention_context)
+            if not self.post_process:
+                return hidden
+            weight = lm.shared_embedding_or_output_weight() if lm.share_embeddings_and_output_weights else None
+            logits, _ = lm.output_layer(hidden, weight=weight)
+            return self.mask_padded_vocab(logits.transpose(0, 1).contiguous())
         out = self.language_model(input_ids=None, position_ids=position_ids, attention_mask=None,
                                   decoder_input=decoder_input, packed_seq_params=attention_context)
         return self.mask_padded_vocab(out) if self.post_process else out
@@ -325,7 +345,20 @@ class Qwen25VLModel(MegatronModule):
         else:
             lm.decoder.set_input_tensor(input_tensor)
             hidden = None
+        return self._layers(hidden, position_ids, attention_context)
+
+    def _context_rope(self, attention_context) -> bool:
+        """Whether this forward's RoPE runs in the attention context (train.rope_kernel=triton): the training
+        and prefill contexts; a decode step's context rotates by its own angles (`forward_decode`)."""
+        return self.rope_kernel == "triton" and isinstance(attention_context, PrefixContext)
+
+    def _layers(self, hidden, position_ids, attention_context):
+        """The decoder's layers on this stage, with megatron's rotary or the context's (`_context_rope`)."""
+        lm = self.language_model
         rope = lm.rotary_pos_emb(position_ids, lm.mrope_section)
+        if self._context_rope(attention_context):
+            attention_context.rotary = rope_tables(rope, self.config.params_dtype)
+            rope = None
         return lm.decoder(hidden_states=hidden, attention_mask=None, rotary_pos_emb=rope,
                           packed_seq_params=attention_context)
 
