@@ -131,10 +131,11 @@ def training_model(cfg: RunConfig):
     """This rank's stage of a training-side model (megatron's init) with `train.norm_kernel`'s RMSNorms and
     `train.rope_kernel`'s RoPE.
 
-    The switch applies to the models built here: the actor, the reference and `eval`'s policy (and, through
-    ROLLPLEX_VERL_NORM_KERNEL, the verl engine's). The rollout's own models (replicas at `rollout.tp`, the
-    disaggregated rollout ranks, SGLang's prefix jobs) and the benchmark/verification builds keep torch's
-    RMSNorm; the decode step has its own kernel context (rollout/triton_norm.py) over either."""
+    The switches apply to the models built here: the actor, the reference and `eval`'s policy (and, through
+    ROLLPLEX_VERL_NORM_KERNEL and ROLLPLEX_VERL_ROPE_KERNEL, the verl engine's). The rollout's own models
+    (replicas at `rollout.tp`, the disaggregated rollout ranks, SGLang's prefix jobs) and the
+    benchmark/verification builds keep torch's RMSNorm and megatron's rotary; the decode step has its own
+    kernel context (rollout/triton_norm.py) and rotates in its attention kernel over either."""
     model = build_model(cfg.model, cfg.dtype, cfg.megatron)
     use_norm_kernel(model, norm_kernel_for(cfg.train.norm_kernel, device()))
     use_rope_kernel(model, rope_kernel_for(cfg.train.rope_kernel, device()))

@@ -36,6 +36,7 @@ from rollplex_megatron.integrations.verl.batch import as_nested, full_length, ve
 from rollplex_megatron.models.qwen25vl import build_model
 from rollplex_megatron.models.qwen25vl.hf import HFCheckpoint, load_hf_into_model
 from rollplex_megatron.models.triton_norm import norm_kernel_for, use_norm_kernel
+from rollplex_megatron.models.triton_rope import rope_kernel_for, use_rope_kernel
 from rollplex_megatron.optim import build_optimizer, build_scheduler, current_lr, optimizer_step
 from rollplex_megatron.prefix import execution as X
 from rollplex_megatron.prefix.batch import full_micro_batches, response_micro_batches
@@ -45,6 +46,7 @@ from rollplex_megatron.runtime import device, wrap_ddp
 ENV_PREFIX = "ROLLPLEX_VERL_PREFIX"  # shared (default) | full: every group as full sequences (the plain path)
 ENV_DTYPE = "ROLLPLEX_VERL_DTYPE"  # float32 overrides verl's engine dtype (which allows bf16 / fp16 only)
 ENV_NORM = "ROLLPLEX_VERL_NORM_KERNEL"  # auto (default) | triton | torch: the model's RMSNorms (train.norm_kernel)
+ENV_ROPE = "ROLLPLEX_VERL_ROPE_KERNEL"  # torch (default) | triton | auto: the model's RoPE (train.rope_kernel)
 DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32"}
 
 
@@ -122,6 +124,7 @@ class RollplexMegatronEngine(BaseEngine):
         model = build_model(self.cfg, self.dtype, dict(_setting(self.engine_config, "override_transformer_config",
                                                                 {}) or {}))
         use_norm_kernel(model, norm_kernel_for(os.environ.get(ENV_NORM, "auto"), device()))
+        use_rope_kernel(model, rope_kernel_for(os.environ.get(ENV_ROPE, "torch"), device()))
         load_hf_into_model(model, ckpt, self.cfg, ps.get_tensor_model_parallel_rank(),
                            ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank(),
                            ps.get_pipeline_model_parallel_world_size())
