@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
 import socket
 import statistics
 import subprocess
@@ -86,10 +88,51 @@ def parse_modes(spec: str) -> list[tuple[str, list[str]]]:
     return out
 
 
+def cpu_model() -> str:
+    """The host CPU's model name (/proc/cpuinfo; the platform's processor string elsewhere)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
 def machine() -> dict:
-    """The machine's identity: ratios are only taken between modes that ran on the same one."""
+    """The machine's identity: ratios are only taken between modes that ran on the same one. `cpu` and `cpus`
+    describe the host (not part of the identity): the launch-bound phases depend on its speed."""
     gpus = [str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())]
-    return {"host": socket.gethostname(), "gpu_uuids": gpus, "device_count": max(len(gpus), 1)}
+    return {"host": socket.gethostname(), "gpu_uuids": gpus, "device_count": max(len(gpus), 1),
+            "cpu": cpu_model(), "cpus": os.cpu_count()}
+
+
+# Host time per launch of a tiny kernel on the GPU: 5 rounds of 2000 in-place adds, each round synchronised
+# once, median over the rounds. The add runs in about 2 us on the device, so the figure is the host's issue
+# rate wherever that is slower: what bounds phases of many small kernels (the update's response stages).
+LAUNCH_PROBE = """
+import statistics, time, torch
+x = torch.zeros(1, device="cuda")
+rounds = []
+for _ in range(6):
+    torch.cuda.synchronize(); t = time.perf_counter()
+    for _ in range(2000):
+        x.add_(1)
+    torch.cuda.synchronize(); rounds.append((time.perf_counter() - t) / 2000 * 1e6)
+print(statistics.median(rounds[1:]))
+"""
+
+
+def host_launch_us() -> float | None:
+    """`LAUNCH_PROBE` in a process of its own (the bench's own process holds no CUDA context while a mode
+    trains); None without CUDA or if the probe fails."""
+    if not torch.cuda.is_available():
+        return None
+    p = subprocess.run([sys.executable, "-c", LAUNCH_PROBE], capture_output=True, text=True, timeout=120)
+    try:
+        return float(p.stdout.split()[-1]) if p.returncode == 0 else None
+    except (IndexError, ValueError):
+        return None
 
 
 def run_mode(suite: str, overrides: list[str], mode_over: list[str], out: Path, timeout: float | None,
@@ -215,6 +258,12 @@ def render_markdown(results: Path) -> str:
                   f"`{path.name}`: {env['device']} x{d['machine']['device_count']}, commit {env['commit']}, "
                   f"{env['date']}, torch {env['torch']}, megatron-core {env['megatron_core']}, CUDA {env['cuda']}.",
                   f"Command: `{d['command']}`", ""]
+        if d["machine"].get("cpu"):
+            launch = [f"{label} {m['host_launch_us']:.1f}" for label, m in d["modes"].items()
+                      if m.get("host_launch_us") is not None]
+            lines += [f"Host: {d['machine']['cpu']}, {d['machine']['cpus']} CPUs"
+                      + (f"; host time per tiny kernel launch after each mode (us): {', '.join(launch)}"
+                         if launch else "") + ".", ""]
         phases = list(dict.fromkeys(p for m in d["modes"].values() for p in m["phase_median_s"]))
         lines += ["| mode | step (s) | min-max | " + " | ".join(phases) + " | peak GiB | decode tok/s | window |",
                   "|---" * (5 + len(phases)) + "|"]
@@ -312,6 +361,7 @@ def main(argv: list[str]) -> int:
             recs = run_mode(a.suite, overrides, over, run, a.timeout, steps + 1 if a.profile else 0,
                             a.profile_phases)
             modes[label] = summarize_mode(label, recs, a.warmup, bool(recs[-1].get("prefix_recompute")))
+            modes[label]["host_launch_us"] = host_launch_us()  # right after the mode, on the same host
             if a.profile:
                 prof = out.parent / f"{out.stem}_{label.replace(':', '_')}_profile.json"
                 prof.write_text((run / f"profile_step{steps + 1}.json").read_text())

@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from rollplex_megatron import bench
 from rollplex_megatron.trainer.runtime import drawn_lengths
@@ -29,6 +30,9 @@ def test_bench_json_schema_and_markdown(tiny_bench):
     for k in ("commit", "date", "device", "torch", "megatron_core", "cuda"):
         assert k in d["environment"]
     assert d["machine"]["host"] and "rollout:" in d["settings"]
+    assert d["machine"]["cpu"] and d["machine"]["cpus"] >= 1  # the host's speed bounds launch-bound phases
+    for m in d["modes"].values():  # measured only where CUDA is
+        assert (m["host_launch_us"] > 0) if torch.cuda.is_available() else m["host_launch_us"] is None
     for label, m in d["modes"].items():
         assert len(m["step_times_s"]) == 4 and m["steady"]["steps"] == [2, 3, 4]
         assert m["steady"]["min_s"] <= m["steady"]["median_s"] <= m["steady"]["max_s"]
