@@ -21,6 +21,7 @@ ACTIVATION_CASES = [
     ["model=tiny"],
     ["model=qwen2_5_vl_3b", "model.num_layers=1", "model.vision.depth=2", "model.vision.fullatt_block_indexes=[1]"],
     ["model=tiny", "train.norm_kernel=triton"],  # the fused RMSNorm (interpreted on CPU) saves x and an fp32 rsqrt
+    ["model=tiny", "train.rope_kernel=triton"],  # the fused RoPE: one cos/sin table per forward, not per layer
 ]
 
 
@@ -199,7 +200,7 @@ def _saved_bytes(overrides):
     from rollplex_megatron.attention.kv_store import KVStore
     from rollplex_megatron.dist import init_parallel
     from rollplex_megatron.envs.motion import MotionEnv
-    from rollplex_megatron.memory.planner import norm_kernel, prefix_graph_bytes, runtime_cfg
+    from rollplex_megatron.memory.planner import norm_kernel, prefix_graph_bytes, rope_kernel, runtime_cfg
     from rollplex_megatron.prefix.batch import Group
     from rollplex_megatron.prefix.execution import prefix_forward
     from rollplex_megatron.trainer.runtime import training_model
@@ -207,7 +208,7 @@ def _saved_bytes(overrides):
     cfg = load_run_config(["dtype=bfloat16", "task=motion_long"] + overrides)
     init_parallel(1, 1)
     model = training_model(cfg)  # the trainer's build: train.norm_kernel's RMSNorms
-    norm = norm_kernel(runtime_cfg(cfg))  # what the trainer's plan counts
+    norm, rope = norm_kernel(runtime_cfg(cfg)), rope_kernel(runtime_cfg(cfg))  # what the trainer's plan counts
     fused = sum(type(m).__name__ == "FusedRMSNorm" for m in model.modules())
     assert fused == (2 * (cfg.model.num_layers + cfg.model.vision.depth) + 2 if norm == "triton" else 0), fused
     env = MotionEnv(cfg.task, cfg.model)
@@ -224,10 +225,11 @@ def _saved_bytes(overrides):
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         prefix_forward(model, [Group(prompt, [], torch.zeros(0))], KVStore(), keep_graph=True)
     n, patches = prompt.input_ids.numel() - 1, prompt.pixel_values_videos.shape[0]
-    return sum(seen.values()), prefix_graph_bytes(cfg.model, 1, 1, False, n, patches, norm)
+    return sum(seen.values()), prefix_graph_bytes(cfg.model, 1, 1, False, n, patches, norm, rope)
 
 
-@pytest.mark.parametrize("i", range(len(ACTIVATION_CASES)), ids=["tiny", "3b_one_layer", "tiny_fused_norm"])
+@pytest.mark.parametrize("i", range(len(ACTIVATION_CASES)), ids=["tiny", "3b_one_layer", "tiny_fused_norm",
+                                                                "tiny_fused_rope"])
 def test_activation_count_matches_autograds_saved_tensors(one_rank, i):
     """The planner's per-token/per-patch bytes against what a bf16 prefix forward really saves."""
     measured, predicted = case(one_rank, ("activations", i))
@@ -239,6 +241,15 @@ def test_fused_norm_saves_exactly_the_planned_bytes_less(one_rank):
     exactly the bytes the planner counts less (each norm 2h + 4 per row instead of 8h + 4)."""
     (torch_saved, torch_planned), (fused_saved, fused_planned) = (case(one_rank, ("activations", i)) for i in (0, 2))
     assert torch_saved - fused_saved == torch_planned - fused_planned > 0
+
+
+def test_fused_rope_saves_exactly_the_planned_bytes_less(one_rank):
+    """The tiny model with train.rope_kernel=triton against megatron's rotary, same prompt: autograd saves
+    exactly the bytes the planner counts less (8 D per token and layer or block, less one 4 D table per
+    forward for the LLM and one for the vision tower)."""
+    (torch_saved, torch_planned), (fused_saved, fused_planned) = (case(one_rank, ("activations", i)) for i in (0, 3))
+    assert torch_saved - fused_saved == torch_planned - fused_planned > 0, (torch_saved, fused_saved,
+                                                                           torch_planned, fused_planned)
 
 
 def test_views_of_one_buffer_offload_once_and_come_back():

@@ -13,7 +13,8 @@ One function, `plan(cfg, mode, residency, engine)`, models every combination:
   built, and against the allocator's per-phase peaks on the GPU).
 Activations are what megatron-core's local layers save for backward in bf16, counted tensor by
 tensor (the count is tested exactly against autograd's saved tensors), with the RMSNorm that runs
-(`train.norm_kernel`, `norm_kernel`); phase workspaces (the loss's
+(`train.norm_kernel`, `norm_kernel`) and the RoPE that runs (`train.rope_kernel`, `rope_kernel`); phase
+workspaces (the loss's
 logits, torch Adam's sqrt buffer) are classes of their one phase.
 """
 from __future__ import annotations
@@ -108,6 +109,18 @@ def norm_kernel(cfg: RunConfig) -> str:
     return "torch" if cfg.train.norm_kernel == "torch" else "triton"
 
 
+def rope_kernel(cfg: RunConfig) -> str:
+    """The RoPE a plan counts: `train.rope_kernel`, `auto` meaning the GPU run's triton (as `norm_kernel`)."""
+    return "torch" if cfg.train.rope_kernel == "torch" else "triton"
+
+
+def rope_bytes(head_dim: int, rope: str) -> tuple[int, int]:
+    """What RoPE saves per token: (per layer, once per forward). megatron's rotary saves the cos and sin it
+    casts in every layer, for q and for k (8 D in bf16); the fused kernel (models/triton_rope.py) one cos
+    and one sin table per forward that every layer's q and k share (4 D)."""
+    return (8 * head_dim, 0) if rope == "torch" else (0, 4 * head_dim)
+
+
 def norm_bytes(width: int, norm: str) -> int:
     """What one RMSNorm saves per row in bf16: torch's composite an fp32 input, its fp32 normalised output
     and an fp32 rsqrt (8 width + 4); the fused kernel (models/triton_norm.py) the bf16 input and the fp32
@@ -115,12 +128,12 @@ def norm_bytes(width: int, norm: str) -> int:
     return (8 if norm == "torch" else 2) * width + 4
 
 
-def layer_activation_bytes(cfg: ModelConfig, tp: int, sp: bool, norm: str = "torch") -> int:
+def layer_activation_bytes(cfg: ModelConfig, tp: int, sp: bool, norm: str = "torch", rope: str = "torch") -> int:
     """Bytes one decoder layer saves for backward per token in bf16 (megatron-core's local spec).
 
     Counted from the tensors autograd saves (tests/test_memory_plan.py checks the count exactly, and
     tests/test_memory_runtime.py against autograd): each RMSNorm's saved tensors (`norm_bytes`, twice);
-    QKV and fc1 keep their bf16 inputs (2h each); rotary keeps cos/sin of q and k (8D); attention keeps
+    QKV and fc1 keep their bf16 inputs (2h each); rotary keeps cos/sin of q and k (`rope_bytes`); attention keeps
     q and k after rotary, the fused QKV buffer (v is a view of it), its output and an fp32 log-sum-exp per
     head; linear_proj's input is that output; fc1's output (2f wide), the SwiGLU halves and fc2's input
     cost 10f. Sequence parallelism splits the h-wide terms over TP."""
@@ -129,16 +142,17 @@ def layer_activation_bytes(cfg: ModelConfig, tp: int, sp: bool, norm: str = "tor
     kv = max(cfg.num_query_groups // tp, 1) * d
     heads = cfg.num_attention_heads // tp
     replicated = (2 * norm_bytes(h, norm) + 4 * h) // (tp if sp else 1)
-    return replicated + 8 * d + 2 * q + 2 * kv + 2 * (q + 2 * kv) + 4 * heads + 2 * q + 10 * cfg.ffn_hidden_size // tp
+    return (replicated + rope_bytes(d, rope)[0] + 2 * q + 2 * kv + 2 * (q + 2 * kv) + 4 * heads + 2 * q
+            + 10 * cfg.ffn_hidden_size // tp)
 
 
-def block_activation_bytes(cfg: ModelConfig, tp: int, norm: str = "torch") -> int:
+def block_activation_bytes(cfg: ModelConfig, tp: int, norm: str = "torch", rope: str = "torch") -> int:
     """The same for one vision block, per patch: norms and QKV/fc1 inputs replicated, windowed
     attention's gathered q/k/v and scattered output, linear_proj input, SwiGLU MLP."""
     v = cfg.vision
     vh = v.hidden_size
     d, heads = vh // v.num_heads, v.num_heads // tp
-    return (2 * norm_bytes(vh, norm) + 4 * vh + 8 * d + (10 * vh) // tp + 4 * heads
+    return (2 * norm_bytes(vh, norm) + 4 * vh + rope_bytes(d, rope)[0] + (10 * vh) // tp + 4 * heads
             + 10 * cfg.padded_vision_ffn(tp) // tp)
 
 
@@ -150,13 +164,16 @@ def vision_base_bytes(cfg: ModelConfig, tp: int, norm: str = "torch") -> int:
 
 
 def prefix_graph_bytes(cfg: ModelConfig, tp: int, pp: int, sp: bool, tokens: int, patches: int,
-                       norm: str = "torch") -> int:
-    """What one prefix forward with a graph saves on the fullest stage (vision on the first); `norm`: the
-    RMSNorm that runs (torch | triton)."""
+                       norm: str = "torch", rope: str = "torch") -> int:
+    """What one prefix forward with a graph saves on the fullest stage (vision on the first); `norm` and
+    `rope`: the RMSNorm and the RoPE that run (torch | triton)."""
     h = cfg.hidden_size
-    llm = tokens * (cfg.num_layers // pp) * layer_activation_bytes(cfg, tp, sp, norm)
+    llm = tokens * ((cfg.num_layers // pp) * layer_activation_bytes(cfg, tp, sp, norm, rope)
+                    + rope_bytes(cfg.head_dim, rope)[1])
     final_norm = tokens * norm_bytes(h, norm) // (tp if sp else 1) if pp == 1 else 0
-    vis = patches * (cfg.vision.depth * block_activation_bytes(cfg, tp, norm) + vision_base_bytes(cfg, tp, norm))
+    vd = cfg.vision.hidden_size // cfg.vision.num_heads
+    vis = patches * (cfg.vision.depth * block_activation_bytes(cfg, tp, norm, rope) + vision_base_bytes(cfg, tp, norm)
+                     + rope_bytes(vd, rope)[1])
     return llm + final_norm + vis
 
 
@@ -167,10 +184,10 @@ def logits_bytes(cfg: ModelConfig, tp: int, tokens: int) -> int:
 
 
 def training_forward_bytes(cfg: ModelConfig, tp: int, pp: int, sp: bool, tokens: int, patches: int,
-                           norm: str = "torch") -> int:
+                           norm: str = "torch", rope: str = "torch") -> int:
     """A micro-batch's saved activations plus the loss workspace (the update's peak moment)."""
     out_in = tokens * 2 * cfg.hidden_size // (tp if sp else 1)  # the output layer's input
-    return prefix_graph_bytes(cfg, tp, pp, sp, tokens, patches, norm) + out_in + logits_bytes(cfg, tp, tokens)
+    return prefix_graph_bytes(cfg, tp, pp, sp, tokens, patches, norm, rope) + out_in + logits_bytes(cfg, tp, tokens)
 
 
 def workload_shape(cfg: RunConfig, prefix_tokens: int | None = None, patches: int | None = None,
@@ -240,7 +257,7 @@ def plan(cfg: RunConfig, mode: str, residency: str, engine: str, s: Shape | None
     Phase workspaces (loss, Adam, the micro-batch's activations) are classes of their one phase.
     """
     s = s or workload_shape(cfg)
-    m, par, sp, norm = cfg.model, cfg.parallel, cfg.plan.sequence_parallel, norm_kernel(cfg)
+    m, par, sp, norm, rope = cfg.model, cfg.parallel, cfg.plan.sequence_parallel, norm_kernel(cfg), rope_kernel(cfg)
     e = 2 if cfg.dtype == "bfloat16" else 4
     allp = phases(mode)
     w = _weights(cfg)
@@ -286,10 +303,10 @@ def plan(cfg: RunConfig, mode: str, residency: str, engine: str, s: Shape | None
         out.append(TensorClass("decode_workspace", s.samples * v * 10, ("rollout",), "free",
                                "one decode step's logits and sampling uniforms"))
     inputs = PlanInputs(s, keep, prefix_kv_fp32=s.prompts * s.P * kv32, prefix_kv=s.prompts * s.P * kv_tok,
-                        prefix_graph=prefix_graph_bytes(m, par.tp, par.pp, sp, s.P, s.patches, norm),
+                        prefix_graph=prefix_graph_bytes(m, par.tp, par.pp, sp, s.P, s.patches, norm, rope),
                         logits=lambda tokens: logits_bytes(m, par.tp, tokens),
                         activations=lambda tokens, patches: training_forward_bytes(m, par.tp, par.pp, sp, tokens,
-                                                                                   patches, norm),
+                                                                                   patches, norm, rope),
                         rounds=1 + cfg.train.max_resample_rounds if cfg.train.dynamic_sampling else 1)
     out += get_mode(mode).memory_classes(inputs)
     adam = 0 if cfg.plan.fused_adam else w["optimizer_states"] // 2
@@ -311,14 +328,16 @@ def rollplex_plan(cfg: RunConfig, s: Shape | None = None) -> list[TensorClass]:
 def runtime_cfg(cfg: RunConfig) -> RunConfig:
     """`cfg` with the plan.* layout the trainer really runs: no sequence parallelism, megatron's
     plain optimizer, torch's Adam unless transformer-engine or apex gives megatron a fused one, and
-    `train.norm_kernel` resolved on this process's device (auto: torch's RMSNorm on CPU)."""
+    `train.norm_kernel` and `train.rope_kernel` resolved on this process's device (auto: torch's on CPU)."""
     try:
         from megatron.core.optimizer import USING_PYTORCH_OPTIMIZER as torch_adam
     except ImportError:  # pragma: no cover - older megatron-core
         torch_adam = True
     norm = kernel_for("train.norm_kernel", cfg.train.norm_kernel, device())
+    rope = kernel_for("train.rope_kernel", cfg.train.rope_kernel, device())
     return replace(cfg, plan=replace(cfg.plan, sequence_parallel=False, distributed_optimizer=False,
-                                     fused_adam=not torch_adam), train=replace(cfg.train, norm_kernel=norm))
+                                     fused_adam=not torch_adam),
+                   train=replace(cfg.train, norm_kernel=norm, rope_kernel=rope))
 
 
 def runtime_plan(cfg: RunConfig, s: Shape) -> list[TensorClass]:

@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from rollplex_megatron.attention.triton_decode import INTERPRET
 from rollplex_megatron.models.triton_norm import _cast, _rne_bf16
 from rollplex_megatron.runtime import kernel_for
 
@@ -36,22 +37,24 @@ def _r(v, dt: tl.constexpr, RNE_BF16: tl.constexpr):
 
 @triton.jit
 def _rope(x_ptr, c_ptr, s_ptr, y_ptr, stride_xs, stride_xb, stride_xn, stride_cs, stride_cb, n_b, n_heads, half,
-          BACKWARD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr, RNE_BF16: tl.constexpr):
-    row = tl.program_id(0)  # s * B + b
-    s, b = row // n_b, row % n_b
-    n = tl.arange(0, BLOCK_N)[:, None]
+          n_items, per_program, BACKWARD: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_F: tl.constexpr,
+          RNE_BF16: tl.constexpr):
+    # items = (row, head) pairs, row = s * B + b; each program takes `per_program` consecutive ones
+    i = tl.program_id(0) * per_program + tl.arange(0, BLOCK_I)[:, None]
     f = tl.arange(0, BLOCK_F)[None, :]
-    ok = (n < n_heads) & (f < half)
+    live = (tl.arange(0, BLOCK_I)[:, None] < per_program) & (i < n_items)
+    row, n = i // n_heads, i % n_heads
+    s, b = row // n_b, row % n_b
+    ok = live & (f < half)
     xa = x_ptr + s * stride_xs + b * stride_xb + n * stride_xn + f
     x1 = tl.load(xa, mask=ok, other=0.0).to(tl.float32)
     x2 = tl.load(xa + half, mask=ok, other=0.0).to(tl.float32)
     ca = c_ptr + s * stride_cs + b * stride_cb + f
     sa = s_ptr + s * stride_cs + b * stride_cb + f
-    fo = f < half
-    c1 = tl.load(ca, mask=fo, other=0.0).to(tl.float32)
-    c2 = tl.load(ca + half, mask=fo, other=0.0).to(tl.float32)
-    s1 = tl.load(sa, mask=fo, other=0.0).to(tl.float32)
-    s2 = tl.load(sa + half, mask=fo, other=0.0).to(tl.float32)
+    c1 = tl.load(ca, mask=ok, other=0.0).to(tl.float32)
+    c2 = tl.load(ca + half, mask=ok, other=0.0).to(tl.float32)
+    s1 = tl.load(sa, mask=ok, other=0.0).to(tl.float32)
+    s2 = tl.load(sa + half, mask=ok, other=0.0).to(tl.float32)
     dt = y_ptr.dtype.element_ty
     if BACKWARD:
         y1 = _r(x1 * c1, dt, RNE_BF16) + _r(x2 * s2, dt, RNE_BF16)
@@ -59,7 +62,7 @@ def _rope(x_ptr, c_ptr, s_ptr, y_ptr, stride_xs, stride_xb, stride_xn, stride_cs
     else:
         y1 = _r(x1 * c1, dt, RNE_BF16) - _r(x2 * s1, dt, RNE_BF16)
         y2 = _r(x2 * c2, dt, RNE_BF16) + _r(x1 * s2, dt, RNE_BF16)
-    ya = y_ptr + row * (n_heads * 2 * half) + n * (2 * half) + f
+    ya = y_ptr + i * (2 * half) + f  # y is contiguous [S,B,N,D]: item i starts at i * D
     tl.store(ya, _cast(y1, dt, RNE_BF16), mask=ok)
     tl.store(ya + half, _cast(y2, dt, RNE_BF16), mask=ok)
 
@@ -71,10 +74,15 @@ def _launch(x_SBND: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward
     c, s = cos.expand(S, B, 1, D), sin.expand(S, B, 1, D)  # a batch of 1 broadcast: stride 0
     assert c.stride() == s.stride() and c.stride(-1) == 1, "rope tables: last dim contiguous, cos and sin alike"
     y = torch.empty((S, B, N, D), dtype=x_SBND.dtype, device=x_SBND.device)
-    if y.numel():
-        _rope[(S * B,)](x_SBND, c, s, y, x_SBND.stride(0), x_SBND.stride(1), x_SBND.stride(2), c.stride(0),
-                        c.stride(1), B, N, D // 2, BACKWARD=backward, BLOCK_N=triton.next_power_of_2(N),
-                        BLOCK_F=triton.next_power_of_2(D // 2), RNE_BF16=_rne_bf16(x_SBND), num_warps=4)
+    items = S * B * N
+    if items:
+        # about 64 (row, head) items a program on the GPU; under the interpreter, whose cost is per program,
+        # thousands
+        per = max(1, (4096 if INTERPRET else 64) // N) * N
+        _rope[(triton.cdiv(items, per),)](
+            x_SBND, c, s, y, x_SBND.stride(0), x_SBND.stride(1), x_SBND.stride(2), c.stride(0), c.stride(1), B, N,
+            D // 2, items, per, BACKWARD=backward, BLOCK_I=triton.next_power_of_2(per),
+            BLOCK_F=triton.next_power_of_2(D // 2), RNE_BF16=_rne_bf16(x_SBND), num_warps=4)
     return y
 
 
