@@ -13,15 +13,13 @@ class AttentionContext(PackedSeqParams):
     forward's cos/sin tables, models/triton_rope.py): `attend` then rotates its inputs first (`rotate`).
     """
 
-    rotary = None  # (cos, sin) [S,B,1,D] in the activations' dtype, or None: megatron applied RoPE
+    rotary = None  # RopeTables (cos, sin [S,B,1,D]; called on q or k it rotates them), or None: megatron did
 
     def rotate(self, query, key):
         """query and key after RoPE: unchanged unless the context carries the rotary tables."""
         if self.rotary is None:
             return query, key
-        from rollplex_megatron.models.triton_rope import fused_rope
-
-        return fused_rope(query, self.rotary), fused_rope(key, self.rotary)
+        return self.rotary(query), self.rotary(key)
 
     def attend(self, layer: int, query, key, value, scale):  # pragma: no cover - contract
         """Attention output for one layer."""

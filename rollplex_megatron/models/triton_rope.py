@@ -21,6 +21,8 @@ and a sum into one FMA.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -100,9 +102,19 @@ class RopeFunction(torch.autograd.Function):
         return _launch(gy, cos, sin, backward=True), None, None
 
 
-def rope_tables(freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+class RopeTables(NamedTuple):
+    """One forward's cos and sin [S,B,1,D]; called on q or k [S,B,N,D], `fused_rope` with them."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    def __call__(self, x_SBND: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        return fused_rope(x_SBND, self)
+
+
+def rope_tables(freqs: torch.Tensor, dtype: torch.dtype) -> RopeTables:
     """megatron's cos_ and sin_ of the angles [S,B,1,D] (fp32), in the activations' dtype, once per forward."""
-    return torch.cos(freqs).to(dtype), torch.sin(freqs).to(dtype)
+    return RopeTables(torch.cos(freqs).to(dtype), torch.sin(freqs).to(dtype))
 
 
 def fused_rope(x_SBND: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
