@@ -299,13 +299,8 @@ class Qwen25VLModel(MegatronModule):
             decoder_input = self.embed(input_ids, pixel_values, image_grid_thw,
                                        pixel_values_videos, video_grid_thw, check)
         if self._context_rope(attention_context):  # GPTModel.forward's steps, RoPE left to the context
-            lm = self.language_model
             hidden = self._layers(decoder_input, position_ids, attention_context)
-            if not self.post_process:
-                return hidden
-            weight = lm.shared_embedding_or_output_weight() if lm.share_embeddings_and_output_weights else None
-            logits, _ = lm.output_layer(hidden, weight=weight)
-            return self.mask_padded_vocab(logits.transpose(0, 1).contiguous())
+            return self._logits(hidden) if self.post_process else hidden
         out = self.language_model(input_ids=None, position_ids=position_ids, attention_mask=None,
                                   decoder_input=decoder_input, packed_seq_params=attention_context)
         return self.mask_padded_vocab(out) if self.post_process else out
@@ -323,8 +318,13 @@ class Qwen25VLModel(MegatronModule):
         attention_context.rope = lm.rotary_pos_emb(position_ids, lm.mrope_section)[0, :, 0]
         hidden = lm.decoder(hidden_states=hidden, attention_mask=None, rotary_pos_emb=None,
                             packed_seq_params=attention_context)
+        return self._logits(hidden)
+
+    def _logits(self, hidden_SBH):
+        """GPTModel's output layer (tied weight or its own) on the last stage: masked logits [B,S,V/TP]."""
+        lm = self.language_model
         weight = lm.shared_embedding_or_output_weight() if lm.share_embeddings_and_output_weights else None
-        logits, _ = lm.output_layer(hidden, weight=weight)
+        logits, _ = lm.output_layer(hidden_SBH, weight=weight)
         return self.mask_padded_vocab(logits.transpose(0, 1).contiguous())
 
     def prefix_stage(self, prompt, ctx, input_tensor=None) -> torch.Tensor:
