@@ -107,9 +107,10 @@ def machine() -> dict:
             "cpu": cpu_model(), "cpus": os.cpu_count()}
 
 
-# Host time per launch of a tiny kernel on the GPU: 5 rounds of 2000 in-place adds, each round synchronised
-# once, median over the rounds. The add runs in about 2 us on the device, so the figure is the host's issue
-# rate wherever that is slower: what bounds phases of many small kernels (the update's response stages).
+# Host time per launch of a tiny kernel on the GPU: 6 rounds of 2000 in-place adds, each round synchronised
+# once, the median of the last 5 (the first warms up). A one-element add takes the device little time, so
+# the figure is the host's issue rate wherever that is slower: what bounds phases of many small kernels
+# (the update's response stages). Not yet run on the GPU machine.
 LAUNCH_PROBE = """
 import statistics, time, torch
 x = torch.zeros(1, device="cuda")
