@@ -36,7 +36,8 @@ def _cast(v, dt: tl.constexpr, RNE_BF16: tl.constexpr):
     if RNE_BF16:
         b = v.to(tl.uint32, bitcast=True)
         b = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
-        return b.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        # a NaN whose payload would carry into the exponent stays a NaN (the carry would make it inf)
+        return tl.where(v != v, v.to(tl.bfloat16), b.to(tl.uint16).to(tl.bfloat16, bitcast=True))
     return v.to(dt)
 
 

@@ -15,7 +15,11 @@ two bf16 values is exact there):
 - backward: g1 = r(r(gy1 c1) + r(gy2 s2)), g2 = r(r(gy2 c2) - r(gy1 s1)), what autograd computes through
   megatron's ops (the rotate-half's neg and cat are exact, the two gradients of x add once).
 So bf16 results are megatron's bit for bit; fp32 ones can differ by an ulp where the GPU fuses a product
-and a sum into one FMA.
+and a sum into one FMA. r() to bf16 is an integer round-to-nearest-even on every device: with Triton's own
+fp32 -> bf16 casts the kernel compiled for the H200 was 2e-3 (norm-relative) off megatron in bf16 while the
+interpreter was bit-equal (`gpu_rope_norm_tests_761d2f4.txt`); a compiler may narrow trunc(ext(a) * ext(b))
+to a bf16 product and contract it with the sum into one FMA, which drops the product's rounding, and bit
+operations leave it nothing to narrow.
 
 `train.rope_kernel` (`rope_kernel_for`) picks it; `use_rope_kernel` sets it on a model.
 """
@@ -28,7 +32,7 @@ import triton
 import triton.language as tl
 
 from rollplex_megatron.attention.triton_decode import INTERPRET
-from rollplex_megatron.models.triton_norm import _cast, _rne_bf16
+from rollplex_megatron.models.triton_norm import _cast
 from rollplex_megatron.runtime import kernel_for
 
 
@@ -84,7 +88,7 @@ def _launch(x_SBND: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward
         _rope[(triton.cdiv(items, per),)](
             x_SBND, c, s, y, x_SBND.stride(0), x_SBND.stride(1), x_SBND.stride(2), c.stride(0), c.stride(1), B, N,
             D // 2, items, per, BACKWARD=backward, BLOCK_I=triton.next_power_of_2(per),
-            BLOCK_F=triton.next_power_of_2(D // 2), RNE_BF16=_rne_bf16(x_SBND), num_warps=4)
+            BLOCK_F=triton.next_power_of_2(D // 2), RNE_BF16=x_SBND.dtype == torch.bfloat16, num_warps=4)
     return y
 
 
