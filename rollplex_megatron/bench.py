@@ -290,7 +290,25 @@ def render_markdown(results: Path) -> str:
             lines += ["Kernel profiles of one extra step (top ops per phase): " + ", ".join(profs), ""]
         if d.get("notes"):
             lines += [f"Note: {d['notes']}", ""]
-    return "\n".join(lines)
+    return "\n".join(lines + planner_refusals(results))
+
+
+def planner_refusals(results: Path) -> list[str]:
+    """A section per `plan_auto_*.json` (benchmarks/plan_auto_video_long.py) in which some mode fits under no
+    release: the suites a device cannot hold, said with the planner's figures instead of left out."""
+    lines = []
+    for path in sorted(results.glob("plan_auto_*.json")):
+        d = json.loads(path.read_text())
+        refused = [r for r in d["rows"] if r.get("fits") is False]
+        if not refused:
+            continue
+        lines += [f"## Does not fit: {d['what']}", "", f"`{path.name}`, commit {d['environment']['commit']}. "
+                  f"Command: `{d['command']}`", "", "| mode | norm kernel | budget GiB | phase plan peak GiB | "
+                  "keep peak GiB | planner |", "|---|---|---|---|---|---|"]
+        lines += [f"| {r['mode']} | {r['norm_kernel']} | {r['budget_gib']:g} | {r['phase_peak_gib']:.1f} | "
+                  f"{r['keep_peak_gib']:.1f} | {r['refusal']} |" for r in refused]
+        lines.append("")
+    return lines
 
 
 def _write(out: Path, result: dict) -> None:

@@ -99,3 +99,19 @@ def test_modes_and_lengths_parse():
     lens = drawn_lengths(256, 0.8, 1024, 20000, seed=3)
     assert lens == drawn_lengths(256, 0.8, 1024, 20000, seed=3) and max(lens) == 1024 and min(lens) >= 1
     assert abs(sum(drawn_lengths(256, 0.8, 10**9, 20000, seed=3)) / 20000 - 256) < 8
+
+
+def test_markdown_says_which_suites_fit_no_device(tmp_path):
+    """A planner JSON with a refused mode becomes its own section with the planner's figures; one whose modes
+    all fit adds nothing."""
+    row = {"mode": "serial", "norm_kernel": "torch", "budget_gib": 134.0, "keep_peak_gib": 195.7,
+           "phase_peak_gib": 169.9}
+    env = {"commit": "abc1234"}
+    (tmp_path / "plan_auto_a.json").write_text(json.dumps({"what": "7B", "command": "c", "environment": env, "rows": [
+        dict(row, fits=False, refusal="needs 169.9 GiB in phase 'optimizer'"),
+        dict(row, mode="rollplex", fits=True, released=[], peak_gib=80.0)]}))
+    (tmp_path / "plan_auto_b.json").write_text(json.dumps({"what": "3B", "command": "c", "environment": env,
+                                                           "rows": [dict(row, fits=True, released=[], peak_gib=1.0)]}))
+    md = bench.render_markdown(tmp_path)
+    assert "## Does not fit: 7B" in md and "| serial | torch | 134 | 169.9 | 195.7 | needs 169.9 GiB" in md
+    assert "| rollplex |" not in md and "3B" not in md
