@@ -81,7 +81,7 @@ def main() -> int:
         sync()
         t0 = time.perf_counter()
         for i, r in enumerate(reqs):
-            _reference_prefix(ref, r.prompt, store, i)
+            _reference_prefix(ref, [r.prompt], store, [i])
         sync()
         return time.perf_counter() - t0
 
@@ -89,7 +89,7 @@ def main() -> int:
         store = KVStore()
         if window is not None:
             for i, r in enumerate(reqs):
-                window.submit(f"ref[{i}]", partial(_reference_prefix, ref, r.prompt, store, i))
+                window.submit(f"ref[{i}]", partial(_reference_prefix, ref, [r.prompt], store, [i]))
         sync()
         t0 = time.perf_counter()
         out = engine.generate(reqs, params, hooks=window)
@@ -164,15 +164,15 @@ def profile_item(a, env, ref, reqs, item_fn, KVStore, environment_record) -> int
 
     prompt = reqs[0].prompt
     for _ in range(2):
-        item_fn(ref, prompt, KVStore(), 0)  # warm-up
+        item_fn(ref, [prompt], KVStore(), [0])  # warm-up
     sync()
     t0 = time.perf_counter()
-    item_fn(ref, prompt, KVStore(), 0)
+    item_fn(ref, [prompt], KVStore(), [0])
     issue = time.perf_counter() - t0  # returns once the host has issued every kernel
     sync()
     total = time.perf_counter() - t0
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        item_fn(ref, prompt, KVStore(), 0)
+        item_fn(ref, [prompt], KVStore(), [0])
         sync()
     ev = prof.key_averages()
     kernels = [e for e in ev if e.device_type == torch.autograd.DeviceType.CUDA]

@@ -137,7 +137,8 @@ class PrefixGPT(MegatronModule):
         logits, _ = self.gpt.output_layer(hidden, weight=weight)
         return logits.transpose(0, 1).contiguous()
 
-    def prefix_stage(self, prompt: Prompt, ctx, input_tensor=None) -> torch.Tensor:
-        """The prefix (prompt[:-1]) on this stage; returns the stage output [P-1,1,H]."""
-        ids = prompt.input_ids[None, :-1].to(device())
-        return self._decode(ids, torch.arange(ids.shape[1]), ctx, input_tensor)
+    def prefix_stage(self, prompts: list[Prompt], ctx, input_tensor=None) -> torch.Tensor:
+        """The prefixes (prompt[:-1]) of `prompts`, packed, on this stage; returns [sum(P-1),1,H]."""
+        ids = torch.cat([p.input_ids[:-1] for p in prompts])[None].to(device())
+        pos = torch.cat([torch.arange(p.input_ids.numel() - 1) for p in prompts])
+        return self._decode(ids, pos, ctx, input_tensor)

@@ -6,8 +6,9 @@ A suite is a recipe `recipes/bench/SUITE.yaml` (model, workload, drawn response 
 training storage, `rollout.bound_model`), `<mode>:tokens<N>` (training micro-batches packed up to N
 response tokens, `workload.micro_batch_tokens`), `<mode>:keep` / `<mode>:memauto` (memory.plan=keep /
 auto: release only what the device's free memory requires), `<mode>:torchnorm` (train.norm_kernel=torch:
-torch's composite RMSNorm), `<mode>:fusedrope` (train.rope_kernel=triton: the training models' RoPE as
-one kernel per q and k), or a rollplex variant `rollplex:<window>` (interleave, stream, tail, green,
+torch's composite RMSNorm), `<mode>:pack<N>` (workload.prefix_pack_tokens=N: the prefix stages of consecutive
+groups as one forward of up to N prefix tokens), `<mode>:fusedrope` (train.rope_kernel=triton: the training
+models' RoPE as one kernel per q and k), or a rollplex variant `rollplex:<window>` (interleave, stream, tail, green,
 auto). Every figure is a median of the steady
 steps (after `--warmup`); the warm-up steps are kept apart with the phases that hold their excess.
 `--profile` runs one more step per mode under torch.profiler and saves its top ops per phase beside
@@ -66,10 +67,13 @@ def parse_modes(spec: str) -> list[tuple[str, list[str]]]:
             raise ValueError(f"--modes: unknown mode {name!r} in {label!r}; choose from {', '.join(PHASE_FLOPS)}")
         over = [f"mode.name={name}"]
         budget = variant[len("tokens"):] if variant.startswith("tokens") else ""
+        pack = variant[len("pack"):] if variant.startswith("pack") else ""
         if variant == "bound":  # any mode: the rollout on a model of its own bound to the training storage
             over.append("rollout.bound_model=true")
         elif budget.isdigit() and int(budget) > 0:  # any mode: micro-batches packed up to N response tokens
             over.append(f"workload.micro_batch_tokens={int(budget)}")
+        elif pack.isdigit() and int(pack) > 0:  # any mode: prefix stages packed up to N prefix tokens a forward
+            over.append(f"workload.prefix_pack_tokens={int(pack)}")
         elif variant in ("keep", "memauto"):  # any mode: memory.plan=keep or auto
             over.append(f"memory.plan={'keep' if variant == 'keep' else 'auto'}")
         elif variant == "torchnorm":  # any mode: torch's composite RMSNorm in the training models
@@ -79,8 +83,8 @@ def parse_modes(spec: str) -> list[tuple[str, list[str]]]:
         elif variant:
             if name != "rollplex" or variant not in WINDOWS:
                 raise ValueError(f"--modes: {label!r}: a variant is rollplex:<{'|'.join(WINDOWS)}>, <mode>:bound, "
-                                 f"<mode>:tokens<N> (N > 0), <mode>:keep, <mode>:memauto, <mode>:torchnorm or "
-                                 f"<mode>:fusedrope")
+                                 f"<mode>:tokens<N> or <mode>:pack<N> (N > 0), <mode>:keep, <mode>:memauto, "
+                                 f"<mode>:torchnorm or <mode>:fusedrope")
             over.append(f"mode.window={variant}")
         out.append((label, over))
     if not out:

@@ -422,6 +422,9 @@ class WorkloadConfig:
     rollout_batch: int = 64  # responses per step over all data-parallel ranks (prompts x group size)
     responses_per_micro_batch: int = 8  # packed responses per training micro-batch (micro_batch_tokens=0)
     micro_batch_tokens: int = 0  # > 0: response tokens per training micro-batch (replaces the count); 0 off
+    # > 0: prefix stages (rollout prefill, scoring and update prefixes, window items) of consecutive groups run
+    # as one forward of up to this many prefix tokens, each group attending to its own prefix; 0: one group each
+    prefix_pack_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.rollout_batch < 1 or self.responses_per_micro_batch < 1:
@@ -429,6 +432,9 @@ class WorkloadConfig:
         if self.micro_batch_tokens < 0:
             raise ValueError(f"workload.micro_batch_tokens must be >= 0, got {self.micro_batch_tokens} (0 packs by "
                              "workload.responses_per_micro_batch)")
+        if self.prefix_pack_tokens < 0:
+            raise ValueError(f"workload.prefix_pack_tokens must be >= 0, got {self.prefix_pack_tokens} (0 runs one "
+                             "group's prefix per forward)")
 
 
 @dataclass(kw_only=True)

@@ -35,3 +35,13 @@ def shared_kv_per_response(cfg, hf_dir):
 
     P.PackedLayout.allowed = allowed
     return run_rank(cfg, hf_dir)
+
+
+def packs_attend_across_groups(cfg, hf_dir):
+    """Mutation: a packed prefix forward whose attention is causal over the whole pack (each group also sees
+    the groups packed before it)."""
+    from rollplex_megatron.attention import prefix as P
+
+    orig = P.packed_causal_attention
+    P.packed_causal_attention = lambda q, k, v, lens, scale: orig(q, k, v, (sum(lens),), scale)
+    return run_rank(cfg, hf_dir)

@@ -153,11 +153,11 @@ def window_items_match(cfg, hf_dir, params, mechanism: str = "interleave"):
     threads = []
     for i, r in enumerate(reqs):
         window.submit(f"ref[{i}]", lambda r=r, i=i: (threads.append(threading.current_thread() is not main),
-                                                     _reference_prefix(ref, r.prompt, in_window, i)))
+                                                     _reference_prefix(ref, [r.prompt], in_window, [i])))
     main = threading.current_thread()
     EmbeddedEngine(model, cfg.model, 4096, 64, 1.0).generate(reqs, params, hooks=window)
     for i, r in enumerate(reqs):
-        _reference_prefix(ref, r.prompt, direct, i)
+        _reference_prefix(ref, [r.prompt], direct, [i])
     diffs = [float((in_window.leaves[k][j] - direct.leaves[k][j]).abs().max()) for k in direct.leaves for j in (0, 1)]
     return {"stats": window.stats(), "max_abs_diff": max(diffs),
             "same_keys": set(in_window.leaves) == set(direct.leaves),

@@ -92,8 +92,10 @@ def test_modes_and_lengths_parse():
         ("rollplex:auto", ["mode.name=rollplex", "mode.window=auto"]),  # the window's auto, not the plan's
         ("rollplex:torchnorm", ["mode.name=rollplex", "train.norm_kernel=torch"]),
         ("serial:fusedrope", ["mode.name=serial", "train.rope_kernel=triton"])]
+    assert bench.parse_modes("rollplex:pack20000") == [("rollplex:pack20000", ["mode.name=rollplex",
+                                                                               "workload.prefix_pack_tokens=20000"])]
     for bad in ("serial:stream", "serial:auto", "rollplex:tokens", "rollplex:tokens0", "rollplex:tokens-4",
-                "rollplex:tokens8k"):
+                "rollplex:tokens8k", "rollplex:pack", "rollplex:pack0"):
         with pytest.raises(ValueError, match="variant"):
             bench.parse_modes(bad)
     lens = drawn_lengths(256, 0.8, 1024, 20000, seed=3)

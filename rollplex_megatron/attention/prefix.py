@@ -48,7 +48,9 @@ class PackedLayout:
 class PrefixContext(AttentionContext):
     """What core attention needs for one forward: mode, layout and the K/V store.
 
-    mode "record": a prefix forward of `group` (causal over the prefix; K/V stored per layer).
+    mode "record": a prefix forward of `group` (causal over the prefix; K/V stored per layer), or, with
+      `groups`, of several groups' prefixes packed one after another (`lens` tokens each): each group
+      is causal over its own prefix alone and its K/V slice is stored under its id.
     mode "use": packed responses read the stored prefix K/V of `layout.prefix_groups`.
     mode "packed": packed full sequences, block-causal, no shared prefix.
     """
@@ -60,6 +62,8 @@ class PrefixContext(AttentionContext):
     keep_graph: bool = True
     trainable: bool = False  # record: trainable leaves without a graph (the prefix is recomputed later)
     backend: str = "auto"  # auto | sdpa | flex
+    groups: tuple[int, ...] = ()  # record: the packed groups' ids in token order (empty: `group` alone)
+    lens: tuple[int, ...] = ()  # record: their prefix lengths, same order
 
     def __post_init__(self) -> None:
         self.qkv_format = "sbhd"  # megatron must not treat this as THD packing (rotary, kernels)
@@ -69,6 +73,10 @@ class PrefixContext(AttentionContext):
     def attend(self, layer: int, query, key, value, scale):
         """Attention for core attention's inputs: query [T,1,Nq,D], key/value [T,1,Ng,D]."""
         query, key = self.rotate(query, key)
+        if self.mode == "record" and self.groups:
+            for g, (k, v) in zip(self.groups, zip(key.split(self.lens), value.split(self.lens))):
+                self.store.record(layer, g, k, v, self.keep_graph, self.trainable)
+            return packed_causal_attention(query, key, value, self.lens, scale)
         if self.mode == "record":
             self.store.record(layer, self.group, key, value, self.keep_graph, self.trainable)
             return sdpa_attention(query, key, value, None, True, scale)
@@ -90,6 +98,22 @@ class PrefixContext(AttentionContext):
         if self.backend != "auto":
             return self.backend
         return "flex" if query.is_cuda else "sdpa"
+
+
+def packed_causal_attention(query_TBND, key_TBGD, value_TBGD, lens: tuple[int, ...], scale):
+    """Causal attention inside each of the consecutive segments `lens` of a packed sequence (B=1): the
+    segments of one length run as one batched causal SDPA call (each row of the batch is what the one-segment
+    call computes, with the same kernel), so no [T, T] mask is built and no work crosses segments."""
+    t, _, nq, d = query_TBND.shape
+    out = query_TBND.new_empty(t, nq * d)
+    starts = torch.tensor([0, *lens[:-1]]).cumsum(0)
+    lens_t = torch.tensor(lens)
+    for length in torch.unique(lens_t).tolist():
+        idx = (starts[lens_t == length][:, None] + torch.arange(length)[None, :]).to(query_TBND.device)
+        q, k, v = (x[idx, 0].transpose(1, 2) for x in (query_TBND, key_TBGD, value_TBGD))  # [n, N, L, D]
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+        out[idx.reshape(-1)] = o.transpose(1, 2).reshape(-1, nq * d)
+    return out.reshape(t, 1, nq * d)
 
 
 def shared_prefix_attention(query_TBND, key_KBGD, value_KBGD, allowed_TK, scale, backend: str = "sdpa"):

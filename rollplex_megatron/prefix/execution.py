@@ -45,7 +45,8 @@ class PrefixModel(Protocol):
 
     `forward(input_ids, position_ids, attention_context, **vision)` is what megatron's schedule calls
     (vocab-parallel logits [B,T,V/TP] on the last stage, hidden [T,B,H] elsewhere), and
-    `prefix_stage(prompt, ctx, input_tensor)` runs prompt[:-1] on this stage and returns [P-1,1,H].
+    `prefix_stage(prompts, ctx, input_tensor)` runs each prompt[:-1], packed in order, on this stage and
+    returns [sum(P-1),1,H].
     """
 
     config: object  # megatron TransformerConfig (hidden_size)
@@ -57,6 +58,16 @@ class PrefixModel(Protocol):
 
 
 @dataclass
+class PrefixPack:
+    """Several groups' prefixes run as one forward (`workload.prefix_pack_tokens`): one graph, one stage input
+    and output, so one backward for all of them. Their PrefixStates share this object."""
+
+    length: int  # packed prefix tokens
+    received: torch.Tensor | None  # stage input from the previous stage
+    output: torch.Tensor | None  # stage output sent to the next stage
+
+
+@dataclass
 class PrefixState:
     """What the prefix backward of one group needs on this stage."""
 
@@ -65,6 +76,22 @@ class PrefixState:
     received: torch.Tensor | None  # stage input from the previous stage (grad flows back to it)
     output: torch.Tensor | None  # stage output sent to the next stage (None until recomputed)
     prompt: Group | None = None  # recompute plan: the group whose prefix forward runs again at backward
+    pack: PrefixPack | None = None  # set when the group's prefix ran packed with others (received/output there)
+
+
+def prefix_packs(lengths: list[int], pack_tokens: int) -> list[list[int]]:
+    """Consecutive indices of `lengths` in packs of at most `pack_tokens` prefix tokens (a longer prefix goes
+    alone); `pack_tokens` 0: one each. Every pipeline stage packs the same groups the same way."""
+    packs: list[list[int]] = []
+    total = 0
+    for i, n in enumerate(lengths):
+        if packs and pack_tokens > 0 and total + n <= pack_tokens:
+            packs[-1].append(i)
+            total += n
+        else:
+            packs.append([i])
+            total = n
+    return packs
 
 
 def p2p_communicator(model) -> P2PCommunicator:
@@ -73,13 +100,17 @@ def p2p_communicator(model) -> P2PCommunicator:
 
 
 def prefix_forward(model, groups: list[Group], store: KVStore, keep_graph: bool,
-                   group_ids: list[int] | None = None, recompute: bool = False) -> list[PrefixState]:
+                   group_ids: list[int] | None = None, recompute: bool = False,
+                   pack_tokens: int = 0) -> list[PrefixState]:
     """Step 1 on this stage for every group, in group order (the order every stage uses).
 
     `group_ids` name the groups in the store (default 0..n-1), e.g. when a rollout prefills in waves.
     `recompute` (actor, instead of `keep_graph`): no graph is saved; the store gets trainable K/V
     leaves, and `prefix_backward` re-runs one group's prefix forward at a time from its stage
     input (the prompt on the first stage, the received hidden states on later ones).
+    `pack_tokens` > 0: consecutive groups run as one forward of up to that many prefix tokens (fewer, larger
+    kernels; each group still attends to its own prefix alone); not with `recompute`, which holds one
+    group's graph at a time.
     """
     m, p2p = unwrap(model), p2p_communicator(model)
     first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
@@ -87,18 +118,24 @@ def prefix_forward(model, groups: list[Group], store: KVStore, keep_graph: bool,
         raise ValueError("prefix_forward: keep_graph and recompute exclude each other")
     states = []
     ids = list(range(len(groups))) if group_ids is None else list(group_ids)
-    for gi, g in zip(ids, groups):
-        n = g.prompt.input_ids.numel() - 1
+    lens = [g.prompt.input_ids.numel() - 1 for g in groups]
+    for pack in prefix_packs(lens, 0 if recompute else pack_tokens):
+        n = sum(lens[i] for i in pack)
         recv = None if first else p2p.recv_forward((n, 1, m.config.hidden_size), first)
-        ctx = PrefixContext(mode="record", store=store, group=gi, keep_graph=keep_graph, trainable=recompute)
+        ctx = PrefixContext(mode="record", store=store, group=ids[pack[0]], keep_graph=keep_graph, trainable=recompute,
+                            groups=tuple(ids[i] for i in pack) if len(pack) > 1 else (),
+                            lens=tuple(lens[i] for i in pack) if len(pack) > 1 else ())
         with torch.set_grad_enabled(keep_graph):
-            out = m.prefix_stage(g.prompt, ctx, recv)
+            out = m.prefix_stage([groups[i].prompt for i in pack], ctx, recv)
         if not last:
             p2p.send_forward(out.detach() if not keep_graph else out, last)
         if recompute:
-            states.append(PrefixState(gi, n, None if recv is None else recv.detach(), None, g))
+            states.append(PrefixState(ids[pack[0]], n, None if recv is None else recv.detach(), None, groups[pack[0]]))
+        elif len(pack) == 1:
+            states.append(PrefixState(ids[pack[0]], n, recv, out))
         else:
-            states.append(PrefixState(gi, n, recv, out))
+            shared = PrefixPack(n, recv, out)
+            states += [PrefixState(ids[i], lens[i], None, None, pack=shared) for i in pack]
     return states
 
 
@@ -109,27 +146,40 @@ def _recompute(m, st: PrefixState, store: KVStore) -> tuple[PrefixState, dict, t
     recv = None if st.received is None else st.received.detach().requires_grad_()
     ctx = PrefixContext(mode="record", store=graph, group=st.group, keep_graph=True)
     with torch.enable_grad():
-        out = m.prefix_stage(st.prompt.prompt, ctx, recv)
+        out = m.prefix_stage([st.prompt.prompt], ctx, recv)
     drift = torch.stack([(t.detach().float() - leaf.detach()).abs().max()
                          for key, kv in graph.graph.items() for t, leaf in zip(kv, store.leaves[key])]).max()
     return PrefixState(st.group, st.length, recv, out), graph.graph, drift
 
 
 def prefix_backward(model, states: list[PrefixState], store: KVStore) -> None:
-    """Step 3 on this stage: one backward per group through its prefix graph (saved or recomputed).
+    """Step 3 on this stage: one backward per group, or per pack of groups, through its prefix graph (saved
+    or recomputed); a pack's backward takes every member in `states` at its first member.
 
     Recomputed groups hold one group's graph at a time; `store.recompute_drift` records the largest
     difference between recomputed and stored K/V (0 when the forward is deterministic)."""
     m, p2p = unwrap(model), p2p_communicator(model)
     first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
     hidden = m.config.hidden_size
-    drifts = []
+    drifts, done = [], set()
     for st in states:
         graph = None
+        if st.pack is not None:
+            if id(st.pack) in done:
+                continue
+            done.add(id(st.pack))
+            members = [x.group for x in states if x.pack is st.pack]
+            st = PrefixState(members[0], st.pack.length, st.pack.received, st.pack.output)
+        else:
+            members = [st.group]
         if st.prompt is not None:
             st, graph, drift = _recompute(m, st, store)
             drifts.append(drift)
-        outs, grads = store.backward_pairs(st.group, graph)
+        outs, grads = [], []
+        for g in members:
+            o, gr = store.backward_pairs(g, graph)
+            outs += o
+            grads += gr
         if not last:
             outs.append(st.output)
             grads.append(p2p.recv_backward((st.length, 1, hidden), last))
@@ -138,7 +188,8 @@ def prefix_backward(model, states: list[PrefixState], store: KVStore) -> None:
         if not first:
             g = st.received.grad if st.received.grad is not None else torch.zeros_like(st.received)
             p2p.send_backward(g, first)
-        store.release(st.group)
+        for g in members:
+            store.release(g)
     if drifts:  # one read for all groups, after the backward work is issued
         store.recompute_drift = max(store.recompute_drift, float(torch.stack(drifts).max()))
 
@@ -188,17 +239,18 @@ def finalize(model) -> None:
 
 def actor_prefix_step(model, groups: list[Group], micro_batches: list[MicroBatch],
                       backend: str = "auto", loss_fn=None, recompute: bool = False,
-                      select: list[int] | None = None) -> list[dict]:
+                      select: list[int] | None = None, pack_tokens: int = 0) -> list[dict]:
     """Prefix/response forward+backward of the actor; gradients finalised. Returns loss dicts.
 
     `recompute`: keep no prefix graph; each group's prefix is recomputed at its prefix backward.
-    `select`: the micro-batches hold only these groups (a PPO mini-batch); only their prefixes run."""
+    `select`: the micro-batches hold only these groups (a PPO mini-batch); only their prefixes run.
+    `pack_tokens`: `prefix_forward`'s packing."""
     dev = device()
     mbs = [mb.to(dev) for mb in micro_batches]
     store = KVStore()
     ids = list(range(len(groups))) if select is None else list(select)
     states = prefix_forward(model, [groups[i] for i in ids], store, keep_graph=not recompute, recompute=recompute,
-                            group_ids=ids)
+                            group_ids=ids, pack_tokens=pack_tokens)
     res = run_schedule(model, mbs, lambda mb: PrefixContext(mode="use", layout=mb.layout, store=store,
                                                             backend=backend), forward_only=False, loss_fn=loss_fn)
     prefix_backward(model, states, store)
@@ -207,13 +259,14 @@ def actor_prefix_step(model, groups: list[Group], micro_batches: list[MicroBatch
 
 
 def reference_prefix_logprobs(model, groups: list[Group], micro_batches: list[MicroBatch],
-                              backend: str = "auto", loss_fn=None) -> list[dict]:
-    """Reference variant: prefix K/V without a graph, response stage forward-only."""
+                              backend: str = "auto", loss_fn=None, pack_tokens: int = 0) -> list[dict]:
+    """Reference variant: prefix K/V without a graph (`pack_tokens`: `prefix_forward`'s packing), response
+    stage forward-only."""
     dev = device()
     mbs = [mb.to(dev) for mb in micro_batches]
     store = KVStore()
     with torch.no_grad():
-        prefix_forward(model, groups, store, keep_graph=False)
+        prefix_forward(model, groups, store, keep_graph=False, pack_tokens=pack_tokens)
         return run_schedule(model, mbs, lambda mb: PrefixContext(mode="use", layout=mb.layout, store=store,
                                                                  backend=backend), forward_only=True,
                             loss_fn=loss_fn)

@@ -151,8 +151,9 @@ class EmbeddedEngine:
 
     def __init__(self, model, cfg: ModelConfig, max_prompt_len: int, max_response_len: int, kv_cache_gib: float,
                  cuda_graphs: bool = True, decode_attention: str = "auto", sampling_kernel: str = "auto",
-                 fused_rope: bool = True, fused_norm: bool = True):
+                 fused_rope: bool = True, fused_norm: bool = True, prefix_pack_tokens: int = 0):
         self.model, self.cfg = model, cfg
+        self.prefix_pack_tokens = prefix_pack_tokens  # the prefill's packing (prefix_forward's pack_tokens)
         self.max_prompt_len, self.max_response_len = max_prompt_len, max_response_len
         self.budget = int(kv_cache_gib * 2**30)
         self.dev = device()
@@ -207,7 +208,8 @@ class EmbeddedEngine:
             graph = actor_prefix is not None and not recompute_prefix
             with torch.set_grad_enabled(graph):
                 states += prefix_forward(self.model, groups, store, keep_graph=graph, group_ids=wave,
-                                         recompute=actor_prefix is not None and recompute_prefix)
+                                         recompute=actor_prefix is not None and recompute_prefix,
+                                         pack_tokens=self.prefix_pack_tokens)
             cache = DecodeCache(store, wave, [requests[i].n for i in wave],
                                 max(requests[i].max_new_tokens for i in wave), unwrap(self.model).config.params_dtype)
             if actor_prefix is None:

@@ -166,7 +166,8 @@ def build_engine(model, cfg: RunConfig, at: ParallelLayouts | None = None, refer
     r = cfg.rollout
     return EmbeddedEngine(model, cfg.model, r.max_prompt_len, r.max_response_len, cfg.memory.kv_cache_gib,
                           r.cuda_graphs, r.decode_attention,
-                          sampling_kernel=r.sampling_kernel)
+                          sampling_kernel=r.sampling_kernel,
+                          prefix_pack_tokens=cfg.workload.prefix_pack_tokens)
 
 
 class Runtime:
@@ -217,6 +218,7 @@ class Runtime:
                                   tp_rank=ps.get_tensor_model_parallel_rank(),
                                   tp_group=ps.get_tensor_model_parallel_group(), kernel=self.logprob_kernel)
         self.backend = cfg.mode.attention_backend
+        self.pack_tokens = cfg.workload.prefix_pack_tokens  # prefix stages of several groups as one forward
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         self.pp_size = ps.get_pipeline_model_parallel_world_size()
         self.dp_group, self.tp_group = ps.get_data_parallel_group(), ps.get_tensor_model_parallel_group()

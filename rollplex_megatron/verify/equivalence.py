@@ -151,10 +151,12 @@ def run_rank(cfg: RunConfig, hf_dir: str | None = None, position_offset: int = 0
         full_logp, full_loss = _collect(full)
         full_grads = _grads(ddp)
         ddp.zero_grad_buffer()
-        pre_logp, pre_loss = _collect(timed("prefix_fwd_bwd_s", lambda: X.actor_prefix_step(ddp, groups, resp_mbs, be)))
+        pack = cfg.workload.prefix_pack_tokens  # several groups' prefixes as one forward
+        pre_logp, pre_loss = _collect(timed("prefix_fwd_bwd_s", lambda: X.actor_prefix_step(
+            ddp, groups, resp_mbs, be, pack_tokens=pack)))
         pre_grads = _grads(ddp)
         ref_logp, _ = _collect(timed("reference_prefix_fwd_s",
-                                     lambda: X.reference_prefix_logprobs(ddp, groups, resp_mbs, be)))
+                                     lambda: X.reference_prefix_logprobs(ddp, groups, resp_mbs, be, pack_tokens=pack)))
 
     errs = torch.zeros(5, dtype=torch.float64, device=dev)
     if full_logp is not None:

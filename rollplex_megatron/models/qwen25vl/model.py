@@ -327,10 +327,10 @@ class Qwen25VLModel(MegatronModule):
         logits, _ = lm.output_layer(hidden_SBH, weight=weight)
         return self.mask_padded_vocab(logits.transpose(0, 1).contiguous())
 
-    def prefix_stage(self, prompt, ctx, input_tensor=None) -> torch.Tensor:
-        """The prefix (prompt[:-1], vision included) of one prompt on this stage: [P-1,1,H]
-        (the PrefixModel contract of prefix/execution.py)."""
-        return _placeholder_check_then_prefix(self, prompt, ctx, input_tensor)
+    def prefix_stage(self, prompts, ctx, input_tensor=None) -> torch.Tensor:
+        """The prefixes (prompt[:-1], vision included) of a list of prompts packed one after another, on this
+        stage: [sum(P-1),1,H] (the PrefixModel contract of prefix/execution.py)."""
+        return _placeholder_check_then_prefix(self, prompts, ctx, input_tensor)
 
     def forward_prefix(self, input_ids, position_ids, attention_context, input_tensor=None,
                        pixel_values=None, image_grid_thw=None, pixel_values_videos=None,
@@ -363,17 +363,27 @@ class Qwen25VLModel(MegatronModule):
                           packed_seq_params=attention_context)
 
 
-def _placeholder_check_then_prefix(m, prompt, ctx, input_tensor):
-    """The prefix stage of one prompt (Qwen25VLModel.prefix_stage's body)."""
+VISION_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+
+
+def _placeholder_check_then_prefix(m, prompts, ctx, input_tensor):
+    """The prefix stage of one or several prompts, packed (Qwen25VLModel.prefix_stage's body): ids and
+    M-RoPE positions of each prompt[:-1] in order, its images and videos concatenated in the same order (the
+    embedding fills placeholders in token order), positions restarting at each prompt."""
     dev = device()
     # pixels go to the device; grids stay on the host (the vision tower plans its windows there), and
     # the placeholder check reads the host prompt: the stage issues without reading the device back
-    vis = {k: getattr(prompt, k) for k in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")}
-    ids = prompt.input_ids[None, :-1]
+    parts = [{k: getattr(p, k) for k in VISION_KEYS} for p in prompts]
     if m.pre_process:
-        check_placeholders(m.cfg, ids, **vis)
-    vis = {k: (t.to(dev) if t is not None and k.startswith("pixel") else t) for k, t in vis.items()}
-    pos = P.prompt_positions(m.cfg, prompt)[:, :, :-1].to(dev)
+        for p, vis in zip(prompts, parts):
+            check_placeholders(m.cfg, p.input_ids[None, :-1], **vis)
+    vis = {}
+    for k in VISION_KEYS:
+        ts = [v[k] for v in parts if v[k] is not None]
+        t = None if not ts else ts[0] if len(ts) == 1 else torch.cat(ts)
+        vis[k] = t.to(dev) if t is not None and k.startswith("pixel") else t
+    ids = torch.cat([p.input_ids[:-1] for p in prompts])[None]
+    pos = torch.cat([P.prompt_positions(m.cfg, p)[:, :, :-1] for p in prompts], dim=-1).to(dev)
     return m.forward_prefix(ids.to(dev), pos, ctx, input_tensor=input_tensor, check=False, **vis)
 
 

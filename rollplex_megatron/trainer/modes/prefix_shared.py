@@ -20,15 +20,17 @@ class PrefixShared(Mode):
         mbs = prep.flat()
         with t("old_logp"):
             prep.record_old(X.per_response(X.reference_prefix_logprobs(rt.ddp, batch.groups, mbs, rt.backend,
-                                                                       rt.score_loss), mbs, batch.groups))
+                                                                       rt.score_loss, rt.pack_tokens), mbs,
+                                           batch.groups))
         with t("ref_logp"):
             prep.attach("ref_logp", X.per_response(X.reference_prefix_logprobs(rt.ref, batch.groups, mbs, rt.backend,
-                                                                               rt.score_loss), mbs, batch.groups))
+                                                                               rt.score_loss, rt.pack_tokens), mbs,
+                                                   batch.groups))
         return prep
 
     def update(self, rt, prep, m, fresh):  # noqa: D102
         return X.actor_prefix_step(rt.ddp, prep.batch.groups, prep.mbs[m], rt.backend, loss_fn=rt.loss(prep.minis[m]),
-                                   recompute=rt.recompute, select=prep.minis[m].groups)
+                                   recompute=rt.recompute, select=prep.minis[m].groups, pack_tokens=rt.pack_tokens)
 
     @staticmethod
     def memory_classes(p: PlanInputs) -> list[TensorClass]:  # noqa: D102

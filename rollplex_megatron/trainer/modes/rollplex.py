@@ -27,10 +27,12 @@ from rollplex_megatron.trainer.modes.base import (Mode, Prepared, response_stage
                                                   sum_stats)
 
 
-def reference_prefix_item(ref, prompt, store: KVStore, group: int) -> None:
-    """Decode-window work item: the reference prefix stage of one group (K/V only)."""
+def reference_prefix_item(ref, prompts: list, store: KVStore, groups: list[int], pack_tokens: int = 0) -> None:
+    """Decode-window work item: the reference prefix stage of one group, or of a pack of groups as one
+    forward (`workload.prefix_pack_tokens`) (K/V only)."""
     with torch.no_grad():
-        X.prefix_forward(ref, [Group(prompt, [], torch.zeros(0))], store, keep_graph=False, group_ids=[group])
+        X.prefix_forward(ref, [Group(p, [], torch.zeros(0)) for p in prompts], store, keep_graph=False,
+                         group_ids=groups, pack_tokens=pack_tokens)
 
 
 def actor_prefix_item(actor, prompt, store: KVStore, group: int, recompute: bool, states: list) -> None:
@@ -58,13 +60,22 @@ class Rollplex(Mode):
         def round_kwargs(r, reqs):
             actor_kv, ref_kv, states = KVStore(), KVStore(), []
             window = DecodeWindow.from_config(rt.cfg.mode, rt.cfg.parallel, rt.cfg.rollout.tp)
+            # with the engine in this process the reference prefixes may run packed, several groups an item;
+            # an engine elsewhere (jobs as data) and the rollout at its own layout take one group an item
+            packs = X.prefix_packs([q.prompt.input_ids.numel() - 1 for q in reqs], rt.pack_tokens if in_prefill else 0)
             for i, q in enumerate(reqs):
                 if not in_prefill:
                     window.submit(f"actor_prefix[{r}.{i}]",
                                   partial(actor_prefix_item, rt.ddp, q.prompt, actor_kv, i, rt.recompute, states),
                                   PrefixJob("actor", q.prompt, actor_kv, i, trainable=True, states=states))
-                window.submit(f"reference_prefix[{r}.{i}]", partial(reference_prefix_item, rt.ref, q.prompt, ref_kv, i),
-                              PrefixJob("reference", q.prompt, ref_kv, i))
+                if len(packs) == len(reqs):
+                    window.submit(f"reference_prefix[{r}.{i}]",
+                                  partial(reference_prefix_item, rt.ref, [q.prompt], ref_kv, [i]),
+                                  PrefixJob("reference", q.prompt, ref_kv, i))
+            for pack in packs if len(packs) < len(reqs) else []:
+                window.submit(f"reference_prefix[{r}.{pack[0]}-{pack[-1]}]",
+                              partial(reference_prefix_item, rt.ref, [reqs[i].prompt for i in pack], ref_kv, pack,
+                                      rt.pack_tokens))
             stores.append((actor_kv, ref_kv))
             windows.append(window)
             round_states.append(states)
@@ -114,7 +125,7 @@ class Rollplex(Mode):
         mini = prep.minis[m]
         if not fresh:  # the weights moved since the rollout: the prefix is recomputed (DESIGN section 2)
             return X.actor_prefix_step(rt.ddp, prep.batch.groups, prep.mbs[m], rt.backend, loss_fn=rt.loss(mini),
-                                       recompute=rt.recompute, select=mini.groups)
+                                       recompute=rt.recompute, select=mini.groups, pack_tokens=rt.pack_tokens)
         own = set(mini.groups)
         states = [st for st in prep.state.pop("states") if st.group in own]
         res, kv_stats = X.actor_response_step(rt.ddp, prep.mbs[m], prep.state.pop("actor_kv"), states, rt.backend,

@@ -1,0 +1,73 @@
+"""Prefix stages of several groups as one forward (`workload.prefix_pack_tokens`): the same K/V, log-probs,
+loss and gradients as one group per forward (DESIGN section 3, fp32 CPU, 1e-5), through the prefix/response
+execution at TP 1 and 2 and PP 2 and through a rollplex training step."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rollplex_megatron.attention.prefix import dense_reference, packed_causal_attention
+from rollplex_megatron.dist import run_local
+from rollplex_megatron.prefix.execution import prefix_packs
+from rollplex_megatron.recipes import load_run_config
+from tests import prefix_workers as W
+
+TOL = 1e-5
+PACK = "workload.prefix_pack_tokens=100000"  # every group of a rank in one pack
+
+
+def _segments(lens, nq=4, ng=2, d=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    t = sum(lens)
+    return [torch.randn(t, 1, n, d, generator=g) * m for n, m in ((nq, 3.0), (ng, 0.5), (ng, 20.0))]
+
+
+@pytest.mark.parametrize("lens", [(5, 5, 5), (5, 3, 7, 5, 1), (9,)])
+def test_packed_causal_attention_is_one_causal_call_per_segment(lens):
+    """Equal lengths share one batched call, ragged ones do not: each segment's rows equal the one-segment
+    causal SDPA and the float64 block-causal reference; causal over the whole pack (the groups attending to
+    each other) does not."""
+    q, k, v = _segments(lens)
+    got = packed_causal_attention(q, k, v, lens, None)
+    off, want = 0, []
+    for n in lens:
+        s = slice(off, off + n)
+        qs, ks, vs = (x[s, 0].transpose(0, 1)[None] for x in (q, k, v))
+        want.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)[0].transpose(0, 1))
+        off += n
+    want = torch.cat(want).reshape(sum(lens), 1, -1)
+    assert torch.equal(got, want)
+    seg = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
+    pos = torch.arange(sum(lens))
+    allowed = (seg[:, None] == seg[None, :]) & (pos[None, :] <= pos[:, None])
+    ref = dense_reference(q.double(), k.double(), v.double(), allowed, None)
+    assert float((got.double() - ref).norm() / ref.norm()) < 1e-6
+    across = packed_causal_attention(q, k, v, (sum(lens),), None)
+    assert len(lens) == 1 or float((across - got).norm() / got.norm()) > 1e-2
+
+
+def test_prefix_packs_are_consecutive_and_bounded():
+    assert prefix_packs([4, 4, 4, 10, 3], 8) == [[0, 1], [2], [3], [4]]
+    assert prefix_packs([4, 4, 4, 10, 3], 0) == [[0], [1], [2], [3], [4]]
+    assert prefix_packs([4, 4, 4, 10, 3], 10**6) == [[0, 1, 2, 3, 4]]
+    with pytest.raises(ValueError, match="workload.prefix_pack_tokens"):
+        load_run_config(["workload.prefix_pack_tokens=-1"])
+
+
+def _cfg(tp, pp, seed, *extra):
+    return load_run_config([f"parallel.tp={tp}", f"parallel.pp={pp}", "rollout.group_size=4", f"verify.seed={seed}",
+                            "verify.groups_per_rank=3", *extra])
+
+
+@pytest.mark.parametrize("tp,pp,seed", [(1, 1, 7), (2, 1, 8), (1, 2, 9)])
+def test_packed_prefixes_match_full_sequences(tiny_hf, tp, pp, seed):
+    """Three groups (ragged prompts with an image and a video each) in one pack: the actor's log-probs, loss
+    and every gradient and the reference's log-probs against full sequences, as one group per forward is."""
+    cfg = _cfg(tp, pp, seed, PACK)
+    r = run_local(W.exact, tp * pp, cfg, tiny_hf)[0]
+    assert r["max_rel_err_logp"] <= TOL and r["max_rel_err_ref_logp"] <= TOL, r
+    assert r["max_rel_err_loss"] <= TOL and r["max_rel_err_grad"] <= TOL, r
+
+
+def test_packs_that_attend_across_groups_are_detected(tiny_hf):
+    r = run_local(W.packs_attend_across_groups, 1, _cfg(1, 1, 7, PACK), tiny_hf)[0]
+    assert r["max_rel_err_ref_logp"] > 10 * TOL and r["max_rel_err_grad"] > 10 * TOL, r
