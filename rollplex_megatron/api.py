@@ -83,7 +83,7 @@ class PrefixGPT(MegatronModule):
     from `with_prefix_attention`) with RoPE at the positions it is given.
 
     `forward` is what megatron's schedule calls: vocab-parallel logits [B,T,V/TP] on the last stage,
-    hidden states [T,B,H] elsewhere. `prefix_stage` is the prefix forward of one prompt.
+    hidden states [T,B,H] elsewhere. `prefix_stage` is the prefix forward of a list of prompts, packed.
     """
 
     def __init__(self, gpt: GPTModel):

@@ -796,6 +796,10 @@ class RunConfig:
             raise ValueError(f"train.ppo_mini_batches ({m}) must divide the {self.prompts_per_rank} prompts per "
                              f"data-parallel rank (workload.rollout_batch / rollout.group_size / parallel.dp): a "
                              f"mini-batch holds whole groups")
+        if self.workload.prefix_pack_tokens and self.train.dynamic_sampling and self.mode.name == "rollplex":
+            raise ValueError("workload.prefix_pack_tokens > 0 with train.dynamic_sampling in mode rollplex: a packed "
+                             "prefill's graph and K/V would keep the groups dynamic sampling drops in memory; set "
+                             "workload.prefix_pack_tokens=0 or train.dynamic_sampling=false")
 
     @property
     def prompts_per_rank(self) -> int:

@@ -51,6 +51,11 @@ def test_prefix_packs_are_consecutive_and_bounded():
     assert prefix_packs([4, 4, 4, 10, 3], 10**6) == [[0, 1, 2, 3, 4]]
     with pytest.raises(ValueError, match="workload.prefix_pack_tokens"):
         load_run_config(["workload.prefix_pack_tokens=-1"])
+    # a kept group's pack would hold the dropped groups' prefill graph and K/V: refused before any work
+    packed = ["workload.prefix_pack_tokens=4096", "train.dynamic_sampling=true"]
+    with pytest.raises(ValueError, match="prefix_pack_tokens=0 or train.dynamic_sampling=false"):
+        load_run_config(["mode.name=rollplex", *packed]).check_training()
+    load_run_config(["mode.name=prefix_shared", *packed]).check_training()  # packs only the kept groups
 
 
 def _cfg(tp, pp, seed, *extra):

@@ -36,7 +36,7 @@ RUN_FILES = ("config.yaml", METRICS, train_state.CHECKPOINTS)
 RESUMABLE = ("train.steps", "train.save_every", "train.save_final", "train.resume", "train.out",
              "train.progress", "run_dir", "mode.", "memory.", "rollout.cuda_graphs",
              "rollout.decode_attention", "rollout.sampling_kernel", "train.logprob_kernel", "train.norm_kernel",
-             "train.rope_kernel", "parallel.backend",
+             "train.rope_kernel", "workload.prefix_pack_tokens", "parallel.backend",
              "smoke.", "verify.", "plan.",
              "train.val_every", "val.", "data.val_files", "data.prefetch",  # evaluation, prefetch, trackers,
              "train.tensorboard", "train.wandb",  # the profiler: what a step computes stays the same

@@ -53,8 +53,8 @@ class PrefixModel(Protocol):
     pre_process: bool
     post_process: bool
 
-    def prefix_stage(self, prompt, ctx: PrefixContext, input_tensor=None) -> torch.Tensor:
-        """The prefix forward of one prompt on this stage."""
+    def prefix_stage(self, prompts, ctx: PrefixContext, input_tensor=None) -> torch.Tensor:
+        """The prefix forward of a list of prompts (one, or a pack) on this stage, packed in order."""
 
 
 @dataclass
