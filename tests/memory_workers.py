@@ -64,6 +64,14 @@ def recompute_vs_saved(cfg, hf_dir, mutant: str = ""):
             return state, {}, drift
 
         execution._recompute = empty
+    if mutant == "empty_pack_recompute":  # a recomputed pack's graph never reaches the backward
+        orig_pack = execution._recompute_pack
+
+        def empty_pack(m, pack, members, store):
+            state, _, drift = orig_pack(m, pack, members, store)
+            return state, {}, drift
+
+        execution._recompute_pack = empty_pack
     from megatron.core import parallel_state as ps
 
     from rollplex_megatron.models.qwen25vl.hf import HFCheckpoint, load_hf_into_model
@@ -87,7 +95,8 @@ def recompute_vs_saved(cfg, hf_dir, mutant: str = ""):
     out = {}
     for recompute in (False, True):
         ddp.zero_grad_buffer()
-        res = X.actor_prefix_step(ddp, groups, mbs, "sdpa", recompute=recompute)
+        res = X.actor_prefix_step(ddp, groups, mbs, "sdpa", recompute=recompute,
+                                  pack_tokens=cfg.workload.prefix_pack_tokens)
         out[recompute] = (_grads(ddp), [r["logp"] for r in res])
     g0, g1 = out[False][0], out[True][0]
     err = max(float((g1[n] - g0[n]).norm() / g0[n].norm().clamp_min(1e-30)) for n in g0)

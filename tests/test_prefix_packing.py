@@ -9,6 +9,7 @@ from rollplex_megatron.attention.prefix import dense_reference, packed_causal_at
 from rollplex_megatron.dist import run_local
 from rollplex_megatron.prefix.execution import prefix_packs
 from rollplex_megatron.recipes import load_run_config
+from tests import memory_workers as MW
 from tests import prefix_workers as W
 
 TOL = 1e-5
@@ -76,3 +77,37 @@ def test_packed_prefixes_match_full_sequences(tiny_hf, tp, pp, seed):
 def test_packs_that_attend_across_groups_are_detected(tiny_hf):
     r = run_local(W.packs_attend_across_groups, 1, _cfg(1, 1, 7, PACK), tiny_hf)[0]
     assert r["max_rel_err_ref_logp"] > 10 * TOL and r["max_rel_err_grad"] > 10 * TOL, r
+
+
+@pytest.mark.parametrize("tp,pp", [(1, 1), (1, 2), (2, 1)])
+def test_packed_prefix_recompute_equals_the_saved_pack_graph(tiny_hf, tp, pp):
+    """The recompute plan over packs (the forward keeps no graph; the backward recomputes one pack at a time)
+    against the pack's saved graph: the same log-probs and gradients."""
+    cfg = _cfg(tp, pp, 21, PACK)
+    for o in run_local(MW.recompute_vs_saved, tp * pp, cfg, tiny_hf):
+        assert o["grad_norm_sum"] > 0 and o["same_logp"]
+        assert o["err"] <= 1e-6, o["err"]  # same ops on the same inputs: equal up to reduction order
+
+
+def test_packed_recompute_that_drops_the_graph_is_detected(tiny_hf):
+    o = run_local(MW.recompute_vs_saved, 1, _cfg(1, 1, 21, PACK), tiny_hf, "empty_pack_recompute")[0]
+    assert o["err"] > 1e-2
+
+
+def test_a_recomputed_pack_that_cannot_fit_the_device_is_refused_before_any_work(monkeypatch):
+    """Under memory.plan=phase the actor prefix is recomputed one pack at a time: the planner counts that pack's
+    graph, and on a GPU with no memory.budget_gib the plan is held to the device's free memory (here a stand-in
+    of 134 GiB) instead of running out of memory in the update; without packing nothing is checked there."""
+    from rollplex_megatron.data import build_source
+    from rollplex_megatron.trainer import runtime as R
+
+    monkeypatch.setattr(R, "auto_budget_gib", lambda cfg: 134.0)  # the device's free memory less the margin
+    over = ["+bench=video_long", "mode.name=rollplex"]  # 16 groups of 1039 prefix tokens a step
+    cfg = load_run_config(over + ["workload.prefix_pack_tokens=100000"])
+    with pytest.raises(ValueError, match="update_activations .* a smaller workload.prefix_pack_tokens"):
+        R.memory_plan(cfg, build_source(cfg))  # the planner only: no model, no device (16 graphs: 260 GiB)
+    small = R.memory_plan(load_run_config(over + ["workload.prefix_pack_tokens=2100"]), build_source(cfg))
+    one = R.memory_plan(load_run_config(over), build_source(cfg))
+    assert small["classes"]["update_activations"]["gib"] == pytest.approx(
+        2 * one["classes"]["update_activations"]["gib"])  # two groups a pack: two graphs recomputed at once
+    assert small["peak_gib"] <= 134

@@ -50,3 +50,4 @@ class PlanInputs:
     logits: Callable[[int], int]  # loss workspace of a forward over `tokens`
     activations: Callable[[int, int], int]  # a training forward's saved tensors over (tokens, patches)
     rounds: int = 1  # rollout rounds a step may sample (dynamic sampling: 1 + train.max_resample_rounds)
+    pack_groups: int = 1  # groups whose prefixes run as one forward (workload.prefix_pack_tokens; one recomputed)

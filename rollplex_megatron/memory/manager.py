@@ -14,7 +14,8 @@ table the planner predicts from; under `keep` every class stays.
 The prefix classes follow their producers' lifetimes in code rather than here: the rollout KV cache
 is freed when the rollout returns, the reference prefix K/V after the reference response stage, the
 actor prefix K/V and gK/gV after each group's prefix backward, and under the `phase` plan the actor
-prefix keeps no graph (it is recomputed one group at a time, `prefix.execution`).
+prefix keeps no graph (it is recomputed one group, or one pack of `workload.prefix_pack_tokens`, at a time,
+`prefix.execution`).
 
 Offload: the device-to-host copy runs on a copy stream into persistent pinned host buffers, then
 the device storage is released (`resize_(0)`, so every view, optimizer reference and DDP bucket

@@ -7,7 +7,7 @@ One function, `plan(cfg, mode, residency, engine)`, models every combination:
   inference engine with its own weight copy and a K/V pool where every sample holds its prompt;
 - the Rollplex plan (`rollplex_plan`): rollplex phases, residency following producer-consumer
   lifetimes (`phase`, what memory/manager.py does at run time), the embedded engine on the actor's
-  weights with one prefix K/V per group, and the actor prefix recomputed one group at a time;
+  weights with one prefix K/V per group, and the actor prefix recomputed one group (or pack) at a time;
 - the trainer's own runs (`runtime_plan`): mode and `memory.plan` of the run, embedded engine, and
   the shape of the task's real prompts (checked against `memory.budget_gib` before the models are
   built, and against the allocator's per-phase peaks on the GPU).
@@ -200,6 +200,12 @@ def workload_shape(cfg: RunConfig, prefix_tokens: int | None = None, patches: in
                  pick(patches, p.vision_patches), micro_batch_responses(cfg, r))
 
 
+def pack_groups(cfg: RunConfig, s: Shape) -> int:
+    """Groups of the shape's prefix length in one pack of `workload.prefix_pack_tokens` (1 when off)."""
+    pack = cfg.workload.prefix_pack_tokens
+    return 1 if pack <= 0 else max(1, min(s.prompts, pack // max(s.P, 1)))
+
+
 def micro_batch_responses(cfg: RunConfig, response_tokens: int) -> int:
     """The shape's responses per micro-batch: the count, or under `workload.micro_batch_tokens` enough
     responses of `response_tokens` to cover the budget (mb x R >= max(budget, R), the most response tokens
@@ -248,7 +254,7 @@ def plan(cfg: RunConfig, mode: str, residency: str, engine: str, s: Shape | None
     classes of its prefix work, scoring and update (trainer/modes/, DESIGN section 2).
     residency: keep (everything stays) | phase (the plan of memory/manager.py: main weights and Adam
     states on the device only for the optimizer step, gradients from the update on, the reference
-    only where it is read, the actor prefix recomputed one group at a time instead of kept) | a set
+    only where it is read, the actor prefix recomputed one group or pack at a time instead of kept) | a set
     of RELEASE_ORDER names released that way, the rest kept (what `memory.plan=auto` chose).
     engine: embedded (rollout on the actor's weights, one prefix K/V per group; at `rollout.tp` !=
     parallel.tp on a rollout model bound to them, whose rebuilt tensors count) | separate (naive
@@ -307,7 +313,8 @@ def plan(cfg: RunConfig, mode: str, residency: str, engine: str, s: Shape | None
                         logits=lambda tokens: logits_bytes(m, par.tp, tokens),
                         activations=lambda tokens, patches: training_forward_bytes(m, par.tp, par.pp, sp, tokens,
                                                                                    patches, norm, rope),
-                        rounds=1 + cfg.train.max_resample_rounds if cfg.train.dynamic_sampling else 1)
+                        rounds=1 + cfg.train.max_resample_rounds if cfg.train.dynamic_sampling else 1,
+                        pack_groups=pack_groups(cfg, s))
     out += get_mode(mode).memory_classes(inputs)
     adam = 0 if cfg.plan.fused_adam else w["optimizer_states"] // 2
     out.append(TensorClass("optimizer_workspace", adam, ("optimizer",), "free",
@@ -408,14 +415,16 @@ FIXES = {  # what shrinks each class, in the config's terms
     "actor_prefix_graph": "fewer prompts per DP rank",
     "actor_prefix_kv": "fewer prompts per DP rank or shorter prompts",
     "update_activations": "fewer workload.responses_per_micro_batch (or a smaller workload.micro_batch_tokens "
-                          "when set), plan.sequence_parallel=true or a larger parallel.tp",
+                          "when set), a smaller workload.prefix_pack_tokens (a recomputed pack's graph), "
+                          "plan.sequence_parallel=true or a larger parallel.tp",
 }
 RUNTIME_FIXES = {  # the trainer honours no plan.* setting: only what its own config changes
     "optimizer_states": "a larger parallel.tp/pp",
     "main_weights": "a larger parallel.tp/pp",
     "optimizer_workspace": "a larger parallel.tp/pp (or transformer-engine/apex installed: a fused Adam)",
     "update_activations": "fewer workload.responses_per_micro_batch (or a smaller workload.micro_batch_tokens "
-                          "when set) or a larger parallel.tp",
+                          "when set), a smaller workload.prefix_pack_tokens (a recomputed pack's graph) or a "
+                          "larger parallel.tp",
 }
 RELEASED_BY_PHASE_PLAN = {"main_weights", "optimizer_states", "grads", "reference_weights", "actor_prefix_graph"}
 

@@ -60,11 +60,13 @@ class PrefixModel(Protocol):
 @dataclass
 class PrefixPack:
     """Several groups' prefixes run as one forward (`workload.prefix_pack_tokens`): one graph, one stage input
-    and output, so one backward for all of them. Their PrefixStates share this object."""
+    and output, so one backward for all of them (under the recompute plan, one recomputation too). Their
+    PrefixStates share this object."""
 
     length: int  # packed prefix tokens
     received: torch.Tensor | None  # stage input from the previous stage
-    output: torch.Tensor | None  # stage output sent to the next stage
+    output: torch.Tensor | None  # stage output sent to the next stage (None until recomputed)
+    groups: list[Group] | None = None  # recompute plan: the pack's groups, in pack order
 
 
 @dataclass
@@ -77,6 +79,7 @@ class PrefixState:
     output: torch.Tensor | None  # stage output sent to the next stage (None until recomputed)
     prompt: Group | None = None  # recompute plan: the group whose prefix forward runs again at backward
     pack: PrefixPack | None = None  # set when the group's prefix ran packed with others (received/output there)
+    pack_pos: int = 0  # the group's place in its pack
 
 
 def prefix_packs(lengths: list[int], pack_tokens: int) -> list[list[int]]:
@@ -106,11 +109,11 @@ def prefix_forward(model, groups: list[Group], store: KVStore, keep_graph: bool,
 
     `group_ids` name the groups in the store (default 0..n-1), e.g. when a rollout prefills in waves.
     `recompute` (actor, instead of `keep_graph`): no graph is saved; the store gets trainable K/V
-    leaves, and `prefix_backward` re-runs one group's prefix forward at a time from its stage
+    leaves, and `prefix_backward` re-runs one group's (or pack's) prefix forward at a time from its stage
     input (the prompt on the first stage, the received hidden states on later ones).
     `pack_tokens` > 0: consecutive groups run as one forward of up to that many prefix tokens (fewer, larger
-    kernels; each group still attends to its own prefix alone); not with `recompute`, which holds one
-    group's graph at a time.
+    kernels; each group still attends to its own prefix alone); under `recompute` the backward recomputes a
+    pack at a time, holding one pack's graph.
     """
     m, p2p = unwrap(model), p2p_communicator(model)
     first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
@@ -119,7 +122,7 @@ def prefix_forward(model, groups: list[Group], store: KVStore, keep_graph: bool,
     states = []
     ids = list(range(len(groups))) if group_ids is None else list(group_ids)
     lens = [g.prompt.input_ids.numel() - 1 for g in groups]
-    for pack in prefix_packs(lens, 0 if recompute else pack_tokens):
+    for pack in prefix_packs(lens, pack_tokens):
         n = sum(lens[i] for i in pack)
         recv = None if first else p2p.recv_forward((n, 1, m.config.hidden_size), first)
         ctx = PrefixContext(mode="record", store=store, group=ids[pack[0]], keep_graph=keep_graph, trainable=recompute,
@@ -130,12 +133,15 @@ def prefix_forward(model, groups: list[Group], store: KVStore, keep_graph: bool,
         if not last:
             p2p.send_forward(out.detach() if not keep_graph else out, last)
         if recompute:
-            states.append(PrefixState(ids[pack[0]], n, None if recv is None else recv.detach(), None, groups[pack[0]]))
-        elif len(pack) == 1:
-            states.append(PrefixState(ids[pack[0]], n, recv, out))
+            recv = None if recv is None else recv.detach()
+        if len(pack) == 1:
+            i = pack[0]
+            states.append(PrefixState(ids[i], n, recv, None, groups[i]) if recompute else PrefixState(ids[i], n, recv,
+                                                                                                      out))
         else:
-            shared = PrefixPack(n, recv, out)
-            states += [PrefixState(ids[i], lens[i], None, None, pack=shared) for i in pack]
+            shared = PrefixPack(n, recv, None, [groups[i] for i in pack]) if recompute else PrefixPack(n, recv, out)
+            states += [PrefixState(ids[i], lens[i], None, None, groups[i] if recompute else None, shared, j)
+                       for j, i in enumerate(pack)]
     return states
 
 
@@ -152,11 +158,27 @@ def _recompute(m, st: PrefixState, store: KVStore) -> tuple[PrefixState, dict, t
     return PrefixState(st.group, st.length, recv, out), graph.graph, drift
 
 
+def _recompute_pack(m, pack: PrefixPack, members: list[PrefixState], store: KVStore):
+    """Re-run a pack's prefix forward with a graph (every group of the pack, as the forward ran it); returns
+    its state, the graph tensors of the `members` present under their ids, and the drift as `_recompute`."""
+    graph = KVStore(graph_only=True)
+    recv = None if pack.received is None else pack.received.detach().requires_grad_()
+    lens = tuple(g.prompt.input_ids.numel() - 1 for g in pack.groups)
+    ctx = PrefixContext(mode="record", store=graph, keep_graph=True, groups=tuple(range(len(lens))), lens=lens)
+    with torch.enable_grad():
+        out = m.prefix_stage([g.prompt for g in pack.groups], ctx, recv)
+    ids = {x.pack_pos: x.group for x in members}  # ids may have changed since the forward (adopted groups)
+    kv = {(layer, ids[pos]): t for (layer, pos), t in graph.graph.items() if pos in ids}
+    drift = torch.stack([(t.detach().float() - leaf.detach()).abs().max() for key, pair in kv.items()
+                         for t, leaf in zip(pair, store.leaves[key])]).max()
+    return PrefixState(members[0].group, pack.length, recv, out), kv, drift
+
+
 def prefix_backward(model, states: list[PrefixState], store: KVStore) -> None:
     """Step 3 on this stage: one backward per group, or per pack of groups, through its prefix graph (saved
     or recomputed); a pack's backward takes every member in `states` at its first member.
 
-    Recomputed groups hold one group's graph at a time; `store.recompute_drift` records the largest
+    Recomputed groups hold one group's (or pack's) graph at a time; `store.recompute_drift` records the largest
     difference between recomputed and stored K/V (0 when the forward is deterministic)."""
     m, p2p = unwrap(model), p2p_communicator(model)
     first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
@@ -168,13 +190,18 @@ def prefix_backward(model, states: list[PrefixState], store: KVStore) -> None:
             if id(st.pack) in done:
                 continue
             done.add(id(st.pack))
-            members = [x.group for x in states if x.pack is st.pack]
-            st = PrefixState(members[0], st.pack.length, st.pack.received, st.pack.output)
+            present = [x for x in states if x.pack is st.pack]
+            members = [x.group for x in present]
+            if st.pack.groups is not None:
+                st, graph, drift = _recompute_pack(m, st.pack, present, store)
+                drifts.append(drift)
+            else:
+                st = PrefixState(members[0], st.pack.length, st.pack.received, st.pack.output)
         else:
             members = [st.group]
-        if st.prompt is not None:
-            st, graph, drift = _recompute(m, st, store)
-            drifts.append(drift)
+            if st.prompt is not None:
+                st, graph, drift = _recompute(m, st, store)
+                drifts.append(drift)
         outs, grads = [], []
         for g in members:
             o, gr = store.backward_pairs(g, graph)

@@ -185,7 +185,7 @@ class EmbeddedEngine:
 
         `actor_prefix`: the prefill is the actor prefix stage; its K/V leaves land in this store and
         the returned `prefix_states` drive the prefix backward. With `recompute_prefix` the prefill
-        keeps no graph (the prefix backward recomputes it one group at a time)."""
+        keeps no graph (the prefix backward recomputes it one group, or one pack, at a time)."""
         self._validate(requests)
         hooks = hooks if hooks is not None else DecodeHooks()
         results: list[RolloutResult | None] = [None] * len(requests)

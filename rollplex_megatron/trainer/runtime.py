@@ -103,8 +103,12 @@ def memory_plan(cfg: RunConfig, source) -> dict:
     summary = summarize(runtime_plan(cfg, shape), cfg.mode.name)
     if cfg.parallel.rollout_ranks:  # mode=disaggregated: what a rollout rank holds (its own weights, its cache)
         summary["rollout_rank"] = rollout_rank_plan(cfg, shape)
+    budget = cfg.memory.budget_gib
+    if not budget and cfg.workload.prefix_pack_tokens:
+        # a pack's prefix graph is held at once (its recomputation): checked against the device, not left to OOM
+        budget = auto_budget_gib(cfg) or 0.0
     try:
-        check_budget(summary, cfg.memory.budget_gib, f"{cfg.mode.name} (memory.plan={cfg.memory.plan})", runtime=True)
+        check_budget(summary, budget, f"{cfg.mode.name} (memory.plan={cfg.memory.plan})", runtime=True)
     except ValueError as e:
         if cfg.memory.plan == "phase":
             raise

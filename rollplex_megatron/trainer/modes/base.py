@@ -152,5 +152,6 @@ def response_stage_activations(p: PlanInputs) -> TensorClass:
     s = p.shape
     act, note = p.activations(s.mb * s.R, 0), "one response micro-batch"
     if not p.keep:
-        act, note = max(act, p.prefix_graph), note + ", or one group's recomputed prefix graph (the larger)"
+        act, note = max(act, p.pack_groups * p.prefix_graph), note + ", or one recomputed pack's prefix graph " \
+            f"({p.pack_groups} group(s); the larger)"
     return TensorClass("update_activations", act, ("update",), "free", note)
