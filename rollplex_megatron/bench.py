@@ -299,11 +299,19 @@ def render_markdown(results: Path) -> str:
 
 def planner_refusals(results: Path) -> list[str]:
     """A section per `plan_auto_*.json` (benchmarks/plan_auto_video_long.py) in which some mode fits under no
-    release: the suites a device cannot hold, said with the planner's figures instead of left out."""
+    release, or not under memory.plan=keep: the runs a device cannot hold, said with the planner's figures
+    instead of left out."""
     lines = []
     for path in sorted(results.glob("plan_auto_*.json")):
         d = json.loads(path.read_text())
         refused = [r for r in d["rows"] if r.get("fits") is False]
+        no_keep = [r for r in d["rows"] if r.get("fits") and r["keep_peak_gib"] > r["budget_gib"]]
+        if no_keep:
+            lines += [f"## memory.plan=keep does not fit: {d['what']}", "", f"`{path.name}`, commit "
+                      f"{d['environment']['commit']}: " + "; ".join(
+                          f"{r['mode']} ({r['norm_kernel']} norm) needs {r['keep_peak_gib']:.1f} GiB under keep, "
+                          f"{r['peak_gib']:.1f} GiB under auto (releases {', '.join(r['released']) or 'nothing'})"
+                          for r in no_keep) + ".", ""]
         if not refused:
             continue
         lines += [f"## Does not fit: {d['what']}", "", f"`{path.name}`, commit {d['environment']['commit']}. "

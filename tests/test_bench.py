@@ -113,7 +113,9 @@ def test_markdown_says_which_suites_fit_no_device(tmp_path):
         dict(row, fits=False, refusal="needs 169.9 GiB in phase 'optimizer'"),
         dict(row, mode="rollplex", fits=True, released=[], peak_gib=80.0)]}))
     (tmp_path / "plan_auto_b.json").write_text(json.dumps({"what": "3B", "command": "c", "environment": env,
-                                                           "rows": [dict(row, fits=True, released=[], peak_gib=1.0)]}))
+                                                           "rows": [dict(row, fits=True, released=[], peak_gib=1.0,
+                                                                                keep_peak_gib=1.0)]}))
     md = bench.render_markdown(tmp_path)
     assert "## Does not fit: 7B" in md and "| serial | torch | 134 | 169.9 | 195.7 | needs 169.9 GiB" in md
     assert "| rollplex |" not in md and "3B" not in md
+    assert "rollplex (torch norm) needs 195.7 GiB under keep, 80.0 GiB under auto (releases nothing)" in md
