@@ -94,20 +94,27 @@ def test_packed_recompute_that_drops_the_graph_is_detected(tiny_hf):
     assert o["err"] > 1e-2
 
 
-def test_a_recomputed_pack_that_cannot_fit_the_device_is_refused_before_any_work(monkeypatch):
-    """Under memory.plan=phase the actor prefix is recomputed one pack at a time: the planner counts that pack's
-    graph, and on a GPU with no memory.budget_gib the plan is held to the device's free memory (here a stand-in
-    of 134 GiB) instead of running out of memory in the update; without packing nothing is checked there."""
+def test_the_actor_pack_is_lowered_until_one_recomputed_pack_fits_the_device(monkeypatch):
+    """Under memory.plan=phase the actor prefix is recomputed one pack at a time and the planner counts that
+    pack's graph: on a GPU with no memory.budget_gib (here a stand-in of 134 GiB of free memory) the actor's
+    packs shrink a group at a time until the plan fits, before any work, while the reference and scoring
+    prefixes keep the full setting; on CPU (no budget) nothing is lowered."""
     from rollplex_megatron.data import build_source
     from rollplex_megatron.trainer import runtime as R
 
-    monkeypatch.setattr(R, "auto_budget_gib", lambda cfg: 134.0)  # the device's free memory less the margin
-    over = ["+bench=video_long", "mode.name=rollplex"]  # 16 groups of 1039 prefix tokens a step
+    over = ["+bench=video_long", "mode.name=rollplex"]  # 16 groups of 1039 prefix tokens a step, 14.8 GiB a graph
     cfg = load_run_config(over + ["workload.prefix_pack_tokens=100000"])
-    with pytest.raises(ValueError, match="update_activations .* a smaller workload.prefix_pack_tokens"):
-        R.memory_plan(cfg, build_source(cfg))  # the planner only: no model, no device (16 graphs: 260 GiB)
-    small = R.memory_plan(load_run_config(over + ["workload.prefix_pack_tokens=2100"]), build_source(cfg))
-    one = R.memory_plan(load_run_config(over), build_source(cfg))
-    assert small["classes"]["update_activations"]["gib"] == pytest.approx(
-        2 * one["classes"]["update_activations"]["gib"])  # two groups a pack: two graphs recomputed at once
-    assert small["peak_gib"] <= 134
+    src = build_source(cfg)
+    assert R.memory_plan(cfg, src)["actor_pack_tokens"] == 100000  # CPU: no device budget
+    monkeypatch.setattr(R, "auto_budget_gib", lambda cfg: 134.0)  # the device's free memory less the margin
+    fit = R.memory_plan(cfg, src)
+    k = fit["actor_pack_tokens"] // 1039
+    assert fit["actor_pack_tokens"] == k * 1039 and 1 < k < 16 and fit["peak_gib"] <= 134
+    monkeypatch.setattr(R, "auto_budget_gib", lambda cfg: None)
+    over_budget = R.memory_plan(load_run_config(over + [f"workload.prefix_pack_tokens={(k + 1) * 1039}"]), src)
+    assert over_budget["peak_gib"] > 134  # one group more would not fit
+    assert over_budget["classes"]["update_activations"]["gib"] == pytest.approx(
+        (k + 1) * R.memory_plan(load_run_config(over), src)["classes"]["update_activations"]["gib"])
+    monkeypatch.setattr(R, "auto_budget_gib", lambda cfg: 60.0)  # not even one group fits: refused, named
+    with pytest.raises(ValueError, match="over memory.budget_gib=60"):
+        R.memory_plan(cfg, src)

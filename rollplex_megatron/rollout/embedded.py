@@ -151,9 +151,12 @@ class EmbeddedEngine:
 
     def __init__(self, model, cfg: ModelConfig, max_prompt_len: int, max_response_len: int, kv_cache_gib: float,
                  cuda_graphs: bool = True, decode_attention: str = "auto", sampling_kernel: str = "auto",
-                 fused_rope: bool = True, fused_norm: bool = True, prefix_pack_tokens: int = 0):
+                 fused_rope: bool = True, fused_norm: bool = True, prefix_pack_tokens: int = 0,
+                 actor_pack_tokens: int | None = None):
         self.model, self.cfg = model, cfg
         self.prefix_pack_tokens = prefix_pack_tokens  # the prefill's packing (prefix_forward's pack_tokens)
+        # ... when the prefill is the actor prefix stage (its graph, or its recomputation, per pack)
+        self.actor_pack_tokens = prefix_pack_tokens if actor_pack_tokens is None else actor_pack_tokens
         self.max_prompt_len, self.max_response_len = max_prompt_len, max_response_len
         self.budget = int(kv_cache_gib * 2**30)
         self.dev = device()
@@ -209,7 +212,8 @@ class EmbeddedEngine:
             with torch.set_grad_enabled(graph):
                 states += prefix_forward(self.model, groups, store, keep_graph=graph, group_ids=wave,
                                          recompute=actor_prefix is not None and recompute_prefix,
-                                         pack_tokens=self.prefix_pack_tokens)
+                                         pack_tokens=self.prefix_pack_tokens if actor_prefix is None
+                                         else self.actor_pack_tokens)
             cache = DecodeCache(store, wave, [requests[i].n for i in wave],
                                 max(requests[i].max_new_tokens for i in wave), unwrap(self.model).config.params_dtype)
             if actor_prefix is None:

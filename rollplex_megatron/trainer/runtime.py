@@ -2,6 +2,7 @@
 the memory manager with the planner's plan for this run."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -16,8 +17,8 @@ from rollplex_megatron.config import RunConfig
 from rollplex_megatron.data import build_source
 from rollplex_megatron.dist import ParallelLayouts, default_group_is_train_world, init_parallel, layouts, train_world
 from rollplex_megatron.memory.manager import MemoryManager
-from rollplex_megatron.memory.planner import (RELEASE_ORDER, auto_release, check_budget, plan, released,
-                                              rollout_rank_plan, runtime_cfg, runtime_plan, summarize,
+from rollplex_megatron.memory.planner import (RELEASE_ORDER, auto_release, check_budget, pack_groups, plan,
+                                              released, rollout_rank_plan, runtime_cfg, runtime_plan, summarize,
                                               workload_shape)
 from rollplex_megatron.models.qwen25vl import build_model
 from rollplex_megatron.models.triton_norm import norm_kernel_for, use_norm_kernel
@@ -100,13 +101,16 @@ def memory_plan(cfg: RunConfig, source) -> dict:
         summary = summarize(plan(runtime_cfg(cfg), cfg.mode.name, rel, "embedded", shape), cfg.mode.name)
         return {**summary, "shape": vars(shape), "released": [n for n in RELEASE_ORDER if n in rel],
                 "auto_budget_gib": budget}
-    summary = summarize(runtime_plan(cfg, shape), cfg.mode.name)
-    if cfg.parallel.rollout_ranks:  # mode=disaggregated: what a rollout rank holds (its own weights, its cache)
-        summary["rollout_rank"] = rollout_rank_plan(cfg, shape)
     budget = cfg.memory.budget_gib
     if not budget and cfg.workload.prefix_pack_tokens:
         # a pack's prefix graph is held at once (its recomputation): checked against the device, not left to OOM
         budget = auto_budget_gib(cfg) or 0.0
+    actor_pack = actor_pack_tokens(cfg, shape, budget)
+    cfg = dataclasses.replace(cfg, workload=dataclasses.replace(cfg.workload, prefix_pack_tokens=actor_pack))
+    summary = summarize(runtime_plan(cfg, shape), cfg.mode.name)
+    summary["actor_pack_tokens"] = actor_pack
+    if cfg.parallel.rollout_ranks:  # mode=disaggregated: what a rollout rank holds (its own weights, its cache)
+        summary["rollout_rank"] = rollout_rank_plan(cfg, shape)
     try:
         check_budget(summary, budget, f"{cfg.mode.name} (memory.plan={cfg.memory.plan})", runtime=True)
     except ValueError as e:
@@ -115,6 +119,20 @@ def memory_plan(cfg: RunConfig, source) -> dict:
         alt = summarize(plan(runtime_cfg(cfg), cfg.mode.name, "phase", "embedded", shape), cfg.mode.name)["peak_gib"]
         raise ValueError(f"{e}; memory.plan=phase would need {alt:.1f} GiB") from None
     return {**summary, "shape": vars(shape), "released": [n for n in RELEASE_ORDER if n in released(cfg.memory.plan)]}
+
+
+def actor_pack_tokens(cfg: RunConfig, shape, budget_gib: float) -> int:
+    """The actor's prefix packs (`workload.prefix_pack_tokens` for its graph-bearing prefix stages: the rollout's
+    prefill in rollplex, the update's prefix): that budget, lowered a group at a time while the plan, which
+    holds one recomputed pack's graph, is over `budget_gib` (0: no budget). The reference's and the scoring
+    prefixes keep no graph and pack to the full setting."""
+    pack = cfg.workload.prefix_pack_tokens
+    while budget_gib > 0 and pack > shape.P:
+        c = dataclasses.replace(cfg, workload=dataclasses.replace(cfg.workload, prefix_pack_tokens=pack))
+        if summarize(runtime_plan(c, shape), cfg.mode.name)["peak_gib"] <= budget_gib:
+            break
+        pack = (pack_groups(c, shape) - 1) * shape.P
+    return pack
 
 
 def auto_budget_gib(cfg: RunConfig) -> float | None:
@@ -156,11 +174,13 @@ def build_policy(cfg: RunConfig):
     return model
 
 
-def build_engine(model, cfg: RunConfig, at: ParallelLayouts | None = None, reference=None):
+def build_engine(model, cfg: RunConfig, at: ParallelLayouts | None = None, reference=None,
+                 actor_pack_tokens: int | None = None):
     """The embedded rollout engine with the run's rollout and KV settings: over `model`'s own modules,
     or, when `rollout.tp` differs from the training TP (or `rollout.bound_model`), over rollout replicas
     bound to its storage; under mode=disaggregated, the rollout ranks' engines; under
-    rollout.engine=sglang, SGLang on the training storage with the window's jobs in its scheduler."""
+    rollout.engine=sglang, SGLang on the training storage with the window's jobs in its scheduler.
+    `actor_pack_tokens`: the packs of a prefill that is the actor prefix stage (`actor_pack_tokens`)."""
     if cfg.rollout.engine == "sglang":
         return SGLangEngine(X.unwrap(model), reference, cfg, ps.get_tensor_model_parallel_group())
     if at is not None and at.rollout_ranks:
@@ -171,7 +191,7 @@ def build_engine(model, cfg: RunConfig, at: ParallelLayouts | None = None, refer
     return EmbeddedEngine(model, cfg.model, r.max_prompt_len, r.max_response_len, cfg.memory.kv_cache_gib,
                           r.cuda_graphs, r.decode_attention,
                           sampling_kernel=r.sampling_kernel,
-                          prefix_pack_tokens=cfg.workload.prefix_pack_tokens)
+                          prefix_pack_tokens=cfg.workload.prefix_pack_tokens, actor_pack_tokens=actor_pack_tokens)
 
 
 class Runtime:
@@ -206,7 +226,9 @@ class Runtime:
         self.recompute = "actor_prefix_graph" in rel  # the actor prefix keeps no graph
         if cfg.rollout.engine == "sglang":
             import_sglang()  # a one-line error before any SGLang work when it is missing
-        self.engine = build_engine(self.ddp, cfg, self.layouts, self.ref)
+        # the actor's graph-bearing prefix packs, lowered by the plan until one recomputed pack fits (auto: as set)
+        self.actor_pack_tokens = self.plan.get("actor_pack_tokens", cfg.workload.prefix_pack_tokens)
+        self.engine = build_engine(self.ddp, cfg, self.layouts, self.ref, self.actor_pack_tokens)
         if isinstance(self.engine, RolloutReplicas):  # what the rollout model owns on this rank (views: nothing)
             self.plan["rollout_layout"] = {"rollout_tp": self.layouts.rollout_tp, "replicas": self.engine.replicas,
                                            "allocated_bytes": self.engine.allocated_bytes(),

@@ -30,7 +30,8 @@ class PrefixShared(Mode):
 
     def update(self, rt, prep, m, fresh):  # noqa: D102
         return X.actor_prefix_step(rt.ddp, prep.batch.groups, prep.mbs[m], rt.backend, loss_fn=rt.loss(prep.minis[m]),
-                                   recompute=rt.recompute, select=prep.minis[m].groups, pack_tokens=rt.pack_tokens)
+                                   recompute=rt.recompute, select=prep.minis[m].groups,
+                                   pack_tokens=rt.actor_pack_tokens)
 
     @staticmethod
     def memory_classes(p: PlanInputs) -> list[TensorClass]:  # noqa: D102

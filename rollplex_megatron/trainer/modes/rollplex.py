@@ -125,7 +125,7 @@ class Rollplex(Mode):
         mini = prep.minis[m]
         if not fresh:  # the weights moved since the rollout: the prefix is recomputed (DESIGN section 2)
             return X.actor_prefix_step(rt.ddp, prep.batch.groups, prep.mbs[m], rt.backend, loss_fn=rt.loss(mini),
-                                       recompute=rt.recompute, select=mini.groups, pack_tokens=rt.pack_tokens)
+                                       recompute=rt.recompute, select=mini.groups, pack_tokens=rt.actor_pack_tokens)
         own = set(mini.groups)
         states = [st for st in prep.state.pop("states") if st.group in own]
         res, kv_stats = X.actor_response_step(rt.ddp, prep.mbs[m], prep.state.pop("actor_kv"), states, rt.backend,
