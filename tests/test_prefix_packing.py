@@ -118,3 +118,9 @@ def test_the_actor_pack_is_lowered_until_one_recomputed_pack_fits_the_device(mon
     monkeypatch.setattr(R, "auto_budget_gib", lambda cfg: 60.0)  # not even one group fits: refused, named
     with pytest.raises(ValueError, match="over memory.budget_gib=60"):
         R.memory_plan(cfg, src)
+    monkeypatch.setattr(R, "auto_budget_gib", lambda cfg: 134.0)
+    auto = R.memory_plan(load_run_config(over + ["workload.prefix_pack_tokens=100000", "memory.plan=auto"]), src)
+    ka = auto["actor_pack_tokens"] // 1039  # releases chosen with one group a pack, then the pack grown to fit
+    assert auto["released"] == ["actor_prefix_graph"] and 1 < ka < k and auto["peak_gib"] <= 134
+    keep = R.memory_plan(load_run_config(over + ["workload.prefix_pack_tokens=100000", "memory.plan=keep"]), src)
+    assert keep["actor_pack_tokens"] == 100000  # kept graphs cost the same in any packs: nothing lowered

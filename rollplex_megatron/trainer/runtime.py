@@ -89,24 +89,30 @@ def drawn_lengths(mean: float, sigma: float, cap: int, n: int, seed: int) -> lis
 
 
 def memory_plan(cfg: RunConfig, source) -> dict:
-    """The planner's phases for this run (mode, `memory.plan`, the source's real prompt shape); raises
-    when the peak exceeds `memory.budget_gib`, naming the class and what would make it fit."""
+    """The planner's phases for this run (mode, `memory.plan`, the source's real prompt shape, the actor's
+    packs `actor_pack_tokens`); raises when the peak exceeds `memory.budget_gib`, naming the class and what
+    would make it fit."""
     prompts = source.shape_prompts(16)  # the source's prompt shapes (questions vary)
     patches = max(sum(getattr(p, k).shape[0] for k in ("pixel_values", "pixel_values_videos")
                       if getattr(p, k) is not None) for p in prompts)
     shape = workload_shape(cfg, max(p.input_ids.numel() - 1 for p in prompts), patches, source.max_new_tokens)
+    pack = cfg.workload.prefix_pack_tokens
     if cfg.memory.plan == "auto":
         budget = auto_budget_gib(cfg)
-        rel = frozenset() if budget is None else auto_release(cfg, shape, budget)
-        summary = summarize(plan(runtime_cfg(cfg), cfg.mode.name, rel, "embedded", shape), cfg.mode.name)
+        # the release set is chosen with one group a recomputed pack (the least a recomputation holds), then
+        # the actor's packs grow as far as that set allows
+        rel = frozenset() if budget is None else auto_release(_with_pack(cfg, min(pack, shape.P)), shape, budget)
+        actor_pack = actor_pack_tokens(cfg, shape, budget or 0.0, rel)
+        summary = summarize(plan(runtime_cfg(_with_pack(cfg, actor_pack)), cfg.mode.name, rel, "embedded", shape),
+                            cfg.mode.name)
         return {**summary, "shape": vars(shape), "released": [n for n in RELEASE_ORDER if n in rel],
-                "auto_budget_gib": budget}
+                "auto_budget_gib": budget, "actor_pack_tokens": actor_pack}
     budget = cfg.memory.budget_gib
-    if not budget and cfg.workload.prefix_pack_tokens:
-        # a pack's prefix graph is held at once (its recomputation): checked against the device, not left to OOM
+    if not budget and pack and "actor_prefix_graph" in released(cfg.memory.plan):
+        # a recomputed pack's graph is held at once: checked against the device, not left to run out of memory
         budget = auto_budget_gib(cfg) or 0.0
-    actor_pack = actor_pack_tokens(cfg, shape, budget)
-    cfg = dataclasses.replace(cfg, workload=dataclasses.replace(cfg.workload, prefix_pack_tokens=actor_pack))
+    actor_pack = actor_pack_tokens(cfg, shape, budget, released(cfg.memory.plan))
+    cfg = _with_pack(cfg, actor_pack)
     summary = summarize(runtime_plan(cfg, shape), cfg.mode.name)
     summary["actor_pack_tokens"] = actor_pack
     if cfg.parallel.rollout_ranks:  # mode=disaggregated: what a rollout rank holds (its own weights, its cache)
@@ -121,15 +127,21 @@ def memory_plan(cfg: RunConfig, source) -> dict:
     return {**summary, "shape": vars(shape), "released": [n for n in RELEASE_ORDER if n in released(cfg.memory.plan)]}
 
 
-def actor_pack_tokens(cfg: RunConfig, shape, budget_gib: float) -> int:
+def _with_pack(cfg: RunConfig, tokens: int) -> RunConfig:
+    """`cfg` with `workload.prefix_pack_tokens=tokens`."""
+    return dataclasses.replace(cfg, workload=dataclasses.replace(cfg.workload, prefix_pack_tokens=tokens))
+
+
+def actor_pack_tokens(cfg: RunConfig, shape, budget_gib: float, rel: frozenset) -> int:
     """The actor's prefix packs (`workload.prefix_pack_tokens` for its graph-bearing prefix stages: the rollout's
-    prefill in rollplex, the update's prefix): that budget, lowered a group at a time while the plan, which
-    holds one recomputed pack's graph, is over `budget_gib` (0: no budget). The reference's and the scoring
-    prefixes keep no graph and pack to the full setting."""
+    prefill in rollplex, the actor's scoring and update prefixes): that setting, lowered a group at a time
+    while the plan releasing `rel`, which then recomputes one pack's graph at a time, is over `budget_gib`
+    (0: no budget). Kept graphs cost the same in any packs; the reference's prefixes pack to the full setting."""
     pack = cfg.workload.prefix_pack_tokens
-    while budget_gib > 0 and pack > shape.P:
-        c = dataclasses.replace(cfg, workload=dataclasses.replace(cfg.workload, prefix_pack_tokens=pack))
-        if summarize(runtime_plan(c, shape), cfg.mode.name)["peak_gib"] <= budget_gib:
+    while "actor_prefix_graph" in rel and budget_gib > 0 and pack > shape.P:
+        c = _with_pack(cfg, pack)
+        if summarize(plan(runtime_cfg(c), cfg.mode.name, rel, "embedded", shape), cfg.mode.name)["peak_gib"] \
+                <= budget_gib:
             break
         pack = (pack_groups(c, shape) - 1) * shape.P
     return pack

@@ -19,8 +19,9 @@ class PrefixShared(Mode):
         prep = Prepared(batch, minis, [rt.micro_batches(batch, "response", m) for m in minis], None, stats)
         mbs = prep.flat()
         with t("old_logp"):
+            # the actor scores in the packs its update runs (the same kernels: ratio 1 at the first update)
             prep.record_old(X.per_response(X.reference_prefix_logprobs(rt.ddp, batch.groups, mbs, rt.backend,
-                                                                       rt.score_loss, rt.pack_tokens), mbs,
+                                                                       rt.score_loss, rt.actor_pack_tokens), mbs,
                                            batch.groups))
         with t("ref_logp"):
             prep.attach("ref_logp", X.per_response(X.reference_prefix_logprobs(rt.ref, batch.groups, mbs, rt.backend,
