@@ -44,12 +44,12 @@ def _batch(seed: int):
     return rpx.text_groups(prompts, responses, adv)
 
 
-def _run(ddp, groups, kind: str, offset: int = 0):
+def _run(ddp, groups, kind: str, offset: int = 0, pack: int = 0):
     ddp.zero_grad_buffer()
     total = sum(r.numel() for grp in groups for r in grp.responses)
     if kind == "prefix":
         mbs = rpx.response_micro_batches(rpx.TEXT_POSITIONS, groups, 2, total, position_offset=offset)
-        res = rpx.actor_prefix_step(ddp, groups, mbs)
+        res = rpx.actor_prefix_step(ddp, groups, mbs, pack_tokens=pack)
     else:
         mbs = rpx.full_micro_batches(rpx.TEXT_POSITIONS, groups, 2, total)
         res = rpx.full_sequence_step(ddp, mbs)
@@ -81,8 +81,8 @@ def prefix_vs_full(tp: int, pp: int, tied: bool, seed: int) -> dict:
         rpx.PrefixGPT(gathered)
     except ValueError as e:
         out["refuses_gathered_logits"] = "parallel_output=True" in str(e)
-    for name, offset in (("exact", 0), ("mutant", 1)):
-        lp, g = _run(ddp, groups, "prefix", offset)
+    for name, offset, pack in (("exact", 0, 0), ("mutant", 1, 0), ("packed", 0, 100)):  # packed: 3 ragged prefixes
+        lp, g = _run(ddp, groups, "prefix", offset, pack)
         keys = sorted(full_lp)
         out[name] = {"logp": _rel(torch.cat([lp[k] for k in keys]), torch.cat([full_lp[k] for k in keys]))
                      if keys else 0.0,

@@ -18,6 +18,7 @@ def test_prefix_path_on_a_plain_gpt_model_matches_full_sequences(tp, pp, tied):
         assert o["exact"]["logp"] <= TOL and o["exact"]["grad"] <= TOL, o["exact"]
         assert o["exact"]["grad_norm"] > 1e-3  # gradients exist and are compared
         assert o["mutant"]["grad"] > 10 * TOL  # the test can fail: positions off by one
+        assert o["packed"]["logp"] <= TOL and o["packed"]["grad"] <= TOL, o["packed"]  # the prefixes as one forward
         if pp == 1:
             assert o["stock_forward_err"] <= 1e-6, o["stock_forward_err"]
     last = [o for o in outs if o["exact"]["logp"] > 0 or o["mutant"]["logp"] > 0]
