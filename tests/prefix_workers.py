@@ -43,5 +43,5 @@ def packs_attend_across_groups(cfg, hf_dir):
     from rollplex_megatron.attention import prefix as P
 
     orig = P.packed_causal_attention
-    P.packed_causal_attention = lambda q, k, v, lens, scale: orig(q, k, v, (sum(lens),), scale)
+    P.packed_causal_attention = lambda q, k, v, lens, scale, index=None: orig(q, k, v, (sum(lens),), scale)
     return run_rank(cfg, hf_dir)

@@ -69,6 +69,7 @@ class PrefixContext(AttentionContext):
         self.qkv_format = "sbhd"  # megatron must not treat this as THD packing (rotary, kernels)
         self._allowed = None  # [T, Kp+T] mask, built once per micro-batch and shared by all layers
         self._block = None  # FlexAttention block mask, likewise
+        self._pack_index = None  # record over several groups: token indices per prefix length, on the device
 
     def attend(self, layer: int, query, key, value, scale):
         """Attention for core attention's inputs: query [T,1,Nq,D], key/value [T,1,Ng,D]."""
@@ -76,7 +77,9 @@ class PrefixContext(AttentionContext):
         if self.mode == "record" and self.groups:
             for g, (k, v) in zip(self.groups, zip(key.split(self.lens), value.split(self.lens))):
                 self.store.record(layer, g, k, v, self.keep_graph, self.trainable)
-            return packed_causal_attention(query, key, value, self.lens, scale)
+            if self._pack_index is None:  # once per forward: a host-to-device copy per layer would stall the host
+                self._pack_index = pack_index(self.lens, query.device)
+            return packed_causal_attention(query, key, value, self.lens, scale, self._pack_index)
         if self.mode == "record":
             self.store.record(layer, self.group, key, value, self.keep_graph, self.trainable)
             return sdpa_attention(query, key, value, None, True, scale)
@@ -100,16 +103,23 @@ class PrefixContext(AttentionContext):
         return "flex" if query.is_cuda else "sdpa"
 
 
-def packed_causal_attention(query_TBND, key_TBGD, value_TBGD, lens: tuple[int, ...], scale):
-    """Causal attention inside each of the consecutive segments `lens` of a packed sequence (B=1): the
-    segments of one length run as one batched causal SDPA call (each row of the batch is what the one-segment
-    call computes, with the same kernel), so no [T, T] mask is built and no work crosses segments."""
-    t, _, nq, d = query_TBND.shape
-    out = query_TBND.new_empty(t, nq * d)
+def pack_index(lens: tuple[int, ...], device) -> list[torch.Tensor]:
+    """Token indices [n, L] of the consecutive segments `lens`, one tensor per distinct length L, on `device`."""
     starts = torch.tensor([0, *lens[:-1]]).cumsum(0)
     lens_t = torch.tensor(lens)
-    for length in torch.unique(lens_t).tolist():
-        idx = (starts[lens_t == length][:, None] + torch.arange(length)[None, :]).to(query_TBND.device)
+    return [(starts[lens_t == n][:, None] + torch.arange(n)[None, :]).to(device)
+            for n in torch.unique(lens_t).tolist()]
+
+
+def packed_causal_attention(query_TBND, key_TBGD, value_TBGD, lens: tuple[int, ...], scale,
+                            index: list[torch.Tensor] | None = None):
+    """Causal attention inside each of the consecutive segments `lens` of a packed sequence (B=1): the
+    segments of one length run as one batched causal SDPA call (each row of the batch is what the one-segment
+    call computes, with the same kernel), so no [T, T] mask is built and no work crosses segments. `index`:
+    `pack_index(lens)` made once for every layer."""
+    t, _, nq, d = query_TBND.shape
+    out = query_TBND.new_empty(t, nq * d)
+    for idx in index if index is not None else pack_index(lens, query_TBND.device):
         q, k, v = (x[idx, 0].transpose(1, 2) for x in (query_TBND, key_TBGD, value_TBGD))  # [n, N, L, D]
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
         out[idx.reshape(-1)] = o.transpose(1, 2).reshape(-1, nq * d)
