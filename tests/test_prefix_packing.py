@@ -46,6 +46,19 @@ def test_packed_causal_attention_is_one_causal_call_per_segment(lens):
     assert len(lens) == 1 or float((across - got).norm() / got.norm()) > 1e-2
 
 
+def test_the_planner_counts_a_pack_of_the_shortest_prompts():
+    """A pack of 400 tokens holds 8 prefixes of 50 tokens: the planner counts 8 graphs, not 400 // P = 4 of the
+    longest prompt (P=100), when the sampled prompts are ragged."""
+    from rollplex_megatron.memory.classes import Shape
+    from rollplex_megatron.memory.planner import pack_groups
+
+    cfg = load_run_config(["workload.prefix_pack_tokens=400"])
+    assert pack_groups(cfg, Shape(16, 8, 100, 10, 0, 2, P_min=50)) == 8
+    assert pack_groups(cfg, Shape(16, 8, 100, 10, 0, 2)) == 4
+    assert pack_groups(cfg, Shape(3, 8, 100, 10, 0, 2, P_min=50)) == 3  # at most the rank's groups
+    assert pack_groups(load_run_config([]), Shape(16, 8, 100, 10, 0, 2, P_min=50)) == 1  # off
+
+
 def test_prefix_packs_are_consecutive_and_bounded():
     assert prefix_packs([4, 4, 4, 10, 3], 8) == [[0, 1], [2], [3], [4]]
     assert prefix_packs([4, 4, 4, 10, 3], 0) == [[0], [1], [2], [3], [4]]

@@ -31,6 +31,7 @@ class Shape:
     R: int
     patches: int
     mb: int
+    P_min: int = 0  # the shortest prefix of the sampled prompts (0: all P); packs of shorter ones hold more groups
 
     @property
     def samples(self) -> int:

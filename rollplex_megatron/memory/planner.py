@@ -191,19 +191,21 @@ def training_forward_bytes(cfg: ModelConfig, tp: int, pp: int, sp: bool, tokens:
 
 
 def workload_shape(cfg: RunConfig, prefix_tokens: int | None = None, patches: int | None = None,
-                   response_tokens: int | None = None) -> Shape:
-    """The step's shape from `cfg.plan` (plan-memory) or from a task's real prompt (the trainer)."""
+                   response_tokens: int | None = None, min_prefix_tokens: int = 0) -> Shape:
+    """The step's shape from `cfg.plan` (plan-memory) or from a task's real prompt (the trainer; its shortest
+    sampled prefix `min_prefix_tokens` bounds how many groups a pack holds)."""
     p = cfg.plan
     pick = lambda given, default: default if given is None else given  # noqa: E731 (0 patches is a real value)
     r = pick(response_tokens, p.response_tokens)
     return Shape(cfg.prompts_per_rank, cfg.rollout.group_size, pick(prefix_tokens, p.prefix_tokens), r,
-                 pick(patches, p.vision_patches), micro_batch_responses(cfg, r))
+                 pick(patches, p.vision_patches), micro_batch_responses(cfg, r), min_prefix_tokens)
 
 
 def pack_groups(cfg: RunConfig, s: Shape) -> int:
-    """Groups of the shape's prefix length in one pack of `workload.prefix_pack_tokens` (1 when off)."""
+    """The most groups one pack of `workload.prefix_pack_tokens` holds: prefixes of the shortest sampled length
+    (`s.P_min`, else `s.P`), each counted with the largest group's graph (1 when off)."""
     pack = cfg.workload.prefix_pack_tokens
-    return 1 if pack <= 0 else max(1, min(s.prompts, pack // max(s.P, 1)))
+    return 1 if pack <= 0 else max(1, min(s.prompts, pack // max(s.P_min or s.P, 1)))
 
 
 def micro_batch_responses(cfg: RunConfig, response_tokens: int) -> int:

@@ -95,7 +95,8 @@ def memory_plan(cfg: RunConfig, source) -> dict:
     prompts = source.shape_prompts(16)  # the source's prompt shapes (questions vary)
     patches = max(sum(getattr(p, k).shape[0] for k in ("pixel_values", "pixel_values_videos")
                       if getattr(p, k) is not None) for p in prompts)
-    shape = workload_shape(cfg, max(p.input_ids.numel() - 1 for p in prompts), patches, source.max_new_tokens)
+    lens = [p.input_ids.numel() - 1 for p in prompts]
+    shape = workload_shape(cfg, max(lens), patches, source.max_new_tokens, min(lens))
     pack = cfg.workload.prefix_pack_tokens
     if cfg.memory.plan == "auto":
         budget = auto_budget_gib(cfg)
@@ -138,12 +139,12 @@ def actor_pack_tokens(cfg: RunConfig, shape, budget_gib: float, rel: frozenset) 
     while the plan releasing `rel`, which then recomputes one pack's graph at a time, is over `budget_gib`
     (0: no budget). Kept graphs cost the same in any packs; the reference's prefixes pack to the full setting."""
     pack = cfg.workload.prefix_pack_tokens
-    while "actor_prefix_graph" in rel and budget_gib > 0 and pack > shape.P:
+    while "actor_prefix_graph" in rel and budget_gib > 0 and pack_groups(_with_pack(cfg, pack), shape) > 1:
         c = _with_pack(cfg, pack)
         if summarize(plan(runtime_cfg(c), cfg.mode.name, rel, "embedded", shape), cfg.mode.name)["peak_gib"] \
                 <= budget_gib:
             break
-        pack = (pack_groups(c, shape) - 1) * shape.P
+        pack = (pack_groups(c, shape) - 1) * (shape.P_min or shape.P)
     return pack
 
 
