@@ -42,6 +42,10 @@ def packs_attend_across_groups(cfg, hf_dir):
     the groups packed before it)."""
     from rollplex_megatron.attention import prefix as P
 
-    orig = P.packed_causal_attention
-    P.packed_causal_attention = lambda q, k, v, lens, scale, index=None: orig(q, k, v, (sum(lens),), scale)
+    orig = P.segment_attention  # the vision tower's segments (non-causal) stay as they are
+
+    def one_segment(q, k, v, index, scale, causal):
+        return orig(q, k, v, P.pack_index((q.shape[0],), q.device) if causal else index, scale, causal)
+
+    P.segment_attention = one_segment
     return run_rank(cfg, hf_dir)

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rollplex_megatron.attention.prefix import dense_reference, packed_causal_attention
+from rollplex_megatron.attention.prefix import dense_reference, pack_index, segment_attention
 from rollplex_megatron.dist import run_local
 from rollplex_megatron.prefix.execution import prefix_packs
 from rollplex_megatron.recipes import load_run_config
@@ -23,12 +23,12 @@ def _segments(lens, nq=4, ng=2, d=16, seed=0):
 
 
 @pytest.mark.parametrize("lens", [(5, 5, 5), (5, 3, 7, 5, 1), (9,)])
-def test_packed_causal_attention_is_one_causal_call_per_segment(lens):
+def test_causal_segment_attention_is_one_causal_call_per_segment(lens):
     """Equal lengths share one batched call, ragged ones do not: each segment's rows equal the one-segment
     causal SDPA and the float64 block-causal reference; causal over the whole pack (the groups attending to
     each other) does not."""
     q, k, v = _segments(lens)
-    got = packed_causal_attention(q, k, v, lens, None)
+    got = segment_attention(q, k, v, pack_index(lens, "cpu"), None, causal=True)
     off, want = 0, []
     for n in lens:
         s = slice(off, off + n)
@@ -42,7 +42,7 @@ def test_packed_causal_attention_is_one_causal_call_per_segment(lens):
     allowed = (seg[:, None] == seg[None, :]) & (pos[None, :] <= pos[:, None])
     ref = dense_reference(q.double(), k.double(), v.double(), allowed, None)
     assert float((got.double() - ref).norm() / ref.norm()) < 1e-6
-    across = packed_causal_attention(q, k, v, (sum(lens),), None)
+    across = segment_attention(q, k, v, pack_index((sum(lens),), "cpu"), None, causal=True)
     assert len(lens) == 1 or float((across - got).norm() / got.norm()) > 1e-2
 
 

@@ -79,7 +79,7 @@ class PrefixContext(AttentionContext):
                 self.store.record(layer, g, k, v, self.keep_graph, self.trainable)
             if self._pack_index is None:  # once per forward: a host-to-device copy per layer would stall the host
                 self._pack_index = pack_index(self.lens, query.device)
-            return packed_causal_attention(query, key, value, self.lens, scale, self._pack_index)
+            return segment_attention(query, key, value, self._pack_index, scale, causal=True)
         if self.mode == "record":
             self.store.record(layer, self.group, key, value, self.keep_graph, self.trainable)
             return sdpa_attention(query, key, value, None, True, scale)
@@ -103,25 +103,25 @@ class PrefixContext(AttentionContext):
         return "flex" if query.is_cuda else "sdpa"
 
 
-def pack_index(lens: tuple[int, ...], device) -> list[torch.Tensor]:
+def pack_index(lens, device) -> list[torch.Tensor]:
     """Token indices [n, L] of the consecutive segments `lens`, one tensor per distinct length L, on `device`."""
-    starts = torch.tensor([0, *lens[:-1]]).cumsum(0)
-    lens_t = torch.tensor(lens)
+    lens_t = torch.as_tensor(lens, dtype=torch.long)
+    starts = lens_t.cumsum(0) - lens_t
     return [(starts[lens_t == n][:, None] + torch.arange(n)[None, :]).to(device)
             for n in torch.unique(lens_t).tolist()]
 
 
-def packed_causal_attention(query_TBND, key_TBGD, value_TBGD, lens: tuple[int, ...], scale,
-                            index: list[torch.Tensor] | None = None):
-    """Causal attention inside each of the consecutive segments `lens` of a packed sequence (B=1): the
-    segments of one length run as one batched causal SDPA call (each row of the batch is what the one-segment
-    call computes, with the same kernel), so no [T, T] mask is built and no work crosses segments. `index`:
-    `pack_index(lens)` made once for every layer."""
+def segment_attention(query_TBND, key_TBGD, value_TBGD, index: list[torch.Tensor], scale, causal: bool):
+    """Attention inside each segment of a packed sequence (B=1), causal or not; `index`: `pack_index` of the
+    segments. The segments of one length run as one batched SDPA call (each row of the batch is what the
+    one-segment call computes, with the same kernel), so no [T, T] mask is built and no work crosses segments.
+    Used by the packed prefix stages (causal) and the vision tower's windows and frames (SegmentContext)."""
     t, _, nq, d = query_TBND.shape
     out = query_TBND.new_empty(t, nq * d)
-    for idx in index if index is not None else pack_index(lens, query_TBND.device):
+    for idx in index:
         q, k, v = (x[idx, 0].transpose(1, 2) for x in (query_TBND, key_TBGD, value_TBGD))  # [n, N, L, D]
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
+                                           enable_gqa=k.shape[1] != q.shape[1])
         out[idx.reshape(-1)] = o.transpose(1, 2).reshape(-1, nq * d)
     return out.reshape(t, 1, nq * d)
 
@@ -190,22 +190,10 @@ class SegmentContext(AttentionContext):
 
     def __post_init__(self) -> None:
         self.qkv_format = "sbhd"
-        lengths = self.cu.diff()
-        starts = self.cu[:-1]
-        self._groups = []  # (length, token index [n, L]) per distinct segment length
-        for length in torch.unique(lengths).tolist():
-            st = starts[lengths == length]
-            self._groups.append((length, (st[:, None] + torch.arange(length)[None, :]).to(self.device)))
+        self._index = pack_index(self.cu.diff(), self.device)  # token index [n, L] per distinct segment length
 
     def attend(self, layer: int, query, key, value, scale):
         """query/key/value [N,1,H,D] -> [N,1,H*D], attention within each segment."""
         query, key = self.rotate(query, key)
-        n, _, h, d = query.shape
-        out = query.new_empty(n, h, d)
-        q2, k2, v2 = query[:, 0], key[:, 0], value[:, 0]
-        for _, idx in self._groups:
-            i = idx.to(query.device)
-            q, k, v = (t[i].transpose(1, 2) for t in (q2, k2, v2))  # [n_seg, H, L, D]
-            o = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
-            out[i.reshape(-1)] = o.transpose(1, 2).reshape(-1, h, d)
-        return out.reshape(n, 1, h * d)
+        index = [i.to(query.device) for i in self._index]
+        return segment_attention(query, key, value, index, scale, causal=False)
