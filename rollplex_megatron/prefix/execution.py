@@ -132,14 +132,12 @@ def prefix_forward(model, groups: list[Group], store: KVStore, keep_graph: bool,
             out = m.prefix_stage([groups[i].prompt for i in pack], ctx, recv)
         if not last:
             p2p.send_forward(out.detach() if not keep_graph else out, last)
-        if recompute:
-            recv = None if recv is None else recv.detach()
+        if recompute:  # the backward re-runs the forward from its stage input: no output kept
+            recv, out = None if recv is None else recv.detach(), None
         if len(pack) == 1:
-            i = pack[0]
-            states.append(PrefixState(ids[i], n, recv, None, groups[i]) if recompute else PrefixState(ids[i], n, recv,
-                                                                                                      out))
+            states.append(PrefixState(ids[pack[0]], n, recv, out, groups[pack[0]] if recompute else None))
         else:
-            shared = PrefixPack(n, recv, None, [groups[i] for i in pack]) if recompute else PrefixPack(n, recv, out)
+            shared = PrefixPack(n, recv, out, [groups[i] for i in pack] if recompute else None)
             states += [PrefixState(ids[i], lens[i], None, None, groups[i] if recompute else None, shared, j)
                        for j, i in enumerate(pack)]
     return states
@@ -153,9 +151,14 @@ def _recompute(m, st: PrefixState, store: KVStore) -> tuple[PrefixState, dict, t
     ctx = PrefixContext(mode="record", store=graph, group=st.group, keep_graph=True)
     with torch.enable_grad():
         out = m.prefix_stage([st.prompt.prompt], ctx, recv)
-    drift = torch.stack([(t.detach().float() - leaf.detach()).abs().max()
-                         for key, kv in graph.graph.items() for t, leaf in zip(kv, store.leaves[key])]).max()
-    return PrefixState(st.group, st.length, recv, out), graph.graph, drift
+    return PrefixState(st.group, st.length, recv, out), graph.graph, _drift(graph.graph, store)
+
+
+def _drift(graph: dict, store: KVStore) -> torch.Tensor:
+    """The largest difference (on the device) between recomputed K/V and the stored leaves: 0 when the
+    forward is deterministic."""
+    return torch.stack([(t.detach().float() - leaf.detach()).abs().max()
+                        for key, kv in graph.items() for t, leaf in zip(kv, store.leaves[key])]).max()
 
 
 def _recompute_pack(m, pack: PrefixPack, members: list[PrefixState], store: KVStore):
@@ -169,9 +172,7 @@ def _recompute_pack(m, pack: PrefixPack, members: list[PrefixState], store: KVSt
         out = m.prefix_stage([g.prompt for g in pack.groups], ctx, recv)
     ids = {x.pack_pos: x.group for x in members}  # ids may have changed since the forward (adopted groups)
     kv = {(layer, ids[pos]): t for (layer, pos), t in graph.graph.items() if pos in ids}
-    drift = torch.stack([(t.detach().float() - leaf.detach()).abs().max() for key, pair in kv.items()
-                         for t, leaf in zip(pair, store.leaves[key])]).max()
-    return PrefixState(members[0].group, pack.length, recv, out), kv, drift
+    return PrefixState(members[0].group, pack.length, recv, out), kv, _drift(kv, store)
 
 
 def prefix_backward(model, states: list[PrefixState], store: KVStore) -> None:

@@ -203,8 +203,8 @@ def build_engine(model, cfg: RunConfig, at: ParallelLayouts | None = None, refer
     r = cfg.rollout
     return EmbeddedEngine(model, cfg.model, r.max_prompt_len, r.max_response_len, cfg.memory.kv_cache_gib,
                           r.cuda_graphs, r.decode_attention,
-                          sampling_kernel=r.sampling_kernel,
-                          prefix_pack_tokens=cfg.workload.prefix_pack_tokens, actor_pack_tokens=actor_pack_tokens)
+                          sampling_kernel=r.sampling_kernel, prefix_pack_tokens=cfg.workload.prefix_pack_tokens,
+                          actor_pack_tokens=actor_pack_tokens)
 
 
 class Runtime:
