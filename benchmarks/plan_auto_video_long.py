@@ -1,14 +1,18 @@
 """memory.plan=auto on the video_long suite: what the planner releases under a 134 GiB budget, with torch's
 RMSNorm and with the fused one (TRITON_INTERPRET=1 lets train.norm_kernel=triton resolve on CPU); one JSON
 to stdout. No GPU: the planner only. `--model qwen2_5_vl_7b` plans another preset; a mode that fits under
-no release records the planner's refusal (the phase, its peak and largest class) instead of a choice."""
+no release records the planner's refusal (the phase, its peak and largest class) instead of a choice.
+`--pack N` instead records, under memory.plan=phase, how far the trainer lowers the actor's prefix packs of
+`workload.prefix_pack_tokens=N` under the same budget (trainer.runtime.actor_pack_tokens)."""
 import argparse
 import json
 import sys
 
-from rollplex_megatron.memory.planner import auto_release, plan, runtime_cfg, summarize, workload_shape
+from rollplex_megatron.memory.planner import (auto_release, pack_groups, plan, released, runtime_cfg, summarize,
+                                              workload_shape)
 from rollplex_megatron.recipes import load_run_config
 from rollplex_megatron.runtime import environment_record
+from rollplex_megatron.trainer.runtime import with_pack_tokens, actor_pack_tokens
 
 BUDGET_GIB = 134.0  # the H200's free memory at start-up less memory.auto_margin_gib, rounded down
 
@@ -16,7 +20,11 @@ BUDGET_GIB = 134.0  # the H200's free memory at start-up less memory.auto_margin
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default="qwen2_5_vl_3b", help="a recipes/model preset")
-    model = ap.parse_args().model
+    ap.add_argument("--pack", type=int, default=0, help="workload.prefix_pack_tokens to lower under the budget")
+    a = ap.parse_args()
+    if a.pack:
+        return pack_rows(a.model, a.pack)
+    model = a.model
     rows = []
     for norm in ("torch", "triton"):
         for mode in ("serial", "prefix_shared", "rollplex"):
@@ -40,6 +48,31 @@ def main() -> None:
     json.dump({"what": f"memory.plan=auto's choice on the video_long suite, model {model}, under {BUDGET_GIB:g} GiB "
                "(the planner)", "command": cmd, "environment": environment_record(), "rows": rows},
               sys.stdout, indent=1)
+
+
+def pack_rows(model: str, pack: int) -> None:
+    """The actor's packs the trainer keeps of `pack` tokens under the budget (memory.plan=phase, fused norm)."""
+    rows = []
+    for mode in ("prefix_shared", "rollplex"):
+        cfg = load_run_config(["+bench=video_long", f"model={model}", f"mode.name={mode}", "memory.plan=phase",
+                               f"workload.prefix_pack_tokens={pack}"])
+        s = workload_shape(cfg)
+        kept = actor_pack_tokens(cfg, s, BUDGET_GIB, released("phase"))
+
+        def summary(tokens):
+            return summarize(plan(runtime_cfg(with_pack_tokens(cfg, tokens)), mode, "phase", "embedded", s), mode)
+
+        one, got, asked = summary(0), summary(kept), summary(pack)
+        rows.append({"mode": mode, "prefix_tokens": s.P, "groups": s.prompts, "budget_gib": BUDGET_GIB,
+                     "asked_pack_tokens": pack, "asked_peak_gib": round(asked["peak_gib"], 1),
+                     "actor_pack_tokens": kept, "actor_pack_groups": pack_groups(with_pack_tokens(cfg, kept), s),
+                     "peak_gib": round(got["peak_gib"], 1), "peak_phase": got["peak_phase"],
+                     "one_group_graph_gib": round(one["classes"]["update_activations"]["gib"], 1)})
+    json.dump({"what": f"how far the trainer lowers workload.prefix_pack_tokens={pack} for the actor's recomputed "
+               f"prefix packs on the video_long suite, model {model}, memory.plan=phase, under {BUDGET_GIB:g} GiB "
+               "(the planner)",
+               "command": f"TRITON_INTERPRET=1 python benchmarks/plan_auto_video_long.py --pack {pack}",
+               "environment": environment_record(), "rows": rows}, sys.stdout, indent=1)
 
 
 if __name__ == "__main__":

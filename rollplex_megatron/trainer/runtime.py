@@ -102,9 +102,9 @@ def memory_plan(cfg: RunConfig, source) -> dict:
         budget = auto_budget_gib(cfg)
         # the release set is chosen with one group a recomputed pack (the least a recomputation holds), then
         # the actor's packs grow as far as that set allows
-        rel = frozenset() if budget is None else auto_release(_with_pack(cfg, min(pack, shape.P)), shape, budget)
+        rel = frozenset() if budget is None else auto_release(with_pack_tokens(cfg, min(pack, shape.P)), shape, budget)
         actor_pack = actor_pack_tokens(cfg, shape, budget or 0.0, rel)
-        summary = summarize(plan(runtime_cfg(_with_pack(cfg, actor_pack)), cfg.mode.name, rel, "embedded", shape),
+        summary = summarize(plan(runtime_cfg(with_pack_tokens(cfg, actor_pack)), cfg.mode.name, rel, "embedded", shape),
                             cfg.mode.name)
         return {**summary, "shape": vars(shape), "released": [n for n in RELEASE_ORDER if n in rel],
                 "auto_budget_gib": budget, "actor_pack_tokens": actor_pack}
@@ -113,7 +113,7 @@ def memory_plan(cfg: RunConfig, source) -> dict:
         # a recomputed pack's graph is held at once: checked against the device, not left to run out of memory
         budget = auto_budget_gib(cfg) or 0.0
     actor_pack = actor_pack_tokens(cfg, shape, budget, released(cfg.memory.plan))
-    cfg = _with_pack(cfg, actor_pack)
+    cfg = with_pack_tokens(cfg, actor_pack)
     summary = summarize(runtime_plan(cfg, shape), cfg.mode.name)
     summary["actor_pack_tokens"] = actor_pack
     if cfg.parallel.rollout_ranks:  # mode=disaggregated: what a rollout rank holds (its own weights, its cache)
@@ -128,7 +128,7 @@ def memory_plan(cfg: RunConfig, source) -> dict:
     return {**summary, "shape": vars(shape), "released": [n for n in RELEASE_ORDER if n in released(cfg.memory.plan)]}
 
 
-def _with_pack(cfg: RunConfig, tokens: int) -> RunConfig:
+def with_pack_tokens(cfg: RunConfig, tokens: int) -> RunConfig:
     """`cfg` with `workload.prefix_pack_tokens=tokens`."""
     return dataclasses.replace(cfg, workload=dataclasses.replace(cfg.workload, prefix_pack_tokens=tokens))
 
@@ -139,8 +139,8 @@ def actor_pack_tokens(cfg: RunConfig, shape, budget_gib: float, rel: frozenset) 
     while the plan releasing `rel`, which then recomputes one pack's graph at a time, is over `budget_gib`
     (0: no budget). Kept graphs cost the same in any packs; the reference's prefixes pack to the full setting."""
     pack = cfg.workload.prefix_pack_tokens
-    while "actor_prefix_graph" in rel and budget_gib > 0 and pack_groups(_with_pack(cfg, pack), shape) > 1:
-        c = _with_pack(cfg, pack)
+    while "actor_prefix_graph" in rel and budget_gib > 0 and pack_groups(with_pack_tokens(cfg, pack), shape) > 1:
+        c = with_pack_tokens(cfg, pack)
         if summarize(plan(runtime_cfg(c), cfg.mode.name, rel, "embedded", shape), cfg.mode.name)["peak_gib"] \
                 <= budget_gib:
             break
