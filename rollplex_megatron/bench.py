@@ -9,7 +9,7 @@ auto: release only what the device's free memory requires), `<mode>:torchnorm` (
 torch's composite RMSNorm), `<mode>:pack<N>` (workload.prefix_pack_tokens=N: the prefix stages of consecutive
 groups as one forward of up to N prefix tokens), `<mode>:fusedrope` (train.rope_kernel=triton: the training
 models' RoPE as one kernel per q and k), or a rollplex variant `rollplex:<window>` (interleave, stream, tail, green,
-auto). Every figure is a median of the steady
+auto); variants combine with `+` (`rollplex:tokens8192+pack16640`). Every figure is a median of the steady
 steps (after `--warmup`); the warm-up steps are kept apart with the phases that hold their excess.
 `--profile` runs one more step per mode under torch.profiler and saves its top ops per phase beside
 the JSON (that step is left out of every figure); `--profile-phases update,...` profiles only those.
@@ -66,30 +66,40 @@ def parse_modes(spec: str) -> list[tuple[str, list[str]]]:
         if name not in PHASE_FLOPS:
             raise ValueError(f"--modes: unknown mode {name!r} in {label!r}; choose from {', '.join(PHASE_FLOPS)}")
         over = [f"mode.name={name}"]
-        budget = variant[len("tokens"):] if variant.startswith("tokens") else ""
-        pack = variant[len("pack"):] if variant.startswith("pack") else ""
-        if variant == "bound":  # any mode: the rollout on a model of its own bound to the training storage
-            over.append("rollout.bound_model=true")
-        elif budget.isdigit() and int(budget) > 0:  # any mode: micro-batches packed up to N response tokens
-            over.append(f"workload.micro_batch_tokens={int(budget)}")
-        elif pack.isdigit() and int(pack) > 0:  # any mode: prefix stages packed up to N prefix tokens a forward
-            over.append(f"workload.prefix_pack_tokens={int(pack)}")
-        elif variant in ("keep", "memauto"):  # any mode: memory.plan=keep or auto
-            over.append(f"memory.plan={'keep' if variant == 'keep' else 'auto'}")
-        elif variant == "torchnorm":  # any mode: torch's composite RMSNorm in the training models
-            over.append("train.norm_kernel=torch")
-        elif variant == "fusedrope":  # any mode: the fused RoPE in the training models
-            over.append("train.rope_kernel=triton")
-        elif variant:
-            if name != "rollplex" or variant not in WINDOWS:
-                raise ValueError(f"--modes: {label!r}: a variant is rollplex:<{'|'.join(WINDOWS)}>, <mode>:bound, "
-                                 f"<mode>:tokens<N> or <mode>:pack<N> (N > 0), <mode>:keep, <mode>:memauto, "
-                                 f"<mode>:torchnorm or <mode>:fusedrope")
-            over.append(f"mode.window={variant}")
+        keys = set()
+        for part in variant.split("+") if variant else []:  # variants combine: rollplex:tokens8192+pack16640
+            key, setting = _variant(name, part, label)
+            if key in keys:
+                raise ValueError(f"--modes: {label!r}: two variants set {key}; give one")
+            keys.add(key)
+            over.append(setting)
         out.append((label, over))
     if not out:
         raise ValueError("--modes: no mode given")
     return out
+
+
+def _variant(name: str, variant: str, label: str) -> tuple[str, str]:
+    """One variant of a bench mode -> (the setting it overrides, the override)."""
+    budget = variant[len("tokens"):] if variant.startswith("tokens") else ""
+    pack = variant[len("pack"):] if variant.startswith("pack") else ""
+    if variant == "bound":  # any mode: the rollout on a model of its own bound to the training storage
+        return "rollout.bound_model", "rollout.bound_model=true"
+    if budget.isdigit() and int(budget) > 0:  # any mode: micro-batches packed up to N response tokens
+        return "workload.micro_batch_tokens", f"workload.micro_batch_tokens={int(budget)}"
+    if pack.isdigit() and int(pack) > 0:  # any mode: prefix stages packed up to N prefix tokens a forward
+        return "workload.prefix_pack_tokens", f"workload.prefix_pack_tokens={int(pack)}"
+    if variant in ("keep", "memauto"):  # any mode: memory.plan=keep or auto
+        return "memory.plan", f"memory.plan={'keep' if variant == 'keep' else 'auto'}"
+    if variant == "torchnorm":  # any mode: torch's composite RMSNorm in the training models
+        return "train.norm_kernel", "train.norm_kernel=torch"
+    if variant == "fusedrope":  # any mode: the fused RoPE in the training models
+        return "train.rope_kernel", "train.rope_kernel=triton"
+    if name != "rollplex" or variant not in WINDOWS:
+        raise ValueError(f"--modes: {label!r}: a variant is rollplex:<{'|'.join(WINDOWS)}>, <mode>:bound, "
+                         f"<mode>:tokens<N> or <mode>:pack<N> (N > 0), <mode>:keep, <mode>:memauto, "
+                         f"<mode>:torchnorm or <mode>:fusedrope; several join with '+'")
+    return "mode.window", f"mode.window={variant}"
 
 
 def cpu_model() -> str:
@@ -394,7 +404,7 @@ def main(argv: list[str]) -> int:
             modes[label] = summarize_mode(label, recs, a.warmup, bool(recs[-1].get("prefix_recompute")))
             modes[label]["host_launch_us"] = host_launch_us()  # right after the mode, on the same host
             if a.profile:
-                prof = out.parent / f"{out.stem}_{label.replace(':', '_')}_profile.json"
+                prof = out.parent / f"{out.stem}_{label.replace(':', '_').replace('+', '_')}_profile.json"
                 prof.write_text((run / f"profile_step{steps + 1}.json").read_text())
                 modes[label]["profile"] = prof.name
             print(f"  median {modes[label]['steady']['median_s']:.2f} s over steps {modes[label]['steady']['steps']}",

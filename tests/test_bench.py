@@ -94,10 +94,15 @@ def test_modes_and_lengths_parse():
         ("serial:fusedrope", ["mode.name=serial", "train.rope_kernel=triton"])]
     assert bench.parse_modes("rollplex:pack20000") == [("rollplex:pack20000", ["mode.name=rollplex",
                                                                                "workload.prefix_pack_tokens=20000"])]
+    assert bench.parse_modes("prefix_shared:tokens8192+pack16640+keep") == [
+        ("prefix_shared:tokens8192+pack16640+keep", ["mode.name=prefix_shared", "workload.micro_batch_tokens=8192",
+                                                     "workload.prefix_pack_tokens=16640", "memory.plan=keep"])]
     for bad in ("serial:stream", "serial:auto", "rollplex:tokens", "rollplex:tokens0", "rollplex:tokens-4",
-                "rollplex:tokens8k", "rollplex:pack", "rollplex:pack0"):
+                "rollplex:tokens8k", "rollplex:pack", "rollplex:pack0", "rollplex:tokens8+", "serial:pack8+stream"):
         with pytest.raises(ValueError, match="variant"):
             bench.parse_modes(bad)
+    with pytest.raises(ValueError, match="two variants set workload.micro_batch_tokens"):
+        bench.parse_modes("rollplex:tokens8+tokens16")
     lens = drawn_lengths(256, 0.8, 1024, 20000, seed=3)
     assert lens == drawn_lengths(256, 0.8, 1024, 20000, seed=3) and max(lens) == 1024 and min(lens) >= 1
     assert abs(sum(drawn_lengths(256, 0.8, 10**9, 20000, seed=3)) / 20000 - 256) < 8
