@@ -564,8 +564,9 @@ class TrainConfig:
     norm_kernel: str = "auto"
     # the training models' RoPE: torch (megatron's unfused rotary in every layer) or triton (cos/sin once per
     # forward, one kernel per q and k in the attention context, megatron's roundings: models/triton_rope.py);
-    # auto is triton on CUDA. The default stays torch until the kernel's tests have run on a GPU
-    rope_kernel: str = "torch"
+    # auto is triton on CUDA (its tests pass on the H200: benchmarks/results/gpu_rope_norm_tests_f4a7f49.json),
+    # torch elsewhere
+    rope_kernel: str = "auto"
     clip_low: float = 0.2  # PPO ratio clip below 1
     clip_high: float = 0.2  # PPO ratio clip above 1
     clip_ratio_c: float = 0.0  # dual clip: negative-advantage tokens' loss capped at clip_ratio_c * |A| (0: off; > 1)

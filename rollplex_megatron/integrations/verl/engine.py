@@ -46,7 +46,7 @@ from rollplex_megatron.runtime import device, wrap_ddp
 ENV_PREFIX = "ROLLPLEX_VERL_PREFIX"  # shared (default) | full: every group as full sequences (the plain path)
 ENV_DTYPE = "ROLLPLEX_VERL_DTYPE"  # float32 overrides verl's engine dtype (which allows bf16 / fp16 only)
 ENV_NORM = "ROLLPLEX_VERL_NORM_KERNEL"  # auto (default) | triton | torch: the model's RMSNorms (train.norm_kernel)
-ENV_ROPE = "ROLLPLEX_VERL_ROPE_KERNEL"  # torch (default) | triton | auto: the model's RoPE (train.rope_kernel)
+ENV_ROPE = "ROLLPLEX_VERL_ROPE_KERNEL"  # auto (default) | triton | torch: the model's RoPE (train.rope_kernel)
 DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32"}
 
 
@@ -124,7 +124,7 @@ class RollplexMegatronEngine(BaseEngine):
         model = build_model(self.cfg, self.dtype, dict(_setting(self.engine_config, "override_transformer_config",
                                                                 {}) or {}))
         use_norm_kernel(model, norm_kernel_for(os.environ.get(ENV_NORM, "auto"), device()))
-        use_rope_kernel(model, rope_kernel_for(os.environ.get(ENV_ROPE, "torch"), device()))
+        use_rope_kernel(model, rope_kernel_for(os.environ.get(ENV_ROPE, "auto"), device()))
         load_hf_into_model(model, ckpt, self.cfg, ps.get_tensor_model_parallel_rank(),
                            ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank(),
                            ps.get_pipeline_model_parallel_world_size())
