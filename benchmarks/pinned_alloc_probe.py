@@ -1,6 +1,6 @@
 """GPU machine: what the first offload of a class costs. Times allocating pinned host buffers of the
 sizes the 3B phase plan offloads (main weights 15.0 GB, Adam states 30.0 GB, as in
-bench_video_long.json's offload bytes) and the device-to-host copy into them, first and second time.
+bench_video_long_c1fc225.json's offload bytes) and the device-to-host copy into them, first and second time.
 Writes $OUT/pinned_alloc_probe.json."""
 import json
 import os

@@ -85,7 +85,7 @@ def test_phase_plan_gives_the_same_update_as_keeping_everything(tiny_hf, keep_ru
     assert rec["phase_managed_bytes"]["optimizer"]["optimizer_states"] > 0
     assert rec["rollout"]["prefix_recompute_drift"] == 0.0  # recomputed K/V equal the prefill's
     # every host buffer was allocated at start-up (Adam's states sized before they existed): no step
-    # pays for an allocation (on the GPU: pinning, the step-2 cost of bench_video_long.json)
+    # pays for an allocation (on the GPU: pinning, the step-2 cost of bench_video_long_c1fc225.json)
     assert [r["host_allocations"] for r in run["records"]] == [0, 0, 0]
     assert keep_run["records"][-1]["offload_bytes"] == {"d2h": 0, "h2d": 0}
 
