@@ -46,7 +46,7 @@ def main() -> int:
     from rollplex_megatron.attention.kv_store import KVStore
     from rollplex_megatron.prefix.batch import Group
     from rollplex_megatron.prefix.execution import prefix_forward
-    from rollplex_megatron.rollout.embedded import DecodeCache, EmbeddedEngine, _WaveDecoder
+    from rollplex_megatron.rollout.embedded import DecodeCache, EmbeddedEngine, _DecodeState, _WaveDecoder
     from rollplex_megatron.rollout.engine import RolloutRequest
     from rollplex_megatron.rollout.sampling import SamplingParams
     from rollplex_megatron.runtime import environment_record
@@ -71,8 +71,8 @@ def main() -> int:
                              sampling_kernel=samp, fused_rope="norope" not in opt, fused_norm="nonorm" not in opt)
         store = KVStore(leaves={(layer, g): kv for (layer, _), kv in one.leaves.items() for g in range(groups)})
         reqs = [RolloutRequest(prompt, n, a.max_new, (), seed=g) for g in range(groups)]
-        cache = DecodeCache(store, list(range(groups)), [n] * groups, a.max_new, dtype)
-        dec = _WaveDecoder(eng, reqs, cache, SamplingParams())
+        cache = DecodeCache.for_wave(store, list(range(groups)), [n] * groups, a.max_new, dtype)
+        dec = _WaveDecoder(eng, reqs, _DecodeState((), cache), SamplingParams())
         key = (dec.n_rows, dec._s_max(dec.n_rows), dec.window(0))
         with torch.no_grad():
             dec._run_step(*key)  # capture (GPU) or eager

@@ -298,6 +298,10 @@ class RolloutConfig:
     top_p: float = 1.0  # nucleus sampling mass in (0, 1]
     top_k: int = 0  # keep the k most likely tokens (0: all)
     cuda_graphs: bool = True  # GPU: replay each decode step as a CUDA graph (per batch-size bucket)
+    # the decode cache, per-slot state and CUDA graphs kept between rollouts (rollout/embedded._DecodeState): a
+    # rollout of the same shape refills them and captures nothing; the cache stays allocated in every phase (the
+    # memory planner counts it so). Off until measured on a GPU
+    keep_decode_state: bool = False
     # triton (CUDA, bf16/fp16: split-K/V kernels that read each group's prefix K/V once) | flash (two varlen flash
     # calls and a torch merge) | math (fp32 torch) | auto (triton, else flash, else math: the first that can run)
     decode_attention: str = "auto"

@@ -108,6 +108,42 @@ def engine_graphs_vs_eager(cfg, hf_dir, params, dtype: str):
     return out
 
 
+def kept_state_rollouts(cfg) -> list[list]:
+    """Five request sets for an engine that keeps its decode state, with what each should find: the first
+    allocates; the second has the first's prompts and shapes with other sample seeds (reuses); the third
+    asks longer responses (grows: a new state); the fourth is the first again (reuses the grown state, whose
+    prefix and response sizes exceed the wave's); the fifth has two requests (another shape: a new state)."""
+    from dataclasses import replace
+
+    base = requests(cfg)
+    return [base, [replace(r, seed=r.seed + 50) for r in base],
+            [replace(r, max_new_tokens=r.max_new_tokens + 4) for r in base], base, requests(cfg, n_req=2, seed=9)]
+
+
+def engine_kept_state(cfg, hf_dir, params, dtype: str = "float32", mutate: str = ""):
+    """Each set of `kept_state_rollouts` decoded by one engine that keeps its state and by a fresh engine:
+    both results, whether the kept state was reused and the graphs the kept engine captured, per set.
+    `mutate="length"`: a kept state's sample lengths are not reset between waves (must fail the test)."""
+    from rollplex_megatron.rollout import embedded as E
+
+    model, reset = _setup(cfg, hf_dir, dtype), E._RESET
+    kept = E.EmbeddedEngine(model, cfg.model, 4096, 64, 1.0, keep_decode_state=True)
+    out = []
+    try:
+        E._RESET = tuple(k for k in reset if k != mutate)  # the job may run other cases after this one
+        for reqs in kept_state_rollouts(cfg):
+            with torch.no_grad():
+                a = kept.generate(reqs, params)
+                b = E.EmbeddedEngine(model, cfg.model, 4096, 64, 1.0).generate(reqs, params)
+            out.append({"kept": _as_lists(a.results), "fresh": _as_lists(b.results),
+                        "reused": a.stats["states_reused"], "captured": a.stats["graphs_captured"],
+                        "replays": a.stats["graph_replays"], "fresh_captured": b.stats["graphs_captured"],
+                        "graph_error": kept.graph_error})
+    finally:
+        E._RESET = reset
+    return out
+
+
 def engine_kernel_paths(cfg, hf_dir, params, dtype: str, paths):
     """Engine tokens and log-probs for each (decode_attention, sampling_kernel) in `paths`, same requests."""
     from rollplex_megatron.rollout.embedded import EmbeddedEngine

@@ -94,6 +94,8 @@ def test_modes_and_lengths_parse():
         ("serial:fusedrope", ["mode.name=serial", "train.rope_kernel=triton"])]
     assert bench.parse_modes("rollplex:pack20000") == [("rollplex:pack20000", ["mode.name=rollplex",
                                                                                "workload.prefix_pack_tokens=20000"])]
+    assert bench.parse_modes("serial:keepdecode") == [("serial:keepdecode", ["mode.name=serial",
+                                                                            "rollout.keep_decode_state=true"])]
     assert bench.parse_modes("prefix_shared:tokens8192+pack16640+keep") == [
         ("prefix_shared:tokens8192+pack16640+keep", ["mode.name=prefix_shared", "workload.micro_batch_tokens=8192",
                                                      "workload.prefix_pack_tokens=16640", "memory.plan=keep"])]

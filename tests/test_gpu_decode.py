@@ -131,6 +131,25 @@ def test_engine_graph_decode_equals_eager_decode(tiny_hf, dtype, top_p):
     assert graph["results"] == eager["results"]
 
 
+@pytest.mark.parametrize("dtype,top_p", [("bfloat16", 1.0), ("float32", 0.9)])
+def test_kept_decode_state_replays_graphs_captured_by_an_earlier_rollout(tiny_hf, dtype, top_p):
+    """rollout.keep_decode_state on the GPU: a rollout whose shape matches the kept state's captures no graph
+    (it replays the graphs an earlier rollout captured, over the refilled cache and slot state), and every
+    rollout's tokens, log-probs and finish reasons are a fresh engine's exactly (the grown cache's extra
+    prefix and response splits are empty partials of the log-sum-exp merge)."""
+    from tests import rollout_workers as W
+
+    cfg = load_run_config(["model=tiny"])
+    runs = run_local(W.engine_kept_state, 1, cfg, str(tiny_hf), SamplingParams(0.8, top_p, 0), dtype)[0]
+    assert [r["reused"] for r in runs] == [0, 1, 0, 1, 0]
+    assert all(r["graph_error"] == "" for r in runs)
+    assert runs[0]["captured"] > 0 and runs[2]["captured"] > 0
+    assert runs[1]["captured"] == 0 and runs[3]["captured"] == 0, [r["captured"] for r in runs]
+    assert runs[1]["replays"] > 0 and runs[3]["replays"] > 0
+    for r in runs:
+        assert r["kept"] == r["fresh"]
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs: TP=2 graph decode over NCCL")
 def test_engine_graph_decode_tp2_equals_eager_and_tp1(tiny_hf):
     """At TP=2 the step's all-reduces are captured too: graph == eager on each rank, ranks agree, and

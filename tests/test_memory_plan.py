@@ -79,8 +79,9 @@ def test_kv_and_class_bytes_by_hand():
     assert "reference_weights" not in r["by_phase_gib"]["update"]
     assert r["classes"]["rollout_kv"]["gib"] * M.GIB == 8 * (100 + 4 * 10) * 512  # one prefix per group
     assert r["classes"]["actor_prefix_kv"]["gib"] * M.GIB == 8 * 100 * 512 * 2  # fp32 leaves, one per group
-    graph = M.prefix_graph_bytes(m, 1, 1, True, 100, 64, "triton")
-    want = max(graph, M.training_forward_bytes(m, 1, 1, True, 20, 0, "triton"))
+    assert M.rope_kernel(cfg) == "triton"  # train.rope_kernel=auto: likewise the GPU run's fused RoPE
+    graph = M.prefix_graph_bytes(m, 1, 1, True, 100, 64, "triton", "triton")
+    want = max(graph, M.training_forward_bytes(m, 1, 1, True, 20, 0, "triton", "triton"))
     assert r["classes"]["update_activations"]["gib"] * M.GIB == want
     keep = {c.name: c for c in M.plan(cfg, "rollplex", "keep", "embedded")}
     assert keep["actor_prefix_graph"].bytes == 8 * graph  # every group's graph, kept from the prefill
@@ -151,3 +152,22 @@ def test_dynamic_sampling_rounds_hold_their_prefixes_until_selection(residency):
     assert three["phase_gib"]["rollout"] == pytest.approx(one["phase_gib"]["rollout"] + 2 * per_round)
     for ph in ("ref_logp", "update", "optimizer"):
         assert three["phase_gib"][ph] == pytest.approx(one["phase_gib"][ph])
+
+
+def test_kept_decode_state_is_resident_in_every_phase():
+    """rollout.keep_decode_state: the engine's cache and the graphs' workspace stay between rollouts, so the
+    planner holds them in every phase (the same bytes), and every other phase's total grows by exactly them."""
+    base = ["dtype=bfloat16", "workload.rollout_batch=32", "rollout.group_size=4", "plan.prefix_tokens=100",
+            "plan.response_tokens=10", "plan.vision_patches=64"]
+    off = M.summarize(M.rollplex_plan(load_run_config(base)), "rollplex")
+    on = M.summarize(M.rollplex_plan(load_run_config(base + ["rollout.keep_decode_state=true"])), "rollplex")
+    held = ("rollout_kv", "decode_workspace")
+    for name in held:
+        assert on["classes"][name]["gib"] == off["classes"][name]["gib"] > 0
+        assert set(on["by_phase_gib"]) <= {p for p, cls in on["by_phase_gib"].items() if name in cls}
+        assert set(off["by_phase_gib"]) - {"rollout"} <= {p for p, cls in off["by_phase_gib"].items()
+                                                        if name not in cls}
+    extra = sum(off["classes"][n]["gib"] for n in held)
+    for phase, cls in on["by_phase_gib"].items():
+        grown = sum(cls.values()) - sum(off["by_phase_gib"][phase].values())
+        assert grown == pytest.approx(0 if phase == "rollout" else extra, abs=1e-9), phase

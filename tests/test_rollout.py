@@ -118,6 +118,7 @@ def test_same_detects_one_wrong_logprob():
 RECOMPUTE = {"greedy": (SamplingParams(), 1.0), "sampled_small_budget": (SamplingParams(0.8, 0.9, 40), 6e-5)}
 TP2_PARAMS, PP2_PARAMS = SamplingParams(1.0, 1.0, 0), SamplingParams(0.9, 0.95, 0)
 MECHANISMS = ["interleave", "stream", "tail", "auto"]
+KEPT_PARAMS = SamplingParams(0.8, 0.9, 0)
 
 
 @pytest.fixture(scope="module")
@@ -131,6 +132,8 @@ def one_rank(tiny_hf):
     calls["engine_only", "pp2"] = (W.engine_only, (_cfg(), hf, PP2_PARAMS))
     for m in MECHANISMS:
         calls["window", m] = (W.window_items_match, (_cfg(), hf, SamplingParams(), m))
+    calls["kept", ""] = (W.engine_kept_state, (_cfg(), hf, KEPT_PARAMS))
+    calls["kept", "length"] = (W.engine_kept_state, (_cfg(), hf, KEPT_PARAMS, "float32", "length"))
     return run_local(in_turn, 1, calls)[0]
 
 
@@ -304,3 +307,23 @@ def test_window_policy_command_writes_the_table(tmp_path, capsys):
     assert json.loads(out.read_text())["rows"] == json.loads(POLICY_PATH.read_text())["rows"]
     assert main(["window-policy", "--from", str(tmp_path / "none.json"), "--out", str(out)]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_kept_decode_state_gives_fresh_engines_results(one_rank):
+    """rollout.keep_decode_state: one engine decodes five request sets, refilling its kept cache and slot state
+    where the shape allows (sets 2 and 4; set 4 inside a cache grown for longer responses), allocating anew
+    where not (longer responses, fewer requests); every set's tokens, finish reasons and log-probs are what a
+    fresh engine gives (fp32: the grown cache attends over more masked positions, so log-probs to 1e-5)."""
+    runs = case(one_rank, ("kept", ""))
+    assert [r["reused"] for r in runs] == [0, 1, 0, 1, 0]
+    for r in runs:
+        _same(r["kept"], r["fresh"])
+    assert runs[1]["kept"] != runs[0]["kept"]  # other seeds: the reuse is not handing back the last results
+
+
+def test_kept_decode_state_mutation_fails(one_rank):
+    """Mutation: sample lengths not reset when a kept state is reused: the reused sets' results differ."""
+    runs = case(one_rank, ("kept", "length"))
+    assert [r["reused"] for r in runs] == [0, 1, 0, 1, 0]
+    with pytest.raises(AssertionError):
+        _same(runs[1]["kept"], runs[1]["fresh"])

@@ -34,7 +34,7 @@ RUN_FILES = ("config.yaml", METRICS, train_state.CHECKPOINTS)
 # what is written, not what it computes (the modes and memory plans give the same update).
 # Everything else (lr, loss, batch, seed, model, task, ...) is refused on resume.
 RESUMABLE = ("train.steps", "train.save_every", "train.save_final", "train.resume", "train.out",
-             "train.progress", "run_dir", "mode.", "memory.", "rollout.cuda_graphs",
+             "train.progress", "run_dir", "mode.", "memory.", "rollout.cuda_graphs", "rollout.keep_decode_state",
              "rollout.decode_attention", "rollout.sampling_kernel", "train.logprob_kernel", "train.norm_kernel",
              "train.rope_kernel", "workload.prefix_pack_tokens", "parallel.backend",
              "smoke.", "verify.", "plan.",

@@ -287,6 +287,11 @@ def plan(cfg: RunConfig, mode: str, residency: str, engine: str, s: Shape | None
                     act("reference_weights", "offload")),
     ]
     keep = "actor_prefix_graph" not in rel  # the prefix graphs stay (else: recomputed one group at a time)
+    held = cfg.rollout.keep_decode_state  # the engine keeps its cache and graphs' pool between rollouts
+
+    def kept(what: str) -> tuple:
+        return (allp, "keep", what + "; kept between rollouts (rollout.keep_decode_state)") if held else \
+            (("rollout",), "free", what)
     if mode == "disaggregated":  # the rollout ranks decode (rollout_rank_plan): nothing of it here
         pass
     elif engine == "separate":
@@ -301,15 +306,15 @@ def plan(cfg: RunConfig, mode: str, residency: str, engine: str, s: Shape | None
                                f"the rollout model's rebuilt tensors at rollout.tp={r} (views cost nothing)"))
         per_replica = replace(s, prompts=max(1, -(-s.prompts * par.dp * r // par.world_size)))
         out.append(TensorClass("rollout_kv", _largest_wave(cfg, per_replica, kv_bytes_per_token(m, r, m.num_layers, e)),
-                               ("rollout",), "free", "the replica's cache: one prefix per group plus G response "
-                               "slots, largest wave"))
+                               *kept("the replica's cache: one prefix per group plus G response slots, largest "
+                                     "wave")))
     else:
-        out.append(TensorClass("rollout_kv", _largest_wave(cfg, s, kv_tok), ("rollout",), "free",
-                               "the engine's cache: one prefix per group plus G response slots, largest wave"))
+        out.append(TensorClass("rollout_kv", _largest_wave(cfg, s, kv_tok),
+                               *kept("the engine's cache: one prefix per group plus G response slots, largest wave")))
     v = m.vocab_size // par.tp
     if mode != "disaggregated":
-        out.append(TensorClass("decode_workspace", s.samples * v * 10, ("rollout",), "free",
-                               "one decode step's logits and sampling uniforms"))
+        out.append(TensorClass("decode_workspace", s.samples * v * 10,
+                               *kept("one decode step's logits and sampling uniforms (the graphs' pool)")))
     inputs = PlanInputs(s, keep, prefix_kv_fp32=s.prompts * s.P * kv32, prefix_kv=s.prompts * s.P * kv_tok,
                         prefix_graph=prefix_graph_bytes(m, par.tp, par.pp, sp, s.P, s.patches, norm, rope),
                         logits=lambda tokens: logits_bytes(m, par.tp, tokens),

@@ -182,7 +182,8 @@ class RolloutWorker:
             self.engine = EmbeddedEngine(self.model, cfg.model, r.max_prompt_len, r.max_response_len,
                                          cfg.memory.kv_cache_gib, r.cuda_graphs, r.decode_attention,
                                          sampling_kernel=r.sampling_kernel,
-                                         prefix_pack_tokens=cfg.workload.prefix_pack_tokens)
+                                         prefix_pack_tokens=cfg.workload.prefix_pack_tokens,
+                                         keep_decode_state=r.keep_decode_state)
         self.transfer = WeightTransfer(cfg, layouts, rollout_model=self.model, rollout_tp_rank=rank)
 
     def serve(self) -> dict:

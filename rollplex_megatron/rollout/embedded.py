@@ -8,6 +8,13 @@ request; its K/V go into the engine's cache once per group and are shared by the
 samples. Decode feeds [prompt[-1], sampled tokens...] at the positions the response stage uses, so
 a rollout's log-probs are the training forward's log-probs. Finished samples leave the batch. The
 cache is sized per wave from `memory.kv_cache_gib`; requests that do not fit wait for the next wave.
+
+With `keep_decode_state` (`rollout.keep_decode_state`) the cache, the per-slot state and the CUDA graphs
+of the decode step outlive the rollout (`_DecodeState`): a later wave of the same shape (groups, samples,
+stop-list width, sampling parameters, the same weight tensors) refills them in place and replays the
+graphs captured before, so only the first rollout pays the captures. The cache then grows to the largest
+prefix and response length seen and stays allocated between rollouts (the memory planner counts it in
+every phase).
 """
 from __future__ import annotations
 
@@ -49,24 +56,44 @@ from rollplex_megatron.runtime import device
 
 
 class DecodeCache:
-    """Prefix K/V once per group and response K/V per sample, per layer, for one wave."""
+    """Prefix K/V once per group and response K/V per sample, per layer: [2, Gr, P, Ng, D] and
+    [2, rows, Rm, Ng, D], P and Rm at least the wave's (a kept cache is as large as the largest wave)."""
 
-    def __init__(self, store: KVStore, store_ids: list[int], rows_per_group: list[int], max_new: int, dtype):
+    def __init__(self, layers: list[int], n_groups: int, prefix_pad: int, n_rows: int, max_new: int, ng: int, d: int,
+                 dtype, dev):
+        self.layers, self.prefix_pad, self.max_new = layers, prefix_pad, max_new
+        self.prefix_len = torch.zeros(n_groups, dtype=torch.long, device=dev)
+        self.prefix = {layer: torch.zeros(2, n_groups, prefix_pad, ng, d, dtype=dtype, device=dev) for layer in layers}
+        self.resp = {layer: torch.zeros(2, n_rows, max_new, ng, d, dtype=dtype, device=dev) for layer in layers}
+
+    @staticmethod
+    def layout(store: KVStore, store_ids: list[int]) -> tuple[list[int], list[int], int, int]:
+        """The stored prefixes' layers, lengths, KV groups and head dim."""
         layers = sorted({layer for layer, g in store.leaves if g == store_ids[0]})
         k0 = store.leaves[(layers[0], store_ids[0])][0]
-        ng, d, dev = k0.shape[2], k0.shape[3], k0.device
         lens = [store.leaves[(layers[0], g)][0].shape[0] for g in store_ids]
-        p_max, n_rows = max(lens), sum(rows_per_group)
-        self.prefix_len = torch.tensor(lens, device=dev)
-        self.prefix_pad, self.max_new = p_max, max_new
-        self.prefix, self.resp = {}, {}
-        for layer in layers:
-            pk = torch.zeros(2, len(store_ids), p_max, ng, d, dtype=dtype, device=dev)
+        return layers, lens, k0.shape[2], k0.shape[3]
+
+    @classmethod
+    def for_wave(cls, store: KVStore, store_ids: list[int], rows_per_group: list[int], max_new: int, dtype):
+        """A cache of exactly the wave's size, filled from `store`."""
+        layers, lens, ng, d = cls.layout(store, store_ids)
+        dev = store.leaves[(layers[0], store_ids[0])][0].device
+        cache = cls(layers, len(store_ids), max(lens), sum(rows_per_group), max_new, ng, d, dtype, dev)
+        cache.fill(store, store_ids)
+        return cache
+
+    def fill(self, store: KVStore, store_ids: list[int]) -> None:
+        """The wave's prefix K/V copied in, in place (a kept cache's graphs read these tensors); the padding
+        behind each prefix zeroed (never attended: masked by `prefix_len`, zero so no stale value can reach
+        a product). Response K/V need nothing: a step reads positions its samples wrote in this wave."""
+        lens = [store.leaves[(self.layers[0], g)][0].shape[0] for g in store_ids]
+        self.prefix_len.copy_(torch.tensor(lens))
+        for layer, pk in self.prefix.items():
             for i, g in enumerate(store_ids):
                 k, v = store.leaves[(layer, g)]
                 pk[0, i, :lens[i]], pk[1, i, :lens[i]] = k[:, 0].detach(), v[:, 0].detach()
-            self.prefix[layer] = pk
-            self.resp[layer] = torch.zeros(2, n_rows, max_new, ng, d, dtype=dtype, device=dev)
+                pk[:, i, lens[i]:].zero_()
 
     @staticmethod
     def nbytes(cfg: ModelConfig, tp: int, layers: int, prefix_len: int, rows: int, max_new: int, elt: int) -> int:
@@ -121,6 +148,25 @@ class DecodeContext(AttentionContext):
         return self.cache.attend(layer, self, query, key, value, scale)
 
 
+@dataclass
+class _DecodeState:
+    """What a wave's decoding allocates and captures: the cache, the decoder's device tensors, the step's CUDA
+    graphs and their memory pool. Kept by the engine between rollouts under `keep_decode_state`; `key` says
+    which waves may reuse it (everything a captured graph bakes in but the tensors' contents)."""
+
+    key: tuple
+    cache: DecodeCache
+    tensors: dict | None = None  # _WaveDecoder's device tensors (slot state, step, outputs), once allocated
+    graphs: dict | None = None  # (bucket, samples-per-group bound, window) -> torch.cuda.CUDAGraph
+    pool: object = None  # the graphs' memory pool
+
+    def __post_init__(self) -> None:
+        self.graphs = {} if self.graphs is None else self.graphs
+
+
+_RESET = ("step", "length", "stopped")  # a kept state's counters, zeroed at each wave (outputs are read by length)
+
+
 def _buckets(n: int) -> list[int]:
     """Batch-size buckets of a wave of `n` samples: n itself and the powers of two below it."""
     out, b = {n}, 1
@@ -152,8 +198,10 @@ class EmbeddedEngine:
     def __init__(self, model, cfg: ModelConfig, max_prompt_len: int, max_response_len: int, kv_cache_gib: float,
                  cuda_graphs: bool = True, decode_attention: str = "auto", sampling_kernel: str = "auto",
                  fused_rope: bool = True, fused_norm: bool = True, prefix_pack_tokens: int = 0,
-                 actor_pack_tokens: int | None = None):
+                 actor_pack_tokens: int | None = None, keep_decode_state: bool = False):
         self.model, self.cfg = model, cfg
+        self.keep_decode_state = keep_decode_state  # the cache, slot state and graphs outlive a rollout
+        self._state: _DecodeState | None = None  # what the last wave left (kept only under keep_decode_state)
         self.prefix_pack_tokens = prefix_pack_tokens  # the prefill's packing (prefix_forward's pack_tokens)
         # ... when the prefill is the actor prefix stage (its graph, or its recomputation, per pack)
         self.actor_pack_tokens = prefix_pack_tokens if actor_pack_tokens is None else actor_pack_tokens
@@ -203,7 +251,7 @@ class EmbeddedEngine:
     def _generate_waves(self, requests, params, hooks, actor_prefix, recompute_prefix, results):
         states, stats = [], {"decode_steps": 0, "waves": 0, "prefill_s": 0.0, "decode_s": 0.0, "graphs_captured": 0,
                              "graph_replays": 0, "eager_steps": 0, "capture_s": 0.0, "attention": self.attention,
-                             "sampling": ""}
+                             "sampling": "", "states_reused": 0}
         for wave in self._waves(requests):
             t0 = time.perf_counter()
             store = actor_prefix if actor_prefix is not None else KVStore()
@@ -214,14 +262,15 @@ class EmbeddedEngine:
                                          recompute=actor_prefix is not None and recompute_prefix,
                                          pack_tokens=self.prefix_pack_tokens if actor_prefix is None
                                          else self.actor_pack_tokens)
-            cache = DecodeCache(store, wave, [requests[i].n for i in wave],
-                                max(requests[i].max_new_tokens for i in wave), unwrap(self.model).config.params_dtype)
+            state = self._wave_state(store, [requests[i] for i in wave], wave, params)
+            stats["states_reused"] += int(state.tensors is not None)
+            cache = state.cache
             if actor_prefix is None:
                 for i in wave:
                     store.release(i)
             t1 = time.perf_counter()
             with torch.no_grad():
-                dec = _WaveDecoder(self, [requests[i] for i in wave], cache, params)
+                dec = _WaveDecoder(self, [requests[i] for i in wave], state, params)
                 hooks.on_wave(dec.n_rows)
                 stream = hooks.decode_stream()
                 if stream is not None:
@@ -233,11 +282,44 @@ class EmbeddedEngine:
                 for k in ("graphs_captured", "graph_replays", "eager_steps", "capture_s"):
                     stats[k] += dec.stats[k]
                 stats["sampling"] = "triton" if dec.fused_sampling else "torch"
-                del dec, cache
+                del dec, cache, state
             stats["prefill_s"] += t1 - t0
             stats["decode_s"] += time.perf_counter() - t1
             stats["waves"] += 1
         return stats, states
+
+    def _wave_state(self, store: KVStore, reqs: list[RolloutRequest], store_ids: list[int],
+                    params: SamplingParams) -> _DecodeState:
+        """The wave's cache (filled from `store`) and decoding state: the kept one when its key matches and it
+        is large enough, else a new one (kept for later waves under `keep_decode_state`)."""
+        dtype = unwrap(self.model).config.params_dtype
+        rows, max_new = [r.n for r in reqs], max(r.max_new_tokens for r in reqs)
+        if not self.keep_decode_state:
+            return _DecodeState((), DecodeCache.for_wave(store, store_ids, rows, max_new, dtype))
+        layers, lens, ng, d = DecodeCache.layout(store, store_ids)
+        key = (len(reqs), sum(rows), max([len(r.stop_token_ids) for r in reqs] + [1]), tuple(layers), ng, d,
+               (params.temperature, params.top_k, params.top_p), self._weights_key())
+        st = self._state
+        if st is None or st.key != key or st.cache.prefix_pad < max(lens) or st.cache.max_new < max_new:
+            grow = st is not None and st.key == key  # a longer wave of the same shape: keep the larger sizes
+            pad = max(max(lens), st.cache.prefix_pad if grow else 0)
+            max_new = max(max_new, st.cache.max_new if grow else 0)
+            self._state = st = None  # the old cache and graphs go before the new ones are allocated
+            dev = store.leaves[(layers[0], store_ids[0])][0].device
+            st = _DecodeState(key, DecodeCache(layers, len(reqs), pad, sum(rows), max_new, ng, d, dtype, dev))
+            self._state = st
+        st.cache.fill(store, store_ids)
+        return st
+
+    def _weights_key(self) -> tuple:
+        """The tensors a captured step reads besides the state (parameters and buffers), by address: graphs
+        are kept only while they are the same tensors (a rebuilt or reloaded model gets new graphs)."""
+        m = unwrap(self.model)
+        return tuple((t.data_ptr(), t.dtype, tuple(t.shape)) for t in (*m.parameters(), *m.buffers()))
+
+    def release_decode_state(self) -> None:
+        """Drop the kept cache, slot state and graphs (the next rollout allocates and captures again)."""
+        self._state = None
 
     def _validate(self, requests: list[RolloutRequest]) -> None:
         vocab = self.cfg.vocab_size
@@ -308,20 +390,20 @@ class _WaveDecoder:
     leave the batch.
     """
 
-    def __init__(self, engine: "EmbeddedEngine", reqs, cache: DecodeCache, params: SamplingParams):
+    def __init__(self, engine: "EmbeddedEngine", reqs, state: _DecodeState, params: SamplingParams):
         dev, c = engine.dev, engine.cfg
-        self.engine, self.cache, self.params, self.reqs = engine, cache, params, reqs
+        self.engine, self.state, self.cache, self.params, self.reqs = engine, state, state.cache, params, reqs
         self.m, self.vocab = unwrap(engine.model), c.vocab_size
         counts = torch.tensor([r.n for r in reqs])
         self.first_row = counts.cumsum(0) - counts
         req_of_row = torch.repeat_interleave(torch.arange(len(reqs)), counts)
-        self.n_rows, self.max_new = int(counts.sum()), max(r.max_new_tokens for r in reqs)
+        self.n_rows, self.max_new = int(counts.sum()), self.cache.max_new  # the cache's Rm >= every request's
         self.n_groups = len(reqs)
-        self.last_pos = torch.stack([prompt_positions(c, r.prompt)[:, 0, -1] for r in reqs]).to(dev)  # [Gr, 3]
+        last_pos = torch.stack([prompt_positions(c, r.prompt)[:, 0, -1] for r in reqs])  # [Gr, 3]
         n_stop = max([len(r.stop_token_ids) for r in reqs] + [1])
         stops = torch.tensor([list(r.stop_token_ids) + [-1] * (n_stop - len(r.stop_token_ids)) for r in reqs])
         # per-slot state (slot i holds row owner[i]); compaction permutes every one of these
-        self.slot = {
+        slot = {
             "owner": torch.arange(self.n_rows),
             "group": req_of_row.clone(),
             "seed": torch.tensor([reqs[k].seed for k in req_of_row.tolist()]),
@@ -331,16 +413,30 @@ class _WaveDecoder:
             "tok": torch.cat([r.prompt.input_ids[-1:].expand(r.n) for r in reqs]),
             "alive": torch.ones(self.n_rows, dtype=torch.bool),
         }
-        self.slot = {k: v.to(dev) for k, v in self.slot.items()}
-        self.step_t = torch.zeros(1, dtype=torch.long, device=dev)
-        self.live_t = torch.zeros((), dtype=torch.long, device=dev)
-        # results in row order, plus a scratch row (n_rows) that slots past the live ones write to
-        self.out_tok = torch.zeros(self.n_rows + 1, self.max_new, dtype=torch.long, device=dev)
-        self.out_lp = torch.zeros(self.n_rows + 1, self.max_new, dtype=torch.float32, device=dev)
-        self.length = torch.zeros(self.n_rows + 1, dtype=torch.long, device=dev)
-        self.stopped = torch.zeros(self.n_rows + 1, dtype=torch.bool, device=dev)
-        self.banned = torch.tensor(c.vision_token_ids, device=dev)
-        self.graphs, self.pool, self.hooks = {}, None, DecodeHooks()
+        t = state.tensors
+        if t is None:  # a new state: the decoder's device tensors (a captured step reads these very tensors)
+            t = state.tensors = {
+                "slot": {k: v.to(dev) for k, v in slot.items()},
+                "last_pos": last_pos.to(dev),
+                "step": torch.zeros(1, dtype=torch.long, device=dev),
+                "live": torch.zeros((), dtype=torch.long, device=dev),
+                # results in row order, plus a scratch row (n_rows) that slots past the live ones write to
+                "out_tok": torch.zeros(self.n_rows + 1, self.max_new, dtype=torch.long, device=dev),
+                "out_lp": torch.zeros(self.n_rows + 1, self.max_new, dtype=torch.float32, device=dev),
+                "length": torch.zeros(self.n_rows + 1, dtype=torch.long, device=dev),
+                "stopped": torch.zeros(self.n_rows + 1, dtype=torch.bool, device=dev),
+                "banned": torch.tensor(c.vision_token_ids, device=dev),
+            }
+        else:  # a kept state: this wave's values written into the same tensors (outputs past a length are
+            # never read, so only the counters are reset)
+            for k, v in slot.items():
+                t["slot"][k].copy_(v)
+            t["last_pos"].copy_(last_pos)
+            for k in _RESET:
+                t[k].zero_()
+        self.slot, self.last_pos, self.step_t, self.live_t = t["slot"], t["last_pos"], t["step"], t["live"]
+        self.out_tok, self.out_lp, self.length, self.stopped = t["out_tok"], t["out_lp"], t["length"], t["stopped"]
+        self.banned, self.hooks = t["banned"], DecodeHooks()
         self.p2p = p2p_communicator(engine.model) if engine.pp > 1 else None
         greedy_free = params.top_k == 0 and params.top_p >= 1.0
         if engine.sampling_kernel == "triton" and not greedy_free:
@@ -426,7 +522,7 @@ class _WaveDecoder:
             self._forward(*key)
             self.stats["eager_steps"] += 1
             return
-        g = self.graphs.get(key)
+        g = self.state.graphs.get(key)
         if g is None:  # this step runs eagerly (it is also the warm-up capture needs), then is captured
             t0 = time.perf_counter()
             side = torch.cuda.Stream()
@@ -435,19 +531,19 @@ class _WaveDecoder:
                 self._forward(*key)
             torch.cuda.current_stream().wait_stream(side)
             self.stats["eager_steps"] += 1
-            self.pool = self.pool or torch.cuda.graph_pool_handle()
+            self.state.pool = self.state.pool or torch.cuda.graph_pool_handle()
             g = torch.cuda.CUDAGraph()
             hooks = self.hooks
             guard = hooks.capture_guard()
             try:
-                with guard, torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
+                with guard, torch.cuda.graph(g, pool=self.state.pool, capture_error_mode="thread_local"):
                     self._forward(*key)  # recorded, not run: the state advanced once, above
             except Exception as e:  # steps that cannot be captured run eagerly, and say why
                 self.engine.cuda_graphs = False
                 self.engine.graph_error = f"{type(e).__name__}: {e}"[:500]
                 torch.cuda.current_stream().synchronize()
                 return
-            self.graphs[key] = g
+            self.state.graphs[key] = g
             self.stats["graphs_captured"] += 1
             # capture is rare (a new bucket or window); its time is reported apart. (Entering the capture
             # already synchronised the whole device, side-stream work included: torch.cuda.graph does.)

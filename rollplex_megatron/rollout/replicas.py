@@ -81,7 +81,8 @@ class RolloutReplicas:
             self.engine = EmbeddedEngine(self.model, cfg.model, r.max_prompt_len, r.max_response_len,
                                          cfg.memory.kv_cache_gib, r.cuda_graphs, r.decode_attention,
                                          sampling_kernel=r.sampling_kernel,
-                                         prefix_pack_tokens=cfg.workload.prefix_pack_tokens)
+                                         prefix_pack_tokens=cfg.workload.prefix_pack_tokens,
+                                         keep_decode_state=r.keep_decode_state)
         self.weights = None if full_copy is not None else SharedRolloutWeights(
             actor, self.model, cfg.model, layouts.tp, layouts.rollout_tp, train_group, split_gemm=r.split_gemm,
             rollout_tp_rank=rollout_rank)
