@@ -10,7 +10,7 @@ torch's composite RMSNorm), `<mode>:pack<N>` (workload.prefix_pack_tokens=N: the
 groups as one forward of up to N prefix tokens), `<mode>:fusedrope` (train.rope_kernel=triton: the training
 models' RoPE as one kernel per q and k), `<mode>:keepdecode` (rollout.keep_decode_state=true: the decode
 cache, slot state and CUDA graphs kept between rollouts), or a rollplex variant `rollplex:<window>` (interleave,
-stream, tail, green, auto); variants combine with `+` (`rollplex:tokens8192+pack16640`). Every figure is a median
+after, stream, tail, green, auto); variants combine with `+` (`rollplex:tokens8192+pack16640`). Every figure is a median
 of the steady steps (after `--warmup`); the warm-up steps are kept apart with the phases that hold their excess.
 `--profile` runs one more step per mode under torch.profiler and saves its top ops per phase beside
 the JSON (that step is left out of every figure); `--profile-phases update,...` profiles only those.
@@ -39,7 +39,7 @@ from rollplex_megatron.runtime import environment_record
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
-WINDOWS = ("interleave", "stream", "tail", "green", "auto")
+WINDOWS = ("interleave", "after", "stream", "tail", "green", "auto")
 GIB = 2**30
 # Analytic forward FLOPs each phase executes, as multiples of the recorded parts (verify.flops:
 # "full" whole sequences, "prefix" the prefix stages, "response" the response stages); backward is

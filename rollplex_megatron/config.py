@@ -446,7 +446,8 @@ class ModeConfig:
     """How the step executes (DESIGN section 2); every mode computes the same update."""
 
     name: str = "rollplex"  # a registered mode (trainer/modes/): serial | prefix_shared | rollplex
-    window: str = "interleave"  # decode-window mechanism (rollout/window/): interleave | stream | tail | green | auto
+    # decode-window mechanism (rollout/window/): interleave | after | stream | tail | green | auto
+    window: str = "interleave"
     window_items_per_step: int = 1  # queued prefix work items run after each decode step
     window_tail_fraction: float = 0.25  # tail: side work starts when active samples <= this fraction
     window_green_sms: int = 32  # green: SMs of the side work's green-context partition

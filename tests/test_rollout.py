@@ -117,7 +117,7 @@ def test_same_detects_one_wrong_logprob():
 
 RECOMPUTE = {"greedy": (SamplingParams(), 1.0), "sampled_small_budget": (SamplingParams(0.8, 0.9, 40), 6e-5)}
 TP2_PARAMS, PP2_PARAMS = SamplingParams(1.0, 1.0, 0), SamplingParams(0.9, 0.95, 0)
-MECHANISMS = ["interleave", "stream", "tail", "auto"]
+MECHANISMS = ["interleave", "after", "stream", "tail", "auto"]
 KEPT_PARAMS = SamplingParams(0.8, 0.9, 0)
 
 
@@ -175,7 +175,8 @@ def test_window_items_at_pp2_equal_direct_work(tiny_hf):
 def test_window_items_equal_direct_work(one_rank, mechanism):
     """Items run inside the window give the same K/V as direct work: on the decode thread
     (interleave, auto without a winner) or on the issuer thread (stream, tail; on CPU without a side
-    stream). `tail` starts its issuer only once the active batch has halved."""
+    stream). `tail` starts its issuer only once the active batch has halved; `after` runs none of them
+    while decoding."""
     res = case(one_rank, ("window", mechanism))
     assert res["same_keys"] and res["max_abs_diff"] == 0.0
     st = res["stats"]
@@ -191,6 +192,9 @@ def test_window_items_equal_direct_work(one_rank, mechanism):
     elif mechanism in ("interleave", "auto"):
         assert st["items_in_window"] >= 1
         assert [done for _, done in res["actives"][:3]] == [0, 1, 2]  # one item per step, on the decode thread
+    elif mechanism == "after":  # no window: nothing while decoding, every item once it ends
+        assert st["items_in_window"] == 0 and st["items_after"] == 3
+        assert all(done == 0 for _, done in res["actives"])
     else:
         assert st["items_in_window"] >= 1
 

@@ -4,6 +4,7 @@ Mechanisms (DESIGN section 6 says why none is free on an H200; `benchmarks/decod
 measures each):
 - `interleave` (the no-overlap reference): after each decode step the hook runs up to
   `items_per_step` queued items on the decode stream;
+- `after` (no window, the control): every item runs on the decode stream once decoding ends;
 - `stream`: the same items launched on a low-priority side stream while decode runs on a
   high-priority stream, so the GPU may overlap them with the (CUDA-graph) decode steps. The items
   are issued by an issuer thread, not by the decode loop: one reference prefix item takes the host
@@ -188,7 +189,7 @@ class DecodeWindow(DecodeHooks):
     def on_decode_step(self, step: int, active: int) -> None:
         """interleave: run up to `items_per_step` items now; side mechanisms: start the issuer thread."""
         self._raise_issuer_error()
-        if active == 0 or not self.queue:
+        if active == 0 or not self.queue or (self._mech is not None and not self._mech.during):
             return
         if self._mech is not None and self._mech.side:
             if self._issuer is None and self._mech.may_start(self, active):

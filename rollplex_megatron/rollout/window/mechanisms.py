@@ -16,6 +16,7 @@ class WindowMechanism:
 
     name = "interleave"
     side = False  # items are issued on a side stream by the issuer thread (else: on the decode thread)
+    during = True  # items may run while decoding (else: all of them once decoding ends)
 
     def side_stream(self, window):
         """The stream side work runs on (CUDA only; None: no side stream)."""
@@ -31,6 +32,13 @@ class WindowMechanism:
 
 class Interleave(WindowMechanism):
     """After each decode step, up to `items_per_step` queued items run on the decode stream."""
+
+
+class After(WindowMechanism):
+    """No window: every item runs on the decode stream once decoding ends (still inside the rollout phase).
+    The control beside the others: the rollplex step with its prefix work in series, all else equal."""
+
+    name, during = "after", False
 
 
 class Stream(WindowMechanism):
@@ -65,4 +73,4 @@ class Green(Stream):
         return green_stream(window.green_sms)
 
 
-MECHANISMS: dict[str, type[WindowMechanism]] = {m.name: m for m in (Interleave, Stream, Tail, Green)}
+MECHANISMS: dict[str, type[WindowMechanism]] = {m.name: m for m in (Interleave, After, Stream, Tail, Green)}
