@@ -3,7 +3,10 @@ RMSNorm and with the fused one (TRITON_INTERPRET=1 lets train.norm_kernel=triton
 to stdout. No GPU: the planner only. `--model qwen2_5_vl_7b` plans another preset; a mode that fits under
 no release records the planner's refusal (the phase, its peak and largest class) instead of a choice.
 `--pack N` instead records, under memory.plan=phase, how far the trainer lowers the actor's prefix packs of
-`workload.prefix_pack_tokens=N` under the same budget (trainer.runtime.actor_pack_tokens)."""
+`workload.prefix_pack_tokens=N` under the same budget (trainer.runtime.actor_pack_tokens). `--tokens N,...`
+records, under memory.plan=phase, each mode's peak at those `workload.micro_batch_tokens` budgets (serial at
+the suite's prefix packing, none; the prefix modes with `--pack`'s packs, lowered as the trainer lowers them),
+so a comparison can say which mode fits which micro-batch."""
 import argparse
 import json
 import sys
@@ -21,7 +24,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default="qwen2_5_vl_3b", help="a recipes/model preset")
     ap.add_argument("--pack", type=int, default=0, help="workload.prefix_pack_tokens to lower under the budget")
+    ap.add_argument("--tokens", default="", help="workload.micro_batch_tokens budgets to plan (comma-separated)")
     a = ap.parse_args()
+    if a.tokens:
+        return token_rows(a.model, [int(x) for x in a.tokens.split(",")], a.pack)
     if a.pack:
         return pack_rows(a.model, a.pack)
     model = a.model
@@ -73,6 +79,29 @@ def pack_rows(model: str, pack: int) -> None:
                "(the planner)",
                "command": f"TRITON_INTERPRET=1 python benchmarks/plan_auto_video_long.py --pack {pack}",
                "environment": environment_record(), "rows": rows}, sys.stdout, indent=1)
+
+
+def token_rows(model: str, budgets: list[int], pack: int) -> None:
+    """Each mode's planned peak at each micro-batch token budget (memory.plan=phase, fused norm and RoPE)."""
+    rows = []
+    for mode in ("serial", "prefix_shared", "rollplex"):
+        for tokens in budgets:
+            over = ["+bench=video_long", f"model={model}", f"mode.name={mode}", "memory.plan=phase",
+                    f"workload.micro_batch_tokens={tokens}"]
+            cfg = load_run_config(over + ([f"workload.prefix_pack_tokens={pack}"] if pack and mode != "serial" else []))
+            s = workload_shape(cfg)
+            kept = actor_pack_tokens(cfg, s, BUDGET_GIB, released("phase")) if pack and mode != "serial" else 0
+            got = summarize(plan(runtime_cfg(with_pack_tokens(cfg, kept)), mode, "phase", "embedded", s), mode)
+            rows.append({"mode": mode, "micro_batch_tokens": tokens, "actor_pack_tokens": kept,
+                         "peak_gib": round(got["peak_gib"], 1), "peak_phase": got["peak_phase"],
+                         "update_gib": round(sum(got["by_phase_gib"]["update"].values()), 1),
+                         "fits": got["peak_gib"] <= BUDGET_GIB})
+    cmd = f"TRITON_INTERPRET=1 python benchmarks/plan_auto_video_long.py --tokens {','.join(map(str, budgets))}" + (
+        f" --pack {pack}" if pack else "")
+    json.dump({"what": f"each mode's planned peak at workload.micro_batch_tokens budgets on the video_long suite, "
+               f"model {model}, memory.plan=phase, under {BUDGET_GIB:g} GiB (the planner; the prefix modes' actor "
+               f"packs lowered as the trainer lowers them)", "command": cmd, "environment": environment_record(),
+               "rows": rows}, sys.stdout, indent=1)
 
 
 if __name__ == "__main__":
