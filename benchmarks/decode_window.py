@@ -9,7 +9,8 @@ prompt: 1039 prefix tokens, 4096 video patches) as the side work. Measured per c
   items left for the end), and the decode loop's own time.
 hidden = (decode alone + items alone - both) / items alone: the share of the prefix work the window
 hid. decode_slowdown = decode loop with the window / decode alone - 1 (for `interleave` the items
-run inside the loop, so its slowdown is the items' time: the no-overlap reference). Both are
+run inside the loop, so its slowdown is the items' time: the no-overlap reference; `after` runs them all once
+decoding ends, the same work in series without the window). Both are
 reported; the mechanism is chosen by the wall time of decode plus its side work (`policy` in the
 output: `rollout/window/policy.build_policy`, the table `python -m rollplex_megatron window-policy
 --from OUT` writes for mode.window=auto). Both are wall
@@ -45,7 +46,7 @@ def main() -> int:
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--tail-batch", type=int, default=64)
-    ap.add_argument("--mechanisms", default="interleave,stream,tail,green:32,green:64")
+    ap.add_argument("--mechanisms", default="interleave,after,stream,tail,green:32,green:64")
     ap.add_argument("--repeats", type=int, default=2, help="runs per measurement (the fastest counts)")
     ap.add_argument("--profile-item", action="store_true", help="only profile one reference prefix item")
     ap.add_argument("--out", default="")
