@@ -6,7 +6,9 @@ no release records the planner's refusal (the phase, its peak and largest class)
 `workload.prefix_pack_tokens=N` under the same budget (trainer.runtime.actor_pack_tokens). `--tokens N,...`
 records, under memory.plan=phase, each mode's peak at those `workload.micro_batch_tokens` budgets (serial at
 the suite's prefix packing, none; the prefix modes with `--pack`'s packs, lowered as the trainer lowers them),
-so a comparison can say which mode fits which micro-batch."""
+so a comparison can say which mode fits which micro-batch. The planner counts a budget as responses of
+`plan.response_tokens` (the suite's mean); shorter drawn responses put more of them (for serial, more whole
+prompts) into a micro-batch, so the fit is optimistic for serial."""
 import argparse
 import json
 import sys
@@ -100,7 +102,10 @@ def token_rows(model: str, budgets: list[int], pack: int) -> None:
         f" --pack {pack}" if pack else "")
     json.dump({"what": f"each mode's planned peak at workload.micro_batch_tokens budgets on the video_long suite, "
                f"model {model}, memory.plan=phase, under {BUDGET_GIB:g} GiB (the planner; the prefix modes' actor "
-               f"packs lowered as the trainer lowers them)", "command": cmd, "environment": environment_record(),
+               f"packs lowered as the trainer lowers them); a micro-batch is counted as budget / "
+               f"plan.response_tokens responses of that length: shorter drawn responses put more of them (for "
+               f"serial, more whole prompts and vision towers) into one, so the fit is optimistic for serial",
+               "command": cmd, "environment": environment_record(),
                "rows": rows}, sys.stdout, indent=1)
 
 
