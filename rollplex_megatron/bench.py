@@ -240,15 +240,22 @@ def summarize_mode(label: str, records: list[dict], warmup: int, recompute: bool
     }
 
 
+def _settings(label: str) -> frozenset:
+    """A mode label's variants other than a window mechanism (`rollplex:tokens8192+pack16640+stream` ->
+    {tokens8192, pack16640})."""
+    return frozenset(p for p in label.partition(":")[2].split("+") if p and p not in WINDOWS)
+
+
 def window_cost(modes: dict) -> None:
-    """Each rollplex variant's rollout time over prefix_shared's (same decode without side work): what
-    the window's side work and the actor prefill's K/V leaves added to the rollout phase."""
-    if "prefix_shared" not in modes:
-        return
-    base = modes["prefix_shared"]["phase_median_s"]["rollout"]
+    """Each rollplex variant's rollout time over that of the prefix_shared mode with the same other variants
+    (same decode without side work): what the window's side work and the actor prefill's K/V leaves added
+    to the rollout phase (`rollout_excess_s`, against `rollout_excess_vs`)."""
     for k, m in modes.items():
-        if m.get("window"):
-            m["window"]["rollout_excess_s"] = m["phase_median_s"]["rollout"] - base
+        base = next((b for b in modes if b.partition(":")[0] == "prefix_shared" and _settings(b) == _settings(k)),
+                    None)
+        if m.get("window") and base is not None:
+            m["window"]["rollout_excess_s"] = m["phase_median_s"]["rollout"] - modes[base]["phase_median_s"]["rollout"]
+            m["window"]["rollout_excess_vs"] = base
 
 
 def ratios(modes: dict) -> dict:
@@ -271,6 +278,7 @@ def render_markdown(results: Path) -> str:
              "do not edit by hand. Medians of the steady steps; warm-up steps are listed apart.", ""]
     for path in sorted(x for x in results.glob("bench_*.json") if not x.name.endswith("_profile.json")):
         d = json.loads(path.read_text())
+        window_cost(d["modes"])  # derived from the JSON's own medians (older JSONs compared exact labels only)
         env = d["environment"]
         lines += [f"## {d['suite']}", "", d.get("description", ""), "",
                   f"`{path.name}`: {env['device']} x{d['machine']['device_count']}, commit {env['commit']}, "
@@ -288,7 +296,8 @@ def render_markdown(results: Path) -> str:
         for label, m in d["modes"].items():
             s, w = m["steady"], m["window"]
             win = (f"{w['mechanism']}: side work {w['side_work_in_window_s']:.2f} s, rollout "
-                   f"{w['rollout_excess_s']:+.2f} s vs prefix_shared" if w and w.get("rollout_excess_s") is not None
+                   f"{w['rollout_excess_s']:+.2f} s vs {w.get('rollout_excess_vs', 'prefix_shared')}"
+                   if w and w.get("rollout_excess_s") is not None
                    else (w["mechanism"] if w else "-"))
             lines.append(f"| {label} | {s['median_s']:.2f} | {s['min_s']:.2f}-{s['max_s']:.2f} | "
                          + " | ".join(f"{m['phase_median_s'].get(p, 0):.2f}" for p in phases)

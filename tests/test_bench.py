@@ -126,3 +126,21 @@ def test_markdown_says_which_suites_fit_no_device(tmp_path):
     assert "## Does not fit: 7B" in md and "| serial | torch | 134 | 169.9 | 195.7 | needs 169.9 GiB" in md
     assert "| rollplex |" not in md and "3B" not in md
     assert "rollplex (torch norm) needs 195.7 GiB under keep, 80.0 GiB under auto (releases nothing)" in md
+
+
+def test_window_cost_compares_with_the_prefix_shared_run_of_the_same_settings():
+    """A rollplex variant's rollout is compared with the prefix_shared mode that has the same variants but the
+    window (rollplex:tokens8+pack9+stream with prefix_shared:pack9+tokens8, not plain prefix_shared); none is
+    claimed where no such mode ran."""
+    def mode(rollout, window):
+        return {"phase_median_s": {"rollout": rollout}, "window": {"mechanism": "interleave"} if window else None}
+
+    modes = {"prefix_shared": mode(5.0, False), "prefix_shared:pack9+tokens8": mode(3.0, False),
+             "rollplex": mode(6.5, True), "rollplex:tokens8+pack9+stream": mode(4.0, True),
+             "rollplex:keep": mode(7.0, True)}
+    bench.window_cost(modes)
+    assert modes["rollplex"]["window"]["rollout_excess_s"] == pytest.approx(1.5)
+    assert modes["rollplex"]["window"]["rollout_excess_vs"] == "prefix_shared"
+    w = modes["rollplex:tokens8+pack9+stream"]["window"]
+    assert (w["rollout_excess_s"], w["rollout_excess_vs"]) == (pytest.approx(1.0), "prefix_shared:pack9+tokens8")
+    assert "rollout_excess_s" not in modes["rollplex:keep"]["window"]
