@@ -215,6 +215,9 @@ def summarize_mode(label: str, records: list[dict], warmup: int, recompute: bool
                                                                                             for x in ro]),
                   "items_after": _median([x.get("items_after", 0) for x in ro]),
                   "side_work_in_window_s": inside, "side_work_after_s": after,
+                  # GPU spans of the same items (CUDA timing events; absent in older records and on CPU)
+                  "side_work_in_window_gpu_s": _median([x["window_gpu_s"] for x in ro if "window_gpu_s" in x]),
+                  "side_work_after_gpu_s": _median([x["after_gpu_s"] for x in ro if "after_gpu_s" in x]),
                   # the share of the side work that ran inside the decode window (not the share of it
                   # hidden behind decode: compare rollout_excess_s with side_work_in_window_s for that)
                   "in_window_share": inside / (inside + after) if inside + after > 0 else None}

@@ -167,3 +167,18 @@ def test_engine_graph_decode_tp2_equals_eager_and_tp1(tiny_hf):
     for (t2, lp2, f2), (t1, lp1, f1) in zip(two[0][True]["results"], one[True]["results"]):
         assert t2 == t1 and f2 == f1
         assert max(abs(a - b) for x, y in zip(lp2, lp1) for a, b in zip(x, y)) < 1e-4
+
+
+@pytest.mark.parametrize("mechanism", ["interleave", "after", "stream"])
+def test_window_items_report_their_gpu_span(tiny_hf, mechanism):
+    """On CUDA the window's statistics carry the items' GPU spans (timing events on the stream each ran on)
+    beside their host seconds, inside and after the window; the items' K/V still equal direct work."""
+    from tests import rollout_workers as W
+
+    res = run_local(W.window_items_match, 1, load_run_config(["model=tiny"]), str(tiny_hf), SamplingParams(),
+                    mechanism)[0]
+    st = res["stats"]
+    assert res["same_keys"] and res["max_abs_diff"] == 0.0
+    assert st["window_gpu_s"] + st["after_gpu_s"] > 0
+    assert (st["window_gpu_s"] > 0) == (st["items_in_window"] > 0)
+    assert (st["after_gpu_s"] > 0) == (st["items_after"] > 0)

@@ -56,6 +56,7 @@ class WorkItem:
     result: Any = None
     done: bool = False
     seconds: float = 0.0  # host seconds to issue (and, on the decode stream, to run) the item
+    events: tuple | None = None  # CUDA: timing events around its work on the stream it ran on
     in_window: bool = False  # ran during decode (True) or after it (False)
     grad: bool = field(default_factory=torch.is_grad_enabled)  # grad mode at submit time
     job: Any = None  # the item as data (`jobs.PrefixJob`), for an engine that runs it in another process
@@ -145,8 +146,14 @@ class DecodeWindow(DecodeHooks):
             ctx = torch.cuda.stream(self._side)
         else:
             ctx = nullcontext()
+        timed = torch.cuda.is_available()
         with ctx, torch.set_grad_enabled(item.grad):
+            if timed:  # on the stream the item runs on (the side stream, or the decode stream)
+                item.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                item.events[0].record()
             item.result = item.fn()
+            if timed:
+                item.events[1].record()
         item.seconds, item.done, item.in_window = time.perf_counter() - t0, True, in_window
         self.finished.append(item)
 
@@ -231,9 +238,25 @@ class DecodeWindow(DecodeHooks):
             torch.cuda.current_stream().wait_stream(self._side)
 
     def stats(self) -> dict:
-        """Items and host seconds spent inside and after the decode window."""
+        """Items and host seconds spent inside and after the decode window; on CUDA also each part's GPU span
+        (`*_gpu_s`: from an item's first to its last work on its stream, summed; beside decode on a side stream
+        it includes waiting for the SMs decode holds), so a host-bound item shows as host seconds > GPU span."""
         inside = [i for i in self.finished if i.in_window]
         after = [i for i in self.finished if not i.in_window]
-        return {"window_mechanism": self._resolved or self.mechanism, "items_in_window": len(inside),
-                "items_after": len(after), "window_s": sum(i.seconds for i in inside),
-                "after_s": sum(i.seconds for i in after)}
+        out = {"window_mechanism": self._resolved or self.mechanism, "items_in_window": len(inside),
+               "items_after": len(after), "window_s": sum(i.seconds for i in inside),
+               "after_s": sum(i.seconds for i in after)}
+        if any(i.events for i in self.finished):
+            out["window_gpu_s"], out["after_gpu_s"] = (_gpu_span(inside), _gpu_span(after))
+        return out
+
+
+def _gpu_span(items: list[WorkItem]) -> float:
+    """Seconds between each item's timing events, summed (waits for them: the items ran before the rollout
+    returned)."""
+    total = 0.0
+    for i in items:
+        if i.events:
+            i.events[1].synchronize()
+            total += i.events[0].elapsed_time(i.events[1]) / 1e3
+    return total
