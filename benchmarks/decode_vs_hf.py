@@ -135,20 +135,23 @@ def run_hf(path: str, cfg, ps, G: int, new_tokens: int, dtype) -> dict:
 
 
 def run_engine(model, cfg, ps, G: int, new_tokens: int, shared: bool, kv_gib: float, graphs: bool = True,
-               attention: str = "auto", sampling: str = "auto") -> dict:
+               attention: str = "auto", sampling: str = "auto", kept: bool = False) -> dict:
+    """One timed rollout after a warm-up one. `kept`: the engine keeps its decode state
+    (rollout.keep_decode_state) and warms up on the same requests, so the timed rollout replays the warm-up's
+    graphs (its capture_s is what a later rollout of a training run pays)."""
     from rollplex_megatron.rollout.embedded import EmbeddedEngine
     from rollplex_megatron.rollout.engine import RolloutRequest
     from rollplex_megatron.rollout.sampling import SamplingParams
 
     eng = EmbeddedEngine(model, cfg, max_prompt_len=max(p.input_ids.numel() for p in ps),
                          max_response_len=new_tokens, kv_cache_gib=kv_gib, cuda_graphs=graphs,
-                         decode_attention=attention, sampling_kernel=sampling)
+                         decode_attention=attention, sampling_kernel=sampling, keep_decode_state=kept)
     if shared:
         reqs = [RolloutRequest(p, G, new_tokens, (), seed=i) for i, p in enumerate(ps)]
     else:
         reqs = [RolloutRequest(p, 1, new_tokens, (), seed=i * G + j) for i, p in enumerate(ps) for j in range(G)]
     params = SamplingParams(1.0, 1.0, 0)
-    eng.generate(reqs[:1], params)  # warm-up
+    eng.generate(reqs if kept else reqs[:1], params)  # warm-up
     sync()
     t0 = time.perf_counter()
     out = eng.generate(reqs, params)
@@ -162,7 +165,8 @@ def run_engine(model, cfg, ps, G: int, new_tokens: int, shared: bool, kv_gib: fl
             "fused_rope": eng.fused_rope, "fused_norm": eng.fused_norm,
             "cuda_graphs": eng.cuda_graphs, "graph_error": eng.graph_error,
             "graphs_captured": st["graphs_captured"],
-            "graph_replays": st["graph_replays"], "capture_s": st["capture_s"],
+            "graph_replays": st["graph_replays"], "capture_s": st["capture_s"], "kept_state": kept,
+            "states_reused": st["states_reused"],
             "decode_tokens_per_s": len(ps) * G * (new_tokens - 1) / st["decode_s"],
             "decode_tokens_per_s_without_capture": len(ps) * G * (new_tokens - 1) / (st["decode_s"] - st["capture_s"])}
 
@@ -180,6 +184,8 @@ def main() -> int:
                     help="engine_shared runs the first decode_attention:sampling_kernel pair; each further pair runs "
                          "as engine_shared_<attention>_<sampling> in the same run (e.g. triton:triton,flash:torch)")
     ap.add_argument("--only-paths", action="store_true", help="skip the unshared, eager, math and hf runs")
+    ap.add_argument("--kept", action="store_true",
+                    help="also the first path with rollout.keep_decode_state (a rollout after one of the same shape)")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
     paths = [tuple(p.split(":")) for p in a.paths.split(",")]
@@ -212,6 +218,12 @@ def main() -> int:
                     model, cfg, ps, a.group_size, a.new_tokens, True, a.kv_gib, attention=attn, sampling=samp)
                 row[f"decode_speedup_shared_over_{attn}_{samp}"] = (row["engine_shared"]["decode_tokens_per_s"]
                                                                    / other["decode_tokens_per_s"])
+            if a.kept:
+                kept = row["engine_shared_kept"] = run_engine(model, cfg, ps, a.group_size, a.new_tokens, True,
+                                                              a.kv_gib, attention=paths[0][0], sampling=paths[0][1],
+                                                              kept=True)
+                row["decode_speedup_kept_over_shared"] = (kept["decode_tokens_per_s"]
+                                                          / row["engine_shared"]["decode_tokens_per_s"])
             if a.only_paths:
                 rows.append(row)
                 print(json.dumps(row), flush=True)

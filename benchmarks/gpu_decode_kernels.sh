@@ -3,7 +3,8 @@
 # (1) their tests, compiled (tests/test_triton_kernels.py) and the engine's GPU decode tests
 # (tests/test_gpu_decode.py); (2) one graph decode step's kernels per path pair and case
 # (benchmarks/decode_step_profile.py); (3) with HF=1, engine decode tokens/s of the new pair against
-# today's (flash attention, torch sampling) in the same run (benchmarks/decode_vs_hf.py --only-paths).
+# today's (flash attention, torch sampling) in the same run, and the new pair with the decode state kept
+# between rollouts (benchmarks/decode_vs_hf.py --only-paths --kept).
 #   ROLLPLEX_COMMIT=<sha> [TESTS=1] [PROFILE=1] [HF=1] bash benchmarks/gpu_decode_kernels.sh
 # Writes $OUT/gpu_decode_kernel_tests.txt, decode_step_profile_kernels_3b.json, decode_vs_hf_kernels_3b.json.
 set -euo pipefail
@@ -19,5 +20,5 @@ if [ "${PROFILE:-1}" = 1 ]; then
 fi
 if [ "${HF:-0}" = 1 ]; then
   run benchmarks/decode_vs_hf.py --preset qwen2_5_vl_3b --batches 8,64,128 --new-tokens 128 --grid 2,16,16 \
-    --text-tokens 896 --paths triton:triton,flash:torch --only-paths --out "$out/decode_vs_hf_kernels_3b.json"
+    --text-tokens 896 --paths triton:triton,flash:torch --only-paths --kept --out "$out/decode_vs_hf_kernels_3b.json"
 fi
