@@ -317,10 +317,6 @@ class EmbeddedEngine:
         m = unwrap(self.model)
         return tuple((t.data_ptr(), t.dtype, tuple(t.shape)) for t in (*m.parameters(), *m.buffers()))
 
-    def release_decode_state(self) -> None:
-        """Drop the kept cache, slot state and graphs (the next rollout allocates and captures again)."""
-        self._state = None
-
     def _validate(self, requests: list[RolloutRequest]) -> None:
         vocab = self.cfg.vocab_size
         for i, r in enumerate(requests):
