@@ -298,7 +298,9 @@ def render_markdown(results: Path) -> str:
                   "|---" * (5 + len(phases)) + "|"]
         for label, m in d["modes"].items():
             s, w = m["steady"], m["window"]
-            win = (f"{w['mechanism']}: side work {w['side_work_in_window_s']:.2f} s, rollout "
+            gpu = w.get("side_work_in_window_gpu_s") if w else None
+            span = f" (GPU {gpu:.2f} s)" if gpu is not None else ""
+            win = (f"{w['mechanism']}: side work {w['side_work_in_window_s']:.2f} s{span}, rollout "
                    f"{w['rollout_excess_s']:+.2f} s vs {w.get('rollout_excess_vs', 'prefix_shared')}"
                    if w and w.get("rollout_excess_s") is not None
                    else (w["mechanism"] if w else "-"))
