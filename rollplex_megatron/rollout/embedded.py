@@ -13,8 +13,12 @@ With `keep_decode_state` (`rollout.keep_decode_state`) the cache, the per-slot s
 of the decode step outlive the rollout (`_DecodeState`): a later wave of the same shape (groups, samples,
 stop-list width, sampling parameters, the same weight tensors) refills them in place and replays the
 graphs captured before, so only the first rollout pays the captures. The cache then grows to the largest
-prefix and response length seen and stays allocated between rollouts (the memory planner counts it in
-every phase).
+prefix and response length seen and stays allocated between rollouts (the memory planner counts the largest
+wave in every phase; a grown cache, padded to the longest prefix and response seen, can hold more). On the
+Triton path a grown cache gives a fresh engine's results exactly (its extra splits are empty partials of
+the log-sum-exp merge); on the math and flash paths the longer padded shapes can change the summation order,
+so log-probs can differ in the last bits. One state is kept: a rollout of another shape (a ragged last wave,
+validation's sampling parameters) replaces it.
 """
 from __future__ import annotations
 
@@ -83,10 +87,12 @@ class DecodeCache:
         cache.fill(store, store_ids)
         return cache
 
-    def fill(self, store: KVStore, store_ids: list[int]) -> None:
+    def fill(self, store: KVStore, store_ids: list[int], reused: bool = False) -> None:
         """The wave's prefix K/V copied in, in place (a kept cache's graphs read these tensors); the padding
         behind each prefix zeroed (never attended: masked by `prefix_len`, zero so no stale value can reach
-        a product). Response K/V need nothing: a step reads positions its samples wrote in this wave."""
+        a product). A `reused` cache's response K/V are zeroed too: the Triton and flash paths read only
+        positions written in this wave, but the math path multiplies masked positions by zero weights, and a
+        non-finite value left by an earlier wave would make that product NaN."""
         lens = [store.leaves[(self.layers[0], g)][0].shape[0] for g in store_ids]
         self.prefix_len.copy_(torch.tensor(lens))
         for layer, pk in self.prefix.items():
@@ -94,6 +100,9 @@ class DecodeCache:
                 k, v = store.leaves[(layer, g)]
                 pk[0, i, :lens[i]], pk[1, i, :lens[i]] = k[:, 0].detach(), v[:, 0].detach()
                 pk[:, i, lens[i]:].zero_()
+        if reused:
+            for r in self.resp.values():
+                r.zero_()
 
     @staticmethod
     def nbytes(cfg: ModelConfig, tp: int, layers: int, prefix_len: int, rows: int, max_new: int, elt: int) -> int:
@@ -308,7 +317,7 @@ class EmbeddedEngine:
             dev = store.leaves[(layers[0], store_ids[0])][0].device
             st = _DecodeState(key, DecodeCache(layers, len(reqs), pad, sum(rows), max_new, ng, d, dtype, dev))
             self._state = st
-        st.cache.fill(store, store_ids)
+        st.cache.fill(store, store_ids, reused=st.tensors is not None)
         return st
 
     def _weights_key(self) -> tuple:
@@ -535,6 +544,8 @@ class _WaveDecoder:
                 with guard, torch.cuda.graph(g, pool=self.state.pool, capture_error_mode="thread_local"):
                     self._forward(*key)  # recorded, not run: the state advanced once, above
             except Exception as e:  # steps that cannot be captured run eagerly, and say why
+                self.state.graphs.clear()  # never replayed now: their pool goes with them
+                self.state.pool = None
                 self.engine.cuda_graphs = False
                 self.engine.graph_error = f"{type(e).__name__}: {e}"[:500]
                 torch.cuda.current_stream().synchronize()
