@@ -331,3 +331,22 @@ def test_kept_decode_state_mutation_fails(one_rank):
     assert [r["reused"] for r in runs] == [0, 1, 0, 1, 0]
     with pytest.raises(AssertionError):
         _same(runs[1]["kept"], runs[1]["fresh"])
+
+
+def test_trainer_with_kept_decode_state_gives_the_same_run():
+    """rollout.keep_decode_state through the trainer: three rollplex steps whose engine keeps its decode state
+    (reused from step 2 on) give the run without it: the same rollouts every step and the trained weights
+    within DESIGN's fp32 bound."""
+    from tests import trainer_workers as T
+    from tests.in_turn import case as one, in_turn
+    from tests.test_trainer import TOL, _cfg, _param_err
+
+    cfgs = {k: _cfg("rollplex", f"rollout.keep_decode_state={k}") for k in ("true", "false")}
+    runs = run_local(in_turn, 1, {k: (T.run_steps, (cfg, 3)) for k, cfg in cfgs.items()})[0]
+    kept, fresh = one(runs, "true"), one(runs, "false")
+    reused = [r["rollout"]["states_reused"] for r in kept["records"]]
+    assert reused[0] == 0 and min(reused[1:]) >= 1, reused
+    assert all(r["rollout"]["states_reused"] == 0 for r in fresh["records"])
+    assert kept["tokens"] == fresh["tokens"]
+    err, name = _param_err(kept, fresh)
+    assert err <= TOL, (name, err)
