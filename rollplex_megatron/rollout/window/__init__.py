@@ -194,13 +194,16 @@ class DecodeWindow(DecodeHooks):
         return self._issuing
 
     def on_decode_step(self, step: int, active: int) -> None:
-        """interleave: run up to `items_per_step` items now; side mechanisms: start the issuer thread."""
+        """interleave: run up to `items_per_step` items now; side mechanisms: start the issuer thread (each
+        when the mechanism's `may_start` allows)."""
         self._raise_issuer_error()
-        if active == 0 or not self.queue or (self._mech is not None and not self._mech.during):
+        if active == 0 or not self.queue:
             return
         if self._mech is not None and self._mech.side:
             if self._issuer is None and self._mech.may_start(self, active):
                 self._start_issuer()
+            return
+        if self._mech is not None and not self._mech.may_start(self, active):
             return
         for _ in range(self.items_per_step):
             if not self.queue:

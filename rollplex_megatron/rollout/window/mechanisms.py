@@ -16,14 +16,14 @@ class WindowMechanism:
 
     name = "interleave"
     side = False  # items are issued on a side stream by the issuer thread (else: on the decode thread)
-    during = True  # items may run while decoding (else: all of them once decoding ends)
 
     def side_stream(self, window):
         """The stream side work runs on (CUDA only; None: no side stream)."""
         return None
 
     def may_start(self, window, active: int) -> bool:
-        """Whether the issuer thread may start now, with `active` samples still decoding."""
+        """Whether items may start now, with `active` samples still decoding (side mechanisms: the issuer
+        thread; else: the next items on the decode thread). Items left when decoding ends run then."""
         return True
 
     def on_wave(self, window) -> None:
@@ -38,7 +38,10 @@ class After(WindowMechanism):
     """No window: every item runs on the decode stream once decoding ends (still inside the rollout phase).
     The control beside the others: the rollplex step with its prefix work in series, all else equal."""
 
-    name, during = "after", False
+    name = "after"
+
+    def may_start(self, window, active: int) -> bool:  # noqa: D102
+        return False
 
 
 class Stream(WindowMechanism):
