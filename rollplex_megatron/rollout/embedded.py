@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from megatron.core import parallel_state as ps
@@ -71,18 +71,17 @@ class DecodeCache:
         self.resp = {layer: torch.zeros(2, n_rows, max_new, ng, d, dtype=dtype, device=dev) for layer in layers}
 
     @staticmethod
-    def layout(store: KVStore, store_ids: list[int]) -> tuple[list[int], list[int], int, int]:
-        """The stored prefixes' layers, lengths, KV groups and head dim."""
+    def layout(store: KVStore, store_ids: list[int]) -> tuple[list[int], list[int], int, int, torch.device]:
+        """The stored prefixes' layers, lengths, KV groups, head dim and device."""
         layers = sorted({layer for layer, g in store.leaves if g == store_ids[0]})
         k0 = store.leaves[(layers[0], store_ids[0])][0]
         lens = [store.leaves[(layers[0], g)][0].shape[0] for g in store_ids]
-        return layers, lens, k0.shape[2], k0.shape[3]
+        return layers, lens, k0.shape[2], k0.shape[3], k0.device
 
     @classmethod
     def for_wave(cls, store: KVStore, store_ids: list[int], rows_per_group: list[int], max_new: int, dtype):
         """A cache of exactly the wave's size, filled from `store`."""
-        layers, lens, ng, d = cls.layout(store, store_ids)
-        dev = store.leaves[(layers[0], store_ids[0])][0].device
+        layers, lens, ng, d, dev = cls.layout(store, store_ids)
         cache = cls(layers, len(store_ids), max(lens), sum(rows_per_group), max_new, ng, d, dtype, dev)
         cache.fill(store, store_ids)
         return cache
@@ -166,11 +165,8 @@ class _DecodeState:
     key: tuple
     cache: DecodeCache
     tensors: dict | None = None  # _WaveDecoder's device tensors (slot state, step, outputs), once allocated
-    graphs: dict | None = None  # (bucket, samples-per-group bound, window) -> torch.cuda.CUDAGraph
+    graphs: dict = field(default_factory=dict)  # (bucket, samples-per-group bound, window) -> torch.cuda.CUDAGraph
     pool: object = None  # the graphs' memory pool
-
-    def __post_init__(self) -> None:
-        self.graphs = {} if self.graphs is None else self.graphs
 
 
 _RESET = ("step", "length", "stopped")  # a kept state's counters, zeroed at each wave (outputs are read by length)
@@ -305,7 +301,7 @@ class EmbeddedEngine:
         rows, max_new = [r.n for r in reqs], max(r.max_new_tokens for r in reqs)
         if not self.keep_decode_state:
             return _DecodeState((), DecodeCache.for_wave(store, store_ids, rows, max_new, dtype))
-        layers, lens, ng, d = DecodeCache.layout(store, store_ids)
+        layers, lens, ng, d, dev = DecodeCache.layout(store, store_ids)
         key = (len(reqs), sum(rows), max([len(r.stop_token_ids) for r in reqs] + [1]), tuple(layers), ng, d,
                (params.temperature, params.top_k, params.top_p), self._weights_key())
         st = self._state
@@ -314,7 +310,6 @@ class EmbeddedEngine:
             pad = max(max(lens), st.cache.prefix_pad if grow else 0)
             max_new = max(max_new, st.cache.max_new if grow else 0)
             self._state = st = None  # the old cache and graphs go before the new ones are allocated
-            dev = store.leaves[(layers[0], store_ids[0])][0].device
             st = _DecodeState(key, DecodeCache(layers, len(reqs), pad, sum(rows), max_new, ng, d, dtype, dev))
             self._state = st
         st.cache.fill(store, store_ids, reused=st.tensors is not None)
