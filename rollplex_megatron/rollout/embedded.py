@@ -87,18 +87,18 @@ class DecodeCache:
         return cache
 
     def fill(self, store: KVStore, store_ids: list[int], reused: bool = False) -> None:
-        """The wave's prefix K/V copied in, in place (a kept cache's graphs read these tensors); the padding
-        behind each prefix zeroed (never attended: masked by `prefix_len`, zero so no stale value can reach
-        a product). A `reused` cache's response K/V are zeroed too: the Triton and flash paths read only
-        positions written in this wave, but the math path multiplies masked positions by zero weights, and a
-        non-finite value left by an earlier wave would make that product NaN."""
+        """The wave's prefix K/V copied in, in place (a kept cache's graphs read these tensors). A new cache
+        is all zeros; a `reused` one has the padding behind each prefix and its response K/V zeroed again:
+        the Triton and flash paths read only this wave's positions, but the math path multiplies masked
+        positions by zero weights, and a non-finite value left by an earlier wave would make that NaN."""
         lens = [store.leaves[(self.layers[0], g)][0].shape[0] for g in store_ids]
         self.prefix_len.copy_(torch.tensor(lens))
         for layer, pk in self.prefix.items():
             for i, g in enumerate(store_ids):
                 k, v = store.leaves[(layer, g)]
                 pk[0, i, :lens[i]], pk[1, i, :lens[i]] = k[:, 0].detach(), v[:, 0].detach()
-                pk[:, i, lens[i]:].zero_()
+                if reused:
+                    pk[:, i, lens[i]:].zero_()
         if reused:
             for r in self.resp.values():
                 r.zero_()
