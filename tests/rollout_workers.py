@@ -139,9 +139,42 @@ def engine_kept_state(cfg, hf_dir, params, dtype: str = "float32", mutate: str =
                         "reused": a.stats["states_reused"], "captured": a.stats["graphs_captured"],
                         "replays": a.stats["graph_replays"], "fresh_captured": b.stats["graphs_captured"],
                         "graph_error": kept.graph_error})
+        out.append(_kept_after_failure(E, kept, model, cfg, params, mutate))
     finally:
         E._RESET = reset
     return out
+
+
+def _kept_after_failure(E, kept, model, cfg, params, mutate: str) -> dict:
+    """A rollout of the first set that fails at its second decode step, then the first set again: the kept
+    state in use when it failed is not reused, and the results are a fresh engine's. `mutate="failed"`: the
+    failed rollout's state is put back (must fail the test)."""
+    from rollplex_megatron.rollout.engine import DecodeHooks
+
+    class Fails(DecodeHooks):
+        def on_decode_step(self, step, active):
+            if step == 2:
+                self.state = kept._state
+                raise RuntimeError("decode step 2 failed")
+
+    reqs, hooks = kept_state_rollouts(cfg)[0], Fails()
+    try:
+        with torch.no_grad():
+            kept.generate(reqs, params, hooks)
+    except RuntimeError as e:
+        assert str(e) == "decode step 2 failed", e
+    else:
+        raise AssertionError("the failing hook did not stop the rollout")
+    dropped = kept._state is None
+    if mutate == "failed":
+        kept._state = hooks.state
+    with torch.no_grad():
+        a = kept.generate(reqs, params)
+        b = E.EmbeddedEngine(model, cfg.model, 4096, 64, 1.0).generate(reqs, params)
+    return {"kept": _as_lists(a.results), "fresh": _as_lists(b.results), "reused": a.stats["states_reused"],
+            "failed_state_dropped": dropped, "captured": a.stats["graphs_captured"],
+            "replays": a.stats["graph_replays"], "fresh_captured": b.stats["graphs_captured"],
+            "graph_error": kept.graph_error}
 
 
 def engine_kernel_paths(cfg, hf_dir, params, dtype: str, paths):

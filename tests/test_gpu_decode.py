@@ -136,14 +136,15 @@ def test_kept_decode_state_replays_graphs_captured_by_an_earlier_rollout(tiny_hf
     """rollout.keep_decode_state on the GPU: a rollout whose shape matches the kept state's captures no graph
     (it replays the graphs an earlier rollout captured, over the refilled cache and slot state), and every
     rollout's tokens, log-probs and finish reasons are a fresh engine's exactly (the grown cache's extra
-    prefix and response splits are empty partials of the log-sum-exp merge)."""
+    prefix and response splits are empty partials of the log-sum-exp merge). A rollout that fails mid-decode
+    leaves no state to reuse: the next one captures its graphs again."""
     from tests import rollout_workers as W
 
     cfg = load_run_config(["model=tiny"])
     runs = run_local(W.engine_kept_state, 1, cfg, str(tiny_hf), SamplingParams(0.8, top_p, 0), dtype)[0]
-    assert [r["reused"] for r in runs] == [0, 1, 0, 1, 0]
-    assert all(r["graph_error"] == "" for r in runs)
-    assert runs[0]["captured"] > 0 and runs[2]["captured"] > 0
+    assert [r["reused"] for r in runs] == [0, 1, 0, 1, 0, 0]  # the last: after a failed rollout, a new state
+    assert all(r["graph_error"] == "" for r in runs) and runs[5]["failed_state_dropped"]
+    assert runs[0]["captured"] > 0 and runs[2]["captured"] > 0 and runs[5]["captured"] > 0
     assert runs[1]["captured"] == 0 and runs[3]["captured"] == 0, [r["captured"] for r in runs]
     assert runs[1]["replays"] > 0 and runs[3]["replays"] > 0
     for r in runs:

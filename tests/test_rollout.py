@@ -134,6 +134,7 @@ def one_rank(tiny_hf):
         calls["window", m] = (W.window_items_match, (_cfg(), hf, SamplingParams(), m))
     calls["kept", ""] = (W.engine_kept_state, (_cfg(), hf, KEPT_PARAMS))
     calls["kept", "length"] = (W.engine_kept_state, (_cfg(), hf, KEPT_PARAMS, "float32", "length"))
+    calls["kept", "failed"] = (W.engine_kept_state, (_cfg(), hf, KEPT_PARAMS, "float32", "failed"))
     return run_local(in_turn, 1, calls)[0]
 
 
@@ -319,18 +320,27 @@ def test_kept_decode_state_gives_fresh_engines_results(one_rank):
     where not (longer responses, fewer requests); every set's tokens, finish reasons and log-probs are what a
     fresh engine gives (fp32: the grown cache attends over more masked positions, so log-probs to 1e-5)."""
     runs = case(one_rank, ("kept", ""))
-    assert [r["reused"] for r in runs] == [0, 1, 0, 1, 0]
+    assert [r["reused"] for r in runs[:5]] == [0, 1, 0, 1, 0]
     for r in runs:
         _same(r["kept"], r["fresh"])
     assert runs[1]["kept"] != runs[0]["kept"]  # other seeds: the reuse is not handing back the last results
+    _failed_rollout_leaves_no_state(runs[5])
+
+
+def _failed_rollout_leaves_no_state(r: dict) -> None:
+    """After a rollout that failed mid-decode the engine keeps no state: the next rollout allocates anew."""
+    assert r["failed_state_dropped"] and r["reused"] == 0, r
 
 
 def test_kept_decode_state_mutation_fails(one_rank):
-    """Mutation: sample lengths not reset when a kept state is reused: the reused sets' results differ."""
+    """Mutations: sample lengths not reset when a kept state is reused (the reused sets' results differ); the
+    state of a rollout that failed put back (the next rollout reuses it)."""
     runs = case(one_rank, ("kept", "length"))
-    assert [r["reused"] for r in runs] == [0, 1, 0, 1, 0]
+    assert [r["reused"] for r in runs[:5]] == [0, 1, 0, 1, 0]
     with pytest.raises(AssertionError):
         _same(runs[1]["kept"], runs[1]["fresh"])
+    with pytest.raises(AssertionError):
+        _failed_rollout_leaves_no_state(case(one_rank, ("kept", "failed"))[5])
 
 
 def test_trainer_with_kept_decode_state_gives_the_same_run():

@@ -18,7 +18,7 @@ wave in every phase; a grown cache, padded to the longest prefix and response se
 Triton path a grown cache gives a fresh engine's results exactly (its extra splits are empty partials of
 the log-sum-exp merge); on the math and flash paths the longer padded shapes can change the summation order,
 so log-probs can differ in the last bits. One state is kept: a rollout of another shape (a ragged last wave,
-validation's sampling parameters) replaces it.
+validation's sampling parameters) replaces it, and a rollout that fails drops it.
 """
 from __future__ import annotations
 
@@ -248,6 +248,9 @@ class EmbeddedEngine:
         try:
             stats, states = self._generate_waves(requests, params, hooks, actor_prefix, recompute_prefix, results)
         except BaseException:
+            # a kept state is not reused after a failure: the failed step's queued work may still write into its
+            # tensors after the next wave's in-place refill, and a graph may have been left half captured
+            self._state = None
             hooks.abort()  # side work issued from another thread stops with the rollout
             raise
         hooks.on_idle()
