@@ -252,13 +252,19 @@ def _settings(label: str) -> frozenset:
 def window_cost(modes: dict) -> None:
     """Each rollplex variant's rollout time over that of the prefix_shared mode with the same other variants
     (same decode without side work): what the window's side work and the actor prefill's K/V leaves added
-    to the rollout phase (`rollout_excess_s`, against `rollout_excess_vs`)."""
+    to the rollout phase (`rollout_excess_s`, against `rollout_excess_vs`), and the bound that sets: the
+    ratio over that prefix_shared mode had the rollout cost no more than its (`free_window_ratio`: the median
+    step less the excess; a free window can reach no further, all else as measured)."""
     for k, m in modes.items():
         base = next((b for b in modes if b.partition(":")[0] == "prefix_shared" and _settings(b) == _settings(k)),
                     None)
         if m.get("window") and base is not None:
-            m["window"]["rollout_excess_s"] = m["phase_median_s"]["rollout"] - modes[base]["phase_median_s"]["rollout"]
+            excess = m["phase_median_s"]["rollout"] - modes[base]["phase_median_s"]["rollout"]
+            m["window"]["rollout_excess_s"] = excess
             m["window"]["rollout_excess_vs"] = base
+            if "steady" in m and "steady" in modes[base]:
+                m["window"]["free_window_ratio"] = (modes[base]["steady"]["median_s"]
+                                                    / (m["steady"]["median_s"] - max(excess, 0.0)))
 
 
 def ratios(modes: dict) -> dict:
@@ -300,8 +306,9 @@ def render_markdown(results: Path) -> str:
             s, w = m["steady"], m["window"]
             gpu = w.get("side_work_in_window_gpu_s") if w else None
             span = f" (GPU {gpu:.2f} s)" if gpu is not None else ""
+            bound = f" (a free window: {w['free_window_ratio']:.2f}x)" if w and w.get("free_window_ratio") else ""
             win = (f"{w['mechanism']}: side work {w['side_work_in_window_s']:.2f} s{span}, rollout "
-                   f"{w['rollout_excess_s']:+.2f} s vs {w.get('rollout_excess_vs', 'prefix_shared')}"
+                   f"{w['rollout_excess_s']:+.2f} s vs {w.get('rollout_excess_vs', 'prefix_shared')}{bound}"
                    if w and w.get("rollout_excess_s") is not None
                    else (w["mechanism"] if w else "-"))
             lines.append(f"| {label} | {s['median_s']:.2f} | {s['min_s']:.2f}-{s['max_s']:.2f} | "

@@ -132,15 +132,18 @@ def test_window_cost_compares_with_the_prefix_shared_run_of_the_same_settings():
     """A rollplex variant's rollout is compared with the prefix_shared mode that has the same variants but the
     window (rollplex:tokens8+pack9+stream with prefix_shared:pack9+tokens8, not plain prefix_shared); none is
     claimed where no such mode ran."""
-    def mode(rollout, window):
-        return {"phase_median_s": {"rollout": rollout}, "window": {"mechanism": "interleave"} if window else None}
+    def mode(rollout, window, step):
+        return {"phase_median_s": {"rollout": rollout}, "window": {"mechanism": "interleave"} if window else None,
+                "steady": {"median_s": step}}
 
-    modes = {"prefix_shared": mode(5.0, False), "prefix_shared:pack9+tokens8": mode(3.0, False),
-             "rollplex": mode(6.5, True), "rollplex:tokens8+pack9+stream": mode(4.0, True),
-             "rollplex:keep": mode(7.0, True)}
+    modes = {"prefix_shared": mode(5.0, False, 20.0), "prefix_shared:pack9+tokens8": mode(3.0, False, 12.0),
+             "rollplex": mode(6.5, True, 17.5), "rollplex:tokens8+pack9+stream": mode(4.0, True, 11.0),
+             "rollplex:keep": mode(7.0, True, 15.0)}
     bench.window_cost(modes)
     assert modes["rollplex"]["window"]["rollout_excess_s"] == pytest.approx(1.5)
     assert modes["rollplex"]["window"]["rollout_excess_vs"] == "prefix_shared"
+    assert modes["rollplex"]["window"]["free_window_ratio"] == pytest.approx(20.0 / 16.0)  # 17.5 s less 1.5 s
     w = modes["rollplex:tokens8+pack9+stream"]["window"]
     assert (w["rollout_excess_s"], w["rollout_excess_vs"]) == (pytest.approx(1.0), "prefix_shared:pack9+tokens8")
+    assert w["free_window_ratio"] == pytest.approx(12.0 / 10.0)
     assert "rollout_excess_s" not in modes["rollplex:keep"]["window"]
