@@ -318,3 +318,83 @@ def tp1_cases(hf_dir: str) -> dict:
 def tp2_cases(hf_dir: str) -> dict:
     """The TP 2 runs of the tests in one 2-rank job: `shared_vs_full` and `exported_weights`."""
     return {"shared_vs_full": shared_vs_full(hf_dir, 2), "exported": exported_weights(hf_dir, 2)}
+
+
+def window_cases(hf_dir: str, root: str) -> dict:
+    """The decode window under verl, against a stand-in SGLang scheduler (`tests/sglang_workers.py`) that finds
+    this rank through a rendezvous directory: the reference engine's log-probs with each group's prefix K/V from
+    the window equal those it computes itself; a job whose prompt is not the batch's (same uid and shapes, other
+    ids and pixels) is caught by the prompt check (its prefix runs again) and, with the check disabled
+    (mutation), gives other log-probs."""
+    import multiprocessing as mp
+    import queue
+
+    os.environ["VERL_ENGINE_VENDOR"] = "rollplex"
+    import verl  # noqa: F401  (loads the plugin through its entry point)
+    from verl.utils import tensordict_utils as tu
+
+    from rollplex_megatron.integrations.verl import window as Wn
+    from rollplex_megatron.integrations.verl.worker import open_window, prompts_of
+    from rollplex_megatron.models.qwen25vl.hf import HFCheckpoint
+    from rollplex_megatron.rollout.sglang import protocol as P
+    from tests.sglang_workers import scheduler_main
+
+    cfg = HFCheckpoint(hf_dir).model_config()
+    env = {P.ENV_ADDRESS: f"{P.RENDEZVOUS}{root}"}
+    engine = new_engine(hf_dir, 1, share_prefix=True, forward_only=True)
+    window = open_window(engine, Path(root))
+    ctx = mp.get_context("spawn")
+    report = ctx.Queue()
+    proc = ctx.Process(target=scheduler_main, args=(env, 4, 0.01, "", report), daemon=True)
+    proc.start()
+    rows: list = []
+    verl_batch(cfg, 7, rows_out=rows)
+    firsts = {}
+    for r in rows:  # one stored sample per uid, as the trainer hands them out (the first finished)
+        firsts.setdefault(r["uid"], r)
+    uids = list(firsts)
+    stored = prompts_of(tu.list_of_dict_to_tensordict(list(firsts.values())), uids)
+
+    def logp(mutate: bool = False):
+        same = Wn.same_prompt
+        if mutate:
+            Wn.same_prompt = lambda a, b: True
+        try:
+            with engine.eval_mode():
+                o = engine.infer_batch(verl_batch(cfg, 7))
+        finally:
+            Wn.same_prompt = same
+        return o["model_output"]["log_probs"].values(), dict(engine.last_window)
+
+    out = {}
+    try:
+        window.submit({u: stored[u] for u in uids[:2]})  # two bridge steps, as prompts finish over the rollout
+        window.submit({u: stored[u] for u in uids[2:]})
+        got, out["window"] = logp()
+        engine.window = None
+        want, _ = logp()
+        engine.window = window
+        out["rel"] = _rel(got, want)
+        others: list = []  # the same uids and shapes, other token ids and pixels (another seed's prompts)
+        verl_batch(cfg, 8, rows_out=others)
+        other = prompts_of(tu.list_of_dict_to_tensordict([others[0]]), [uids[0]])[uids[0]]
+        assert other.input_ids.shape == stored[uids[0]].input_ids.shape
+        wrong = {uids[0]: other, uids[1]: stored[uids[1]], uids[2]: stored[uids[2]]}
+        window.submit(wrong)
+        got, out["wrong_window"] = logp()
+        out["rel_wrong"] = _rel(got, want)
+        window.submit(wrong)
+        got, out["trusted_window"] = logp(mutate=True)
+        out["rel_trusted"] = _rel(got, want)
+        out["steps"] = window.steps
+        out["published"] = sorted(p.name for p in Path(root).iterdir())
+        out["slot"] = window.slot
+    finally:
+        window.close()
+    proc.join(60)
+    try:
+        out["scheduler"] = report.get(timeout=10)
+    except queue.Empty:
+        out["scheduler"] = None
+    out["scheduler_exit"] = proc.exitcode
+    return out

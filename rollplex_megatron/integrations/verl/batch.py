@@ -32,6 +32,7 @@ class VerlGroups:
     full: list[int]  # groups run as full sequences (their uid's prompts differ)
     prompt_lens: list[int]  # per sample
     response_lens: list[int]  # per sample
+    uids: list[str] | None = None  # per group: verl's uid of its rows
 
     @property
     def shared(self) -> list[int]:
@@ -106,12 +107,13 @@ def verl_groups(data, share_prefix: bool = True) -> VerlGroups:
     order: dict[str, list[int]] = {}
     for i, u in enumerate(uids):
         order.setdefault(str(u), []).append(i)
-    groups, rows, full = [], [], []
+    groups, rows, full, group_uids = [], [], [], []
     for uid, members in order.items():
         ps_ = [_prompt(ids[i][:p_lens[i]], mms[i]) for i in members]
         if share_prefix and all(same_prompt(ps_[0], p) for p in ps_[1:]):
             groups.append(Group(ps_[0], [ids[i][p_lens[i]:] for i in members], torch.zeros(len(members))))
             rows.append(members)
+            group_uids.append(uid)
             continue
         if share_prefix:
             log.warning("rollplex verl engine: uid %s: its %d rows do not share one prompt bit for bit; they run as "
@@ -120,7 +122,8 @@ def verl_groups(data, share_prefix: bool = True) -> VerlGroups:
             full.append(len(groups))
             groups.append(Group(p, [ids[i][p_lens[i]:]], torch.zeros(1)))
             rows.append([i])
-    return VerlGroups(groups, rows, full, p_lens, r_lens)
+            group_uids.append(uid)
+    return VerlGroups(groups, rows, full, p_lens, r_lens, group_uids)
 
 
 def full_length(vg: VerlGroups, sample: int, response_values: torch.Tensor) -> torch.Tensor:

@@ -33,6 +33,7 @@ from rollplex_megatron.attention.prefix import PrefixContext
 from rollplex_megatron.config import OptimConfig
 from rollplex_megatron.dist import init_parallel
 from rollplex_megatron.integrations.verl.batch import as_nested, full_length, verl_groups
+from rollplex_megatron.integrations.verl.window import adopt_window_prefixes
 from rollplex_megatron.models.qwen25vl import build_model
 from rollplex_megatron.models.qwen25vl.hf import HFCheckpoint, load_hf_into_model
 from rollplex_megatron.models.triton_norm import norm_kernel_for, use_norm_kernel
@@ -112,6 +113,8 @@ class RollplexMegatronEngine(BaseEngine):
                       int(_setting(engine_config, "seed", 42)))
         self.module = self.ddp = self.optimizer = self.scheduler = None
         self.mode = None
+        self.window = None  # the reference's decode-window end (window.RefWindow), set by the rollplex worker
+        self.last_window: dict = {}  # the last scoring batch: groups whose prefix came from the window, computed
         self._saved = []  # checkpoints this engine wrote, oldest first (max_ckpt_to_keep)
 
     # -- set-up -------------------------------------------------------------------------------------------------
@@ -237,9 +240,11 @@ class RollplexMegatronEngine(BaseEngine):
         model, dev = self.module, device()
         store = KVStore()
         train = not forward_only and loss_function is not None
+        todo = vg.shared if train else adopt_window_prefixes(self.window, vg, store)
+        if self.window is not None and not train:
+            self.last_window = {"from_window": len(vg.shared) - len(todo), "computed": len(todo)}
         with torch.set_grad_enabled(train):
-            states = X.prefix_forward(model, [vg.groups[i] for i in vg.shared], store, keep_graph=train,
-                                      group_ids=vg.shared)
+            states = X.prefix_forward(model, [vg.groups[i] for i in todo], store, keep_graph=train, group_ids=todo)
             res = []
             if shared:
                 res += X.run_schedule(model, [mb.to(dev) for mb in shared],

@@ -2,10 +2,14 @@
 
 It runs the phases of verl's synchronous trainer (`PPOTrainerSync`: rollout, reward, old and reference
 log-probs, advantages, actor update, weight update) unchanged; with the `rollplex` engine
-(`VERL_ENGINE_VENDOR=rollplex`) the log-prob and update phases compute each group's prompt once. Moving the
-reference prefix stage into the rollout's decode window needs the SGLang bridge inside verl's SGLang server
-replicas, which this trainer does not start yet: it refuses `ROLLPLEX_SGLANG_BRIDGE` instead of running
-without it silently.
+(`VERL_ENGINE_VENDOR=rollplex`) the log-prob and update phases compute each group's prompt once.
+
+The decode window (`ROLLPLEX_SGLANG_BRIDGE=dir:PATH` in the Ray workers' environment, with verl's SGLang
+rollout colocated): the workers are `worker.RollplexActorRolloutRefWorker`, each uid is assigned a DP rank
+when its prompt is submitted, and while the rollout runs a thread polls TransferQueue for finished samples and
+hands each new uid's stored prompt to its rank, which sends the reference prefix stage to the SGLang scheduler
+on its GPU (`window.py`). The batch balancing keeps each uid on that rank, where the reference phase finds
+its K/V.
 
 One phase differs in how, not what: verl's v1 step always balances the batch over DP ranks by sequence
 length (`_balance_batch`, whatever `trainer.balance_batch` says), which spreads a uid's rows over ranks, and
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 
 import torch
 from verl.trainer.ppo.padding_utils import upsample_batch_to_divisible_size
@@ -25,6 +30,7 @@ from verl.trainer.ppo.v1.trainer_base import register_trainer
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 from verl.utils.seqlen_balancing import calculate_workload, log_seqlen_unbalance
 
+from rollplex_megatron.integrations.verl.window import window_dir
 from rollplex_megatron.rollout.sglang.protocol import ENV_ADDRESS
 
 log = logging.getLogger(__name__)
@@ -36,27 +42,39 @@ def row_uid(key: str) -> str:
     return key.rsplit("_", 2)[0]
 
 
-def group_partitions(uids: list[str], workloads: list[float], k: int, loose: list[bool] | None = None
-                     ) -> list[list[int]] | None:
+def group_partitions(uids: list[str], workloads: list[float], k: int, loose: list[bool] | None = None,
+                     pinned: dict | None = None) -> list[list[int]] | None:
     """Row indices in `k` partitions of equal size, each uid's rows in one partition (together, in row order),
     partition workloads balanced greedily: heaviest group first, into the lightest partition with room.
-    `loose` rows (verl's padding samples) are placed one by one. None when the groups do not fit."""
+    `loose` rows (verl's padding samples) are placed one by one. `pinned` ({uid: partition}: where the decode
+    window computed that uid's reference prefix) places those groups first, each in its partition while it
+    has room (else with the others). None when the groups do not fit."""
     if len(uids) % k:
         return None
     groups: dict = {}
     for i, u in enumerate(uids):
         groups.setdefault(("row", i) if loose and loose[i] else ("uid", u), []).append(i)
-    order = sorted(groups.values(), key=lambda rows: (-len(rows), -sum(workloads[i] for i in rows), rows[0]))
+    order = sorted(groups.items(), key=lambda kv: (-len(kv[1]), -sum(workloads[i] for i in kv[1]), kv[1][0]))
     size = len(uids) // k
     parts: list[list[int]] = [[] for _ in range(k)]
     load = [0.0] * k
-    for rows in order:
+
+    def place(rows, p):
+        parts[p].extend(rows)
+        load[p] += sum(workloads[i] for i in rows)
+
+    rest = []
+    for (kind, u), rows in order:
+        p = (pinned or {}).get(u) if kind == "uid" else None
+        if p is not None and 0 <= p < k and len(parts[p]) + len(rows) <= size:
+            place(rows, p)
+        else:
+            rest.append(rows)
+    for rows in rest:
         room = [p for p in range(k) if len(parts[p]) + len(rows) <= size]
         if not room:
             return None
-        p = min(room, key=lambda q: (load[q], q))
-        parts[p].extend(rows)
-        load[p] += sum(workloads[i] for i in rows)
+        place(rows, min(room, key=lambda q: (load[q], q)))
     return parts
 
 
@@ -76,32 +94,159 @@ class RollplexTrainer(PPOTrainerSync):
         if value not in (NAME, "sync"):
             raise ValueError(f"RollplexTrainer under trainer.v1.trainer_mode={value!r}")
 
+    def _dp_size(self, mesh: str) -> int:
+        wg = self.actor_rollout_wg if mesh == "actor" else self.ref_policy_wg
+        if mesh not in wg._dispatch_info:
+            wg._dispatch_info[mesh] = wg._query_dispatch_info(mesh)
+        return max(wg._dispatch_info[mesh]) + 1
+
     def _balance_batch(self, batch, metrics, logging_prefix="global_seqlen", keep_minibatch=False):
         """verl's balancing (the same padding to the required multiple, equal rows per DP rank, its metrics) with
-        each uid's rows kept on one rank (`group_partitions`); verl's own when the groups cannot be split equally."""
-        wg = self.actor_rollout_wg
-        if "actor" not in wg._dispatch_info:
-            wg._dispatch_info["actor"] = wg._query_dispatch_info("actor")
-        dp_size = max(wg._dispatch_info["actor"]) + 1
+        each uid's rows kept on one rank (`group_partitions`), the rank the decode window gave it where it can;
+        verl's own when the groups cannot be split equally."""
+        dp_size = self._dp_size("actor")
         batch = upsample_batch_to_divisible_size(batch, self._get_required_batch_multiple(dp_size),
                                                  self.tokenizer.eos_token_id)
         seqlens = torch.tensor([tag["seq_len"] for tag in batch.tags], dtype=torch.int64)
         workloads = calculate_workload(seqlens).tolist()
-        parts = group_partitions([row_uid(k) for k in batch.keys], workloads, dp_size,
-                                 [bool(tag.get("is_padding", False)) for tag in batch.tags])
+        uids = [row_uid(k) for k in batch.keys]
+        pinned = self._take_pins(set(uids))
+        parts = group_partitions(uids, workloads, dp_size, [bool(tag.get("is_padding", False)) for tag in batch.tags],
+                                 pinned)
         if parts is None:
             log.warning("rollplex trainer: the step's uids do not split into %d equal DP shares; verl's balancing "
                         "spreads some of them over ranks (their prompts are computed on each)", dp_size)
             return super()._balance_batch(batch, metrics, logging_prefix, keep_minibatch)
+        if pinned:
+            moved = sum(1 for p, part in enumerate(parts) for u in {uids[i] for i in part} if pinned.get(u, p) != p)
+            metrics["rollplex/window_uids_moved"] = moved  # their reference prefix runs again on another rank
         batch.reorder([i for part in parts for i in part])
         metrics.update(log_seqlen_unbalance(seqlen_list=seqlens.tolist(), partitions=parts, prefix=logging_prefix))
         return batch
 
+    # -- the decode window (ROLLPLEX_SGLANG_BRIDGE=dir:PATH) ----------------------------------------------------
+    _window = False  # on when _setup finds the rendezvous setting
+    _window_thread: threading.Thread | None = None
+    window_poll_s = 0.2
+
+    def _window_init(self) -> None:
+        self._window = True
+        self._window_lock = threading.Lock()
+        self._window_ranks: dict = {}  # uid -> the DP rank its reference prefix goes to
+        self._window_sent: set = set()  # uids whose prompt was handed out
+        self._window_next = 0  # uids assigned so far
+        self._window_stop = threading.Event()
+
+    def _take_pins(self, uids: set) -> dict:
+        """The DP rank of each of `uids` the window handed out; they are consumed by this batch."""
+        if not self._window:
+            return {}
+        with self._window_lock:
+            pinned = {u: self._window_ranks.pop(u) for u in uids if u in self._window_ranks}
+            self._window_sent.difference_update(pinned)
+        return pinned
+
+    def _setup(self):
+        if window_dir() is not None:
+            self._window_init()
+        if self._window:
+            from verl.trainer.ppo.utils import Role
+
+            from rollplex_megatron.integrations.verl.worker import RollplexActorRolloutRefWorker
+
+            if Role.ActorRolloutRef not in self.role_worker_mapping:
+                raise ValueError(f"trainer.v1.trainer_mode={NAME} with {ENV_ADDRESS}={os.environ[ENV_ADDRESS]}: the "
+                                 f"decode window needs the reference colocated with the actor and rollout "
+                                 f"(Role.ActorRolloutRef); unset {ENV_ADDRESS} for this layout")
+            import ray
+
+            self.role_worker_mapping[Role.ActorRolloutRef] = ray.remote(RollplexActorRolloutRefWorker)
+            self._check_window_layout()
+        super()._setup()
+        if self._window and self._dp_size("ref") != self._dp_size("actor"):
+            raise ValueError(f"trainer.v1.trainer_mode={NAME}: the decode window needs the reference at the actor's "
+                             f"data-parallel size ({self._dp_size('ref')} against {self._dp_size('actor')}); give "
+                             f"both the same TP and PP, or unset {ENV_ADDRESS}")
+
+    def _check_window_layout(self) -> None:
+        """Before any worker starts: one SGLang scheduler per reference TP rank on the same GPU (the bridge's
+        ranks agree on the jobs they hold, so an SGLang TP group must be one reference TP group)."""
+        from omegaconf import OmegaConf
+
+        def get(key, default=1):
+            v = OmegaConf.select(self.config, f"actor_rollout_ref.{key}", default=default)
+            return default if v is None else int(v)
+
+        ref_tp = get("ref.megatron.tensor_model_parallel_size", get("actor.megatron.tensor_model_parallel_size"))
+        rollout = {"tensor_model_parallel_size": get("rollout.tensor_model_parallel_size"),
+                   "data_parallel_size": get("rollout.data_parallel_size"),
+                   "pipeline_model_parallel_size": get("rollout.pipeline_model_parallel_size")}
+        want = {"tensor_model_parallel_size": ref_tp, "data_parallel_size": 1, "pipeline_model_parallel_size": 1}
+        bad = {k: v for k, v in rollout.items() if v != want[k]}
+        if bad or get("ref.megatron.pipeline_model_parallel_size", 1) != 1:
+            raise ValueError(f"trainer.v1.trainer_mode={NAME} with {ENV_ADDRESS}: the decode window needs SGLang at "
+                             f"the reference's TP without data or pipeline parallelism and the reference at PP 1 "
+                             f"(actor_rollout_ref.rollout: {rollout}, reference TP {ref_tp}); set "
+                             f"actor_rollout_ref.rollout.tensor_model_parallel_size={ref_tp}, or unset {ENV_ADDRESS}")
+
+    def _submit_batch_to_rollout(self, batch):
+        if self._window:  # each uid's DP rank: round robin in submission order
+            dp = self._dp_size("ref")
+            with self._window_lock:
+                for u in batch["uid"]:
+                    self._window_ranks[str(u)] = self._window_next % dp
+                    self._window_next += 1
+        return super()._submit_batch_to_rollout(batch)
+
+    def window_poll_once(self) -> int:
+        """Hand each uid with a finished sample and no job yet to its rank's window; returns how many."""
+        import transfer_queue as tq
+
+        keys: dict = {}
+        for key, tag in ((tq.kv_list() or {}).get("train") or {}).items():
+            if tag.get("is_prompt") or tag.get("status") != "success":
+                continue
+            uid = row_uid(key)
+            with self._window_lock:
+                wanted = uid in self._window_ranks and uid not in self._window_sent
+            if wanted and uid not in keys:
+                keys[uid] = key
+        if not keys:
+            return 0
+        with self._window_lock:
+            ranks = {u: self._window_ranks[u] for u in keys if u in self._window_ranks}
+            self._window_sent.update(ranks)
+        self.ref_policy_wg.rollplex_window_submit({u: keys[u] for u in ranks}, ranks)
+        return len(ranks)
+
+    def _window_poll(self, stop: threading.Event) -> None:
+        try:
+            while not stop.wait(self.window_poll_s):
+                self.window_poll_once()
+            self.window_poll_once()  # the samples that finished since the last look
+        except Exception as e:  # the reference phase computes what the window did not
+            log.error("rollplex trainer: the decode-window poller stopped: %s: %s", type(e).__name__, e)
+
+    def on_sample_begin(self):
+        super().on_sample_begin()
+        if self._window:
+            self._window_stop = threading.Event()
+            self._window_thread = threading.Thread(target=self._window_poll, args=(self._window_stop,),
+                                                   name="rollplex-window-poller", daemon=True)
+            self._window_thread.start()
+
+    def on_sample_end(self):
+        if self._window_thread is not None:  # the rollout is over: no more finished samples to hand out
+            self._window_stop.set()
+            self._window_thread.join()
+            self._window_thread = None
+        super().on_sample_end()
+
     def on_init_end(self):
-        if os.environ.get(ENV_ADDRESS):
-            raise RuntimeError(f"trainer.v1.trainer_mode={NAME}: {ENV_ADDRESS} is set, but the decode-window path "
-                               f"through verl's SGLang replicas is not built yet; unset it (the prefix sharing of "
-                               f"the rollplex engine works without it)")
+        if os.environ.get(ENV_ADDRESS) and window_dir() is None:
+            raise RuntimeError(f"trainer.v1.trainer_mode={NAME}: {ENV_ADDRESS}={os.environ[ENV_ADDRESS]} names "
+                               f"listener addresses, which only this project's own trainer hands to the SGLang it "
+                               f"starts; under verl use a rendezvous directory: {ENV_ADDRESS}=dir:PATH")
         vendor = os.environ.get("VERL_ENGINE_VENDOR")
         if vendor != "rollplex":
             log.warning("trainer.v1.trainer_mode=%s with VERL_ENGINE_VENDOR=%r: verl's own engine computes every "

@@ -98,7 +98,10 @@ def around_on_idle(original, scheduler, *args, **kwargs):
 
 def after_load_model(result, runner, *args, **kwargs):
     """SGLang has built its model (dummy weights): bind its parameters to the trainer's shards now, before
-    the KV cache is sized and the CUDA graphs are captured (they record parameter addresses)."""
+    the KV cache is sized and the CUDA graphs are captured (they record parameter addresses). Not under a
+    rendezvous (`dir:`): SGLang keeps the weights the framework that started it loads and syncs."""
+    if not P.binds_weights():
+        return result
     bridge = bridge_of(runner)
     if bridge is not None:
         bridge.bind_weights(runner.model, bridge.link.timeout)

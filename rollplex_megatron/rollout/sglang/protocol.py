@@ -14,19 +14,33 @@ thread than the step's `BeginStep` and may arrive before it; the scheduler keeps
 step, so a drain is never lost to the step it belongs to. Every wait has a timeout that
 names the step and the item it waited for, and a closed connection (the other process died or shut
 down) is an error naming them too, so neither side hangs on the other.
+
+Finding the trainer: this project's trainer starts SGLang itself and hands its schedulers the listeners'
+addresses (`ROLLPLEX_SGLANG_BRIDGE=host:port,...`, one per SGLang TP rank). Where another framework starts
+SGLang (verl's server replicas, whose processes cannot be handed each trainer rank's address), the setting
+names a rendezvous directory instead (`ROLLPLEX_SGLANG_BRIDGE=dir:PATH`, node-local): each trainer rank
+writes its address and key to `PATH/<device>.json` (`publish`) and the scheduler on the same device reads
+it (`device_slot`: the CUDA device's UUID). There SGLang keeps its own weights (the framework syncs them),
+so the scheduler binds none (`binds_weights`).
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import secrets
+import socket
 import threading
+import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Client, Connection, Listener
+from pathlib import Path
 
+import torch
 import torch.multiprocessing  # noqa: F401  (registers torch's tensor reductions on multiprocessing's pickler)
 
-ENV_ADDRESS = "ROLLPLEX_SGLANG_BRIDGE"  # host:port[,host:port...]: the trainer's listener per SGLang TP rank
+ENV_ADDRESS = "ROLLPLEX_SGLANG_BRIDGE"  # host:port[,host:port...] (a listener per SGLang TP rank) | dir:PATH
+RENDEZVOUS = "dir:"  # ENV_ADDRESS's prefix for a rendezvous directory
 ENV_KEY = "ROLLPLEX_SGLANG_BRIDGE_KEY"  # hex auth key of the listeners
 ENV_TIMEOUT = "ROLLPLEX_SGLANG_BRIDGE_TIMEOUT"  # seconds a side waits for the other (default 600)
 DEFAULT_TIMEOUT_S = 600.0
@@ -198,8 +212,63 @@ def listen(host: str = "127.0.0.1", key: str | None = None) -> tuple[Listener, s
     return lst, f"{lst.address[0]}:{lst.address[1]}"
 
 
+def rendezvous_dir() -> Path | None:
+    """The rendezvous directory ENV_ADDRESS names (`dir:PATH`), else None."""
+    value = os.environ.get(ENV_ADDRESS, "")
+    return Path(value[len(RENDEZVOUS):]) if value.startswith(RENDEZVOUS) else None
+
+
+def binds_weights() -> bool:
+    """Whether the scheduler takes its parameters from the trainer (this project's trainer starts SGLang), or
+    keeps SGLang's own (a rendezvous: the framework that started SGLang syncs its weights)."""
+    return rendezvous_dir() is None
+
+
+def device_slot(tp_rank: int) -> str:
+    """The name of the device this process computes on, the same in a trainer rank and in the SGLang scheduler
+    on that device: the current CUDA device's UUID; on CPU the host and the TP rank."""
+    if torch.cuda.is_available():
+        return f"gpu-{torch.cuda.get_device_properties(torch.cuda.current_device()).uuid}"
+    return f"cpu-{socket.gethostname()}-tp{tp_rank}"
+
+
+def publish(directory: Path, slot: str, address: str, key: str) -> Path:
+    """Trainer side: write this rank's listener for the scheduler on its device (written aside and renamed, so
+    a reader never sees half a file; readable by this user only: it holds the auth key). A file of a run
+    before is replaced: the newest trainer on a device is the one its scheduler must reach."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{slot}.json"
+    tmp = directory / f".{slot}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump({"address": address, "key": key, "pid": os.getpid()}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def _published(tp_rank: int, timeout: float) -> tuple[str, str]:
+    """Scheduler side: the address and key the trainer rank on this device published (waits for the file)."""
+    path = rendezvous_dir() / f"{device_slot(tp_rank)}.json"
+    t_end = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > t_end:
+            raise BridgeTimeout(f"no trainer published {path} within {timeout:g} s ({ENV_ADDRESS}="
+                                f"{os.environ[ENV_ADDRESS]}): the trainer rank on this device writes it when its "
+                                f"reference model is built; check that it runs with the same {ENV_ADDRESS}")
+        time.sleep(0.1)
+    entry = json.loads(path.read_text())
+    return entry["address"], entry["key"]
+
+
 def connect(tp_rank: int, timeout: float | None = None) -> Link:
-    """Scheduler side: connect to the trainer listener of SGLang TP rank `tp_rank` (from the environment)."""
+    """Scheduler side: connect to the trainer listener of SGLang TP rank `tp_rank` (from the environment: the
+    address list, or the rendezvous file of this device)."""
+    if rendezvous_dir() is not None:
+        address, key = _published(tp_rank, timeout_s() if timeout is None else timeout)
+        host, port = address.rsplit(":", 1)
+        return Link(Client((host, int(port)), authkey=bytes.fromhex(key)), "the trainer", timeout)
     addrs = [a for a in os.environ.get(ENV_ADDRESS, "").split(",") if a]
     if tp_rank >= len(addrs):
         raise BridgeError(f"{ENV_ADDRESS} lists {len(addrs)} address(es) but this is SGLang TP rank {tp_rank}; the "

@@ -1,0 +1,160 @@
+"""The decode window under verl: the reference prefix stage runs in SGLang's scheduler while it decodes.
+
+verl's SGLang server replicas start SGLang's schedulers, one per GPU, on the training GPUs (colocated). With
+`ROLLPLEX_SGLANG_BRIDGE=dir:PATH` in the Ray workers' environment (the recipe's `runtime_env`), the parts meet
+through the SGLang bridge (`rollout/sglang/`):
+- each worker rank's `RefWindow` listens, publishes its address for the scheduler on its GPU
+  (`protocol.publish`), and once that scheduler connected (at its first hook call) sends it the reference
+  model as parameter handles (the scheduler's modules alias the worker's reference weights);
+- during the rollout, verl's agent loop stores each finished sample in TransferQueue; the `rollplex` trainer
+  polls it and hands each uid's prompt (read from its first finished sample: exactly what the batch will
+  hold) to the worker rank that will score that uid (`RollplexTrainer`, which later keeps each uid on that
+  rank when it balances the batch); the rank sends it as a prefix job, and the scheduler runs it between
+  decode steps (the jobs left when decoding ends, when SGLang is idle);
+- verl's reference phase (`compute_ref_log_prob`) then reaches the engine, which takes each group's prefix K/V
+  from the window when the job's prompt equals the group's bit for bit, and runs the prefix stage itself for
+  the others (`RollplexMegatronEngine.forward_backward_batch`).
+The update is unchanged: the same K/V, computed in another process on the same weights.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+
+import torch
+from megatron.core import parallel_state as ps
+
+from rollplex_megatron.attention.kv_store import KVStore
+from rollplex_megatron.integrations.verl.batch import PROMPT_FIELDS, same_prompt
+from rollplex_megatron.prefix.batch import Prompt
+from rollplex_megatron.rollout.sglang import protocol as P
+from rollplex_megatron.rollout.sglang.client import TrainerBridge, shareable
+from rollplex_megatron.rollout.window import WorkItem
+from rollplex_megatron.rollout.window.jobs import PrefixJob
+
+log = logging.getLogger(__name__)
+MECHANISM = {"mechanism": "interleave", "items_per_step": 1}  # one job between two decode steps
+
+
+def window_dir():
+    """The rendezvous directory when the decode window under verl is on (`ROLLPLEX_SGLANG_BRIDGE=dir:PATH`)."""
+    return P.rendezvous_dir()
+
+
+def prompt_of_sample(row: dict) -> Prompt:
+    """One stored sample's prompt as the engine builds it from a batch (`batch._prompt`): its `prompts` ids and
+    the processor tensors of its `multi_modal_inputs`."""
+    mm = row.get("multi_modal_inputs") or {}
+    return Prompt(row["prompts"], **{k: mm.get(k) for k in PROMPT_FIELDS})
+
+
+class RefWindow:
+    """One worker rank's end of the window: its listener (published for the scheduler on its device), the
+    reference model sent once that scheduler connected, and each batch of prefix jobs run as one bridge step
+    from a thread of its own. `take()` hands the engine the K/V received so far, by uid, after every job sent
+    was answered."""
+
+    def __init__(self, model, model_cfg, dtype: str, megatron: dict, directory, timeout: float | None = None,
+                 startup_timeout: float = 1800.0):
+        self.model = model
+        self.bridge = TrainerBridge(timeout=timeout)
+        self.slot = P.device_slot(ps.get_tensor_model_parallel_rank())
+        self.path = P.publish(directory, self.slot, self.bridge.address, self.bridge.key)
+        self.received: dict[str, tuple[Prompt, KVStore]] = {}
+        self.steps = 0  # bridge steps run (one per batch of jobs)
+        self.error: BaseException | None = None
+        self._spec = (model_cfg, dtype, megatron or {}, ps.get_tensor_model_parallel_world_size())
+        self._jobs: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._open = 0  # batches queued or running
+        self._startup = startup_timeout
+        for p in model.parameters():  # CPU: into shared memory now, so every handle stays valid
+            shareable(p.data)
+        self._thread = threading.Thread(target=self._run, name="rollplex-verl-window", daemon=True)
+        self._thread.start()
+
+    def submit(self, prompts: dict) -> int:
+        """Queue the reference prefix stage of each uid's prompt ({uid: Prompt}); returns how many."""
+        if not prompts:
+            return 0
+        with self._lock:
+            self._open += 1
+        self._jobs.put(dict(prompts))
+        return len(prompts)
+
+    def take(self) -> dict:
+        """The K/V of every job sent so far ({uid: (prompt, store with the K/V as group 0)}), after the last of
+        them was answered; the window is empty afterwards. A failed job raises here, in the reference phase."""
+        with self._idle:
+            while self._open:
+                self._idle.wait()
+        if self.error is not None:
+            err, self.error = self.error, None
+            raise RuntimeError(f"rollplex verl window: a reference prefix job failed: {type(err).__name__}: "
+                               f"{err}") from err
+        out, self.received = self.received, {}
+        return out
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self.bridge.close()
+
+    def _run(self) -> None:
+        started = False
+        while True:
+            batch = self._jobs.get()
+            if batch is None:
+                return
+            try:
+                if not started:  # the scheduler connects at its first hook call, once SGLang serves
+                    self.bridge.accept(timeout=self._startup)
+                    self.bridge.send_modules({"reference": self.model}, *self._spec, MECHANISM)
+                    started = True
+                items = []
+                for uid, prompt in batch.items():
+                    job = PrefixJob("reference", prompt, KVStore(), 0)
+                    items.append(WorkItem(f"reference_prefix[{uid}]", None, job=job))
+                # the trainer hands out prompts as their rollouts progress: a job left when decoding ends may
+                # run as soon as SGLang idles (drain at once); the engine waits for every answer in take()
+                self.bridge.run_step(self.steps, items, drain=True)
+                self.steps += 1
+                with self._lock:
+                    for uid, it in zip(batch, items):
+                        self.received[uid] = (batch[uid], it.job.store)
+            except BaseException as e:  # surfaced by take(), in the reference phase
+                log.error("rollplex verl window: %s: %s", type(e).__name__, e)
+                with self._lock:
+                    self.error = self.error or e
+            finally:
+                with self._idle:
+                    self._open -= 1
+                    self._idle.notify_all()
+
+
+def adopt_window_prefixes(window: RefWindow | None, vg, store: KVStore) -> list[int]:
+    """Move into `store` the window's K/V of each shared group whose prompt equals the job's bit for bit; returns
+    the groups that still need their prefix stage. A job whose prompt differs is dropped (and logged): the
+    reference phase computes that prefix itself."""
+    todo = list(vg.shared)
+    if window is None:
+        return todo
+    got = window.take()
+    left = []
+    for g in todo:
+        entry = got.pop(vg.uids[g], None)
+        if entry is not None and same_prompt(_cpu(entry[0]), _cpu(vg.groups[g].prompt)):
+            store.adopt(entry[1], 0, g)
+        else:
+            if entry is not None:
+                log.warning("rollplex verl window: uid %s: the window's prompt differs from the batch's; its "
+                            "prefix runs again", vg.uids[g])
+            left.append(g)
+    return left
+
+
+def _cpu(p: Prompt) -> Prompt:
+    return dataclasses.replace(p, **{f.name: getattr(p, f.name).cpu() for f in dataclasses.fields(p)
+                                     if isinstance(getattr(p, f.name), torch.Tensor)})
