@@ -10,6 +10,10 @@ from rollplex_megatron.dist import run_local
 from tests import verl_workers as W
 
 TOL = 1e-5
+# the decode window's overrides, as the README gives them
+WINDOW_OVERRIDES = ["+ray_kwargs.ray_init.runtime_env.env_vars.ROLLPLEX_SGLANG_BRIDGE=dir:/tmp/rollplex-bridge",
+                    "actor_rollout_ref.rollout.tensor_model_parallel_size=${actor_rollout_ref.actor.megatron."
+                    "tensor_model_parallel_size}"]
 
 
 def test_import_verl_discovers_the_plugin_and_the_vendor_selects_the_engine():
@@ -150,6 +154,12 @@ def test_recipe_composes_on_verls_config_and_builds_configs_the_engine_accepts()
     actor = omega_conf_to_dataclass(c.actor_rollout_ref.actor)
     check_engine_config(actor.engine)
     check_engine_config(omega_conf_to_dataclass(c.actor_rollout_ref.ref.megatron))
+    with initialize_config_dir(config_dir=os.path.abspath("recipes/verl"), version_base=None):
+        w = compose("qwen2_5_vl_rollplex", overrides=["actor_rollout_ref.model.path=/m"] + WINDOW_OVERRIDES)
+    env = w.ray_kwargs.ray_init.runtime_env.env_vars  # the README's window overrides compose on the recipe
+    assert env.VERL_ENGINE_VENDOR == "rollplex" and env.ROLLPLEX_SGLANG_BRIDGE == "dir:/tmp/rollplex-bridge"
+    arr = w.actor_rollout_ref
+    assert arr.rollout.tensor_model_parallel_size == arr.actor.megatron.tensor_model_parallel_size
     with pytest.raises(ValueError, match="param_offload=True"):  # an override the engine cannot run is refused
         with initialize_config_dir(config_dir=os.path.abspath("recipes/verl"), version_base=None):
             bad = compose("qwen2_5_vl_rollplex", overrides=["actor_rollout_ref.model.path=/m",

@@ -22,7 +22,16 @@ def test_reference_log_probs_from_window_prefixes_equal_its_own(window):
     assert window["window"] == {"from_window": 3, "computed": 0}, window["window"]
     assert window["rel"] <= TOL, window["rel"]
     assert window["published"] == [f"{window['slot']}.json"]  # one rendezvous file, named by the device
-    assert window["steps"] == 4 and window["scheduler_exit"] == 0, window
+    assert window["steps"] == 5 and window["scheduler_exit"] == 0, window
+    assert window["unclaimed"] == ([1, 0], 1, 0)  # a uid no phase takes is kept for one more, then dropped
+
+
+def test_window_without_a_scheduler_fails_the_reference_phase_naming_the_fix(window):
+    """No SGLang scheduler connects (the plugin is not where SGLang runs): the reference phase raises, naming the
+    rendezvous file and the fix, instead of hanging on the jobs."""
+    err = window.get("lonely_error", "")
+    assert "no SGLang scheduler took the reference model" in err and "nobody" in err and "BridgeTimeout" in err, err
+    assert window["lonely_after"] == {}
 
 
 def test_window_prefix_of_another_prompt_is_not_used(window):
@@ -36,3 +45,91 @@ def test_mutation_trusting_the_window_uid_is_caught(window):
     """Mutation: the prompt check off; the wrong prompt's K/V are used and the log-probs are wrong."""
     assert window["trusted_window"] == {"from_window": 3, "computed": 0}
     assert window["rel_trusted"] > 100 * TOL and math.isfinite(window["rel_trusted"]), window["rel_trusted"]
+
+
+def test_group_partitions_keep_each_uid_on_its_window_rank():
+    """The balancing puts a uid where the window sent its prefix while that rank has room, the rest by load."""
+    from rollplex_megatron.integrations.verl.trainer import group_partitions
+
+    uids = [u for u in "abcd" for _ in range(3)]
+    load = [9.0] * 3 + [8.0] * 3 + [1.0] * 3 + [1.0] * 3  # by load alone: a with c or d, b with the other
+    free = group_partitions(uids, load, 2)
+    assert {uids[i] for i in free[0]} == {"a", "d"}  # the case the pins must change
+    pinned = group_partitions(uids, load, 2, pinned={"a": 1, "b": 1})
+    assert [sorted({uids[i] for i in p}) for p in pinned] == [["c", "d"], ["a", "b"]]
+    full = group_partitions(uids, load, 2, pinned={"a": 0, "b": 0, "c": 0})  # rank 0 holds two groups only
+    assert sorted({uids[i] for i in full[0]}) == ["a", "b"] and len(full[0]) == len(full[1]) == 6
+
+
+class _WG:
+    """A stand-in worker group: verl's dispatch info and the window method, recorded."""
+
+    def __init__(self, ranks):
+        self._dispatch_info = {"ref": ranks, "actor": ranks}
+        self.calls = []
+
+    def rollplex_window_submit(self, keys, ranks):
+        self.calls.append((dict(keys), dict(ranks)))
+        return [len(keys)]
+
+
+def _trainer(monkeypatch, tags):
+    import transfer_queue as tq
+    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+
+    from rollplex_megatron.integrations.verl.trainer import RollplexTrainer
+
+    t = RollplexTrainer.__new__(RollplexTrainer)  # no Ray: only the window's bookkeeping runs
+    t._window_init()
+    t.ref_policy_wg = t.actor_rollout_wg = _WG([0, 0, 1, 1])  # 4 workers, TP 2, DP 2
+    monkeypatch.setattr(PPOTrainer, "_submit_batch_to_rollout", lambda self, batch: len(batch["uid"]))
+    monkeypatch.setattr(tq, "kv_list", lambda: {"train": dict(tags)})
+    return t
+
+
+def test_window_poller_hands_each_finished_uid_once_to_its_rank(monkeypatch):
+    """Submitted uids get DP ranks in turn; each poll hands the uids with a finished sample (not prompts' own
+    tags, not another step's uids) to the workers once, with their ranks; the batch consumes the pins."""
+    tags = {"a": {"is_prompt": True, "status": "running"}, "a_0_0": {"status": "success"},
+            "a_1_0": {"status": "success"}, "zz_0_0": {"status": "success"}}
+    t = _trainer(monkeypatch, tags)
+    assert t._submit_batch_to_rollout({"uid": ["a", "b", "c"]}) == 3
+    assert t._window_ranks == {"a": 0, "b": 1, "c": 0}
+    assert t.window_poll_once() == 1 and t.ref_policy_wg.calls == [({"a": "a_0_0"}, {"a": 0})]
+    assert t.window_poll_once() == 0  # a was handed out already
+    tags["b_2_0"] = {"status": "success"}
+    assert t.window_poll_once() == 1 and t.ref_policy_wg.calls[-1] == ({"b": "b_2_0"}, {"b": 1})
+    assert t._take_pins({"a", "b", "c"}) == {"a": 0, "b": 1, "c": 0}
+    assert t._window_ranks == {} and t._window_sent == set()
+
+
+def test_window_needs_sglang_at_the_reference_tp():
+    """Refused before any worker starts: an SGLang TP group must be one reference TP group."""
+    from omegaconf import OmegaConf
+
+    from rollplex_megatron.integrations.verl.trainer import RollplexTrainer
+
+    t = RollplexTrainer.__new__(RollplexTrainer)
+    t.config = OmegaConf.create({"actor_rollout_ref": {"actor": {"megatron": {"tensor_model_parallel_size": 2}},
+                                                       "ref": {"megatron": {"tensor_model_parallel_size": 2}},
+                                                       "rollout": {"tensor_model_parallel_size": 2}}})
+    t._check_window_layout()
+    t.config.actor_rollout_ref.rollout.tensor_model_parallel_size = 1
+    with pytest.raises(ValueError, match=r"rollout.tensor_model_parallel_size=2"):
+        t._check_window_layout()
+
+
+def test_rendezvous_names_the_missing_file_and_binds_no_weights(tmp_path, monkeypatch):
+    """A scheduler under `dir:` finds no file for its device: the error names it and the fix. Its model load
+    takes no weights from the trainer (verl syncs SGLang's own), so no bridge opens there."""
+    from rollplex_megatron.rollout.sglang import plugin
+    from rollplex_megatron.rollout.sglang import protocol as P
+
+    monkeypatch.setenv(P.ENV_ADDRESS, f"dir:{tmp_path}")
+    with pytest.raises(P.BridgeTimeout, match=rf"{P.device_slot(0)}\.json.*same {P.ENV_ADDRESS}"):
+        P.connect(0, timeout=0.3)
+    assert not P.binds_weights()
+    monkeypatch.setattr(plugin, "_BRIDGE", None)
+    assert plugin.after_load_model("loaded", object()) == "loaded" and plugin._BRIDGE is None
+    P.publish(tmp_path, "gpu-x", "127.0.0.1:1", "00")
+    assert (tmp_path / "gpu-x.json").stat().st_mode & 0o777 == 0o600

@@ -386,9 +386,20 @@ def window_cases(hf_dir: str, root: str) -> dict:
         window.submit(wrong)
         got, out["trusted_window"] = logp(mutate=True)
         out["rel_trusted"] = _rel(got, want)
+        window.submit({"never-scored": stored[uids[0]]})  # e.g. a group dynamic sampling drops
+        kept = [len(window.received) for _ in range(2) if window.take(set()) == {}]
+        out["unclaimed"] = (kept, window.dropped, len(window.received))
         out["steps"] = window.steps
         out["published"] = sorted(p.name for p in Path(root).iterdir())
         out["slot"] = window.slot
+        lonely = Wn.RefWindow(window.model, cfg, "float32", {}, Path(root) / "nobody", startup_timeout=0.5)
+        lonely.submit({uids[0]: stored[uids[0]]})  # no scheduler ever connects
+        try:
+            lonely.take({uids[0]})
+        except RuntimeError as e:
+            out["lonely_error"] = str(e)
+        out["lonely_after"] = lonely.take({uids[0]})  # said once; the engine then computes the prefixes itself
+        lonely.close()
     finally:
         window.close()
     proc.join(60)

@@ -53,26 +53,28 @@ def prompt_of_sample(row: dict) -> Prompt:
 class RefWindow:
     """One worker rank's end of the window: its listener (published for the scheduler on its device), the
     reference model sent once that scheduler connected, and each batch of prefix jobs run as one bridge step
-    from a thread of its own. `take()` hands the engine the K/V received so far, by uid, after every job sent
-    was answered."""
+    from a thread of its own. `take(uids)` hands the engine those uids' K/V after every job sent was answered."""
+
+    KEEP_TAKES = 2  # a uid's K/V not taken by this many reference phases is dropped (a group never scored)
 
     def __init__(self, model, model_cfg, dtype: str, megatron: dict, directory, timeout: float | None = None,
-                 startup_timeout: float = 1800.0):
+                 startup_timeout: float | None = None):
         self.model = model
         self.bridge = TrainerBridge(timeout=timeout)
         self.slot = P.device_slot(ps.get_tensor_model_parallel_rank())
-        self.path = P.publish(directory, self.slot, self.bridge.address, self.bridge.key)
-        self.received: dict[str, tuple[Prompt, KVStore]] = {}
+        self.received: dict[str, tuple[Prompt, KVStore, int]] = {}  # uid -> prompt, K/V, takes survived
         self.steps = 0  # bridge steps run (one per batch of jobs)
+        self.dropped = 0  # uids whose K/V no reference phase took
         self.error: BaseException | None = None
         self._spec = (model_cfg, dtype, megatron or {}, ps.get_tensor_model_parallel_world_size())
         self._jobs: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
-        self._open = 0  # batches queued or running
-        self._startup = startup_timeout
+        self._open = 1  # batches queued or running; the first is the connection itself
+        self._startup = P.timeout_s() if startup_timeout is None else startup_timeout
         for p in model.parameters():  # CPU: into shared memory now, so every handle stays valid
             shareable(p.data)
+        self.path = P.publish(directory, self.slot, self.bridge.address, self.bridge.key)
         self._thread = threading.Thread(target=self._run, name="rollplex-verl-window", daemon=True)
         self._thread.start()
 
@@ -85,17 +87,23 @@ class RefWindow:
         self._jobs.put(dict(prompts))
         return len(prompts)
 
-    def take(self) -> dict:
-        """The K/V of every job sent so far ({uid: (prompt, store with the K/V as group 0)}), after the last of
-        them was answered; the window is empty afterwards. A failed job raises here, in the reference phase."""
+    def take(self, uids) -> dict:
+        """The K/V of `uids` among the jobs sent so far ({uid: (prompt, store with the K/V as group 0)}), after
+        the last job was answered. Other uids' K/V stay for a later phase (at most `KEEP_TAKES` of them). A
+        failed connection or job raises here, in the reference phase."""
         with self._idle:
             while self._open:
                 self._idle.wait()
-        if self.error is not None:
-            err, self.error = self.error, None
-            raise RuntimeError(f"rollplex verl window: a reference prefix job failed: {type(err).__name__}: "
-                               f"{err}") from err
-        out, self.received = self.received, {}
+            if self.error is not None:
+                err, self.error = self.error, None
+                raise RuntimeError(f"rollplex verl window: {err}") from err.__cause__
+            out = {u: self.received.pop(u)[:2] for u in uids if u in self.received}
+            for u, (prompt, store, age) in list(self.received.items()):
+                if age + 1 >= self.KEEP_TAKES:
+                    del self.received[u]
+                    self.dropped += 1
+                else:
+                    self.received[u] = (prompt, store, age + 1)
         return out
 
     def close(self) -> None:
@@ -103,35 +111,49 @@ class RefWindow:
         self.bridge.close()
 
     def _run(self) -> None:
-        started = False
+        connected = False
+        try:  # the scheduler connects at its first hook call, once SGLang runs its loop; its connect waits for this
+            self.bridge.accept(timeout=self._startup)
+            self.bridge.send_modules({"reference": self.model}, *self._spec, MECHANISM)
+            connected = True
+        except BaseException as e:  # every job would fail: the reference phase says why
+            self._fail(e, f"no SGLang scheduler took the reference model through {self.path}: is this package "
+                          f"installed where SGLang runs, and {P.ENV_ADDRESS} in its environment?")
+        finally:
+            self._done()
         while True:
             batch = self._jobs.get()
             if batch is None:
                 return
+            if not connected:
+                self._done()
+                continue
             try:
-                if not started:  # the scheduler connects at its first hook call, once SGLang serves
-                    self.bridge.accept(timeout=self._startup)
-                    self.bridge.send_modules({"reference": self.model}, *self._spec, MECHANISM)
-                    started = True
-                items = []
-                for uid, prompt in batch.items():
-                    job = PrefixJob("reference", prompt, KVStore(), 0)
-                    items.append(WorkItem(f"reference_prefix[{uid}]", None, job=job))
-                # the trainer hands out prompts as their rollouts progress: a job left when decoding ends may
-                # run as soon as SGLang idles (drain at once); the engine waits for every answer in take()
+                items = [WorkItem(f"reference_prefix[{uid}]", None, job=PrefixJob("reference", prompt, KVStore(), 0))
+                         for uid, prompt in batch.items()]
+                # prompts arrive as their rollouts finish: a job left when decoding ends may run as soon as
+                # SGLang idles (drain at once); the reference phase waits for every answer in take()
                 self.bridge.run_step(self.steps, items, drain=True)
                 self.steps += 1
                 with self._lock:
                     for uid, it in zip(batch, items):
-                        self.received[uid] = (batch[uid], it.job.store)
+                        self.received[uid] = (batch[uid], it.job.store, 0)
             except BaseException as e:  # surfaced by take(), in the reference phase
-                log.error("rollplex verl window: %s: %s", type(e).__name__, e)
-                with self._lock:
-                    self.error = self.error or e
+                self._fail(e, f"step {self.steps}: reference prefix jobs of {len(batch)} uids")
             finally:
-                with self._idle:
-                    self._open -= 1
-                    self._idle.notify_all()
+                self._done()
+
+    def _fail(self, e: BaseException, what: str) -> None:
+        log.error("rollplex verl window: %s: %s: %s", what, type(e).__name__, e)
+        with self._lock:
+            if self.error is None:
+                self.error = RuntimeError(f"{what} ({type(e).__name__}: {e})")
+                self.error.__cause__ = e
+
+    def _done(self) -> None:
+        with self._idle:
+            self._open -= 1
+            self._idle.notify_all()
 
 
 def adopt_window_prefixes(window: RefWindow | None, vg, store: KVStore) -> list[int]:
@@ -141,7 +163,7 @@ def adopt_window_prefixes(window: RefWindow | None, vg, store: KVStore) -> list[
     todo = list(vg.shared)
     if window is None:
         return todo
-    got = window.take()
+    got = window.take({vg.uids[g] for g in todo})
     left = []
     for g in todo:
         entry = got.pop(vg.uids[g], None)
