@@ -272,13 +272,18 @@ def trainer_kv(cfg, mutation: str = "", steps: int = 2, groups: int = 3, timeout
                     p.data = p.data.clone().mul_(1.5)
     finally:
         bridge.close()
-    proc.join(30)
-    try:
-        out["scheduler"] = report.get(timeout=10)
-    except queue.Empty:
-        out["scheduler"] = None
-    out["scheduler_exit"] = proc.exitcode
+    out.update(scheduler_outcome(proc, report, 30))
     return out
+
+
+def scheduler_outcome(proc, report, wait: float) -> dict:
+    """A stand-in scheduler process's report and exit code once its trainer closed the bridge."""
+    proc.join(wait)
+    try:
+        got = report.get(timeout=10)
+    except queue.Empty:
+        got = None
+    return {"scheduler": got, "scheduler_exit": proc.exitcode}
 
 
 def run_then_drain(bridge, step: int, items: list, after_s: float, probe=None) -> dict:

@@ -19,19 +19,19 @@ def window(tiny_hf, tmp_path_factory):
 
 def test_reference_log_probs_from_window_prefixes_equal_its_own(window):
     """Three uids' prefixes from the scheduler (two bridge steps): no prefix recomputed, log-probs as without."""
-    assert window["window"] == {"from_window": 3, "computed": 0}, window["window"]
+    assert window["connected"] and window["window"] == {"from_window": 3, "computed": 0}, window["window"]
     assert window["rel"] <= TOL, window["rel"]
     assert window["published"] == [f"{window['slot']}.json"]  # one rendezvous file, named by the device
     assert window["steps"] == 5 and window["scheduler_exit"] == 0, window
-    assert window["unclaimed"] == ([1, 0], 1, 0)  # a uid no phase takes is kept for one more, then dropped
+    assert window["unclaimed"] == ({}, 1, 0)  # K/V the reference phase does not claim are dropped there
 
 
 def test_window_without_a_scheduler_fails_the_reference_phase_naming_the_fix(window):
     """No SGLang scheduler connects (the plugin is not where SGLang runs): the reference phase raises, naming the
     rendezvous file and the fix, instead of hanging on the jobs."""
     err = window.get("lonely_error", "")
-    assert "no SGLang scheduler took the reference model" in err and "nobody" in err and "BridgeTimeout" in err, err
-    assert window["lonely_after"] == {}
+    assert "no SGLang scheduler connected" in err and "nobody" in err and "sglang.srt.plugins" in err, err
+    assert not window["lonely_file_left"]  # closing the window takes its rendezvous file away
 
 
 def test_window_prefix_of_another_prompt_is_not_used(window):
@@ -88,19 +88,64 @@ def _trainer(monkeypatch, tags):
 
 
 def test_window_poller_hands_each_finished_uid_once_to_its_rank(monkeypatch):
-    """Submitted uids get DP ranks in turn; each poll hands the uids with a finished sample (not prompts' own
-    tags, not another step's uids) to the workers once, with their ranks; the batch consumes the pins."""
-    tags = {"a": {"is_prompt": True, "status": "running"}, "a_0_0": {"status": "success"},
-            "a_1_0": {"status": "success"}, "zz_0_0": {"status": "success"}}
+    """Each poll hands the submitted uids with a finished sample (not prompts' own tags, not uids this trainer did
+    not submit) to the workers once, each to the DP rank with the fewest uids, then the fewest prompt tokens; a
+    failed hand-out leaves its uids for the next poll; the batch consumes the pins and forgets older steps'."""
+    tags = {"a": {"is_prompt": True, "status": "running"}, "a_0_0": {"status": "success", "prompt_len": 100},
+            "a_1_0": {"status": "success", "prompt_len": 100}, "zz_0_0": {"status": "success", "prompt_len": 9}}
     t = _trainer(monkeypatch, tags)
+    t.global_steps = 3
     assert t._submit_batch_to_rollout({"uid": ["a", "b", "c"]}) == 3
-    assert t._window_ranks == {"a": 0, "b": 1, "c": 0}
     assert t.window_poll_once() == 1 and t.ref_policy_wg.calls == [({"a": "a_0_0"}, {"a": 0})]
     assert t.window_poll_once() == 0  # a was handed out already
-    tags["b_2_0"] = {"status": "success"}
-    assert t.window_poll_once() == 1 and t.ref_policy_wg.calls[-1] == ({"b": "b_2_0"}, {"b": 1})
-    assert t._take_pins({"a", "b", "c"}) == {"a": 0, "b": 1, "c": 0}
-    assert t._window_ranks == {} and t._window_sent == set()
+    tags["b_2_0"] = {"status": "success", "prompt_len": 50}
+    submit = t.ref_policy_wg.rollplex_window_submit
+    t.ref_policy_wg.rollplex_window_submit = lambda keys, ranks: 1 / 0  # e.g. a sample cleared meanwhile
+    assert t.window_poll_once() == 0 and t.window_failures == 1
+    t.ref_policy_wg.rollplex_window_submit = submit
+    tags["c_0_0"] = {"status": "success", "prompt_len": 70}
+    assert t.window_poll_once() == 2  # b (tried again) to rank 1; c to rank 1, which holds fewer tokens
+    assert t.ref_policy_wg.calls[-1] == ({"b": "b_2_0", "c": "c_0_0"}, {"b": 1, "c": 1})
+    t._window_ranks["old"] = (0, 1)  # handed out at step 1, never in a batch
+    t._window_wanted["older"] = 1
+    assert t._take_pins({"a", "b", "c"}) == {"a": 0, "b": 1, "c": 1}
+    assert t._window_ranks == {} and t._window_wanted == {}
+
+
+def test_window_swaps_verls_worker_before_any_starts(monkeypatch, tmp_path):
+    """On verl's own config (the recipe with the README's window overrides): the trainer's resource set-up puts
+    the rollplex worker in verl's colocated role; SGLang at another TP than the reference, a layout without a
+    colocated reference, and listener addresses are refused there, before any worker starts."""
+    import os
+
+    from hydra import compose, initialize_config_dir
+    from verl.trainer.ppo.utils import Role
+
+    from rollplex_megatron.integrations.verl.trainer import RollplexTrainer
+    from rollplex_megatron.integrations.verl.worker import RollplexActorRolloutRefWorker
+    from rollplex_megatron.rollout.sglang.protocol import ENV_ADDRESS
+    from tests.test_verl_plugin import WINDOW_OVERRIDES
+
+    def trainer(*overrides):
+        with initialize_config_dir(config_dir=os.path.abspath("recipes/verl"), version_base=None):
+            cfg = compose("qwen2_5_vl_rollplex", overrides=["actor_rollout_ref.model.path=/m", *overrides])
+        t = RollplexTrainer.__new__(RollplexTrainer)
+        t.config = cfg
+        return t
+
+    monkeypatch.setenv(ENV_ADDRESS, f"dir:{tmp_path}")
+    kl = "actor_rollout_ref.actor.use_kl_loss=true"
+    t = trainer(kl, *WINDOW_OVERRIDES[1:])
+    t._init_resource_pool_mgr()
+    assert t.role_worker_mapping[Role.ActorRolloutRef].__ray_actor_class__ is RollplexActorRolloutRefWorker
+    assert t._window
+    with pytest.raises(ValueError, match="rollout.tensor_model_parallel_size=1"):  # verl's default rollout TP 2
+        trainer(kl)._init_resource_pool_mgr()
+    with pytest.raises(ValueError, match="Role.ActorRolloutRef"):  # no reference model: nothing to move
+        trainer(*WINDOW_OVERRIDES[1:])._init_resource_pool_mgr()
+    monkeypatch.setenv(ENV_ADDRESS, "127.0.0.1:1")
+    with pytest.raises(ValueError, match="dir:PATH"):
+        trainer(kl, *WINDOW_OVERRIDES[1:])._init_resource_pool_mgr()
 
 
 def test_window_needs_sglang_at_the_reference_tp():
@@ -119,17 +164,28 @@ def test_window_needs_sglang_at_the_reference_tp():
         t._check_window_layout()
 
 
-def test_rendezvous_names_the_missing_file_and_binds_no_weights(tmp_path, monkeypatch):
-    """A scheduler under `dir:` finds no file for its device: the error names it and the fix. Its model load
-    takes no weights from the trainer (verl syncs SGLang's own), so no bridge opens there."""
+def test_rendezvous_connects_only_the_scheduler_of_the_trainers_checkpoint(tmp_path, monkeypatch):
+    """Under `dir:` a scheduler connects only where a trainer rank published for its device and checkpoint: no
+    file (a GPU without a trainer rank), another checkpoint (a reward model's server on the same GPU) or a
+    listener that is gone (a file of an earlier run) leave the bridge off there, decided once; the model load
+    takes no weights from the trainer (verl syncs SGLang's own)."""
+    from multiprocessing.connection import Listener
+    from types import SimpleNamespace
+
     from rollplex_megatron.rollout.sglang import plugin
     from rollplex_megatron.rollout.sglang import protocol as P
 
     monkeypatch.setenv(P.ENV_ADDRESS, f"dir:{tmp_path}")
-    with pytest.raises(P.BridgeTimeout, match=rf"{P.device_slot(0)}\.json.*same {P.ENV_ADDRESS}"):
-        P.connect(0, timeout=0.3)
-    assert not P.binds_weights()
+    slot = P.device_slot(0)
+    assert P.connect(0, model_path="/m") is None and not P.binds_weights()
+    with Listener(("127.0.0.1", 0), authkey=bytes.fromhex("00" * 16)) as dead:
+        port = dead.address[1]
+    P.publish(tmp_path, slot, f"127.0.0.1:{port}", "00" * 16, "/m")
+    assert (tmp_path / f"{slot}.json").stat().st_mode & 0o777 == 0o600
+    assert P.connect(0, model_path="/m") is None  # nobody listens there any more
+    assert P.connect(0, model_path="/reward-model") is None  # another server's checkpoint: not even tried
     monkeypatch.setattr(plugin, "_BRIDGE", None)
-    assert plugin.after_load_model("loaded", object()) == "loaded" and plugin._BRIDGE is None
-    P.publish(tmp_path, "gpu-x", "127.0.0.1:1", "00")
-    assert (tmp_path / "gpu-x.json").stat().st_mode & 0o777 == 0o600
+    sched = SimpleNamespace(tp_rank=0, tp_size=1, server_args=SimpleNamespace(model_path="/reward-model"))
+    assert plugin.bridge_of(sched) is None and plugin._BRIDGE is plugin._NO_BRIDGE
+    assert plugin.after_load_model("loaded", sched) == "loaded"
+    monkeypatch.setattr(plugin, "_BRIDGE", None)

@@ -327,7 +327,6 @@ def window_cases(hf_dir: str, root: str) -> dict:
     ids and pixels) is caught by the prompt check (its prefix runs again) and, with the check disabled
     (mutation), gives other log-probs."""
     import multiprocessing as mp
-    import queue
 
     os.environ["VERL_ENGINE_VENDOR"] = "rollplex"
     import verl  # noqa: F401  (loads the plugin through its entry point)
@@ -337,7 +336,7 @@ def window_cases(hf_dir: str, root: str) -> dict:
     from rollplex_megatron.integrations.verl.worker import open_window, prompts_of
     from rollplex_megatron.models.qwen25vl.hf import HFCheckpoint
     from rollplex_megatron.rollout.sglang import protocol as P
-    from tests.sglang_workers import scheduler_main
+    from tests.sglang_workers import scheduler_main, scheduler_outcome
 
     cfg = HFCheckpoint(hf_dir).model_config()
     env = {P.ENV_ADDRESS: f"{P.RENDEZVOUS}{root}"}
@@ -368,6 +367,8 @@ def window_cases(hf_dir: str, root: str) -> dict:
 
     out = {}
     try:
+        # the reference phase comes after a whole rollout, by when SGLang's scheduler has connected
+        out["connected"] = window.connected.wait(120)
         window.submit({u: stored[u] for u in uids[:2]})  # two bridge steps, as prompts finish over the rollout
         window.submit({u: stored[u] for u in uids[2:]})
         got, out["window"] = logp()
@@ -387,25 +388,19 @@ def window_cases(hf_dir: str, root: str) -> dict:
         got, out["trusted_window"] = logp(mutate=True)
         out["rel_trusted"] = _rel(got, want)
         window.submit({"never-scored": stored[uids[0]]})  # e.g. a group dynamic sampling drops
-        kept = [len(window.received) for _ in range(2) if window.take(set()) == {}]
-        out["unclaimed"] = (kept, window.dropped, len(window.received))
+        out["unclaimed"] = (window.take(set()), window.dropped, len(window.received))
         out["steps"] = window.steps
         out["published"] = sorted(p.name for p in Path(root).iterdir())
         out["slot"] = window.slot
-        lonely = Wn.RefWindow(window.model, cfg, "float32", {}, Path(root) / "nobody", startup_timeout=0.5)
+        lonely = Wn.RefWindow(window.model, cfg, "float32", {}, Path(root) / "nobody")
         lonely.submit({uids[0]: stored[uids[0]]})  # no scheduler ever connects
         try:
             lonely.take({uids[0]})
         except RuntimeError as e:
             out["lonely_error"] = str(e)
-        out["lonely_after"] = lonely.take({uids[0]})  # said once; the engine then computes the prefixes itself
         lonely.close()
+        out["lonely_file_left"] = lonely.path.exists()
     finally:
         window.close()
-    proc.join(60)
-    try:
-        out["scheduler"] = report.get(timeout=10)
-    except queue.Empty:
-        out["scheduler"] = None
-    out["scheduler_exit"] = proc.exitcode
+    out.update(scheduler_outcome(proc, report, 60))
     return out

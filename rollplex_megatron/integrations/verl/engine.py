@@ -123,6 +123,7 @@ class RollplexMegatronEngine(BaseEngine):
         if not path:
             raise ValueError("rollplex verl engine: the model config has no path (actor_rollout_ref.model.path)")
         ckpt = HFCheckpoint(path)
+        self.model_path = path  # what verl hands SGLang as model_path too (the decode window matches on it)
         self.cfg, self.naming = ckpt.model_config(), ckpt.naming
         model = build_model(self.cfg, self.dtype, dict(_setting(self.engine_config, "override_transformer_config",
                                                                 {}) or {}))

@@ -5,11 +5,10 @@ log-probs, advantages, actor update, weight update) unchanged; with the `rollple
 (`VERL_ENGINE_VENDOR=rollplex`) the log-prob and update phases compute each group's prompt once.
 
 The decode window (`ROLLPLEX_SGLANG_BRIDGE=dir:PATH` in the Ray workers' environment, with verl's SGLang
-rollout colocated): the workers are `worker.RollplexActorRolloutRefWorker`, each uid is assigned a DP rank
-when its prompt is submitted, and while the rollout runs a thread polls TransferQueue for finished samples and
-hands each new uid's stored prompt to its rank, which sends the reference prefix stage to the SGLang scheduler
-on its GPU (`window.py`). The batch balancing keeps each uid on that rank, where the reference phase finds
-its K/V.
+rollout colocated): the workers are `worker.RollplexActorRolloutRefWorker`; while the rollout runs a thread
+polls TransferQueue for finished samples and hands each submitted uid's stored prompt to a DP rank, which sends
+the reference prefix stage to the SGLang scheduler on its GPU (`window.py`). The batch balancing keeps each uid
+on that rank, where the reference phase finds its K/V.
 
 One phase differs in how, not what: verl's v1 step always balances the batch over DP ranks by sequence
 length (`_balance_batch`, whatever `trainer.balance_batch` says), which spreads a uid's rows over ranks, and
@@ -117,51 +116,69 @@ class RollplexTrainer(PPOTrainerSync):
             log.warning("rollplex trainer: the step's uids do not split into %d equal DP shares; verl's balancing "
                         "spreads some of them over ranks (their prompts are computed on each)", dp_size)
             return super()._balance_batch(batch, metrics, logging_prefix, keep_minibatch)
-        if pinned:
+        if self._window:
             moved = sum(1 for p, part in enumerate(parts) for u in {uids[i] for i in part} if pinned.get(u, p) != p)
             metrics["rollplex/window_uids_moved"] = moved  # their reference prefix runs again on another rank
+            metrics["rollplex/window_uids_pinned"] = len(pinned)
+            metrics["rollplex/window_failures"] = self.window_failures
         batch.reorder([i for part in parts for i in part])
         metrics.update(log_seqlen_unbalance(seqlen_list=seqlens.tolist(), partitions=parts, prefix=logging_prefix))
         return batch
 
     # -- the decode window (ROLLPLEX_SGLANG_BRIDGE=dir:PATH) ----------------------------------------------------
-    _window = False  # on when _setup finds the rendezvous setting
+    _window = False  # on when the rendezvous setting is found
     _window_thread: threading.Thread | None = None
     window_poll_s = 0.2
 
     def _window_init(self) -> None:
         self._window = True
         self._window_lock = threading.Lock()
-        self._window_ranks: dict = {}  # uid -> the DP rank its reference prefix goes to
-        self._window_sent: set = set()  # uids whose prompt was handed out
-        self._window_next = 0  # uids assigned so far
+        self._window_wanted: dict = {}  # uid -> the step it was submitted at (its prefix not handed out yet)
+        self._window_ranks: dict = {}  # uid -> (the DP rank its reference prefix went to, that step)
+        self._window_load: dict = {}  # DP rank -> [uids, prompt tokens] handed out since the last batch
         self._window_stop = threading.Event()
+        self.window_failures = 0  # hand-outs that failed (their uids are tried again at the next poll)
 
     def _take_pins(self, uids: set) -> dict:
-        """The DP rank of each of `uids` the window handed out; they are consumed by this batch."""
+        """The DP rank of each of `uids` the window handed out; this batch consumes them, and forgets the uids of
+        steps before the last (groups no batch took: dropped by dynamic sampling, failed, evicted)."""
         if not self._window:
             return {}
+        step = getattr(self, "global_steps", 0)
         with self._window_lock:
-            pinned = {u: self._window_ranks.pop(u) for u in uids if u in self._window_ranks}
-            self._window_sent.difference_update(pinned)
+            pinned = {u: self._window_ranks.pop(u)[0] for u in uids if u in self._window_ranks}
+            for table in (self._window_ranks, self._window_wanted):
+                for u in [u for u, v in table.items() if (v[1] if isinstance(v, tuple) else v) < step - 1]:
+                    del table[u]
+            self._window_load.clear()
         return pinned
 
+    def _init_resource_pool_mgr(self):
+        """verl's roles and pools; with the window, its colocated worker becomes the rollplex one (as verl's own
+        separate-async trainer swaps its worker here), after the layout is checked: before any worker starts."""
+        if os.environ.get(ENV_ADDRESS) and window_dir() is None:
+            raise ValueError(f"trainer.v1.trainer_mode={NAME}: {ENV_ADDRESS}={os.environ[ENV_ADDRESS]} names "
+                             f"listener addresses, which only this project's own trainer hands to the SGLang it "
+                             f"starts; under verl use a rendezvous directory: {ENV_ADDRESS}=dir:PATH")
+        super()._init_resource_pool_mgr()
+        if window_dir() is None:
+            return
+        from verl.trainer.ppo.utils import Role
+
+        from rollplex_megatron.integrations.verl.worker import RollplexActorRolloutRefWorker
+
+        if Role.ActorRolloutRef not in self.role_worker_mapping:
+            raise ValueError(f"trainer.v1.trainer_mode={NAME} with {ENV_ADDRESS}={os.environ[ENV_ADDRESS]}: the decode "
+                             f"window needs the reference colocated with the actor and rollout (verl's "
+                             f"Role.ActorRolloutRef: a reference model, no LoRA reference inside the actor, hybrid "
+                             f"replicas); unset {ENV_ADDRESS} for this layout")
+        self._check_window_layout()
+        import ray
+
+        self.role_worker_mapping[Role.ActorRolloutRef] = ray.remote(RollplexActorRolloutRefWorker)
+        self._window_init()
+
     def _setup(self):
-        if window_dir() is not None:
-            self._window_init()
-        if self._window:
-            from verl.trainer.ppo.utils import Role
-
-            from rollplex_megatron.integrations.verl.worker import RollplexActorRolloutRefWorker
-
-            if Role.ActorRolloutRef not in self.role_worker_mapping:
-                raise ValueError(f"trainer.v1.trainer_mode={NAME} with {ENV_ADDRESS}={os.environ[ENV_ADDRESS]}: the "
-                                 f"decode window needs the reference colocated with the actor and rollout "
-                                 f"(Role.ActorRolloutRef); unset {ENV_ADDRESS} for this layout")
-            import ray
-
-            self.role_worker_mapping[Role.ActorRolloutRef] = ray.remote(RollplexActorRolloutRefWorker)
-            self._check_window_layout()
         super()._setup()
         if self._window and self._dp_size("ref") != self._dp_size("actor"):
             raise ValueError(f"trainer.v1.trainer_mode={NAME}: the decode window needs the reference at the actor's "
@@ -169,8 +186,8 @@ class RollplexTrainer(PPOTrainerSync):
                              f"both the same TP and PP, or unset {ENV_ADDRESS}")
 
     def _check_window_layout(self) -> None:
-        """Before any worker starts: one SGLang scheduler per reference TP rank on the same GPU (the bridge's
-        ranks agree on the jobs they hold, so an SGLang TP group must be one reference TP group)."""
+        """One SGLang scheduler per reference TP rank on the same GPU (the bridge's ranks agree on the jobs they
+        hold, so an SGLang TP group must be one reference TP group)."""
         from omegaconf import OmegaConf
 
         def get(key, default=1):
@@ -190,42 +207,65 @@ class RollplexTrainer(PPOTrainerSync):
                              f"actor_rollout_ref.rollout.tensor_model_parallel_size={ref_tp}, or unset {ENV_ADDRESS}")
 
     def _submit_batch_to_rollout(self, batch):
-        if self._window:  # each uid's DP rank: round robin in submission order
-            dp = self._dp_size("ref")
+        if self._window:
+            step = getattr(self, "global_steps", 0)
             with self._window_lock:
-                for u in batch["uid"]:
-                    self._window_ranks[str(u)] = self._window_next % dp
-                    self._window_next += 1
+                self._window_wanted.update({str(u): step for u in batch["uid"]})
         return super()._submit_batch_to_rollout(batch)
 
+    def _window_rank(self, prompt_len: int, dp: int) -> int:
+        """The DP rank for a uid handed out now: among the ranks holding the fewest uids (the batch gives every
+        rank as many), the one with the fewest prompt tokens (its reference prefix work)."""
+        load = [self._window_load.setdefault(r, [0, 0]) for r in range(dp)]
+        r = min(range(dp), key=lambda q: (load[q][0], load[q][1], q))
+        load[r][0] += 1
+        load[r][1] += prompt_len
+        return r
+
     def window_poll_once(self) -> int:
-        """Hand each uid with a finished sample and no job yet to its rank's window; returns how many."""
+        """Hand each submitted uid with a finished sample and no job yet to a DP rank's window (its stored prompt:
+        the sample's key); returns how many. A failed hand-out leaves its uids for the next poll."""
         import transfer_queue as tq
 
-        keys: dict = {}
-        for key, tag in ((tq.kv_list() or {}).get("train") or {}).items():
-            if tag.get("is_prompt") or tag.get("status") != "success":
-                continue
-            uid = row_uid(key)
-            with self._window_lock:
-                wanted = uid in self._window_ranks and uid not in self._window_sent
-            if wanted and uid not in keys:
-                keys[uid] = key
-        if not keys:
-            return 0
+        found: dict = {}
         with self._window_lock:
-            ranks = {u: self._window_ranks[u] for u in keys if u in self._window_ranks}
-            self._window_sent.update(ranks)
-        self.ref_policy_wg.rollplex_window_submit({u: keys[u] for u in ranks}, ranks)
-        return len(ranks)
+            for key, tag in ((tq.kv_list() or {}).get("train") or {}).items():
+                uid = row_uid(key)
+                if not tag.get("is_prompt") and tag.get("status") == "success" and uid in self._window_wanted:
+                    found.setdefault(uid, (key, int(tag.get("prompt_len", 0))))
+            if not found:
+                return 0
+            dp = self._dp_size("ref")
+            ranks = {u: self._window_rank(n, dp) for u, (_, n) in found.items()}
+            step = {u: self._window_wanted.pop(u) for u in found}
+            self._window_ranks.update({u: (r, step[u]) for u, r in ranks.items()})
+        try:
+            self.ref_policy_wg.rollplex_window_submit({u: k for u, (k, _) in found.items()}, ranks)
+        except Exception as e:  # e.g. a sample cleared between the listing and the read: try those uids again
+            self.window_failures += 1
+            log.warning("rollplex trainer: handing %d uids to the decode window failed (%s: %s); tried again at the "
+                        "next poll", len(found), type(e).__name__, e)
+            with self._window_lock:
+                for u, (_, n) in found.items():
+                    self._window_ranks.pop(u, None)
+                    self._window_wanted[u] = step[u]
+                    load = self._window_load.get(ranks[u])
+                    if load is not None:  # the batch may have cleared the loads meanwhile
+                        load[0] -= 1
+                        load[1] -= n
+            return 0
+        return len(found)
 
     def _window_poll(self, stop: threading.Event) -> None:
-        try:
-            while not stop.wait(self.window_poll_s):
+        while True:
+            last = stop.wait(self.window_poll_s)  # after the stop: one more look at what finished meanwhile
+            try:
                 self.window_poll_once()
-            self.window_poll_once()  # the samples that finished since the last look
-        except Exception as e:  # the reference phase computes what the window did not
-            log.error("rollplex trainer: the decode-window poller stopped: %s: %s", type(e).__name__, e)
+            except Exception as e:  # listing TransferQueue failed: the reference phase computes what is missing
+                self.window_failures += 1
+                log.warning("rollplex trainer: decode-window poll failed: %s: %s", type(e).__name__, e)
+            if last:
+                return
 
     def on_sample_begin(self):
         super().on_sample_begin()
@@ -243,10 +283,6 @@ class RollplexTrainer(PPOTrainerSync):
         super().on_sample_end()
 
     def on_init_end(self):
-        if os.environ.get(ENV_ADDRESS) and window_dir() is None:
-            raise RuntimeError(f"trainer.v1.trainer_mode={NAME}: {ENV_ADDRESS}={os.environ[ENV_ADDRESS]} names "
-                               f"listener addresses, which only this project's own trainer hands to the SGLang it "
-                               f"starts; under verl use a rendezvous directory: {ENV_ADDRESS}=dir:PATH")
         vendor = os.environ.get("VERL_ENGINE_VENDOR")
         if vendor != "rollplex":
             log.warning("trainer.v1.trainer_mode=%s with VERL_ENGINE_VENDOR=%r: verl's own engine computes every "

@@ -8,9 +8,9 @@ through the SGLang bridge (`rollout/sglang/`):
   model as parameter handles (the scheduler's modules alias the worker's reference weights);
 - during the rollout, verl's agent loop stores each finished sample in TransferQueue; the `rollplex` trainer
   polls it and hands each uid's prompt (read from its first finished sample: exactly what the batch will
-  hold) to the worker rank that will score that uid (`RollplexTrainer`, which later keeps each uid on that
-  rank when it balances the batch); the rank sends it as a prefix job, and the scheduler runs it between
-  decode steps (the jobs left when decoding ends, when SGLang is idle);
+  hold) to a DP rank (`RollplexTrainer`, which later keeps each uid on that rank when it balances the batch);
+  the rank sends it as a prefix job, and the scheduler runs it between decode steps (the jobs left when
+  decoding ends, when SGLang is idle);
 - verl's reference phase (`compute_ref_log_prob`) then reaches the engine, which takes each group's prefix K/V
   from the window when the job's prompt equals the group's bit for bit, and runs the prefix stage itself for
   the others (`RollplexMegatronEngine.forward_backward_batch`).
@@ -36,6 +36,7 @@ from rollplex_megatron.rollout.window.jobs import PrefixJob
 
 log = logging.getLogger(__name__)
 MECHANISM = {"mechanism": "interleave", "items_per_step": 1}  # one job between two decode steps
+STARTUP_S = 7 * 24 * 3600.0  # the accept waits as long as the run; the first reference phase judges a no-show
 
 
 def window_dir():
@@ -55,26 +56,25 @@ class RefWindow:
     reference model sent once that scheduler connected, and each batch of prefix jobs run as one bridge step
     from a thread of its own. `take(uids)` hands the engine those uids' K/V after every job sent was answered."""
 
-    KEEP_TAKES = 2  # a uid's K/V not taken by this many reference phases is dropped (a group never scored)
-
-    def __init__(self, model, model_cfg, dtype: str, megatron: dict, directory, timeout: float | None = None,
-                 startup_timeout: float | None = None):
+    def __init__(self, model, model_cfg, dtype: str, megatron: dict, directory, model_path: str | None = None,
+                 timeout: float | None = None):
         self.model = model
         self.bridge = TrainerBridge(timeout=timeout)
-        self.slot = P.device_slot(ps.get_tensor_model_parallel_rank())
-        self.received: dict[str, tuple[Prompt, KVStore, int]] = {}  # uid -> prompt, K/V, takes survived
+        self.tp_rank, tp = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+        self.slot = P.device_slot(self.tp_rank)
+        self.received: dict[str, tuple[Prompt, KVStore]] = {}
         self.steps = 0  # bridge steps run (one per batch of jobs)
         self.dropped = 0  # uids whose K/V no reference phase took
         self.error: BaseException | None = None
-        self._spec = (model_cfg, dtype, megatron or {}, ps.get_tensor_model_parallel_world_size())
+        self.connected = threading.Event()
+        self._spec = (model_cfg, dtype, megatron or {}, tp)
         self._jobs: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
-        self._open = 1  # batches queued or running; the first is the connection itself
-        self._startup = P.timeout_s() if startup_timeout is None else startup_timeout
+        self._open = 0  # batches queued or running
         for p in model.parameters():  # CPU: into shared memory now, so every handle stays valid
             shareable(p.data)
-        self.path = P.publish(directory, self.slot, self.bridge.address, self.bridge.key)
+        self.path = P.publish(directory, self.slot, self.bridge.address, self.bridge.key, model_path)
         self._thread = threading.Thread(target=self._run, name="rollplex-verl-window", daemon=True)
         self._thread.start()
 
@@ -89,46 +89,48 @@ class RefWindow:
 
     def take(self, uids) -> dict:
         """The K/V of `uids` among the jobs sent so far ({uid: (prompt, store with the K/V as group 0)}), after
-        the last job was answered. Other uids' K/V stay for a later phase (at most `KEEP_TAKES` of them). A
-        failed connection or job raises here, in the reference phase."""
+        the last job was answered; other uids' K/V are dropped (the reference phase of a step scores every group
+        it will score). Raises, in the reference phase, when the scheduler never connected (after a whole
+        rollout it would have, were the plugin loaded there) or a job failed."""
+        if not self.connected.is_set() and self.error is None:
+            raise RuntimeError(f"rollplex verl window: no SGLang scheduler connected through {self.path} by the "
+                               f"reference phase: is this package installed where SGLang runs (its "
+                               f"sglang.srt.plugins entry point), and {P.ENV_ADDRESS} in the Ray workers' "
+                               f"environment?")
         with self._idle:
             while self._open:
                 self._idle.wait()
             if self.error is not None:
                 err, self.error = self.error, None
                 raise RuntimeError(f"rollplex verl window: {err}") from err.__cause__
-            out = {u: self.received.pop(u)[:2] for u in uids if u in self.received}
-            for u, (prompt, store, age) in list(self.received.items()):
-                if age + 1 >= self.KEEP_TAKES:
-                    del self.received[u]
-                    self.dropped += 1
-                else:
-                    self.received[u] = (prompt, store, age + 1)
+            out = {u: self.received.pop(u) for u in uids if u in self.received}
+            self.dropped += len(self.received)
+            self.received.clear()
         return out
 
     def close(self) -> None:
         self._jobs.put(None)
         self.bridge.close()
+        self.path.unlink(missing_ok=True)
 
     def _run(self) -> None:
-        connected = False
         try:  # the scheduler connects at its first hook call, once SGLang runs its loop; its connect waits for this
-            self.bridge.accept(timeout=self._startup)
+            hello = self.bridge.accept(timeout=STARTUP_S)
+            if (hello.tp_rank, hello.tp_size) != (self.tp_rank, self._spec[3]):
+                raise P.BridgeError(f"the SGLang scheduler on this GPU is TP rank {hello.tp_rank} of {hello.tp_size}, "
+                                    f"this reference rank TP {self.tp_rank} of {self._spec[3]}: their shards differ "
+                                    f"(SGLang orders a replica's GPUs by id; verl's worker ranks did not follow it)")
             self.bridge.send_modules({"reference": self.model}, *self._spec, MECHANISM)
-            connected = True
+            self.connected.set()
         except BaseException as e:  # every job would fail: the reference phase says why
-            self._fail(e, f"no SGLang scheduler took the reference model through {self.path}: is this package "
-                          f"installed where SGLang runs, and {P.ENV_ADDRESS} in its environment?")
-        finally:
-            self._done()
+            self._fail(e, f"the SGLang scheduler through {self.path}")
         while True:
             batch = self._jobs.get()
             if batch is None:
                 return
-            if not connected:
-                self._done()
-                continue
             try:
+                if not self.connected.is_set():
+                    continue
                 items = [WorkItem(f"reference_prefix[{uid}]", None, job=PrefixJob("reference", prompt, KVStore(), 0))
                          for uid, prompt in batch.items()]
                 # prompts arrive as their rollouts finish: a job left when decoding ends may run as soon as
@@ -137,11 +139,13 @@ class RefWindow:
                 self.steps += 1
                 with self._lock:
                     for uid, it in zip(batch, items):
-                        self.received[uid] = (batch[uid], it.job.store, 0)
+                        self.received[uid] = (batch[uid], it.job.store)
             except BaseException as e:  # surfaced by take(), in the reference phase
                 self._fail(e, f"step {self.steps}: reference prefix jobs of {len(batch)} uids")
             finally:
-                self._done()
+                with self._idle:
+                    self._open -= 1
+                    self._idle.notify_all()
 
     def _fail(self, e: BaseException, what: str) -> None:
         log.error("rollplex verl window: %s: %s: %s", what, type(e).__name__, e)
@@ -149,11 +153,6 @@ class RefWindow:
             if self.error is None:
                 self.error = RuntimeError(f"{what} ({type(e).__name__}: {e})")
                 self.error.__cause__ = e
-
-    def _done(self) -> None:
-        with self._idle:
-            self._open -= 1
-            self._idle.notify_all()
 
 
 def adopt_window_prefixes(window: RefWindow | None, vg, store: KVStore) -> list[int]:

@@ -17,7 +17,8 @@ from rollplex_megatron.prefix import execution as X
 def open_window(engine, directory) -> RefWindow:
     """The reference engine's window: its model, shape and settings as the scheduler rebuilds them."""
     megatron = dict(getattr(engine.engine_config, "override_transformer_config", {}) or {})
-    engine.window = RefWindow(X.unwrap(engine.module), engine.cfg, engine.dtype, megatron, directory)
+    engine.window = RefWindow(X.unwrap(engine.module), engine.cfg, engine.dtype, megatron, directory,
+                              engine.model_path)
     return engine.window
 
 

@@ -29,6 +29,7 @@ RUN_BATCH = f"{SCHEDULER}.run_batch"
 ON_IDLE = f"{SCHEDULER}.on_idle"  # 0.5.12 and later
 OLD_IDLE = "self_check_during_idle"  # the idle method of releases without the plugin framework
 _BRIDGE = None  # this process's bridge (one scheduler per process)
+_NO_BRIDGE = object()  # a rendezvous without this scheduler's trainer (decided once)
 
 
 def tp_coordinates(obj) -> tuple[int, int]:
@@ -43,17 +44,25 @@ def tp_coordinates(obj) -> tuple[int, int]:
 
 
 def bridge_of(obj):
-    """This process's bridge, opened at the first hook call (None without ROLLPLEX_SGLANG_BRIDGE)."""
+    """This process's bridge, opened at the first hook call (None without ROLLPLEX_SGLANG_BRIDGE, or under a
+    rendezvous that names no trainer for this scheduler)."""
     global _BRIDGE
     if not os.environ.get(P.ENV_ADDRESS):
         return None
     if _BRIDGE is None:
-        _BRIDGE = open_bridge(*tp_coordinates(obj))
-    return _BRIDGE
+        _BRIDGE = open_bridge(*tp_coordinates(obj), model_path=_model_path(obj)) or _NO_BRIDGE
+    return None if _BRIDGE is _NO_BRIDGE else _BRIDGE
 
 
-def open_bridge(tp_rank: int, tp_size: int):
-    """Connect this scheduler process to its trainer (one connection per SGLang TP rank)."""
+def _model_path(obj) -> str | None:
+    """The checkpoint this SGLang server serves (its ServerArgs), if the object says."""
+    return getattr(getattr(obj, "server_args", None), "model_path", None)
+
+
+def open_bridge(tp_rank: int, tp_size: int, model_path: str | None = None):
+    """Connect this scheduler process to its trainer (one connection per SGLang TP rank); None when a rendezvous
+    names no trainer for this scheduler (on every rank of its TP group, which decide together)."""
+    import torch
     import torch.distributed as dist
 
     from rollplex_megatron.rollout.sglang.bridge import SchedulerBridge
@@ -64,7 +73,18 @@ def open_bridge(tp_rank: int, tp_size: int):
             raise P.BridgeError(f"the rollplex bridge needs SGLang's world to be its TP group (tp_size={tp_size}); "
                                 f"run SGLang without data or pipeline parallelism under the bridge")
         group = dist.new_group(backend="gloo")  # the bridge's own: ranks agree on the jobs they hold
-    return SchedulerBridge(P.connect(tp_rank), tp_rank, tp_size, version=_version(), cpu_group=group)
+    link = P.connect(tp_rank, model_path=model_path)
+    if group is not None and P.rendezvous_dir() is not None:
+        every = torch.tensor([int(link is not None)])
+        dist.all_reduce(every, op=dist.ReduceOp.MIN, group=group)
+        if not int(every) and link is not None:  # a TP group joins whole or not at all
+            link.close()
+            link = None
+    if link is None:
+        log.info("rollplex: no trainer published for this SGLang scheduler under %s (tp rank %d); the bridge stays "
+                 "off here", os.environ.get(P.ENV_ADDRESS), tp_rank)
+        return None
+    return SchedulerBridge(link, tp_rank, tp_size, version=_version(), cpu_group=group)
 
 
 def _version() -> str:

@@ -31,7 +31,6 @@ import os
 import secrets
 import socket
 import threading
-import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Client, Connection, Listener
 from pathlib import Path
@@ -232,43 +231,47 @@ def device_slot(tp_rank: int) -> str:
     return f"cpu-{socket.gethostname()}-tp{tp_rank}"
 
 
-def publish(directory: Path, slot: str, address: str, key: str) -> Path:
+def publish(directory: Path, slot: str, address: str, key: str, model_path: str | None = None) -> Path:
     """Trainer side: write this rank's listener for the scheduler on its device (written aside and renamed, so
-    a reader never sees half a file; readable by this user only: it holds the auth key). A file of a run
-    before is replaced: the newest trainer on a device is the one its scheduler must reach."""
+    a reader never sees half a file; readable by this user only: it holds the auth key). `model_path`: only a
+    scheduler serving that checkpoint connects (not another SGLang server of the job on the same device, such
+    as a reward model's). A file of a run before is replaced: the newest trainer on a device is the one."""
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{slot}.json"
     tmp = directory / f".{slot}.{os.getpid()}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
-        json.dump({"address": address, "key": key, "pid": os.getpid()}, f)
+        json.dump({"address": address, "key": key, "pid": os.getpid(), "model_path": model_path}, f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
     return path
 
 
-def _published(tp_rank: int, timeout: float) -> tuple[str, str]:
-    """Scheduler side: the address and key the trainer rank on this device published (waits for the file)."""
+def _rendezvous_link(tp_rank: int, model_path: str | None, timeout: float | None) -> Link | None:
+    """Scheduler side under a rendezvous: the link to the trainer rank on this device, or None when this
+    scheduler has none (no file for its device: no trainer rank there; a file for another checkpoint: this is
+    another of the job's SGLang servers; a listener that is gone: a file left by an earlier run). Trainer ranks
+    publish before the framework starts SGLang, so there is nothing to wait for."""
     path = rendezvous_dir() / f"{device_slot(tp_rank)}.json"
-    t_end = time.monotonic() + timeout
-    while not path.exists():
-        if time.monotonic() > t_end:
-            raise BridgeTimeout(f"no trainer published {path} within {timeout:g} s ({ENV_ADDRESS}="
-                                f"{os.environ[ENV_ADDRESS]}): the trainer rank on this device writes it when its "
-                                f"reference model is built; check that it runs with the same {ENV_ADDRESS}")
-        time.sleep(0.1)
+    if not path.exists():
+        return None
     entry = json.loads(path.read_text())
-    return entry["address"], entry["key"]
+    if model_path and entry.get("model_path") and entry["model_path"] != model_path:
+        return None
+    host, port = entry["address"].rsplit(":", 1)
+    try:
+        conn = Client((host, int(port)), authkey=bytes.fromhex(entry["key"]))
+    except ConnectionRefusedError:
+        return None
+    return Link(conn, "the trainer", timeout)
 
 
-def connect(tp_rank: int, timeout: float | None = None) -> Link:
+def connect(tp_rank: int, timeout: float | None = None, model_path: str | None = None) -> Link | None:
     """Scheduler side: connect to the trainer listener of SGLang TP rank `tp_rank` (from the environment: the
-    address list, or the rendezvous file of this device)."""
+    address list, or the rendezvous file of this device: None when it names no trainer for this scheduler)."""
     if rendezvous_dir() is not None:
-        address, key = _published(tp_rank, timeout_s() if timeout is None else timeout)
-        host, port = address.rsplit(":", 1)
-        return Link(Client((host, int(port)), authkey=bytes.fromhex(key)), "the trainer", timeout)
+        return _rendezvous_link(tp_rank, model_path, timeout)
     addrs = [a for a in os.environ.get(ENV_ADDRESS, "").split(",") if a]
     if tp_rank >= len(addrs):
         raise BridgeError(f"{ENV_ADDRESS} lists {len(addrs)} address(es) but this is SGLang TP rank {tp_rank}; the "
