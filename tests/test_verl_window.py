@@ -32,6 +32,8 @@ def test_window_without_a_scheduler_fails_the_reference_phase_naming_the_fix(win
     err = window.get("lonely_error", "")
     assert "no SGLang scheduler connected" in err and "nobody" in err and "sglang.srt.plugins" in err, err
     assert not window["lonely_file_left"]  # closing the window takes its rendezvous file away
+    assert "ROLLPLEX_VERL_WINDOW_MECHANISM=sideways: mode.window must be one of" in window["bad_mechanism"]
+    assert window["lonely_mechanism"] == "after"
 
 
 def test_window_prefix_of_another_prompt_is_not_used(window):

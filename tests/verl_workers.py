@@ -392,7 +392,15 @@ def window_cases(hf_dir: str, root: str) -> dict:
         out["steps"] = window.steps
         out["published"] = sorted(p.name for p in Path(root).iterdir())
         out["slot"] = window.slot
+        os.environ[Wn.ENV_MECHANISM] = "sideways"
+        try:
+            Wn.RefWindow(window.model, cfg, "float32", {}, Path(root) / "bad")
+        except ValueError as e:
+            out["bad_mechanism"] = str(e)
+        os.environ[Wn.ENV_MECHANISM] = "after"  # every job once SGLang idles: the control without a window
         lonely = Wn.RefWindow(window.model, cfg, "float32", {}, Path(root) / "nobody")
+        out["lonely_mechanism"] = lonely.mechanism["mechanism"]
+        del os.environ[Wn.ENV_MECHANISM]
         lonely.submit({uids[0]: stored[uids[0]]})  # no scheduler ever connects
         try:
             lonely.take({uids[0]})

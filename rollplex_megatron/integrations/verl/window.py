@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import queue
 import threading
 
@@ -32,10 +33,11 @@ from rollplex_megatron.prefix.batch import Prompt
 from rollplex_megatron.rollout.sglang import protocol as P
 from rollplex_megatron.rollout.sglang.client import TrainerBridge, shareable
 from rollplex_megatron.rollout.window import WorkItem
+from rollplex_megatron.rollout.window.policy import check_mechanism
 from rollplex_megatron.rollout.window.jobs import PrefixJob
 
 log = logging.getLogger(__name__)
-MECHANISM = {"mechanism": "interleave", "items_per_step": 1}  # one job between two decode steps
+ENV_MECHANISM = "ROLLPLEX_VERL_WINDOW_MECHANISM"  # mode.window for the scheduler's jobs (default interleave)
 STARTUP_S = 7 * 24 * 3600.0  # the accept waits as long as the run; the first reference phase judges a no-show
 
 
@@ -68,6 +70,12 @@ class RefWindow:
         self.error: BaseException | None = None
         self.connected = threading.Event()
         self._spec = (model_cfg, dtype, megatron or {}, tp)
+        mechanism = os.environ.get(ENV_MECHANISM, "interleave")
+        try:  # refused here, at start-up, rather than in SGLang's scheduler
+            check_mechanism(mechanism, tp, 1)
+        except ValueError as e:
+            raise ValueError(f"{ENV_MECHANISM}={mechanism}: {e}") from None
+        self.mechanism = {"mechanism": mechanism, "items_per_step": 1}  # at most one job between decode steps
         self._jobs: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
@@ -120,7 +128,7 @@ class RefWindow:
                 raise P.BridgeError(f"the SGLang scheduler on this GPU is TP rank {hello.tp_rank} of {hello.tp_size}, "
                                     f"this reference rank TP {self.tp_rank} of {self._spec[3]}: their shards differ "
                                     f"(SGLang orders a replica's GPUs by id; verl's worker ranks did not follow it)")
-            self.bridge.send_modules({"reference": self.model}, *self._spec, MECHANISM)
+            self.bridge.send_modules({"reference": self.model}, *self._spec, self.mechanism)
             self.connected.set()
         except BaseException as e:  # every job would fail: the reference phase says why
             self._fail(e, f"the SGLang scheduler through {self.path}")
