@@ -28,6 +28,12 @@ class Prompt:
     video_grid_thw: torch.Tensor | None = None  # [n_videos, 3]
     second_per_grid_ts: torch.Tensor | None = None  # [n_videos]
 
+    def to(self, device) -> "Prompt":
+        """A copy with every tensor on `device`."""
+        return Prompt(*(t.to(device) if torch.is_tensor(t) else t for t in (
+            self.input_ids, self.pixel_values, self.image_grid_thw, self.pixel_values_videos, self.video_grid_thw,
+            self.second_per_grid_ts)))
+
 
 @dataclass
 class Group:

@@ -57,11 +57,17 @@ def _get(data, key: str, default=None):
     return tu.get(data, key, default)
 
 
-def _prompt(ids: torch.Tensor, mm: dict | None) -> Prompt:
+def sample_prompt(ids: torch.Tensor, mm: dict | None) -> Prompt:
     """The sample's prompt; of `multi_modal_inputs` only the processor outputs the model reads (verl adds
     bookkeeping keys such as `images_seqlens`, which the model does not take)."""
     mm = mm or {}
     return Prompt(ids, **{k: mm.get(k) for k in PROMPT_FIELDS})
+
+
+def multi_modal_rows(data, n: int) -> list:
+    """Each sample's `multi_modal_inputs` dict (None for all when the batch has none)."""
+    mms = _get(data, "multi_modal_inputs")
+    return [None] * n if mms is None else list(mms)
 
 
 def same_prompt(a: Prompt, b: Prompt) -> bool:
@@ -89,8 +95,7 @@ def verl_groups(data, share_prefix: bool = True) -> VerlGroups:
     uids = list(uids) if not isinstance(uids, str) else [uids]
     if len(uids) != len(ids):
         raise ValueError(f"verl batch: {len(ids)} samples but {len(uids)} uids")
-    mms = _get(data, "multi_modal_inputs")
-    mms = [None] * len(ids) if mms is None else list(mms)
+    mms = multi_modal_rows(data, len(ids))
     prompts = data.get("prompts", None)
     r_lens = [int(r.numel()) for r in responses]
     p_lens = [int(x.numel()) - n for x, n in zip(ids, r_lens)]
@@ -109,7 +114,7 @@ def verl_groups(data, share_prefix: bool = True) -> VerlGroups:
         order.setdefault(str(u), []).append(i)
     groups, rows, full, group_uids = [], [], [], []
     for uid, members in order.items():
-        ps_ = [_prompt(ids[i][:p_lens[i]], mms[i]) for i in members]
+        ps_ = [sample_prompt(ids[i][:p_lens[i]], mms[i]) for i in members]
         if share_prefix and all(same_prompt(ps_[0], p) for p in ps_[1:]):
             groups.append(Group(ps_[0], [ids[i][p_lens[i]:] for i in members], torch.zeros(len(members))))
             rows.append(members)

@@ -18,17 +18,15 @@ The update is unchanged: the same K/V, computed in another process on the same w
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import queue
 import threading
 
-import torch
 from megatron.core import parallel_state as ps
 
 from rollplex_megatron.attention.kv_store import KVStore
-from rollplex_megatron.integrations.verl.batch import PROMPT_FIELDS, same_prompt
+from rollplex_megatron.integrations.verl.batch import same_prompt
 from rollplex_megatron.prefix.batch import Prompt
 from rollplex_megatron.rollout.sglang import protocol as P
 from rollplex_megatron.rollout.sglang.client import TrainerBridge, shareable
@@ -44,13 +42,6 @@ STARTUP_S = 7 * 24 * 3600.0  # the accept waits as long as the run; the first re
 def window_dir():
     """The rendezvous directory when the decode window under verl is on (`ROLLPLEX_SGLANG_BRIDGE=dir:PATH`)."""
     return P.rendezvous_dir()
-
-
-def prompt_of_sample(row: dict) -> Prompt:
-    """One stored sample's prompt as the engine builds it from a batch (`batch._prompt`): its `prompts` ids and
-    the processor tensors of its `multi_modal_inputs`."""
-    mm = row.get("multi_modal_inputs") or {}
-    return Prompt(row["prompts"], **{k: mm.get(k) for k in PROMPT_FIELDS})
 
 
 class RefWindow:
@@ -174,7 +165,7 @@ def adopt_window_prefixes(window: RefWindow | None, vg, store: KVStore) -> list[
     left = []
     for g in todo:
         entry = got.pop(vg.uids[g], None)
-        if entry is not None and same_prompt(_cpu(entry[0]), _cpu(vg.groups[g].prompt)):
+        if entry is not None and same_prompt(entry[0].to("cpu"), vg.groups[g].prompt.to("cpu")):
             store.adopt(entry[1], 0, g)
         else:
             if entry is not None:
@@ -183,7 +174,3 @@ def adopt_window_prefixes(window: RefWindow | None, vg, store: KVStore) -> list[
             left.append(g)
     return left
 
-
-def _cpu(p: Prompt) -> Prompt:
-    return dataclasses.replace(p, **{f.name: getattr(p, f.name).cpu() for f in dataclasses.fields(p)
-                                     if isinstance(getattr(p, f.name), torch.Tensor)})

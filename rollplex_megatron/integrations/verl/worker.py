@@ -10,7 +10,8 @@ from __future__ import annotations
 from verl.single_controller.base.decorator import Dispatch, register
 from verl.workers.engine_workers import ActorRolloutRefWorker
 
-from rollplex_megatron.integrations.verl.window import RefWindow, prompt_of_sample, window_dir
+from rollplex_megatron.integrations.verl.batch import multi_modal_rows, sample_prompt
+from rollplex_megatron.integrations.verl.window import RefWindow, window_dir
 from rollplex_megatron.prefix import execution as X
 
 
@@ -35,15 +36,11 @@ def read_prompts(keys: dict, partition_id: str = "train") -> dict:
 def prompts_of(data, uids: list) -> dict:
     """{uid: Prompt} of a TensorDict of stored samples, one per uid in that order (verl's layout, as the engine
     reads its batches: `prompts` per sample, `multi_modal_inputs` one dict per sample)."""
-    from rollplex_megatron.integrations.verl.batch import _get
-
     prompts = data["prompts"]  # jagged; a plain [n, P] tensor when the samples' prompts are one length
     ids = list(prompts.unbind()) if prompts.is_nested else list(prompts.unbind(0))
-    mms = _get(data, "multi_modal_inputs")
-    mms = [None] * len(ids) if mms is None else list(mms)
     if len(ids) != len(uids):
         raise ValueError(f"rollplex verl window: {len(uids)} uids but {len(ids)} stored samples")
-    return {u: prompt_of_sample({"prompts": ids[i], "multi_modal_inputs": mms[i]}) for i, u in enumerate(uids)}
+    return {u: sample_prompt(x, mm) for u, x, mm in zip(uids, ids, multi_modal_rows(data, len(ids)))}
 
 
 class RollplexActorRolloutRefWorker(ActorRolloutRefWorker):

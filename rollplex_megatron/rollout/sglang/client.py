@@ -9,7 +9,6 @@ jobs, at most `depth` unanswered (the bounded queue), records each job's K/V as 
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import threading
 
@@ -30,11 +29,7 @@ def shareable(t: torch.Tensor) -> torch.Tensor:
 def on_device(prompt):
     """The prompt with its tensors on this GPU (they cross as CUDA IPC handles; CPU tensors would need a
     file-descriptor hand-over that processes not spawned by each other cannot authenticate); on CPU as is."""
-    if not torch.cuda.is_available():
-        return prompt
-    dev = torch.cuda.current_device()
-    return dataclasses.replace(prompt, **{f.name: getattr(prompt, f.name).to(dev) for f in dataclasses.fields(prompt)
-                                          if isinstance(getattr(prompt, f.name), torch.Tensor)})
+    return prompt.to(torch.cuda.current_device()) if torch.cuda.is_available() else prompt
 
 
 class TrainerBridge:
