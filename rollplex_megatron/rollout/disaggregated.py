@@ -172,18 +172,13 @@ class RolloutWorker:
     training ranks' commands until `stop`."""
 
     def __init__(self, cfg: RunConfig, layouts: ParallelLayouts):
-        r = cfg.rollout
         self.layouts = layouts
         with layouts.use("rollout"):
             self.model = build_model(cfg.model, cfg.dtype, cfg.megatron).eval()  # weights come from training
             rank = ps.get_tensor_model_parallel_rank()
             self.first = rank == 0
             self.replica, self.replicas = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-            self.engine = EmbeddedEngine(self.model, cfg.model, r.max_prompt_len, r.max_response_len,
-                                         cfg.memory.kv_cache_gib, r.cuda_graphs, r.decode_attention,
-                                         sampling_kernel=r.sampling_kernel,
-                                         prefix_pack_tokens=cfg.workload.prefix_pack_tokens,
-                                         keep_decode_state=r.keep_decode_state)
+            self.engine = EmbeddedEngine.for_run(self.model, cfg)
         self.transfer = WeightTransfer(cfg, layouts, rollout_model=self.model, rollout_tp_rank=rank)
 
     def serve(self) -> dict:

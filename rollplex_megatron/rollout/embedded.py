@@ -234,6 +234,15 @@ class EmbeddedEngine:
                 self.cuda_graphs = False
                 self.graph_error = f"parallel.tp > 1 over {backend}: decode runs eagerly (graphs need NCCL)"
 
+    @classmethod
+    def for_run(cls, model, cfg, actor_pack_tokens: int | None = None) -> "EmbeddedEngine":
+        """An engine over `model` with a run's rollout, KV-budget and packing settings (`RunConfig`)."""
+        r = cfg.rollout
+        return cls(model, cfg.model, r.max_prompt_len, r.max_response_len, cfg.memory.kv_cache_gib, r.cuda_graphs,
+                   r.decode_attention, sampling_kernel=r.sampling_kernel,
+                   prefix_pack_tokens=cfg.workload.prefix_pack_tokens, actor_pack_tokens=actor_pack_tokens,
+                   keep_decode_state=r.keep_decode_state)
+
     def generate(self, requests: list[RolloutRequest], params: SamplingParams,
                  hooks: DecodeHooks | None = None, actor_prefix: KVStore | None = None,
                  recompute_prefix: bool = False) -> RolloutOutput:

@@ -78,11 +78,7 @@ class RolloutReplicas:
             rollout_rank = ps.get_tensor_model_parallel_rank()
             self.replica, self.replicas = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
             self.rollout_first = rollout_rank == 0
-            self.engine = EmbeddedEngine(self.model, cfg.model, r.max_prompt_len, r.max_response_len,
-                                         cfg.memory.kv_cache_gib, r.cuda_graphs, r.decode_attention,
-                                         sampling_kernel=r.sampling_kernel,
-                                         prefix_pack_tokens=cfg.workload.prefix_pack_tokens,
-                                         keep_decode_state=r.keep_decode_state)
+            self.engine = EmbeddedEngine.for_run(self.model, cfg)
         self.weights = None if full_copy is not None else SharedRolloutWeights(
             actor, self.model, cfg.model, layouts.tp, layouts.rollout_tp, train_group, split_gemm=r.split_gemm,
             rollout_tp_rank=rollout_rank)

@@ -200,11 +200,7 @@ def build_engine(model, cfg: RunConfig, at: ParallelLayouts | None = None, refer
         return RemoteRollout(X.unwrap(model), cfg, at)
     if at is not None and (at.differ or cfg.rollout.bound_model):
         return RolloutReplicas(X.unwrap(model), cfg, at)
-    r = cfg.rollout
-    return EmbeddedEngine(model, cfg.model, r.max_prompt_len, r.max_response_len, cfg.memory.kv_cache_gib,
-                          r.cuda_graphs, r.decode_attention,
-                          sampling_kernel=r.sampling_kernel, prefix_pack_tokens=cfg.workload.prefix_pack_tokens,
-                          actor_pack_tokens=actor_pack_tokens, keep_decode_state=r.keep_decode_state)
+    return EmbeddedEngine.for_run(model, cfg, actor_pack_tokens)
 
 
 class Runtime:
