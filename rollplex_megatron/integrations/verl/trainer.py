@@ -144,12 +144,11 @@ class RollplexTrainer(PPOTrainerSync):
         steps before the last (groups no batch took: dropped by dynamic sampling, failed, evicted)."""
         if not self._window:
             return {}
-        step = getattr(self, "global_steps", 0)
+        oldest = getattr(self, "global_steps", 0) - 1
         with self._window_lock:
             pinned = {u: self._window_ranks.pop(u)[0] for u in uids if u in self._window_ranks}
-            for table in (self._window_ranks, self._window_wanted):
-                for u in [u for u, v in table.items() if (v[1] if isinstance(v, tuple) else v) < step - 1]:
-                    del table[u]
+            self._window_ranks = {u: (r, s) for u, (r, s) in self._window_ranks.items() if s >= oldest}
+            self._window_wanted = {u: s for u, s in self._window_wanted.items() if s >= oldest}
             self._window_load.clear()
         return pinned
 
