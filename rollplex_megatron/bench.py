@@ -41,6 +41,8 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 WINDOWS = ("interleave", "after", "stream", "tail", "green", "auto")
 GIB = 2**30
+PARTS_PHASES = ("rollout", "old_logp", "ref_logp", "update", "optimizer")  # whose parts BENCHMARKS.md lists
+NESTED_PARTS = ("forward", "loss")  # parts inside another ("schedule"): not summed again
 # Analytic forward FLOPs each phase executes, as multiples of the recorded parts (verify.flops:
 # "full" whole sequences, "prefix" the prefix stages, "response" the response stages); backward is
 # twice the forward. `recompute` (the record's prefix_recompute) adds one prefix forward to the update. Valid for
@@ -226,6 +228,7 @@ def summarize_mode(label: str, records: list[dict], warmup: int, recompute: bool
         "steady": {"steps": [r["step"] for r in steady], "median_s": med,
                    "min_s": min(r["step_time_s"] for r in steady), "max_s": max(r["step_time_s"] for r in steady)},
         "phase_median_s": phase_med,
+        "phase_parts_s": phase_parts(steady),
         "phase_peak_gib": {p: max(r["phase_peak_bytes"].get(p, 0) for r in steady) / GIB
                            for p in phases if any(p in r["phase_peak_bytes"] for r in steady)},
         "peak_mem_gib": max(r["peak_mem_bytes"] for r in steady) / GIB,
@@ -241,6 +244,46 @@ def summarize_mode(label: str, records: list[dict], warmup: int, recompute: bool
         "window": window,
         "rollout_layout": steady[-1].get("rollout_layout"),  # a rollout model of its own: bytes it owns, replicas
     }
+
+
+def phase_parts(steady: list[dict]) -> dict:
+    """Per phase, per named part (`spans`): the medians over the steady steps of its count, host seconds and GPU
+    seconds (CUDA timing events; None on CPU). Records from before the parts were recorded give {}."""
+    out: dict[str, dict] = {}
+    for phase in dict.fromkeys(p for r in steady for p in r.get("phase_parts", {})):
+        names = dict.fromkeys(n for r in steady for n in r.get("phase_parts", {}).get(phase, {}))
+        rows = {}
+        for n in names:
+            got = [r["phase_parts"][phase][n] for r in steady if n in r.get("phase_parts", {}).get(phase, {})]
+            gpu = [g["gpu_s"] for g in got if g["gpu_s"] is not None]
+            rows[n] = {"count": _median([g["count"] for g in got]), "host_s": _median([g["host_s"] for g in got]),
+                       "gpu_s": _median(gpu)}
+        out[phase] = rows
+    return out
+
+
+def parts_line(label: str, m: dict, phase: str) -> str | None:
+    """One mode's parts of `phase` for BENCHMARKS.md: GPU seconds with the host's beside them (host seconds alone
+    where no GPU time exists; a part whose host time exceeds its GPU time by 10% is marked as paced by the host),
+    the update schedule's backward by difference (schedule - forward - loss), and what no part covers."""
+    parts = m.get("phase_parts_s", {}).get(phase)
+    if not parts or phase not in m["phase_median_s"]:
+        return None
+
+    def sec(row):
+        return row["gpu_s"] if row["gpu_s"] is not None else row["host_s"]
+
+    cells = []
+    for name, row in parts.items():
+        host = f" (host {row['host_s']:.2f}{', paced by the host' if row['host_s'] > 1.1 * row['gpu_s'] else ''})" \
+            if row["gpu_s"] is not None else ""
+        cells.append(f"{name} {sec(row):.2f}{host}")
+    if "schedule" in parts and phase == "update":  # forward and backward (the scoring phases run forward only)
+        inner = sum(sec(parts[n]) for n in NESTED_PARTS if n in parts)
+        cells.append(f"backward by difference {sec(parts['schedule']) - inner:.2f}")
+    top = sum(sec(row) for name, row in parts.items() if name not in NESTED_PARTS)
+    cells.append(f"not in a part {m['phase_median_s'][phase] - top:.2f}")
+    return f"- {label}, {phase} {m['phase_median_s'][phase]:.2f} s: " + "; ".join(cells)
 
 
 def _settings(label: str) -> frozenset:
@@ -323,6 +366,11 @@ def render_markdown(results: Path) -> str:
                 f"{w['phase_excess_s'][w['largest_in']]:+.2f} s)" for label, m in d["modes"].items()
                 for w in m["warmup_steps"]]
         lines += ["Warm-up steps (excess over the steady median): " + "; ".join(warm), ""]
+        parts = [line for label, m in d["modes"].items() for phase in PARTS_PHASES
+                 if (line := parts_line(label, m, phase))]
+        if parts:
+            lines += ["Parts of the phases (medians, seconds of GPU time between timing events on the compute "
+                      "stream; `rollplex_megatron/spans.py`):", "", *parts, ""]
         profs = [f"{label}: `{m['profile']}`" for label, m in d["modes"].items() if m.get("profile")]
         if profs:
             lines += ["Kernel profiles of one extra step (top ops per phase): " + ", ".join(profs), ""]

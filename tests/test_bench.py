@@ -40,6 +40,9 @@ def test_bench_json_schema_and_markdown(tiny_bench):
         assert {"rollout", "update", "optimizer"} <= set(m["phase_median_s"])
         assert m["decode_tokens_per_s"] > 0 and m["prompt_tokens"] > 0
         assert all(v > 0 for v in m["achieved_tflops"].values()) and "update" in m["achieved_tflops"]
+        parts = m["phase_parts_s"]["update"]  # the update's named parts, medians of the steady steps
+        assert {"memory", "schedule", "forward", "loss", "finalize_grads"} <= set(parts)
+        assert all(r["host_s"] > 0 and (r["gpu_s"] is None) != torch.cuda.is_available() for r in parts.values())
     # drawn lengths with stop tokens ignored: every response has its request's drawn length
     assert d["modes"]["serial"]["response_tokens"] == d["modes"]["rollplex"]["response_tokens"]
     w = d["modes"]["rollplex"]["window"]
@@ -61,8 +64,11 @@ def test_bench_json_schema_and_markdown(tiny_bench):
     assert max(r["count"] for r in prof["most_run_ops_per_phase"]["update"]) >= max(
         r["count"] for r in prof["top_ops_per_phase"]["update"])
     assert busy["compiled_frames"] == 0  # nothing is torch.compiled on CPU
+    assert {"prefix_recompute", "prefix_backward"} <= set(d["modes"]["rollplex"]["phase_parts_s"]["update"])
+    assert not {"prefix_recompute", "prefix_backward"} & set(d["modes"]["serial"]["phase_parts_s"]["update"])
     md = (tiny_bench.parent / "BENCHMARKS.md").read_text()
     assert "## tiny" in md and "| serial |" in md and "serial/rollplex" in md
+    assert "- rollplex, update " in md and "backward by difference" in md and "not in a part" in md
 
 
 def test_bench_refuses_to_overwrite_and_to_merge_another_machine(tiny_bench, tmp_path):

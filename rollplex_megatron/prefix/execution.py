@@ -31,6 +31,7 @@ from rollplex_megatron.attention.prefix import PrefixContext
 from rollplex_megatron.prefix.batch import Group, MicroBatch, split_token_values
 from rollplex_megatron.rl.grpo import policy_logprob_entropy
 from rollplex_megatron.runtime import device
+from rollplex_megatron.spans import span
 
 
 def unwrap(model):
@@ -128,7 +129,7 @@ def prefix_forward(model, groups: list[Group], store: KVStore, keep_graph: bool,
         ctx = PrefixContext(mode="record", store=store, group=ids[pack[0]], keep_graph=keep_graph, trainable=recompute,
                             groups=tuple(ids[i] for i in pack) if len(pack) > 1 else (),
                             lens=tuple(lens[i] for i in pack) if len(pack) > 1 else ())
-        with torch.set_grad_enabled(keep_graph):
+        with torch.set_grad_enabled(keep_graph), span("prefix_forward"):
             out = m.prefix_stage([groups[i].prompt for i in pack], ctx, recv)
         if not last:
             p2p.send_forward(out.detach() if not keep_graph else out, last)
@@ -194,30 +195,19 @@ def prefix_backward(model, states: list[PrefixState], store: KVStore) -> None:
             present = [x for x in states if x.pack is st.pack]
             members = [x.group for x in present]
             if st.pack.groups is not None:
-                st, graph, drift = _recompute_pack(m, st.pack, present, store)
+                with span("prefix_recompute"):
+                    st, graph, drift = _recompute_pack(m, st.pack, present, store)
                 drifts.append(drift)
             else:
                 st = PrefixState(members[0], st.pack.length, st.pack.received, st.pack.output)
         else:
             members = [st.group]
             if st.prompt is not None:
-                st, graph, drift = _recompute(m, st, store)
+                with span("prefix_recompute"):
+                    st, graph, drift = _recompute(m, st, store)
                 drifts.append(drift)
-        outs, grads = [], []
-        for g in members:
-            o, gr = store.backward_pairs(g, graph)
-            outs += o
-            grads += gr
-        if not last:
-            outs.append(st.output)
-            grads.append(p2p.recv_backward((st.length, 1, hidden), last))
-        if outs:
-            torch.autograd.backward(outs, grads)
-        if not first:
-            g = st.received.grad if st.received.grad is not None else torch.zeros_like(st.received)
-            p2p.send_backward(g, first)
-        for g in members:
-            store.release(g)
+        with span("prefix_backward"):
+            _backward_one(st, members, graph, store, p2p, first, last, hidden)
     if drifts:  # one read for all groups, after the backward work is issued
         store.recompute_drift = max(store.recompute_drift, float(torch.stack(drifts).max()))
 
@@ -235,9 +225,15 @@ def logprob_loss(mb: MicroBatch, logits_BTV: torch.Tensor, temperature: float = 
 
 def _step(micro_batches: list[MicroBatch], ctx_for, loss_fn, data_iterator, model):
     mb = micro_batches[next(data_iterator)]
-    out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, attention_context=ctx_for(mb),
-                **mb.vision)
-    return out, partial(loss_fn, mb)
+    with span("forward"):
+        out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, attention_context=ctx_for(mb),
+                    **mb.vision)
+    return out, partial(_loss, loss_fn, mb)
+
+
+def _loss(loss_fn, mb: MicroBatch, output):
+    with span("loss"):
+        return loss_fn(mb, output)
 
 
 def run_schedule(model, micro_batches: list[MicroBatch], ctx_for, forward_only: bool, loss_fn=None) -> list[dict]:
@@ -251,18 +247,40 @@ def run_schedule(model, micro_batches: list[MicroBatch], ctx_for, forward_only: 
     config.finalize_model_grads_func = None  # prefix gradients must be in before DP reduction
     config.variable_seq_lengths = True  # packed micro-batches differ in length
     try:
-        return get_forward_backward_func()(
-            forward_step_func=partial(_step, micro_batches, ctx_for, loss_fn or logprob_loss),
-            data_iterator=iter(range(len(micro_batches))), model=[model],
-            num_microbatches=len(micro_batches), seq_length=max(mb.input_ids.shape[1] for mb in micro_batches),
-            micro_batch_size=1, forward_only=forward_only)
+        with span("schedule"):
+            return get_forward_backward_func()(
+                forward_step_func=partial(_step, micro_batches, ctx_for, loss_fn or logprob_loss),
+                data_iterator=iter(range(len(micro_batches))), model=[model],
+                num_microbatches=len(micro_batches), seq_length=max(mb.input_ids.shape[1] for mb in micro_batches),
+                micro_batch_size=1, forward_only=forward_only)
     finally:
         config.finalize_model_grads_func, config.variable_seq_lengths = saved
 
 
+def _backward_one(st: PrefixState, members: list[int], graph: dict | None, store: KVStore, p2p, first: bool,
+                  last: bool, hidden: int) -> None:
+    """The backward through one group's (or pack's) prefix graph on this stage, then its K/V released."""
+    outs, grads = [], []
+    for g in members:
+        o, gr = store.backward_pairs(g, graph)
+        outs += o
+        grads += gr
+    if not last:
+        outs.append(st.output)
+        grads.append(p2p.recv_backward((st.length, 1, hidden), last))
+    if outs:
+        torch.autograd.backward(outs, grads)
+    if not first:
+        g = st.received.grad if st.received.grad is not None else torch.zeros_like(st.received)
+        p2p.send_backward(g, first)
+    for g in members:
+        store.release(g)
+
+
 def finalize(model) -> None:
     """DP gradient reduction and embedding-group sync, after every backward of the step."""
-    finalize_model_grads([model])
+    with span("finalize_grads"):
+        finalize_model_grads([model])
 
 
 def actor_prefix_step(model, groups: list[Group], micro_batches: list[MicroBatch],

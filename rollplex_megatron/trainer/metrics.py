@@ -10,6 +10,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from rollplex_megatron.runtime import sync
+from rollplex_megatron.spans import collect, merge, span
 from rollplex_megatron.verify.flops import batch_fwd_flops
 
 
@@ -25,6 +26,7 @@ class PhaseTimer:
         self.profile_phases = frozenset(profile_phases)  # the phases profiled (empty: all)
         self.kernels: dict[str, dict] = {}
         self.totals: dict[str, dict] = {}  # per profiled phase: op events, summed self device and CPU ms
+        self.parts: dict[str, dict] = {}  # per phase: its named parts (`spans`: count, host and GPU seconds)
 
     @contextmanager
     def __call__(self, name: str, residency: str | None = None):
@@ -32,17 +34,20 @@ class PhaseTimer:
         phase whose memory plan it runs under (default its own)."""
         sync()
         t0 = time.perf_counter()
-        if self.memory is not None:
-            self.memory.enter(residency or name)
-        if torch.cuda.is_available():
-            torch.cuda.reset_peak_memory_stats()  # after the releases, so the peak is this phase's
-        profiled = self.profile and (not self.profile_phases or name in self.profile_phases)
-        prof = _profiler() if profiled else nullcontext()
-        compiled = _compiled_frames()
-        with prof:
-            yield
-            sync()
+        with collect() as parts:
+            if self.memory is not None:
+                with span("memory"):  # the residency actions (on CUDA the GPU part is the wait for copies)
+                    self.memory.enter(residency or name)
+            if torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats()  # after the releases, so the peak is this phase's
+            profiled = self.profile and (not self.profile_phases or name in self.profile_phases)
+            prof = _profiler() if profiled else nullcontext()
+            compiled = _compiled_frames()
+            with prof:
+                yield
+                sync()
         self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
+        merge(self.parts.setdefault(name, {}), parts.summary())
         if torch.cuda.is_available():
             self.peaks[name] = max(self.peaks.get(name, 0), torch.cuda.max_memory_allocated())
         if profiled:

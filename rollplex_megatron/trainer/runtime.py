@@ -35,6 +35,7 @@ from rollplex_megatron.rollout.disaggregated import RemoteRollout
 from rollplex_megatron.rollout.replicas import RolloutReplicas
 from rollplex_megatron.rollout.sampling import SamplingParams
 from rollplex_megatron.runtime import device, wrap_ddp
+from rollplex_megatron.spans import span
 
 
 @dataclass
@@ -344,7 +345,8 @@ class Runtime:
         `advance`: after an RL step's last mini-batch) the scheduler's step: the schedule counts RL
         steps, as verl's does. Gradients are zeroed for the next update."""
         lr = current_lr(self.optimizer)
-        out = {**optimizer_step(self.optimizer), "lr": lr}
+        with span("optimizer_step"):
+            out = {**optimizer_step(self.optimizer), "lr": lr}
         if advance:
             self.scheduler.step(increment=1)
         self.ddp.zero_grad_buffer()
