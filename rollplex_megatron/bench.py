@@ -42,7 +42,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 WINDOWS = ("interleave", "after", "stream", "tail", "green", "auto")
 GIB = 2**30
 PARTS_PHASES = ("rollout", "old_logp", "ref_logp", "update", "optimizer")  # whose parts BENCHMARKS.md lists
-NESTED_PARTS = ("forward", "loss")  # parts inside another ("schedule"): not summed again
+NESTED_PARTS = ("forward", "loss", "attention")  # parts inside others (the schedule, prefix stages): not summed again
 # Analytic forward FLOPs each phase executes, as multiples of the recorded parts (verify.flops:
 # "full" whole sequences, "prefix" the prefix stages, "response" the response stages); backward is
 # twice the forward. `recompute` (the record's prefix_recompute) adds one prefix forward to the update. Valid for

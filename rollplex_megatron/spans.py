@@ -64,10 +64,11 @@ def collect():
 
 
 @contextmanager
-def span(name: str):
-    """Mark the enclosed code as part `name` of the phase being collected (nothing when none is)."""
+def span(name: str | None):
+    """Mark the enclosed code as part `name` of the phase being collected (nothing when none is, or with no
+    name)."""
     parts = _ACTIVE.get()
-    if parts is None:
+    if parts is None or name is None:
         yield
         return
     events = None

@@ -6,7 +6,8 @@ import pytest
 from rollplex_megatron import spans
 
 TOP = {"memory", "prefix_forward", "schedule", "prefix_recompute", "prefix_backward", "finalize_grads",
-       "optimizer_step"}  # the parts not nested in another ("forward" and "loss" run inside "schedule")
+       "optimizer_step"}  # the parts not nested in another ("forward" and "loss" run inside "schedule", "attention"
+# inside forwards)
 
 
 def test_parts_are_recorded_inside_a_collection_only_and_per_thread():
@@ -44,12 +45,22 @@ def _check_records(run, groups: int, prefix: bool):
             top = sum(r["host_s"] for n, r in rows.items() if n in TOP)
             assert 0 < top <= times[phase], (phase, rows, times[phase])  # inside the phase's own wall time
             assert rows["memory"]["count"] == 1  # the residency actions at its entry
-            assert set(rows) <= TOP | {"forward", "loss"}, rows
+            assert set(rows) <= TOP | {"forward", "loss", "attention"}, rows
         upd, opt = parts["update"], parts["optimizer"]
         assert set(opt) == {"memory", "optimizer_step"}  # the optimizer step is not in the update, and back
         assert upd["forward"]["count"] == upd["loss"]["count"] == len(run["micro_batches"][-1])
         assert upd["schedule"]["count"] == 1 and upd["finalize_grads"]["count"] == 1
         assert upd["schedule"]["host_s"] >= upd["forward"]["host_s"] + upd["loss"]["host_s"]
+        layers, blocks = 4, 4  # the tiny model's LLM layers and vision blocks
+        inner = upd["schedule"]["host_s"] + upd.get("prefix_recompute", {}).get("host_s", 0)
+        assert upd["attention"]["host_s"] < inner
+        ro = parts["rollout"]  # the prefills' attention (LLM and vision) only: decode steps record none
+        assert ro["attention"]["count"] == (layers + blocks) * ro["prefix_forward"]["count"]
+        # the response stage's forwards (LLM layers; serial's full sequences also run the vision tower), and each
+        # recomputed prefix (LLM and vision)
+        recomputed = upd.get("prefix_recompute", {}).get("count", 0)
+        per_forward = layers if prefix else layers + blocks
+        assert upd["attention"]["count"] == per_forward * upd["forward"]["count"] + (layers + blocks) * recomputed
         if prefix:  # one prefix backward per group, each through its recomputed forward (memory.plan=phase)
             assert upd["prefix_backward"]["count"] == upd["prefix_recompute"]["count"] == groups
             assert parts["rollout"]["prefix_forward"]["count"] >= groups  # the actor prefill (and window items)

@@ -14,6 +14,7 @@ class AttentionContext(PackedSeqParams):
     """
 
     rotary = None  # RopeTables (cos, sin [S,B,1,D]; called on q or k it rotates them), or None: megatron did
+    part = "attention"  # the phase part (`spans`) core attention records its calls under; None: none
 
     def rotate(self, query, key):
         """query and key after RoPE: unchanged unless the context carries the rotary tables."""

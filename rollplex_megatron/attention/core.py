@@ -13,6 +13,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
 from rollplex_megatron.attention.context import AttentionContext
+from rollplex_megatron.spans import span
 
 
 def causal_allowed(sq: int, sk: int, device=None) -> torch.Tensor:
@@ -84,7 +85,8 @@ class SDPACoreAttention(MegatronModule):
     ):
         """Megatron layout in, `[S,B,Nq*D]` out."""
         if isinstance(packed_seq_params, AttentionContext):
-            return packed_seq_params.attend(self.layer_number, query, key, value, self.softmax_scale)
+            with span(packed_seq_params.part):
+                return packed_seq_params.attend(self.layer_number, query, key, value, self.softmax_scale)
         if packed_seq_params is not None:
             raise NotImplementedError("SDPACoreAttention: packed_seq_params (THD) is not supported")
         if attention_bias is not None:

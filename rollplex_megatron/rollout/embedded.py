@@ -148,6 +148,8 @@ class DecodeContext(AttentionContext):
     triton: TritonIndex | None = None  # indices when decode attention runs on the Triton kernels
     rope: torch.Tensor | None = None  # [n, D] rotary angles when the attention applies RoPE (forward_decode)
 
+    part = None  # decode steps record no phase part (an eager step per layer would cost two timing events)
+
     def __post_init__(self) -> None:
         self.qkv_format = "sbhd"
 
