@@ -9,8 +9,10 @@ auto: release only what the device's free memory requires), `<mode>:torchnorm` (
 torch's composite RMSNorm), `<mode>:pack<N>` (workload.prefix_pack_tokens=N: the prefix stages of consecutive
 groups as one forward of up to N prefix tokens), `<mode>:fusedrope` (train.rope_kernel=triton: the training
 models' RoPE as one kernel per q and k), `<mode>:keepdecode` (rollout.keep_decode_state=true: the decode
-cache, slot state and CUDA graphs kept between rollouts), or a rollplex variant `rollplex:<window>` (interleave,
-after, stream, tail, green, auto); variants combine with `+` (`rollplex:tokens8192+pack16640`). Every figure is a median
+cache, slot state and CUDA graphs kept between rollouts), `<mode>:split` (mode.attention_backend=split: the
+training attention without a mask, two varlen calls merged by their log-sum-exp), or a rollplex variant
+`rollplex:<window>` (interleave, after, stream, tail, green, auto); variants combine with `+`
+(`rollplex:tokens8192+pack16640`). Every figure is a median
 of the steady steps (after `--warmup`); the warm-up steps are kept apart with the phases that hold their excess.
 `--profile` runs one more step per mode under torch.profiler and saves its top ops per phase beside
 the JSON (that step is left out of every figure); `--profile-phases update,...` profiles only those.
@@ -100,10 +102,13 @@ def _variant(name: str, variant: str, label: str) -> tuple[str, str]:
         return "train.rope_kernel", "train.rope_kernel=triton"
     if variant == "keepdecode":  # any mode: the decode cache, slot state and graphs kept between rollouts
         return "rollout.keep_decode_state", "rollout.keep_decode_state=true"
+    if variant == "split":  # any mode: training attention as two varlen calls merged, no mask (attention/split.py)
+        return "mode.attention_backend", "mode.attention_backend=split"
     if name != "rollplex" or variant not in WINDOWS:
         raise ValueError(f"--modes: {label!r}: a variant is rollplex:<{'|'.join(WINDOWS)}>, <mode>:bound, "
                          f"<mode>:tokens<N> or <mode>:pack<N> (N > 0), <mode>:keep, <mode>:memauto, "
-                         f"<mode>:torchnorm, <mode>:fusedrope or <mode>:keepdecode; several join with '+'")
+                         f"<mode>:torchnorm, <mode>:fusedrope, <mode>:keepdecode or <mode>:split; several join "
+                         "with '+'")
     return "mode.window", f"mode.window={variant}"
 
 

@@ -451,13 +451,15 @@ class ModeConfig:
     window_items_per_step: int = 1  # queued prefix work items run after each decode step
     window_tail_fraction: float = 0.25  # tail: side work starts when active samples <= this fraction
     window_green_sms: int = 32  # green: SMs of the side work's green-context partition
-    # Shared-prefix attention of the scoring and update phases: sdpa (explicit mask) or flex. Flex is
-    # not the default: torch 2.11's inductor rejected some training-step shapes (NoValidChoicesError).
+    # Shared-prefix attention of the scoring and update phases: sdpa (explicit mask), flex, or split (no mask:
+    # each response token's group prefix and its own response as two varlen attention calls merged by their
+    # log-sum-exp, `attention/split.py`; flash kernels on CUDA). Flex is not the default: torch 2.11's
+    # inductor rejected some training-step shapes (NoValidChoicesError); split is not, until a GPU run measures it.
     attention_backend: str = "sdpa"
 
     def __post_init__(self) -> None:
-        if self.attention_backend not in ("sdpa", "flex"):
-            raise ValueError(f"mode.attention_backend must be sdpa or flex, got {self.attention_backend!r}")
+        if self.attention_backend not in ("sdpa", "flex", "split"):
+            raise ValueError(f"mode.attention_backend must be sdpa, flex or split, got {self.attention_backend!r}")
         if not 0 < self.window_tail_fraction <= 1:
             raise ValueError(f"mode.window_tail_fraction must be in (0, 1], got {self.window_tail_fraction}")
         if self.window_green_sms < 1:

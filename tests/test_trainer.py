@@ -86,6 +86,9 @@ def mode_runs(tiny_hf, tiny_hf_tied, example_dir):
         calls["data", mode] = (W.run_steps, (_data_cfg(mode, example_dir), 2))
         calls["ppo", mode] = (W.run_steps, (_cfg(mode, *PPO, hf=tiny_hf), 2))
     calls["packed", "rollplex"] = (W.run_steps, (_cfg("rollplex", PACKED, hf=tiny_hf), 3))
+    for mode in ("serial", "rollplex"):  # the training attention without a mask (attention/split.py)
+        calls["split", mode] = (W.run_steps, (_cfg(mode, SPLIT, hf=tiny_hf), 3))
+    calls["data_split", "rollplex"] = (W.run_steps, (_data_cfg("rollplex", example_dir, SPLIT), 2))
     for mutant in ("untempered", "unbanned"):
         calls["data_mutant", mutant] = (W.run_steps, (_data_cfg("rollplex", example_dir), 1, mutant))
     calls["knobs", "rollplex"] = (W.run_steps, (_cfg("rollplex", *KNOBS, hf=tiny_hf), 3))
@@ -117,6 +120,30 @@ def _data_cfg(mode, example_dir, *extra):
 
 
 PACKED = "workload.prefix_pack_tokens=100000"  # every prefix stage of a step as one forward
+SPLIT = "mode.attention_backend=split"
+
+
+@pytest.mark.parametrize("mode", ["serial", "rollplex"])
+def test_split_attention_matches_the_masked_serial_run(mode_runs, serial_run, mode):
+    """Every scoring and update phase with the split attention (serial: full sequences, each causal over
+    itself; rollplex: the group's prefix and the response's own tokens, merged) against serial with the masked
+    SDPA attention, over three steps."""
+    run = case(mode_runs, ("split", mode))
+    assert run["tokens"] == serial_run["tokens"]
+    _records_close(run["records"], serial_run["records"])
+    err, name = _param_err(run, serial_run)
+    assert err <= TOL, (name, err)
+
+
+def test_split_attention_on_dataset_rows(mode_runs, data_serial_run):
+    """Ragged image and video prompts at temperature 0.7, rollplex with the split attention: serial's rollouts
+    and update, and the trainer's log-probs equal the sampler's."""
+    run, ref = case(mode_runs, ("data_split", "rollplex")), data_serial_run
+    assert run["tokens"] == ref["tokens"]
+    _records_close(run["records"], ref["records"])
+    err, name = _param_err(run, ref)
+    assert err <= TOL, (name, err)
+    assert all(rec["rollout_logp_diff"] <= LOGP_TOL for rec in run["records"])
 
 
 def test_rollplex_with_packed_prefixes_matches_serial(mode_runs, serial_run):

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from rollplex_megatron.attention.context import AttentionContext
 from rollplex_megatron.attention.core import sdpa_attention
 from rollplex_megatron.attention.kv_store import KVStore
+from rollplex_megatron.attention.split import split_attention, split_index
 
 
 @dataclass
@@ -32,6 +33,16 @@ class PackedLayout:
     group_T: torch.Tensor  # group id of each query token (-1: no shared prefix)
     prefix_groups: list[int] = field(default_factory=list)  # groups whose prefix K/V are prepended
     prefix_lens: list[int] = field(default_factory=list)  # their prefix lengths, same order
+    seg_lens: list[int] = field(default_factory=list)  # host copies: tokens of each segment, in token order
+    seg_groups: list[int] = field(default_factory=list)  # and its group (-1: none); empty: read from the tensors
+
+    def segments(self) -> tuple[list[int], list[int]]:
+        """Each segment's token count and group, in token order (from the host lists, else read back once)."""
+        if self.seg_lens:
+            return self.seg_lens, self.seg_groups
+        _, counts = torch.unique_consecutive(self.seg_T, return_counts=True)
+        starts = (counts.cumsum(0) - counts).tolist()
+        return counts.tolist(), self.group_T[starts].tolist()
 
     def allowed(self) -> torch.Tensor:
         """[T, Kp+T] bool: True where the query token may attend to the key."""
@@ -61,7 +72,7 @@ class PrefixContext(AttentionContext):
     group: int = -1
     keep_graph: bool = True
     trainable: bool = False  # record: trainable leaves without a graph (the prefix is recomputed later)
-    backend: str = "auto"  # auto | sdpa | flex
+    backend: str = "auto"  # auto | sdpa | flex | split (`attention.split`: no mask, two varlen calls merged)
     groups: tuple[int, ...] = ()  # record: the packed groups' ids in token order (empty: `group` alone)
     lens: tuple[int, ...] = ()  # record: their prefix lengths, same order
 
@@ -70,6 +81,7 @@ class PrefixContext(AttentionContext):
         self._allowed = None  # [T, Kp+T] mask, built once per micro-batch and shared by all layers
         self._block = None  # FlexAttention block mask, likewise
         self._pack_index = None  # record over several groups: token indices per prefix length, on the device
+        self._split = None  # split backend: the segment index, built once per micro-batch
 
     def attend(self, layer: int, query, key, value, scale):
         """Attention for core attention's inputs: query [T,1,Nq,D], key/value [T,1,Ng,D]."""
@@ -83,6 +95,8 @@ class PrefixContext(AttentionContext):
         if self.mode == "record":
             self.store.record(layer, self.group, key, value, self.keep_graph, self.trainable)
             return sdpa_attention(query, key, value, None, True, scale)
+        if self.backend == "split":
+            return self._split_attend(layer, query, key, value, scale)
         if self._allowed is None:
             self._allowed = self.layout.allowed()
         allowed = self._allowed
@@ -96,6 +110,18 @@ class PrefixContext(AttentionContext):
                 self._block = _block_mask(allowed, query.shape[0], key.shape[0], query.device)
             return _flex(query, key, value, allowed, scale, self._block)
         return shared_prefix_attention(query, key, value, allowed, scale, backend)
+
+    def _split_attend(self, layer: int, query, key, value, scale):
+        lay = self.layout
+        if self._split is None:
+            lens, groups = lay.segments()
+            prefix = lay.prefix_groups if self.mode == "use" else []
+            self._split = split_index(lens, groups, prefix, lay.prefix_lens, query.device)
+        pk = pv = None
+        if self.mode == "use":
+            kv = [self.store.kv(layer, g, key.dtype) for g in lay.prefix_groups]
+            pk, pv = torch.cat([x[0] for x in kv], dim=0), torch.cat([x[1] for x in kv], dim=0)
+        return split_attention(query, key, value, pk, pv, self._split, scale)
 
     def _backend(self, query) -> str:
         if self.backend != "auto":

@@ -65,7 +65,7 @@ class MicroBatch:
         return MicroBatch(mv(self.input_ids), mv(self.position_ids), mv(self.labels), mv(self.weight),
                           mv(self.label_mask),
                           PackedLayout(mv(lay.seg_T), mv(lay.pos_T), mv(lay.group_T), lay.prefix_groups,
-                                       lay.prefix_lens),
+                                       lay.prefix_lens, lay.seg_lens, lay.seg_groups),
                           {k: mv(v) for k, v in self.vision.items()}, self.responses,
                           {k: mv(v) for k, v in self.token_data.items()})
 
@@ -152,7 +152,8 @@ def response_micro_batches(cfg: ModelConfig, groups: list[Group], per_mb: int, t
             grp.append(torch.full((n,), gi))
         present = sorted({gi for gi, _ in members})
         layout = PackedLayout(torch.cat(seg), torch.cat(p), torch.cat(grp), present,
-                              [groups[g].prompt.input_ids.numel() - 1 for g in present])
+                              [groups[g].prompt.input_ids.numel() - 1 for g in present],
+                              [x.numel() for x in ids], [gi for gi, _ in members])
         t = sum(x.numel() for x in ids)
         out.append(MicroBatch(torch.cat(ids)[None], torch.cat(pos, dim=2), torch.cat(lab)[None],
                               torch.cat(w)[None], torch.ones(1, t, dtype=torch.bool), layout,
@@ -188,7 +189,8 @@ def full_micro_batches(cfg: ModelConfig, groups: list[Group], per_mb: int, total
                 if getattr(g.prompt, k) is not None:
                     vis.setdefault(k, []).append(getattr(g.prompt, k))
         t = sum(x.numel() for x in ids)
-        layout = PackedLayout(torch.cat(seg), torch.cat(p), torch.full((t,), -1))
+        layout = PackedLayout(torch.cat(seg), torch.cat(p), torch.full((t,), -1), seg_lens=[x.numel() for x in ids],
+                              seg_groups=[-1] * len(ids))
         out.append(MicroBatch(torch.cat(ids)[None], torch.cat(pos, dim=2), torch.cat(lab)[None],
                               torch.cat(w)[None], torch.cat(msk)[None], layout,
                               {k: torch.cat(v) for k, v in vis.items()}, list(members)))
