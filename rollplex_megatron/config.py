@@ -639,14 +639,16 @@ class EquivalenceConfig:
     text_tokens: int = 9  # prompt text tokens besides vision placeholders
     seed: int = 7  # batch seed (fresh random inputs per seed)
     advantage_mean: float = 0.0  # advantages ~ N(mean, 1); a nonzero mean keeps the loss away from 0
-    attention_backend: str = "auto"  # shared-prefix attention: auto (flex on GPU, sdpa on CPU), sdpa, flex
+    # shared-prefix attention: auto (flex on GPU, sdpa on CPU), sdpa, flex, split (mode.attention_backend's)
+    attention_backend: str = "auto"
     repeats: int = 1  # run both paths this many times; timings are the median after the first
     noise_floor: bool = False  # also compare the serial path with itself (1 response per micro-batch)
     fp32_reference: bool = True  # bf16: also run the serial step in fp32 on the same weights; both paths vs it
 
     def __post_init__(self) -> None:
-        if self.attention_backend not in ("auto", "sdpa", "flex"):
-            raise ValueError(f"verify.attention_backend must be auto, sdpa or flex, got {self.attention_backend!r}")
+        if self.attention_backend not in ("auto", "sdpa", "flex", "split"):
+            raise ValueError(f"verify.attention_backend must be auto, sdpa, flex or split, got "
+                             f"{self.attention_backend!r}")
         if self.repeats < 1:
             raise ValueError("verify.repeats must be >= 1")
         if not 1 <= self.min_response_len <= self.max_response_len:
