@@ -55,6 +55,13 @@ def test_engine_shared_prefix_equals_full_sequences(request, tp):
         assert {"actor/pg_loss", "actor/entropy_loss", "kl_loss"} <= set(r["metrics_shared"]), r["metrics_shared"]
 
 
+def test_engine_with_the_split_attention_equals_full_sequences(tp1):
+    """ROLLPLEX_VERL_ATTENTION=split on the shared engine against the full-sequence engine's masked attention."""
+    r = tp1["split"]
+    assert r["full_groups"] == 0 and r["grad_norm"] > 0
+    assert all(v <= TOL for v in r["rel"].values()), str(r["rel"])
+
+
 def test_uid_whose_rows_differ_runs_as_full_sequences(tp1):
     r = tp1["wrong_uid"]
     assert r["full_groups"] == 3  # the wrong uid's 3 rows, one group each; the other uids shared

@@ -70,7 +70,7 @@ def actor_config():
                             kl_loss_coef=0.1, kl_loss_type="low_var_kl")
 
 
-def new_engine(hf_dir: str, tp: int, share_prefix: bool, forward_only: bool = False):
+def new_engine(hf_dir: str, tp: int, share_prefix: bool, forward_only: bool = False, attention: str | None = None):
     """The engine verl's worker would build: `EngineRegistry.new` with verl's own config classes."""
     from verl.workers.config import HFModelConfig, McoreEngineConfig, McoreOptimizerConfig
     from verl.workers.engine.base import EngineRegistry
@@ -82,7 +82,7 @@ def new_engine(hf_dir: str, tp: int, share_prefix: bool, forward_only: bool = Fa
                                         forward_only=forward_only, use_distributed_optimizer=False,
                                         sequence_parallel=False),
         optimizer_config=McoreOptimizerConfig(lr=1e-2, weight_decay=0.0, clip_grad=1e6, total_training_steps=2),
-        checkpoint_config=None, share_prefix=share_prefix, dtype="float32")
+        checkpoint_config=None, share_prefix=share_prefix, dtype="float32", attention=attention)
     engine.initialize()
     return engine
 
@@ -91,7 +91,8 @@ def _grads(engine) -> dict:
     return {n: p.main_grad.detach().clone() for n, p in engine.ddp.module.named_parameters() if p.requires_grad}
 
 
-def shared_vs_full(hf_dir: str, tp: int, mutation: str = "", mismatched_uid: bool = False) -> dict:
+def shared_vs_full(hf_dir: str, tp: int, mutation: str = "", mismatched_uid: bool = False,
+                   attention: str | None = None) -> dict:
     """The same verl batch through the engine with the prefix shared and with full sequences (this project's
     serial path): log-probs and entropy (infer_batch), loss, gradients and megatron's gradient norm (the
     optimizer step's global norm), as relative errors. `mutation="trust_uid"`: the engine groups by uid without
@@ -108,7 +109,8 @@ def shared_vs_full(hf_dir: str, tp: int, mutation: str = "", mismatched_uid: boo
     if mutation == "trust_uid":
         B.same_prompt = lambda a, b: True
     cfg = HFCheckpoint(hf_dir).model_config()
-    engines = {k: new_engine(hf_dir, tp, share_prefix=(k == "shared")) for k in ("shared", "full")}
+    engines = {k: new_engine(hf_dir, tp, share_prefix=(k == "shared"), attention=attention if k == "shared" else None)
+               for k in ("shared", "full")}  # `attention`: the shared engine's (the full one keeps the default)
     out = {"engine": type(engines["shared"]).__name__, "rel": {}}
     infer, loss, grads, params, infer_resp, whole_loss = {}, {}, {}, {}, {}, {}
     loss_fn = partial(ppo_loss, config=actor_config())
@@ -306,6 +308,7 @@ def tp1_cases(hf_dir: str) -> dict:
     from rollplex_megatron.integrations.verl import batch as B
 
     out = {"plain": shared_vs_full(hf_dir, 1), "wrong_uid": shared_vs_full(hf_dir, 1, "", True),
+           "split": shared_vs_full(hf_dir, 1, attention="split"),
            "dp_one": dp_grads(hf_dir), "dynamic": dynamic_vs_count(hf_dir)}
     same_prompt = B.same_prompt
     try:

@@ -48,6 +48,9 @@ ENV_PREFIX = "ROLLPLEX_VERL_PREFIX"  # shared (default) | full: every group as f
 ENV_DTYPE = "ROLLPLEX_VERL_DTYPE"  # float32 overrides verl's engine dtype (which allows bf16 / fp16 only)
 ENV_NORM = "ROLLPLEX_VERL_NORM_KERNEL"  # auto (default) | triton | torch: the model's RMSNorms (train.norm_kernel)
 ENV_ROPE = "ROLLPLEX_VERL_ROPE_KERNEL"  # auto (default) | triton | torch: the model's RoPE (train.rope_kernel)
+# auto (default: flex on CUDA, sdpa elsewhere) | sdpa | flex | split: the shared-prefix attention (attention/split.py)
+ENV_ATTENTION = "ROLLPLEX_VERL_ATTENTION"
+ATTENTION = ("auto", "sdpa", "flex", "split")
 DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32"}
 
 
@@ -90,7 +93,7 @@ class RollplexMegatronEngine(BaseEngine):
     delta_pin_snapshots = False
 
     def __init__(self, model_config, engine_config, optimizer_config=None, checkpoint_config=None,
-                 share_prefix: bool | None = None, dtype: str | None = None):
+                 share_prefix: bool | None = None, dtype: str | None = None, attention: str | None = None):
         check_engine_config(engine_config)
         self.model_config, self.engine_config = model_config, engine_config
         self.optimizer_config, self.checkpoint_config = optimizer_config, checkpoint_config
@@ -100,6 +103,9 @@ class RollplexMegatronEngine(BaseEngine):
                 raise ValueError(f"{ENV_PREFIX}={mode!r}; use shared or full")
             share_prefix = mode == "shared"
         self.share_prefix = share_prefix
+        self.attention = attention or os.environ.get(ENV_ATTENTION, "auto")
+        if self.attention not in ATTENTION:
+            raise ValueError(f"{ENV_ATTENTION}={self.attention!r}; use one of {', '.join(ATTENTION)}")
         self.last_packing: dict = {}  # the last batch's micro-batches: response tokens (shared), responses (full)
         self.forward_only = bool(_setting(engine_config, "forward_only", False))
         dtype = dtype or os.environ.get(ENV_DTYPE) or str(_setting(engine_config, "dtype", "bfloat16"))
@@ -249,11 +255,13 @@ class RollplexMegatronEngine(BaseEngine):
             res = []
             if shared:
                 res += X.run_schedule(model, [mb.to(dev) for mb in shared],
-                                      lambda mb: PrefixContext(mode="use", layout=mb.layout, store=store),
+                                      lambda mb: PrefixContext(mode="use", layout=mb.layout, store=store,
+                                                               backend=self.attention),
                                       forward_only=not train, loss_fn=loss_fn)
             if full:
                 res += X.run_schedule(model, [mb.to(dev) for mb in full],
-                                      lambda mb: PrefixContext(mode="packed", layout=mb.layout),
+                                      lambda mb: PrefixContext(mode="packed", layout=mb.layout,
+                                                               backend=self.attention),
                                       forward_only=not train, loss_fn=loss_fn)
         if train:
             X.prefix_backward(model, states, store)
