@@ -9,8 +9,9 @@ auto: release only what the device's free memory requires), `<mode>:torchnorm` (
 torch's composite RMSNorm), `<mode>:pack<N>` (workload.prefix_pack_tokens=N: the prefix stages of consecutive
 groups as one forward of up to N prefix tokens), `<mode>:fusedrope` (train.rope_kernel=triton: the training
 models' RoPE as one kernel per q and k), `<mode>:keepdecode` (rollout.keep_decode_state=true: the decode
-cache, slot state and CUDA graphs kept between rollouts), `<mode>:split` (mode.attention_backend=split: the
-training attention without a mask, two varlen calls merged by their log-sum-exp), or a rollplex variant
+cache, slot state and CUDA graphs kept between rollouts), `<mode>:split` / `<mode>:sdpa`
+(mode.attention_backend=split: the training attention without a mask, two varlen calls merged by their log-sum-exp,
+what `auto` runs on CUDA; sdpa: the masked path), or a rollplex variant
 `rollplex:<window>` (interleave, after, stream, tail, green, auto); variants combine with `+`
 (`rollplex:tokens8192+pack16640`). Every figure is a median
 of the steady steps (after `--warmup`); the warm-up steps are kept apart with the phases that hold their excess.
@@ -102,13 +103,13 @@ def _variant(name: str, variant: str, label: str) -> tuple[str, str]:
         return "train.rope_kernel", "train.rope_kernel=triton"
     if variant == "keepdecode":  # any mode: the decode cache, slot state and graphs kept between rollouts
         return "rollout.keep_decode_state", "rollout.keep_decode_state=true"
-    if variant == "split":  # any mode: training attention as two varlen calls merged, no mask (attention/split.py)
-        return "mode.attention_backend", "mode.attention_backend=split"
+    if variant in ("split", "sdpa"):  # any mode: the training attention without a mask (attention/split.py) or
+        return "mode.attention_backend", f"mode.attention_backend={variant}"  # with it (the masked SDPA path)
     if name != "rollplex" or variant not in WINDOWS:
         raise ValueError(f"--modes: {label!r}: a variant is rollplex:<{'|'.join(WINDOWS)}>, <mode>:bound, "
                          f"<mode>:tokens<N> or <mode>:pack<N> (N > 0), <mode>:keep, <mode>:memauto, "
-                         f"<mode>:torchnorm, <mode>:fusedrope, <mode>:keepdecode or <mode>:split; several join "
-                         "with '+'")
+                         f"<mode>:torchnorm, <mode>:fusedrope, <mode>:keepdecode, <mode>:split or <mode>:sdpa; "
+                         "several join with '+'")
     return "mode.window", f"mode.window={variant}"
 
 

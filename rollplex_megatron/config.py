@@ -451,15 +451,17 @@ class ModeConfig:
     window_items_per_step: int = 1  # queued prefix work items run after each decode step
     window_tail_fraction: float = 0.25  # tail: side work starts when active samples <= this fraction
     window_green_sms: int = 32  # green: SMs of the side work's green-context partition
-    # Shared-prefix attention of the scoring and update phases: sdpa (explicit mask), flex, or split (no mask:
-    # each response token's group prefix and its own response as two varlen attention calls merged by their
-    # log-sum-exp, `attention/split.py`; flash kernels on CUDA). Flex is not the default: torch 2.11's
-    # inductor rejected some training-step shapes (NoValidChoicesError); split is not, until a GPU run measures it.
-    attention_backend: str = "sdpa"
+    # Shared-prefix attention of the scoring and update phases: split (no mask: each response token's group
+    # prefix and its own response as two varlen attention calls merged by their log-sum-exp, `attention/split.py`;
+    # flash kernels on CUDA), sdpa (an explicit [T, Kp+T] mask), flex, or auto (split where its flash kernels run:
+    # CUDA in bf16/fp16; sdpa elsewhere). Flex is not the default: torch 2.11's inductor rejected some
+    # training-step shapes (NoValidChoicesError).
+    attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.attention_backend not in ("sdpa", "flex", "split"):
-            raise ValueError(f"mode.attention_backend must be sdpa, flex or split, got {self.attention_backend!r}")
+        if self.attention_backend not in ("auto", "sdpa", "flex", "split"):
+            raise ValueError(f"mode.attention_backend must be auto, sdpa, flex or split, got "
+                             f"{self.attention_backend!r}")
         if not 0 < self.window_tail_fraction <= 1:
             raise ValueError(f"mode.window_tail_fraction must be in (0, 1], got {self.window_tail_fraction}")
         if self.window_green_sms < 1:
@@ -639,7 +641,7 @@ class EquivalenceConfig:
     text_tokens: int = 9  # prompt text tokens besides vision placeholders
     seed: int = 7  # batch seed (fresh random inputs per seed)
     advantage_mean: float = 0.0  # advantages ~ N(mean, 1); a nonzero mean keeps the loss away from 0
-    # shared-prefix attention: auto (flex on GPU, sdpa on CPU), sdpa, flex, split (mode.attention_backend's)
+    # shared-prefix attention: auto (split where its flash kernels run, else sdpa), sdpa, flex, split
     attention_backend: str = "auto"
     repeats: int = 1  # run both paths this many times; timings are the median after the first
     noise_floor: bool = False  # also compare the serial path with itself (1 response per micro-batch)

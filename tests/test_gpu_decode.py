@@ -133,9 +133,11 @@ def test_engine_graph_decode_equals_eager_decode(tiny_hf, dtype, top_p):
 
 @pytest.mark.parametrize("dtype,top_p", [("bfloat16", 1.0), ("float32", 0.9)])
 def test_kept_decode_state_replays_graphs_captured_by_an_earlier_rollout(tiny_hf, dtype, top_p):
-    """rollout.keep_decode_state on the GPU: a rollout whose shape matches the kept state's captures no graph
-    (it replays the graphs an earlier rollout captured, over the refilled cache and slot state), and every
-    rollout's tokens, log-probs and finish reasons are a fresh engine's exactly (the grown cache's extra
+    """rollout.keep_decode_state on the GPU: a rollout whose shape matches the kept state's replays the graphs
+    earlier rollouts captured (over the refilled cache and slot state) and captures only the batch-size buckets
+    none of them reached (sampled lengths differ between rollouts, so the shrinking batch can visit another
+    bucket: measured at f659cc1, 1-2 of 3-4), and every rollout's tokens, log-probs and finish reasons are a fresh
+    engine's exactly (the grown cache's extra
     prefix and response splits are empty partials of the log-sum-exp merge). A rollout that fails mid-decode
     leaves no state to reuse: the next one captures its graphs again."""
     from tests import rollout_workers as W
@@ -145,8 +147,11 @@ def test_kept_decode_state_replays_graphs_captured_by_an_earlier_rollout(tiny_hf
     assert [r["reused"] for r in runs] == [0, 1, 0, 1, 0, 0]  # the last: after a failed rollout, a new state
     assert all(r["graph_error"] == "" for r in runs) and runs[5]["failed_state_dropped"]
     assert runs[0]["captured"] > 0 and runs[2]["captured"] > 0 and runs[5]["captured"] > 0
-    assert runs[1]["captured"] == 0 and runs[3]["captured"] == 0, [r["captured"] for r in runs]
-    assert runs[1]["replays"] > 0 and runs[3]["replays"] > 0
+    for i, r in enumerate(runs[:5]):  # a fresh state captures every bucket it visits; a reused one fewer
+        if r["reused"]:
+            assert r["captured"] < r["fresh_captured"] and r["replays"] > 0, (i, r["captured"], r["fresh_captured"])
+        else:
+            assert r["captured"] == r["fresh_captured"], (i, r["captured"], r["fresh_captured"])
     for r in runs:
         assert r["kept"] == r["fresh"]
 

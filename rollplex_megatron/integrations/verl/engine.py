@@ -48,7 +48,8 @@ ENV_PREFIX = "ROLLPLEX_VERL_PREFIX"  # shared (default) | full: every group as f
 ENV_DTYPE = "ROLLPLEX_VERL_DTYPE"  # float32 overrides verl's engine dtype (which allows bf16 / fp16 only)
 ENV_NORM = "ROLLPLEX_VERL_NORM_KERNEL"  # auto (default) | triton | torch: the model's RMSNorms (train.norm_kernel)
 ENV_ROPE = "ROLLPLEX_VERL_ROPE_KERNEL"  # auto (default) | triton | torch: the model's RoPE (train.rope_kernel)
-# auto (default: flex on CUDA, sdpa elsewhere) | sdpa | flex | split: the shared-prefix attention (attention/split.py)
+# auto (default: split where its flash kernels run, sdpa elsewhere) | sdpa | flex | split: the scoring and update
+# attention (attention/prefix.py, attention/split.py)
 ENV_ATTENTION = "ROLLPLEX_VERL_ATTENTION"
 ATTENTION = ("auto", "sdpa", "flex", "split")
 DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32"}
