@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import os
 import sys
 
 import torch
 
 from rollplex_megatron.rl.grpo import policy_logprob_entropy
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run as a script from the repo root
+from cuda_timing import time_call, write_result  # noqa: E402
 
 
 _BANNED = (151652, 151653, 151654, 151655, 151656)  # Qwen2.5-VL's vision placeholder ids
@@ -44,22 +47,7 @@ def _step(kernel, logits, labels, mask, w, u, temperature, banned):
 
 
 def _time(kernel, args, repeats: int, warmup: int) -> dict:
-    for _ in range(warmup):
-        _step(kernel, *args)
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        out = _step(kernel, *args)
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-        del out
-    return {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times),
-            "peak_above_inputs_gib": (torch.cuda.max_memory_allocated() - base) / 2**30}
+    return time_call(lambda: _step(kernel, *args), repeats, warmup)
 
 
 def _rel(a, b) -> float:
@@ -68,8 +56,6 @@ def _rel(a, b) -> float:
 
 def main() -> int:
     from rollplex_megatron.dist import init_parallel
-    from rollplex_megatron.runtime import environment_record
-
     init_parallel()  # the torch path's vocab-parallel cross-entropy reads megatron's TP group (TP 1 here)
     p = argparse.ArgumentParser()
     p.add_argument("--rows", type=int, nargs="+", default=[4096, 8192, 16384])
@@ -93,16 +79,13 @@ def main() -> int:
         rows.append(row)
         del args, want, got
         torch.cuda.empty_cache()
-    res = {"command": "python " + " ".join(sys.argv), "rows": rows,
-           "settings": {"what": "forward + backward of sum(w * logp) + sum(u * entropy[mask]) on [1, rows, vocab] "
-                                "bf16 logits (N(0, 16)), 128 padded columns, 5 banned, 90% of rows in the mask",
-                        "temperature": a.temperature, "repeats": a.repeats, "warmup": a.warmup,
-                        "timing": "CUDA events around one call, median of repeats; peak: max allocated during "
-                                  "the repeats minus allocated before them (the loss's own temporaries and grad)"},
-           "environment": environment_record()}
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(res, f, indent=2)
+    write_result(a.out, rows, {"what": "forward + backward of sum(w * logp) + sum(u * entropy[mask]) on [1, rows, "
+                                       "vocab] bf16 logits (N(0, 16)), 128 padded columns, 5 banned, 90% of rows "
+                                       "in the mask",
+                               "temperature": a.temperature, "repeats": a.repeats, "warmup": a.warmup,
+                               "timing": "CUDA events around one call, median of repeats; peak: max allocated "
+                                         "during the repeats minus allocated before them (the loss's own "
+                                         "temporaries and grad)"})
     return 0
 
 

@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import os
 import sys
 
 import torch
 
 from rollplex_megatron.attention import split
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run as a script from the repo root
+from cuda_timing import time_call, write_result  # noqa: E402
 from rollplex_megatron.attention.prefix import PackedLayout, shared_prefix_attention
 
 NQ, NG, D = 16, 2, 128  # Qwen2.5-VL-3B per TP rank at TP 1
@@ -83,23 +86,8 @@ def _split(lay, q, k, v, pk, pv, w):
 
 
 def _time(fn, lay, xs, repeats: int, warmup: int) -> dict:
-    fresh = lambda: [x.detach().clone() for x in xs[:5]] + [xs[5]]  # noqa: E731
-    for _ in range(warmup):
-        fn(lay, *fresh())
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(repeats):
-        args = fresh()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn(lay, *args)
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times),
-            "peak_above_inputs_gib": (torch.cuda.max_memory_allocated() - base) / 2**30}
+    return time_call(lambda *args: fn(lay, *args), repeats, warmup,
+                     prepare=lambda: [x.detach().clone() for x in xs[:5]] + [xs[5]])
 
 
 def _pairs(lay) -> dict:
@@ -119,8 +107,6 @@ def _rel(a, b) -> float:
 
 
 def main() -> int:
-    from rollplex_megatron.runtime import environment_record
-
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", type=int, nargs="+", default=[4096, 8192])
     p.add_argument("--full", type=int, nargs="+", default=[2, 4])
@@ -150,18 +136,13 @@ def main() -> int:
         rows.append(row)
         del xs, want, got
         torch.cuda.empty_cache()
-    res = {"command": "python " + " ".join(sys.argv), "rows": rows,
-           "settings": {"what": "forward + backward of sum(w * attention) for one packed micro-batch, bf16, "
-                                f"{NQ} query heads, {NG} KV heads, head dim {D}; masked: SDPA with the [T, Kp+T] "
-                                "mask (built each call, as each forward does once); split: attention/split.py on "
-                                "torch's varlen flash kernels",
-                        "prefix": a.prefix, "repeats": a.repeats, "warmup": a.warmup,
-                        "timing": "CUDA events around one call, median of repeats; peak: max allocated during "
-                                  "the repeats minus allocated before them"},
-           "environment": environment_record()}
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(res, f, indent=2)
+    write_result(a.out, rows, {"what": "forward + backward of sum(w * attention) for one packed micro-batch, bf16, "
+                                       f"{NQ} query heads, {NG} KV heads, head dim {D}; masked: SDPA with the "
+                                       "[T, Kp+T] mask (built each call, as each forward does once); split: "
+                                       "attention/split.py on torch's varlen flash kernels",
+                               "prefix": a.prefix, "repeats": a.repeats, "warmup": a.warmup,
+                               "timing": "CUDA events around one call, median of repeats; peak: max allocated "
+                                         "during the repeats minus allocated before them"})
     return 0
 
 
