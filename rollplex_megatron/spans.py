@@ -13,7 +13,7 @@ variable): parts issued from another thread (the decode window's issuer) are not
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from contextvars import ContextVar
 
 import torch
@@ -32,24 +32,27 @@ class Parts:
         events: call after the phase's work has been synchronised."""
         out: dict[str, dict] = {}
         for name, host, events in self.rows:
-            row = out.setdefault(name, {"count": 0, "host_s": 0.0, "gpu_s": None})
-            row["count"] += 1
-            row["host_s"] += host
+            gpu = None
             if events is not None:
                 events[1].synchronize()
-                row["gpu_s"] = (row["gpu_s"] or 0.0) + events[0].elapsed_time(events[1]) / 1e3
+                gpu = events[0].elapsed_time(events[1]) / 1e3
+            _add(out, name, 1, host, gpu)
         return out
 
 
 def merge(into: dict[str, dict], more: dict[str, dict]) -> dict[str, dict]:
     """`more`'s parts added to `into`'s (a phase that runs more than once a step: one update per mini-batch)."""
     for name, row in more.items():
-        acc = into.setdefault(name, {"count": 0, "host_s": 0.0, "gpu_s": None})
-        acc["count"] += row["count"]
-        acc["host_s"] += row["host_s"]
-        if row["gpu_s"] is not None:
-            acc["gpu_s"] = (acc["gpu_s"] or 0.0) + row["gpu_s"]
+        _add(into, name, row["count"], row["host_s"], row["gpu_s"])
     return into
+
+
+def _add(into: dict[str, dict], name: str, count: int, host: float, gpu: float | None) -> None:
+    acc = into.setdefault(name, {"count": 0, "host_s": 0.0, "gpu_s": None})
+    acc["count"] += count
+    acc["host_s"] += host
+    if gpu is not None:
+        acc["gpu_s"] = (acc["gpu_s"] or 0.0) + gpu
 
 
 @contextmanager
@@ -63,22 +66,32 @@ def collect():
         _ACTIVE.reset(token)
 
 
-@contextmanager
+_NOTHING = nullcontext()
+
+
 def span(name: str | None):
-    """Mark the enclosed code as part `name` of the phase being collected (nothing when none is, or with no
-    name)."""
+    """Mark the enclosed code as part `name` of the phase being collected; outside a collection, or with no name,
+    one shared do-nothing context (core attention asks on every call)."""
     parts = _ACTIVE.get()
     if parts is None or name is None:
-        yield
-        return
-    events = None
-    if torch.cuda.is_available() and not torch.cuda.is_current_stream_capturing():
-        events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-        events[0].record()
-    t0 = time.perf_counter()
-    try:
-        yield
-    finally:
-        if events is not None:
-            events[1].record()
-        parts.rows.append((name, time.perf_counter() - t0, events))
+        return _NOTHING
+    return _Span(parts, name)
+
+
+class _Span:
+    """One recorded part: host seconds, and on CUDA (not while capturing a graph) its two timing events."""
+
+    def __init__(self, parts: Parts, name: str) -> None:
+        self.parts, self.name, self.events = parts, name, None
+
+    def __enter__(self):
+        if torch.cuda.is_available() and not torch.cuda.is_current_stream_capturing():
+            self.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self.events[0].record()
+        self.t0 = time.perf_counter()
+
+    def __exit__(self, *exc) -> bool:
+        if self.events is not None:
+            self.events[1].record()
+        self.parts.rows.append((self.name, time.perf_counter() - self.t0, self.events))
+        return False
