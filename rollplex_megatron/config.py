@@ -404,6 +404,7 @@ def check_sampling(temperature: float, top_p: float, top_k: int, where: str) -> 
         raise ValueError(f"{where}top_k must be >= 0 (0 keeps all tokens), got {top_k}")
 
 
+ATTENTION_BACKENDS = ("auto", "sdpa", "flex", "split")  # mode.attention_backend, verify's, the verl engine's
 LOGPROB_KERNELS = ("auto", "triton", "torch")  # train.logprob_kernel (rl/grpo.logprob_kernel_for)
 NORM_KERNELS = ("auto", "triton", "torch")  # train.norm_kernel (models/triton_norm.norm_kernel_for)
 ROPE_KERNELS = ("auto", "triton", "torch")  # train.rope_kernel (models/triton_rope.rope_kernel_for)
@@ -459,8 +460,8 @@ class ModeConfig:
     attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.attention_backend not in ("auto", "sdpa", "flex", "split"):
-            raise ValueError(f"mode.attention_backend must be auto, sdpa, flex or split, got "
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"mode.attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got "
                              f"{self.attention_backend!r}")
         if not 0 < self.window_tail_fraction <= 1:
             raise ValueError(f"mode.window_tail_fraction must be in (0, 1], got {self.window_tail_fraction}")
@@ -648,8 +649,8 @@ class EquivalenceConfig:
     fp32_reference: bool = True  # bf16: also run the serial step in fp32 on the same weights; both paths vs it
 
     def __post_init__(self) -> None:
-        if self.attention_backend not in ("auto", "sdpa", "flex", "split"):
-            raise ValueError(f"verify.attention_backend must be auto, sdpa, flex or split, got "
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"verify.attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got "
                              f"{self.attention_backend!r}")
         if self.repeats < 1:
             raise ValueError("verify.repeats must be >= 1")

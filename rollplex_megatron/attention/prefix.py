@@ -106,9 +106,8 @@ class PrefixContext(AttentionContext):
             self._allowed = self.layout.allowed()
         allowed = self._allowed
         if self.mode == "use":
-            pk = [self.store.kv(layer, g, key.dtype) for g in self.layout.prefix_groups]
-            key = torch.cat([kv[0] for kv in pk] + [key], dim=0)
-            value = torch.cat([kv[1] for kv in pk] + [value], dim=0)
+            pk, pv = self._prefix_kv(layer, key.dtype)
+            key, value = torch.cat(pk + [key], dim=0), torch.cat(pv + [value], dim=0)
         if backend == "flex":
             if self._block is None:
                 self._block = _block_mask(allowed, query.shape[0], key.shape[0], query.device)
@@ -123,23 +122,28 @@ class PrefixContext(AttentionContext):
             self._split = split_index(lens, groups, prefix, lay.prefix_lens, query.device)
         pk = pv = None
         if self.mode == "use":
-            kv = [self.store.kv(layer, g, key.dtype) for g in lay.prefix_groups]
-            pk, pv = torch.cat([x[0] for x in kv], dim=0), torch.cat([x[1] for x in kv], dim=0)
+            pk, pv = (torch.cat(x, dim=0) for x in self._prefix_kv(layer, key.dtype))
         return split_attention(query, key, value, pk, pv, self._split, scale)
+
+    def _prefix_kv(self, layer: int, dtype) -> tuple[list, list]:
+        """The present groups' stored prefix K and V of `layer` in `dtype`, in `layout.prefix_groups` order."""
+        kv = [self.store.kv(layer, g, dtype) for g in self.layout.prefix_groups]
+        return [x[0] for x in kv], [x[1] for x in kv]
 
     def _backend(self, query) -> str:
         """The backend this forward runs: `auto` is split where its flash kernels run (CUDA, bf16/fp16), else
         sdpa; resolved once per micro-batch."""
         if self._resolved is None:
-            self._resolved = self.backend if self.backend != "auto" else resolve_backend(query)
+            self._resolved = self.backend if self.backend != "auto" else resolve_backend(query.dtype, query.device,
+                                                                                         query.shape[-1])
         return self._resolved
 
 
-def resolve_backend(query) -> str:
+def resolve_backend(dtype, device, head_dim: int) -> str:
     """`auto`: the split attention where its flash kernels run (it scores only the allowed key blocks: 5.1x
     faster than the masked SDPA path at an 8192-token update micro-batch on the H200,
     `benchmarks/results/split_attention_h200.json`), else SDPA with the mask (CPU, fp32)."""
-    return "split" if flash_decode_available(query.dtype, query.device, query.shape[-1]) else "sdpa"
+    return "split" if flash_decode_available(dtype, device, head_dim) else "sdpa"
 
 
 def pack_index(lens, device) -> list[torch.Tensor]:

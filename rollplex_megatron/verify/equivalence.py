@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from rollplex_megatron.attention.decode import flash_decode_available
+from rollplex_megatron.attention.prefix import resolve_backend
 from rollplex_megatron.models.qwen25vl.hf import HFCheckpoint, load_hf_into_model
 from rollplex_megatron.config import RunConfig
 from rollplex_megatron.dist import init_parallel
@@ -202,8 +202,8 @@ def run_rank(cfg: RunConfig, hf_dir: str | None = None, position_offset: int = 0
            "peak_mem_bytes": peaks, "micro_batches": len(full_mbs),
            "flops_local_batch": group_flops(cfg.model, groups),
            "prompt_lens": [int(g.prompt.input_ids.numel()) for g in groups],
-           "attention_backend": be if be != "auto" else ("split" if flash_decode_available(
-               getattr(torch, cfg.dtype), dev, cfg.model.head_dim) else "sdpa")}  # what `auto` resolved to
+           "attention_backend": be if be != "auto" else resolve_backend(getattr(torch, cfg.dtype), dev,
+                                                                       cfg.model.head_dim)}  # what auto ran
     if fp32_ref is not None:
         out["grad_rule"] = "excess of the prefix path's error over the serial path's, both against fp32"
         out["max_grad_excess_over_serial"] = float(errs[4])

@@ -30,7 +30,7 @@ from verl.workers.engine.base import BaseEngine
 from rollplex_megatron.attention.kv_store import KVStore
 from rollplex_megatron.checkpoint import train_state
 from rollplex_megatron.attention.prefix import PrefixContext
-from rollplex_megatron.config import OptimConfig
+from rollplex_megatron.config import ATTENTION_BACKENDS, OptimConfig
 from rollplex_megatron.dist import init_parallel
 from rollplex_megatron.integrations.verl.batch import as_nested, full_length, verl_groups
 from rollplex_megatron.integrations.verl.window import adopt_window_prefixes
@@ -51,7 +51,6 @@ ENV_ROPE = "ROLLPLEX_VERL_ROPE_KERNEL"  # auto (default) | triton | torch: the m
 # auto (default: split where its flash kernels run, sdpa elsewhere) | sdpa | flex | split: the scoring and update
 # attention (attention/prefix.py, attention/split.py)
 ENV_ATTENTION = "ROLLPLEX_VERL_ATTENTION"
-ATTENTION = ("auto", "sdpa", "flex", "split")
 DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32"}
 
 
@@ -105,8 +104,8 @@ class RollplexMegatronEngine(BaseEngine):
             share_prefix = mode == "shared"
         self.share_prefix = share_prefix
         self.attention = attention or os.environ.get(ENV_ATTENTION, "auto")
-        if self.attention not in ATTENTION:
-            raise ValueError(f"{ENV_ATTENTION}={self.attention!r}; use one of {', '.join(ATTENTION)}")
+        if self.attention not in ATTENTION_BACKENDS:
+            raise ValueError(f"{ENV_ATTENTION}={self.attention!r}; use one of {', '.join(ATTENTION_BACKENDS)}")
         self.last_packing: dict = {}  # the last batch's micro-batches: response tokens (shared), responses (full)
         self.forward_only = bool(_setting(engine_config, "forward_only", False))
         dtype = dtype or os.environ.get(ENV_DTYPE) or str(_setting(engine_config, "dtype", "bfloat16"))
