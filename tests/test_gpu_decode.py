@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rollplex_megatron.attention.decode import (
-    flash_decode_available,
+    flash_varlen_available,
     flash_index,
     flash_shared_prefix_decode_attention,
     group_slots,
@@ -60,9 +60,9 @@ def _rel(a, b):
 
 @pytest.mark.parametrize("seed,groups,per_group", [(0, 16, 8), (1, 64, 1), (2, 5, 3)])
 def test_flash_decode_matches_reference(seed, groups, per_group):
-    assert flash_decode_available(torch.bfloat16, "cuda", 128)
-    assert not flash_decode_available(torch.float32, "cuda", 128)
-    assert not flash_decode_available(torch.bfloat16, "cuda", 260)
+    assert flash_varlen_available(torch.bfloat16, "cuda", 128)
+    assert not flash_varlen_available(torch.float32, "cuda", 128)
+    assert not flash_varlen_available(torch.bfloat16, "cuda", 260)
     case = _case(seed, groups, per_group)
     fast, ref = _both(case)
     assert _rel(fast, ref) < BF16_TOL

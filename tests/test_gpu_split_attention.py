@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rollplex_megatron.attention import split
-from rollplex_megatron.attention.decode import flash_decode_available
+from rollplex_megatron.attention.decode import flash_varlen_available
 from rollplex_megatron.attention.prefix import PackedLayout, shared_prefix_attention
 
 pytestmark = pytest.mark.gpu
@@ -50,7 +50,7 @@ def _rel(a, b):
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_flash_split_matches_fp32_math_and_the_masked_path(seed):
-    assert flash_decode_available(torch.bfloat16, "cuda", 128)
+    assert flash_varlen_available(torch.bfloat16, "cuda", 128)
     lay, xs, w = _case(seed)
     out, grads = _run(lay, xs, w, "flash", torch.bfloat16)
     ref, ref_grads = _run(lay, xs, w, "math", torch.float32)

@@ -79,9 +79,10 @@ def shared_prefix_decode_attention(q_BND, prefix_k_GrPND, prefix_v_GrPND, prefix
 
 
 
-def flash_decode_available(dtype: torch.dtype, device: torch.device | str, head_dim: int) -> bool:
-    """Whether the fused path can run: a CUDA device of sm80 or newer, a torch build with flash
-    attention, half precision, and a head dim flash supports (<= 256, a multiple of 8)."""
+def flash_varlen_available(dtype: torch.dtype, device: torch.device | str, head_dim: int) -> bool:
+    """Whether torch's varlen flash kernels run (the decode and split-attention paths): a CUDA device of sm80 or
+    newer, a torch build with flash attention, half precision, and a head dim flash supports (<= 256, a multiple
+    of 8)."""
     if torch.device(device).type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
         return False
     if not (hasattr(torch.ops.aten, "_flash_attention_forward") and torch.backends.cuda.is_flash_attention_available()):

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from rollplex_megatron.attention.context import AttentionContext
 from rollplex_megatron.attention.core import sdpa_attention
-from rollplex_megatron.attention.decode import flash_decode_available
+from rollplex_megatron.attention.decode import flash_varlen_available
 from rollplex_megatron.attention.kv_store import KVStore
 from rollplex_megatron.attention.split import split_attention, split_index
 
@@ -143,7 +143,7 @@ def resolve_backend(dtype, device, head_dim: int) -> str:
     """`auto`: the split attention where its flash kernels run (it scores only the allowed key blocks: 5.1x
     faster than the masked SDPA path at an 8192-token update micro-batch on the H200,
     `benchmarks/results/split_attention_h200.json`), else SDPA with the mask (CPU, fp32)."""
-    return "split" if flash_decode_available(dtype, device, head_dim) else "sdpa"
+    return "split" if flash_varlen_available(dtype, device, head_dim) else "sdpa"
 
 
 def pack_index(lens, device) -> list[torch.Tensor]:

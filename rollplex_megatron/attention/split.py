@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rollplex_megatron.attention.decode import flash_decode_available
+from rollplex_megatron.attention.decode import flash_varlen_available
 
 
 @dataclass
@@ -202,7 +202,7 @@ def split_attention(query_TBND, key_TBGD, value_TBGD, prefix_k, prefix_v, idx: S
     t, _, nq, d = query_TBND.shape
     scale = d ** -0.5 if scale is None else scale
     if kernel == "auto":
-        kernel = "flash" if flash_decode_available(query_TBND.dtype, query_TBND.device, d) else "math"
+        kernel = "flash" if flash_varlen_available(query_TBND.dtype, query_TBND.device, d) else "math"
     q, k, v = (x.squeeze(1).contiguous() for x in (query_TBND, key_TBGD, value_TBGD))
     pk, pv = (None, None) if prefix_k is None else (prefix_k.squeeze(1).contiguous(), prefix_v.squeeze(1).contiguous())
     out = _Split.apply(q, k, v, pk, pv, idx, scale, kernel == "flash")

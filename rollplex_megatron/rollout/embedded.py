@@ -31,7 +31,7 @@ from megatron.core import parallel_state as ps
 
 from rollplex_megatron.attention.decode import (
     FlashIndex,
-    flash_decode_available,
+    flash_varlen_available,
     flash_index,
     flash_shared_prefix_decode_attention,
     group_slots,
@@ -381,7 +381,7 @@ class EmbeddedEngine:
 def _decode_attention(choice: str, dtype, dev, head_dim: int) -> str:
     """The decode attention path: `choice`, or for auto the first of triton, flash, math that can run."""
     can = {"triton": triton_decode_available(dtype, dev, head_dim) or (choice == "triton" and TRITON_INTERPRET),
-           "flash": flash_decode_available(dtype, dev, head_dim), "math": True}
+           "flash": flash_varlen_available(dtype, dev, head_dim), "math": True}
     if choice == "auto":
         return next(k for k, ok in can.items() if ok)
     if not can[choice]:
