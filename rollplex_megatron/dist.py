@@ -307,6 +307,18 @@ def destroy_parallel() -> None:
         dist.destroy_process_group()
 
 
+def leave_torchrun() -> None:
+    """A torchrun rank's last step once its command succeeded: a barrier over every rank, then the
+    process group destroyed (as `run_local`'s workers do). A rank that left its process group to the
+    interpreter's exit could abort (SIGABRT, gloo's `Connection closed by peer` on a transport thread,
+    once in a two-node loopback launch) when a peer exited first; after the barrier no rank has a
+    collective left, and each closes its connections before its process exits. Only on success:
+    torchrun stops every rank when one fails."""
+    if under_torchrun() and dist.is_initialized():
+        dist.barrier()
+        destroy_parallel()
+
+
 def free_port() -> int:
     """A TCP port free on the loopback interface right now."""
     with socket.socket() as s:

@@ -20,3 +20,20 @@ def environment_and_threads(name: str) -> tuple[str | None, str, int]:
     import torch
 
     return os.environ.get(name), os.environ["RANK"], torch.get_num_threads()
+
+
+def leave_after_the_last_rank(late_s: float) -> dict:
+    """Each rank initialises the process group and megatron's groups, rank 1 arrives `late_s` late at
+    `dist.leave_torchrun`; times of arrival and return, and what is left initialised after it."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from rollplex_megatron.dist import init_parallel, leave_torchrun
+
+    init_parallel(1, 1, 0, "gloo")
+    if int(os.environ["RANK"]) == 1:
+        time.sleep(late_s)
+    arrived = time.time()
+    leave_torchrun()
+    return {"arrived": arrived, "left": time.time(), "dist": dist.is_initialized(),
+            "megatron": ps.model_parallel_is_initialized()}

@@ -164,6 +164,17 @@ def test_workers_see_the_launchers_environment_at_each_call(method, monkeypatch)
         run_local(launch_workers.environment_and_threads, 1, "X")
 
 
+def test_torchrun_ranks_leave_together_and_close_their_groups():
+    """`dist.leave_torchrun` (the end of every successful command under torchrun): no rank returns
+    before the last one arrives, and none leaves its process group or megatron's groups to the
+    interpreter's exit."""
+    late = 1.5
+    got = run_local(launch_workers.leave_after_the_last_rank, 2, late)
+    assert got[1]["arrived"] - got[0]["arrived"] > late / 2  # rank 1 came late indeed
+    assert got[0]["left"] >= got[1]["arrived"]  # rank 0 waited for it
+    assert [(g["dist"], g["megatron"]) for g in got] == [(False, False), (False, False)]
+
+
 def test_run_dir_edge_cases(tmp_path):
     """A run that stopped before its first checkpoint: neither restart nor resume, one message for
     both; a torn last record is dropped on resume; a reused worker pid does not block the lock."""

@@ -54,7 +54,7 @@ from rollplex_megatron.compat import quiet_known_warnings
 from rollplex_megatron.config import ParallelConfig, check_model_parallel
 from rollplex_megatron.data.dataset import DatasetSource
 from rollplex_megatron.data.example import make_example
-from rollplex_megatron.dist import LocalRunError, check_world_size, launch_on_ranks
+from rollplex_megatron.dist import LocalRunError, check_world_size, launch_on_ranks, leave_torchrun
 from rollplex_megatron.memory.planner import check_budget, plan_memory
 from rollplex_megatron.recipes import RECIPES_DIR, load_run_config, to_yaml
 from rollplex_megatron.runtime import environment_record
@@ -353,12 +353,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"unknown command {cmd!r}; commands: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
     try:
-        return COMMANDS[cmd](rest)
+        rc = COMMANDS[cmd](rest)
     except USER_ERRORS as e:
         if debug:
             raise
         print(f"error: {error_line(e)} (--debug shows the traceback)", file=sys.stderr)
         return 1
+    if rc == 0:
+        leave_torchrun()
+    return rc
 
 
 if __name__ == "__main__":
