@@ -117,7 +117,8 @@ def _bonus_worker():
     logits = torch.randn(1, 5, 30, generator=g)
     labels = torch.randint(0, 30, (1, 5), generator=g)
     mask = torch.ones(1, 5, dtype=torch.bool)
-    mb = SimpleNamespace(label_mask=mask, labels=labels, token_data={"adv": torch.randn(1, 5, generator=g)})
+    mb = SimpleNamespace(label_mask=mask, label_at=mask, labels=labels,
+                         token_data={"adv": torch.randn(1, 5, generator=g)})
     base, _, st = grpo.GRPOLoss(0.0, 0.2, 0.2, 5)(mb, logits.clone())
     bonus, _, st2 = grpo.GRPOLoss(0.0, 0.2, 0.2, 5, entropy_coef=0.1)(mb, logits.clone())
     return base, bonus, st["entropy"], st2["entropy"]
@@ -178,3 +179,87 @@ def test_dual_clip_caps_negative_advantage_losses():
     assert torch.allclose(dual, torch.tensor([3.0, -1.2, 1.5]))  # capped at 3|A| where A < 0
     assert torch.equal(grpo.clipped_ratio_loss(torch.zeros(3), old, adv, clip_ratio_c=3.0),
                        grpo.clipped_ratio_loss(torch.zeros(3), old, adv))  # ratio 1: nothing to cap
+
+
+def _gather_worker():
+    """GRPOLoss and the scoring loss on both micro-batch kinds (random groups, tiny preset's vocabulary), once
+    selecting the loss positions by `label_index` and once by the mask alone: losses, statistics, logit
+    gradients, and the aten ops each dispatches that read a count or a value back to the host (indexing by a
+    bool mask, nonzero, item)."""
+    import copy
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from rollplex_megatron.dist import init_parallel
+    from rollplex_megatron.prefix.batch import Group, Prompt, full_micro_batches, response_micro_batches
+    from rollplex_megatron.prefix.execution import logprob_loss
+    from rollplex_megatron.recipes import load_run_config
+
+    class Syncs(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            # a gather or scatter by a bool mask counts its positions; a scalar written under a mask (megatron's
+            # cross-entropy does) is a masked_fill in torch, no count
+            by_mask = name in ("index", "index_put", "index_put_", "_index_put_impl_") and any(
+                torch.is_tensor(i) and i.dtype == torch.bool for i in args[1]) and (name == "index" or args[2].dim())
+            self.n += by_mask or name in ("nonzero", "masked_select", "item", "_local_scalar_dense")
+            return func(*args, **(kwargs or {}))
+
+    init_parallel()
+    cfg = load_run_config(["model=tiny"]).model
+    g = torch.Generator().manual_seed(int(torch.randint(0, 10**6, (1,))))
+    groups = [Group(Prompt(torch.randint(1, 300, (int(torch.randint(2, 30, (1,), generator=g)),), generator=g)),
+                    [torch.randint(1, 300, (int(torch.randint(1, 12, (1,), generator=g)),), generator=g)
+                     for _ in range(3)], torch.randn(3, generator=g)) for _ in range(4)]
+    n_tok = sum(r.numel() for gr in groups for r in gr.responses)
+    out = {}
+    for kind, build in (("response", response_micro_batches), ("full", full_micro_batches)):
+        for mb in build(cfg, groups, 5, n_tok):
+            mb = mb.to("cpu")  # the copy a phase trains on keeps the host's positions
+            t = mb.labels.shape[1]
+            mb.token_data = {k: torch.randn(1, t, generator=g) * s for k, s in (("adv", 1.0), ("old_logp", 0.1),
+                                                                                 ("ref_logp", 0.1))}
+            mb.token_data["old_logp"] -= 3
+            mb.token_data["ref_logp"] -= 3
+            logits = torch.randn(1, t, 300, generator=g)
+            bare = copy.copy(mb)
+            bare.label_index = None
+            for name, m in (("index", mb), ("mask", bare)):
+                res = []
+                for fn in (grpo.GRPOLoss(0.1, 0.2, 0.28, n_tok, entropy_coef=0.05), logprob_loss):
+                    x = logits.clone().requires_grad_(True)
+                    with Syncs() as syncs:
+                        loss, n, stats = fn(m, x)
+                        loss.backward()
+                    res.append({"loss": loss.detach(), "n": n, "grad": x.grad,
+                                "stats": {k: v for k, v in stats.items()}, "syncs": syncs.n})
+                out.setdefault((kind, name), []).append(res)
+            out.setdefault((kind, "positions"), []).append(
+                (mb.label_index, mb.label_mask.reshape(-1).nonzero().squeeze(1)))
+    return out
+
+
+def test_losses_gather_the_loss_positions_without_a_device_count():
+    """The losses select their positions by the host-made `label_index` (a gather), not by the mask (which on
+    CUDA waits for the device to count them): the same losses, statistics and logit gradients bit for bit as
+    selecting by the mask, on both micro-batch kinds, and no op that reads a count back. The mask path does
+    dispatch such ops, so the count would catch a mask selection creeping back."""
+    from rollplex_megatron.dist import run_local
+
+    out = run_local(_gather_worker, 1)[0]
+    for kind in ("response", "full"):
+        for got, want in out[(kind, "positions")]:
+            assert got is not None and torch.equal(got, want)
+        assert len(out[(kind, "index")]) >= 2
+        for idx, msk in zip(out[(kind, "index")], out[(kind, "mask")]):
+            for a, b in zip(idx, msk):  # GRPOLoss, logprob_loss
+                assert torch.equal(a["loss"], b["loss"]) and torch.equal(a["n"], b["n"])
+                assert torch.equal(a["grad"], b["grad"]) and a["grad"].abs().max() > 0
+                assert a["stats"].keys() == b["stats"].keys()
+                for k in a["stats"]:
+                    assert torch.equal(a["stats"][k], b["stats"][k]), (kind, k)
+                assert a["syncs"] == 0 and b["syncs"] > 0, (kind, a["syncs"], b["syncs"])

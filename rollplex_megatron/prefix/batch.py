@@ -57,6 +57,19 @@ class MicroBatch:
     vision: dict = field(default_factory=dict)  # pixel inputs (full-sequence micro-batches only)
     responses: list[tuple[int, int]] = field(default_factory=list)  # (group, response) in order
     token_data: dict = field(default_factory=dict)  # per-token [1, T] tensors for losses (see attach_token_data)
+    # [n] long: the flat positions where label_mask is True, found on the host where the mask is built
+    # (None for a mask built on a device). The losses select with it (`rl.grpo.rows_at(t, mb.label_at)`):
+    # indexing by a mask on CUDA waits for the device to count the positions.
+    label_index: torch.Tensor | None = None
+
+    def __post_init__(self):
+        if self.label_index is None and self.label_mask.device.type == "cpu":
+            self.label_index = self.label_mask.reshape(-1).nonzero().squeeze(1)
+
+    @property
+    def label_at(self) -> torch.Tensor:
+        """The loss positions for `rl.grpo.rows_at`: `label_index`, else `label_mask`."""
+        return self.label_mask if self.label_index is None else self.label_index
 
     def to(self, device) -> "MicroBatch":
         """A copy on `device` (layout and pixels included)."""
@@ -67,7 +80,7 @@ class MicroBatch:
                           PackedLayout(mv(lay.seg_T), mv(lay.pos_T), mv(lay.group_T), lay.prefix_groups,
                                        lay.prefix_lens, lay.seg_lens, lay.seg_groups),
                           {k: mv(v) for k, v in self.vision.items()}, self.responses,
-                          {k: mv(v) for k, v in self.token_data.items()})
+                          {k: mv(v) for k, v in self.token_data.items()}, mv(self.label_index))
 
 
 def validate_groups(cfg: ModelConfig, groups: list[Group], max_response_len: int) -> None:

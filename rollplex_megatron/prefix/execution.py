@@ -29,7 +29,7 @@ from megatron.core.utils import get_model_config
 from rollplex_megatron.attention.kv_store import KVStore
 from rollplex_megatron.attention.prefix import PrefixContext
 from rollplex_megatron.prefix.batch import Group, MicroBatch, split_token_values
-from rollplex_megatron.rl.grpo import policy_logprob_entropy
+from rollplex_megatron.rl.grpo import policy_logprob_entropy, rows_at
 from rollplex_megatron.runtime import device
 from rollplex_megatron.spans import span
 
@@ -220,7 +220,7 @@ def logprob_loss(mb: MicroBatch, logits_BTV: torch.Tensor, temperature: float = 
     logp, _ = policy_logprob_entropy(logits_BTV, mb.labels, temperature, banned, tp_rank, tp_group, kernel=kernel)
     loss = -(logp * mb.weight).sum()
     n = mb.label_mask.sum().to(torch.int)
-    return loss, n, {"loss": loss.detach(), "logp": logp.detach()[mb.label_mask]}
+    return loss, n, {"loss": loss.detach(), "logp": rows_at(logp.detach(), mb.label_at)}
 
 
 def _step(micro_batches: list[MicroBatch], ctx_for, loss_fn, data_iterator, model):

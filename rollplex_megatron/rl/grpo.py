@@ -148,26 +148,35 @@ def logprob_kernel_for(kernel: str, device) -> str:
     return kernel_for("train.logprob_kernel", kernel, device)
 
 
+def rows_at(t: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+    """The rows of `t` ([B, T, ...]) at the positions `where`, in order: a bool mask [B, T] (`t[where]`,
+    which on CUDA waits for the device to count them) or flat indices into B*T (a gather, no wait)."""
+    if where.dtype == torch.bool:
+        return t[where]
+    return t.reshape(-1, *t.shape[2:]).index_select(0, where)
+
+
 def policy_logprob_entropy(logits_BTV: torch.Tensor, labels_BT: torch.Tensor, temperature: float = 1.0,
                            banned: tuple[int, ...] = (), tp_rank: int = 0, tp_group=None,
                            entropy_mask: torch.Tensor | None = None, entropy_grad: bool = False,
                            kernel: str = "torch") -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs of the labels [B, T] and the entropy of the tokens `entropy_mask` selects (None: no entropy)
-    under the sampled policy (`policy_logits`). `kernel`: "torch" (policy_logits, megatron's
-    vocab_parallel_cross_entropy, `vocab_parallel_entropy`; the entropy differentiable only with
-    `entropy_grad`) or "triton" (`triton_logprob.fused_logprob_entropy`: one read of the logits)."""
+    """Log-probs of the labels [B, T] and the entropy of the tokens `entropy_mask` selects (a bool mask or flat
+    indices, as `rows_at` takes them; None: no entropy) under the sampled policy (`policy_logits`).
+    `kernel`: "torch" (policy_logits, megatron's vocab_parallel_cross_entropy, `vocab_parallel_entropy`;
+    the entropy differentiable only with `entropy_grad`) or "triton" (`triton_logprob.fused_logprob_entropy`:
+    one read of the logits)."""
     if kernel == "triton":
         from rollplex_megatron.rl.triton_logprob import fused_logprob_entropy
 
         logp, ent = fused_logprob_entropy(logits_BTV, labels_BT, temperature, banned, tp_rank, tp_group)
         if entropy_mask is None:
             return logp, None
-        return logp, (ent if entropy_grad else ent.detach())[entropy_mask]
+        return logp, rows_at(ent if entropy_grad else ent.detach(), entropy_mask)
     logits = policy_logits(logits_BTV, temperature, banned, tp_rank)
     entropy = None
     if entropy_mask is not None:  # before the cross-entropy, which overwrites its input in place
         with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
-            entropy = vocab_parallel_entropy(logits[entropy_mask], tp_group)  # logits[mask] is a copy
+            entropy = vocab_parallel_entropy(rows_at(logits, entropy_mask), tp_group)  # a copy
     return -tensor_parallel.vocab_parallel_cross_entropy(logits, labels_BT), entropy
 
 
@@ -198,9 +207,9 @@ class GRPOLoss:
 
     def __call__(self, mb, logits_BTV: torch.Tensor):
         """(loss, tokens, {"loss", "logp", "kl", "kl_k1", "entropy", "clipfrac"}) for megatron's schedule."""
-        mask = mb.label_mask
+        mask, at = mb.label_mask, mb.label_at
         logp, entropy = policy_logprob_entropy(logits_BTV, mb.labels, self.temperature, self.banned, self.tp_rank,
-                                               self.tp_group, mask, self.entropy_coef > 0, self.kernel)
+                                               self.tp_group, at, self.entropy_coef > 0, self.kernel)
         # Off the loss positions (a full sequence's prompt) old/ref equal logp: no exp() of a stray log-ratio.
         old = torch.where(mask, mb.token_data["old_logp"], logp.detach()) if "old_logp" in mb.token_data \
             else logp.detach()
@@ -212,13 +221,13 @@ class GRPOLoss:
         lw = mb.token_data.get("loss_w", w)  # the loss's aggregation
         loss = (per_token * lw).sum()
         if self.entropy_coef > 0:  # entropy bonus, aggregated as the loss, against the policy collapsing
-            loss = loss - self.entropy_coef * (entropy * lw[mask]).sum()
+            loss = loss - self.entropy_coef * (entropy * rows_at(lw, at)).sum()
         entropy = entropy.detach()
         with torch.no_grad():
             ratio = torch.exp(logp - old)
             clipped = ((ratio < 1 - self.clip_low) | (ratio > 1 + self.clip_high)).float()
-            stats = {"loss": loss.detach(), "logp": logp.detach()[mask],
+            stats = {"loss": loss.detach(), "logp": rows_at(logp.detach(), at),
                      "kl": (kl_estimate(logp, ref, self.kl_estimator) * w).sum(),
                      "kl_k1": ((logp - ref) * w).sum(), "clipfrac": (clipped * w).sum(),
-                     "entropy": (entropy * w[mask]).sum()}
+                     "entropy": (entropy * rows_at(w, at)).sum()}
         return loss, mask.sum().to(torch.int), stats

@@ -41,7 +41,7 @@ from rollplex_megatron.models.triton_rope import rope_kernel_for, use_rope_kerne
 from rollplex_megatron.optim import build_optimizer, build_scheduler, current_lr, optimizer_step
 from rollplex_megatron.prefix import execution as X
 from rollplex_megatron.prefix.batch import full_micro_batches, response_micro_batches
-from rollplex_megatron.rl.grpo import policy_logits, vocab_parallel_entropy
+from rollplex_megatron.rl.grpo import policy_logits, rows_at, vocab_parallel_entropy
 from rollplex_megatron.runtime import device, wrap_ddp
 
 ENV_PREFIX = "ROLLPLEX_VERL_PREFIX"  # shared (default) | full: every group as full sequences (the plain path)
@@ -287,9 +287,9 @@ class RollplexMegatronEngine(BaseEngine):
 
         def fn(mb, logits):
             x = policy_logits(logits, temperature, (), tp_rank)
-            ent = vocab_parallel_entropy(x, tp_group)[mb.label_mask] if entropy else None
+            ent = rows_at(vocab_parallel_entropy(x, tp_group), mb.label_at) if entropy else None
             logp = -tensor_parallel.vocab_parallel_cross_entropy(x.clone() if entropy else x, mb.labels)
-            logp = logp[mb.label_mask]
+            logp = rows_at(logp, mb.label_at)
             samples = [vg.sample(g, r) for g, r in mb.responses]
             lens = [vg.response_lens[s] for s in samples]
             out = {"log_probs": torch.cat([full_length(vg, s, v) for s, v in zip(samples, logp.split(lens))])}
