@@ -5,7 +5,8 @@ A suite is a recipe `recipes/bench/SUITE.yaml` (model, workload, drawn response 
 `serial`, `prefix_shared`, `rollplex`, `<mode>:bound` (the rollout on a model of its own bound to the
 training storage, `rollout.bound_model`), `<mode>:tokens<N>` (training micro-batches packed up to N
 response tokens, `workload.micro_batch_tokens`), `<mode>:keep` / `<mode>:memauto` (memory.plan=keep /
-auto: release only what the device's free memory requires), `<mode>:torchnorm` (train.norm_kernel=torch:
+auto: release only what the device's free memory requires), `<mode>:copy2` (memory.copy_streams=2: the
+residency copies on a stream per direction), `<mode>:torchnorm` (train.norm_kernel=torch:
 torch's composite RMSNorm), `<mode>:pack<N>` (workload.prefix_pack_tokens=N: the prefix stages of consecutive
 groups as one forward of up to N prefix tokens), `<mode>:fusedrope` (train.rope_kernel=triton: the training
 models' RoPE as one kernel per q and k), `<mode>:keepdecode` (rollout.keep_decode_state=true: the decode
@@ -97,6 +98,8 @@ def _variant(name: str, variant: str, label: str) -> tuple[str, str]:
         return "workload.prefix_pack_tokens", f"workload.prefix_pack_tokens={int(pack)}"
     if variant in ("keep", "memauto"):  # any mode: memory.plan=keep or auto
         return "memory.plan", f"memory.plan={'keep' if variant == 'keep' else 'auto'}"
+    if variant == "copy2":  # any mode: the residency copies on a stream per direction
+        return "memory.copy_streams", "memory.copy_streams=2"
     if variant == "torchnorm":  # any mode: torch's composite RMSNorm in the training models
         return "train.norm_kernel", "train.norm_kernel=torch"
     if variant == "fusedrope":  # any mode: the fused RoPE in the training models
@@ -107,7 +110,7 @@ def _variant(name: str, variant: str, label: str) -> tuple[str, str]:
         return "mode.attention_backend", f"mode.attention_backend={variant}"  # with it (the masked SDPA path)
     if name != "rollplex" or variant not in WINDOWS:
         raise ValueError(f"--modes: {label!r}: a variant is rollplex:<{'|'.join(WINDOWS)}>, <mode>:bound, "
-                         f"<mode>:tokens<N> or <mode>:pack<N> (N > 0), <mode>:keep, <mode>:memauto, "
+                         f"<mode>:tokens<N> or <mode>:pack<N> (N > 0), <mode>:keep, <mode>:memauto, <mode>:copy2, "
                          f"<mode>:torchnorm, <mode>:fusedrope, <mode>:keepdecode, <mode>:split or <mode>:sdpa; "
                          "several join with '+'")
     return "mode.window", f"mode.window={variant}"

@@ -486,10 +486,16 @@ class MemoryConfig:
     # keeps everything)
     plan: str = "phase"
     auto_margin_gib: float = 4.0  # memory.plan=auto without a budget: free device memory left unplanned
+    # CUDA streams of the residency copies (memory/manager.py): 1 = offloads and prefetches in one queue;
+    # 2 = one stream per direction, so a prefetch does not wait for the offloads issued before it
+    copy_streams: int = 1
 
     def __post_init__(self) -> None:
         if self.plan not in ("keep", "phase", "auto"):
             raise ValueError(f"memory.plan must be keep, phase or auto, got {self.plan!r}")
+        if self.copy_streams not in (1, 2):
+            raise ValueError(f"memory.copy_streams must be 1 (one copy stream) or 2 (one per direction), "
+                             f"got {self.copy_streams!r}")
         if self.auto_margin_gib < 0:
             raise ValueError(f"memory.auto_margin_gib must be >= 0, got {self.auto_margin_gib}")
         if not self.kv_cache_gib > 0:

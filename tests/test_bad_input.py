@@ -26,6 +26,7 @@ from rollplex_megatron.recipes import load_run_config
     (["train.logprob_kernel=fast"], r"train.logprob_kernel must be auto, triton or torch, got 'fast'"),
     (["train.norm_kernel=fused"], r"train.norm_kernel must be auto, triton or torch, got 'fused'"),
     (["train.rope_kernel=fast"], r"train.rope_kernel must be auto, triton or torch, got 'fast'"),
+    (["memory.copy_streams=3"], r"memory.copy_streams must be 1 \(one copy stream\) or 2 \(one per direction\), got 3"),
     (["train.profile_phases=[update,decode]"],
      r"train.profile_phases: unknown phase\(s\) \['decode'\]; the phases are"),
     (["workload.micro_batch_tokens=-8"],

@@ -89,7 +89,7 @@ def test_bench_refuses_to_overwrite_and_to_merge_another_machine(tiny_bench, tmp
 
 def test_modes_and_lengths_parse():
     assert bench.parse_modes("serial,rollplex:stream,rollplex:keep,serial:bound,prefix_shared:tokens8192,"
-                             "serial:memauto,rollplex:auto,rollplex:torchnorm,serial:fusedrope") == [
+                             "serial:memauto,rollplex:auto,rollplex:torchnorm,serial:fusedrope,rollplex:copy2") == [
         ("serial", ["mode.name=serial"]), ("rollplex:stream", ["mode.name=rollplex", "mode.window=stream"]),
         ("rollplex:keep", ["mode.name=rollplex", "memory.plan=keep"]),
         ("serial:bound", ["mode.name=serial", "rollout.bound_model=true"]),
@@ -97,7 +97,8 @@ def test_modes_and_lengths_parse():
         ("serial:memauto", ["mode.name=serial", "memory.plan=auto"]),
         ("rollplex:auto", ["mode.name=rollplex", "mode.window=auto"]),  # the window's auto, not the plan's
         ("rollplex:torchnorm", ["mode.name=rollplex", "train.norm_kernel=torch"]),
-        ("serial:fusedrope", ["mode.name=serial", "train.rope_kernel=triton"])]
+        ("serial:fusedrope", ["mode.name=serial", "train.rope_kernel=triton"]),
+        ("rollplex:copy2", ["mode.name=rollplex", "memory.copy_streams=2"])]
     assert bench.parse_modes("rollplex:pack20000") == [("rollplex:pack20000", ["mode.name=rollplex",
                                                                                "workload.prefix_pack_tokens=20000"])]
     assert bench.parse_modes("serial:keepdecode") == [("serial:keepdecode", ["mode.name=serial",

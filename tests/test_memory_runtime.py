@@ -260,7 +260,7 @@ def test_views_of_one_buffer_offload_once_and_come_back():
     views = [flat[:30], flat[30:].view(10, 7), torch.randn(5)]
     want = [v.clone() for v in views]
     mm = MemoryManager.__new__(MemoryManager)
-    mm.cuda, mm.device, mm.copy_stream, mm.copy_bytes = False, "cpu", None, {"d2h": 0, "h2d": 0}
+    mm.cuda, mm.device, mm.copy_streams, mm.copy_bytes = False, "cpu", None, {"d2h": 0, "h2d": 0}
     c = OffloadClass("flat", lambda: views)
     mm._offload(c)
     assert flat.untyped_storage().nbytes() == 0 and len(c.host) == 2  # two storages, not three tensors
@@ -278,7 +278,7 @@ def test_tensors_from_a_checkpoint_are_adopted_before_offload(tmp_path):
     tensors = [state["a"], state["b"]]
     want = [t.clone() for t in tensors]
     mm = MemoryManager.__new__(MemoryManager)
-    mm.cuda, mm.device, mm.copy_stream, mm.copy_bytes = False, "cpu", None, {"d2h": 0, "h2d": 0}
+    mm.cuda, mm.device, mm.copy_streams, mm.copy_bytes = False, "cpu", None, {"d2h": 0, "h2d": 0}
     c = OffloadClass("loaded", lambda: tensors)
     mm._offload(c)
     assert all(t.untyped_storage().nbytes() == 0 for t in state.values())  # the dict's own tensors released

@@ -231,7 +231,7 @@ class Runtime:
             self.plan["released"] = [n for n in self.plan["released"] if n != "reference_weights"]
             self.plan["sglang"] = ("reference_weights kept resident (shared with SGLang's scheduler); the per-phase "
                                    "bytes above were planned with it released")
-        self.memory = MemoryManager(rel, cfg.mode.name, self.ddp, self.optimizer, self.ref)
+        self.memory = MemoryManager(rel, cfg.mode.name, self.ddp, self.optimizer, self.ref, cfg.memory.copy_streams)
         self.plan["host_buffers_s"] = self.memory.reserve_host()  # a start-up cost, not step 1's and 2's
         self.recompute = "actor_prefix_graph" in rel  # the actor prefix keeps no graph
         if cfg.rollout.engine == "sglang":

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# GPU machine: the residency copies on a stream per direction (memory.copy_streams=2).
+# (1) its GPU tests (tests/test_gpu_memory_streams.py: the phase cycle bit-exact on one and on two streams);
+# (2) the compute stream's wait at rollplex's rollout entry on one and on two streams (benchmarks/copy_streams.py).
+#   ROLLPLEX_COMMIT=<sha> [TESTS=1] [BENCH=1] bash benchmarks/gpu_memory_streams.sh
+# Writes $OUT/gpu_memory_streams_tests.txt and $OUT/copy_streams_h200.json.
+set -euo pipefail
+source benchmarks/gpu_env.sh
+if [ "${TESTS:-1}" = 1 ]; then
+  python3 -m pytest -q -rA -p no:cacheprovider tests/test_gpu_memory_streams.py 2>&1 \
+    | grep -v -i warn | tee "$out/gpu_memory_streams_tests.txt" | tail -25 || true
+fi
+if [ "${BENCH:-1}" = 1 ]; then
+  python3 benchmarks/copy_streams.py --out "$out/copy_streams_h200.json" 2>&1 | grep -v -i warn | tail -20
+fi
