@@ -4,4 +4,9 @@
 out=${OUT:-benchmarks/results}
 mkdir -p "$out" /tmp/site
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl 2>/dev/null
-export PYTHONPATH=/tmp/site:$PWD CUDA_DEVICE_MAX_CONNECTIONS=1
+# CUDA_DEVICE_MAX_CONNECTIONS is left as the caller sets it (the driver's default: several hardware queues),
+# as a user's run has it. This file exported 1 until 2026-12-05, so every bench JSON before then ran with all
+# streams on one hardware queue, where work issued on one stream can wait for earlier work on another (a
+# residency copy, a decode-window item). Megatron asks for 1 only to order tensor-parallel communication ahead
+# of the GEMMs it overlaps. `bench` records it per mode; `<mode>:conn1` runs a mode under 1 for comparison.
+export PYTHONPATH=/tmp/site:$PWD

@@ -6,7 +6,9 @@ A suite is a recipe `recipes/bench/SUITE.yaml` (model, workload, drawn response 
 training storage, `rollout.bound_model`), `<mode>:tokens<N>` (training micro-batches packed up to N
 response tokens, `workload.micro_batch_tokens`), `<mode>:keep` / `<mode>:memauto` (memory.plan=keep /
 auto: release only what the device's free memory requires), `<mode>:copy2` (memory.copy_streams=2: the
-residency copies on a stream per direction), `<mode>:torchnorm` (train.norm_kernel=torch:
+residency copies on a stream per direction), `<mode>:conn1` (the mode's process under
+CUDA_DEVICE_MAX_CONNECTIONS=1: one hardware queue for every stream; each mode records its CUDA environment),
+`<mode>:torchnorm` (train.norm_kernel=torch:
 torch's composite RMSNorm), `<mode>:pack<N>` (workload.prefix_pack_tokens=N: the prefix stages of consecutive
 groups as one forward of up to N prefix tokens), `<mode>:fusedrope` (train.rope_kernel=triton: the training
 models' RoPE as one kernel per q and k), `<mode>:keepdecode` (rollout.keep_decode_state=true: the decode
@@ -98,6 +100,8 @@ def _variant(name: str, variant: str, label: str) -> tuple[str, str]:
         return "workload.prefix_pack_tokens", f"workload.prefix_pack_tokens={int(pack)}"
     if variant in ("keep", "memauto"):  # any mode: memory.plan=keep or auto
         return "memory.plan", f"memory.plan={'keep' if variant == 'keep' else 'auto'}"
+    if variant == "conn1":  # any mode: its process under CUDA_DEVICE_MAX_CONNECTIONS=1 (one hardware queue)
+        return "env:CUDA_DEVICE_MAX_CONNECTIONS", "env:CUDA_DEVICE_MAX_CONNECTIONS=1"
     if variant == "copy2":  # any mode: the residency copies on a stream per direction
         return "memory.copy_streams", "memory.copy_streams=2"
     if variant == "torchnorm":  # any mode: torch's composite RMSNorm in the training models
@@ -111,6 +115,7 @@ def _variant(name: str, variant: str, label: str) -> tuple[str, str]:
     if name != "rollplex" or variant not in WINDOWS:
         raise ValueError(f"--modes: {label!r}: a variant is rollplex:<{'|'.join(WINDOWS)}>, <mode>:bound, "
                          f"<mode>:tokens<N> or <mode>:pack<N> (N > 0), <mode>:keep, <mode>:memauto, <mode>:copy2, "
+                         f"<mode>:conn1, "
                          f"<mode>:torchnorm, <mode>:fusedrope, <mode>:keepdecode, <mode>:split or <mode>:sdpa; "
                          "several join with '+'")
     return "mode.window", f"mode.window={variant}"
@@ -164,17 +169,25 @@ def host_launch_us() -> float | None:
         return None
 
 
+def split_env(mode_over: list[str]) -> tuple[list[str], dict[str, str]]:
+    """A mode's overrides -> (its config overrides, the environment variables its process gets: `env:NAME=V`)."""
+    env = dict(o[len("env:"):].split("=", 1) for o in mode_over if o.startswith("env:"))
+    return [o for o in mode_over if not o.startswith("env:")], env
+
+
 def run_mode(suite: str, overrides: list[str], mode_over: list[str], out: Path, timeout: float | None,
              profile_step: int = 0, profile_phases: str = "") -> list[dict]:
     """Train one mode in its own process; its step records. `profile_step`: one more step, profiled
     (its kernel table lands in `out`/profile_step<K>.json; its record is left out of the figures), only
-    in `profile_phases` (comma-separated; empty: every phase)."""
+    in `profile_phases` (comma-separated; empty: every phase). `env:NAME=V` entries of `mode_over` set
+    NAME in that process's environment (read when CUDA starts, so not a config setting)."""
+    mode_over, env = split_env(mode_over)
     extra = [f"train.steps={profile_step}", f"train.profile_step={profile_step}"] if profile_step else []
     if profile_step and profile_phases:
         extra.append(f"train.profile_phases=[{profile_phases}]")
     cmd = [sys.executable, "-m", "rollplex_megatron", "train", f"+bench={suite}", *overrides, *mode_over, *extra,
            f"train.out={out}", "train.save_final=false", "train.progress=false"]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env={**os.environ, **env})
     if p.returncode != 0:
         tail = [ln for ln in p.stderr.splitlines() if ln.strip() and "warn" not in ln.lower()][-8:]
         raise RuntimeError(f"bench: {' '.join(mode_over)} failed (exit {p.returncode}):\n" + "\n".join(tail))
@@ -332,6 +345,19 @@ def ratios(modes: dict) -> dict:
     return out
 
 
+def cuda_env_line(d: dict) -> str:
+    """What the modes' processes ran under of the variables CUDA reads at start-up (`runtime.CUDA_ENV`)."""
+    seen = {label: m["cuda_env"] for label, m in d["modes"].items() if "cuda_env" in m}
+    if not seen:
+        return ("CUDA environment: not recorded (before the record existed the GPU scripts exported "
+                "CUDA_DEVICE_MAX_CONNECTIONS=1: every stream on one hardware queue).")
+    groups: dict[str, list[str]] = {}
+    for label, env in seen.items():
+        key = ", ".join(f"{k}={v}" for k, v in sorted(env.items()) if v is not None) or "none set"
+        groups.setdefault(key, []).append(label)
+    return "CUDA environment: " + "; ".join(f"{k} ({', '.join(v)})" for k, v in groups.items()) + "."
+
+
 def render_markdown(results: Path) -> str:
     """BENCHMARKS.md: one table per suite JSON (generated; edit the JSONs' runs, not this file)."""
     lines = ["# Benchmarks", "",
@@ -344,7 +370,7 @@ def render_markdown(results: Path) -> str:
         lines += [f"## {d['suite']}", "", d.get("description", ""), "",
                   f"`{path.name}`: {env['device']} x{d['machine']['device_count']}, commit {env['commit']}, "
                   f"{env['date']}, torch {env['torch']}, megatron-core {env['megatron_core']}, CUDA {env['cuda']}.",
-                  f"Command: `{d['command']}`", ""]
+                  f"Command: `{d['command']}`", "", cuda_env_line(d), ""]
         if d["machine"].get("cpu"):
             launch = [f"{label} {m['host_launch_us']:.1f}" for label, m in d["modes"].items()
                       if m.get("host_launch_us") is not None]
@@ -483,6 +509,7 @@ def main(argv: list[str]) -> int:
             recs = run_mode(a.suite, overrides, over, run, a.timeout, steps + 1 if a.profile else 0,
                             a.profile_phases)
             modes[label] = summarize_mode(label, recs, a.warmup, bool(recs[-1].get("prefix_recompute")))
+            modes[label]["cuda_env"] = {**env["cuda_env"], **split_env(over)[1]}  # what this mode's process ran under
             modes[label]["host_launch_us"] = host_launch_us()  # right after the mode, on the same host
             if a.profile:
                 prof = out.parent / f"{out.stem}_{label.replace(':', '_').replace('+', '_')}_profile.json"

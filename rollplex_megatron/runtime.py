@@ -56,6 +56,9 @@ def _transformer_engine() -> bool:
     return True
 
 
+CUDA_ENV = ("CUDA_DEVICE_MAX_CONNECTIONS", "PYTORCH_CUDA_ALLOC_CONF")
+
+
 def environment_record() -> dict:
     """Device, versions, commit and date, for every result this project writes."""
     root = Path(__file__).resolve().parent.parent
@@ -74,4 +77,6 @@ def environment_record() -> dict:
         "cuda": torch.version.cuda if cuda else None, "megatron_core": megatron.core.__version__,
         "transformers": transformers.__version__, "transformer_engine": _transformer_engine(),
         "layer_spec": "megatron-core local spec + SDPA core attention",
+        # read when CUDA starts: how many hardware queues the streams share, and the allocator's settings
+        "cuda_env": {k: os.environ.get(k) for k in CUDA_ENV},
     }

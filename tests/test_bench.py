@@ -30,6 +30,8 @@ def test_bench_json_schema_and_markdown(tiny_bench):
     for k in ("commit", "date", "device", "torch", "megatron_core", "cuda"):
         assert k in d["environment"]
     assert d["machine"]["host"] and "rollout:" in d["settings"]
+    assert set(d["environment"]["cuda_env"]) == {"CUDA_DEVICE_MAX_CONNECTIONS", "PYTORCH_CUDA_ALLOC_CONF"}
+    assert all(m["cuda_env"] == d["environment"]["cuda_env"] for m in d["modes"].values())  # no env variant here
     assert d["machine"]["cpu"] and d["machine"]["cpus"] >= 1  # the host's speed bounds launch-bound phases
     for m in d["modes"].values():  # measured only where CUDA is
         assert (m["host_launch_us"] > 0) if torch.cuda.is_available() else m["host_launch_us"] is None
@@ -99,6 +101,8 @@ def test_modes_and_lengths_parse():
         ("rollplex:torchnorm", ["mode.name=rollplex", "train.norm_kernel=torch"]),
         ("serial:fusedrope", ["mode.name=serial", "train.rope_kernel=triton"]),
         ("rollplex:copy2", ["mode.name=rollplex", "memory.copy_streams=2"])]
+    assert bench.parse_modes("serial:conn1+keep") == [
+        ("serial:conn1+keep", ["mode.name=serial", "env:CUDA_DEVICE_MAX_CONNECTIONS=1", "memory.plan=keep"])]
     assert bench.parse_modes("rollplex:pack20000") == [("rollplex:pack20000", ["mode.name=rollplex",
                                                                                "workload.prefix_pack_tokens=20000"])]
     assert bench.parse_modes("serial:keepdecode") == [("serial:keepdecode", ["mode.name=serial",
@@ -154,3 +158,33 @@ def test_window_cost_compares_with_the_prefix_shared_run_of_the_same_settings():
     assert (w["rollout_excess_s"], w["rollout_excess_vs"]) == (pytest.approx(1.0), "prefix_shared:pack9+tokens8")
     assert w["free_window_ratio"] == pytest.approx(12.0 / 10.0)
     assert "rollout_excess_s" not in modes["rollplex:keep"]["window"]
+
+
+def test_a_mode_variant_can_set_its_process_environment(monkeypatch, tmp_path):
+    """`<mode>:conn1` reaches the mode's process as CUDA_DEVICE_MAX_CONNECTIONS=1 (read when CUDA starts), not as a
+    config override; the other modes get the launcher's environment; the rendered table says what each ran under."""
+    import subprocess
+
+    seen = []
+
+    def fake_run(cmd, **kw):
+        seen.append((cmd, kw["env"]))
+        rec = {"step": 1, "mode": "rollplex", "reward_mean": 0.0, "phase_times": {}, "peak_mem_bytes": 0,
+               "step_time_s": 1.0}
+        (tmp_path / "metrics.jsonl").write_text(json.dumps(rec) + "\n")
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(bench.subprocess, "run", fake_run)
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    for label, over in bench.parse_modes("rollplex:conn1,rollplex"):
+        bench.run_mode("tiny", [], over, tmp_path, None)
+    (one, env1), (plain, env0) = seen
+    assert env1["CUDA_DEVICE_MAX_CONNECTIONS"] == "1" and "CUDA_DEVICE_MAX_CONNECTIONS" not in env0
+    assert not any(a.startswith("env:") for a in one + plain) and "mode.name=rollplex" in one
+    assert bench.split_env(["a=1", "env:X=y=z"]) == (["a=1"], {"X": "y=z"})
+    unset = {"CUDA_DEVICE_MAX_CONNECTIONS": None, "PYTORCH_CUDA_ALLOC_CONF": None}
+    d = {"modes": {"rollplex:conn1": {"cuda_env": {**unset, "CUDA_DEVICE_MAX_CONNECTIONS": "1"}},
+                   "rollplex": {"cuda_env": unset}}}
+    assert bench.cuda_env_line(d) == ("CUDA environment: CUDA_DEVICE_MAX_CONNECTIONS=1 (rollplex:conn1); "
+                                      "none set (rollplex).")
+    assert "not recorded" in bench.cuda_env_line({"modes": {"serial": {}}})
