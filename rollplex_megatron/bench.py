@@ -6,7 +6,8 @@ A suite is a recipe `recipes/bench/SUITE.yaml` (model, workload, drawn response 
 training storage, `rollout.bound_model`), `<mode>:tokens<N>` (training micro-batches packed up to N
 response tokens, `workload.micro_batch_tokens`), `<mode>:keep` / `<mode>:memauto` (memory.plan=keep /
 auto: release only what the device's free memory requires), `<mode>:copy2` (memory.copy_streams=2: the
-residency copies on a stream per direction), `<mode>:conn1` (the mode's process under
+residency copies on a stream per direction), `<mode>:ahead` (memory.prefetch_ahead=true: released classes
+back one phase early where the plan has room), `<mode>:conn1` (the mode's process under
 CUDA_DEVICE_MAX_CONNECTIONS=1: one hardware queue for every stream; each mode records its CUDA environment),
 `<mode>:torchnorm` (train.norm_kernel=torch:
 torch's composite RMSNorm), `<mode>:pack<N>` (workload.prefix_pack_tokens=N: the prefix stages of consecutive
@@ -102,6 +103,8 @@ def _variant(name: str, variant: str, label: str) -> tuple[str, str]:
         return "memory.plan", f"memory.plan={'keep' if variant == 'keep' else 'auto'}"
     if variant == "conn1":  # any mode: its process under CUDA_DEVICE_MAX_CONNECTIONS=1 (one hardware queue)
         return "env:CUDA_DEVICE_MAX_CONNECTIONS", "env:CUDA_DEVICE_MAX_CONNECTIONS=1"
+    if variant == "ahead":  # any mode: released classes back one phase early where the budget allows
+        return "memory.prefetch_ahead", "memory.prefetch_ahead=true"
     if variant == "copy2":  # any mode: the residency copies on a stream per direction
         return "memory.copy_streams", "memory.copy_streams=2"
     if variant == "torchnorm":  # any mode: torch's composite RMSNorm in the training models
@@ -115,7 +118,7 @@ def _variant(name: str, variant: str, label: str) -> tuple[str, str]:
     if name != "rollplex" or variant not in WINDOWS:
         raise ValueError(f"--modes: {label!r}: a variant is rollplex:<{'|'.join(WINDOWS)}>, <mode>:bound, "
                          f"<mode>:tokens<N> or <mode>:pack<N> (N > 0), <mode>:keep, <mode>:memauto, <mode>:copy2, "
-                         f"<mode>:conn1, "
+                         f"<mode>:conn1, <mode>:ahead, "
                          f"<mode>:torchnorm, <mode>:fusedrope, <mode>:keepdecode, <mode>:split or <mode>:sdpa; "
                          "several join with '+'")
     return "mode.window", f"mode.window={variant}"

@@ -489,6 +489,12 @@ class MemoryConfig:
     # CUDA streams of the residency copies (memory/manager.py): 1 = offloads and prefetches in one queue;
     # 2 = one stream per direction, so a prefetch does not wait for the offloads issued before it
     copy_streams: int = 1
+    # bring a released offload class back one phase early (memory/planner.py ahead_phases): Adam states and
+    # master weights during the update, the reference during the phase before its first use, each only where
+    # that phase's planned bytes with it stay within memory.budget_gib (0: the device's free memory at start-up
+    # minus memory.auto_margin_gib; on CPU without a budget nothing comes early); its copy then runs beside
+    # that phase's work
+    prefetch_ahead: bool = False
 
     def __post_init__(self) -> None:
         if self.plan not in ("keep", "phase", "auto"):

@@ -101,6 +101,8 @@ def test_modes_and_lengths_parse():
         ("rollplex:torchnorm", ["mode.name=rollplex", "train.norm_kernel=torch"]),
         ("serial:fusedrope", ["mode.name=serial", "train.rope_kernel=triton"]),
         ("rollplex:copy2", ["mode.name=rollplex", "memory.copy_streams=2"])]
+    assert bench.parse_modes("rollplex:ahead+copy2") == [
+        ("rollplex:ahead+copy2", ["mode.name=rollplex", "memory.prefetch_ahead=true", "memory.copy_streams=2"])]
     assert bench.parse_modes("serial:conn1+keep") == [
         ("serial:conn1+keep", ["mode.name=serial", "env:CUDA_DEVICE_MAX_CONNECTIONS=1", "memory.plan=keep"])]
     assert bench.parse_modes("rollplex:pack20000") == [("rollplex:pack20000", ["mode.name=rollplex",

@@ -17,9 +17,12 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA: the copy streams exist on GPU only", allow_module_level=True)
 
 
-@pytest.mark.parametrize("copy_streams", [1, 2])
-def test_phase_cycle_is_bit_exact(copy_streams):
-    mm, main, ref = manager(copy_streams, main_gib=2.0, ref_gib=1.0, seed=copy_streams)
+@pytest.mark.parametrize("copy_streams,ahead", [(1, False), (2, False), (2, True)])
+def test_phase_cycle_is_bit_exact(copy_streams, ahead):
+    """`ahead`: the masters come back at the update's entry (memory.prefetch_ahead), copied beside the update's
+    work and waited for at the optimizer step's entry."""
+    early = {"main_weights": "update"} if ahead else None
+    mm, main, ref = manager(copy_streams, main_gib=2.0, ref_gib=1.0, seed=copy_streams, ahead=early)
     want_ref = [r.cpu() for r in ref]
     mm.enter("optimizer")  # the reference leaves (its first offload: a device-to-host copy)
     for cycle in range(3):
@@ -30,6 +33,11 @@ def test_phase_cycle_is_bit_exact(copy_streams):
         mm.enter("rollout")  # masters out (device to host) while the reference comes back (host to device)
         got_ref = [r.clone() for r in ref]  # read on the compute stream at once, as the window's first item does
         assert all(t.untyped_storage().nbytes() == 0 for t in main)
+        mm.enter("update")  # with `ahead` the masters' copy starts here, the update's work beside it
+        busy = torch.randn(4096, 4096, device="cuda")
+        for _ in range(20):
+            busy = busy @ busy / 64
+        assert all(t.untyped_storage().nbytes() > 0 for t in main) == ahead
         mm.enter("optimizer")  # masters back from the buffers their offload wrote; the reference leaves
         got_main = [t.clone() for t in main]
         torch.cuda.synchronize()

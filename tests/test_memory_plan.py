@@ -171,3 +171,29 @@ def test_kept_decode_state_is_resident_in_every_phase():
     for phase, cls in on["by_phase_gib"].items():
         grown = sum(cls.values()) - sum(off["by_phase_gib"][phase].values())
         assert grown == pytest.approx(0 if phase == "rollout" else extra, abs=1e-9), phase
+
+
+@pytest.mark.parametrize("mode", ["serial", "prefix_shared", "rollplex"])
+def test_prefetch_ahead_takes_what_fits_the_phase_before(mode):
+    """`ahead_phases` at 3B on video_long's batching under the phase plan: with room for everything, each released
+    offload class comes back in the phase before its own (Adam states and masters in the update; the reference
+    in the phase before its first read), and exactly that phase grows by exactly its bytes; with a budget just
+    under the update's total with Adam's states, the states (tried first) stay out and the masters, which fit
+    alone, come early."""
+    cfg = load_run_config(["+bench=video_long", "model=qwen2_5_vl_3b", f"mode.name={mode}"])
+    s = M.workload_shape(cfg)
+    base = M.summarize(M.plan(cfg, mode, "phase", "embedded", s), mode)
+    ref_before = {"serial": "old_logp", "prefix_shared": "old_logp", "rollplex": "optimizer"}[mode]
+    room = M.ahead_phases(cfg, mode, "phase", s, 1e6)
+    assert room == {"optimizer_states": "update", "main_weights": "update", "reference_weights": ref_before}
+    got = M.summarize(M.plan(cfg, mode, "phase", "embedded", s, room), mode)
+    gib = {n: base["classes"][n]["gib"] for n in room}
+    for phase, total in got["phase_gib"].items():
+        grown = sum(g for n, g in gib.items() if room[n] == phase)
+        assert total == pytest.approx(base["phase_gib"][phase] + grown, abs=1e-9), phase
+    tight = base["phase_gib"]["update"] + gib["optimizer_states"] - 0.5
+    assert gib["main_weights"] < gib["optimizer_states"] - 0.5  # so the masters fit where the states do not
+    some = M.ahead_phases(cfg, mode, "phase", s, tight)
+    assert "optimizer_states" not in some and some["main_weights"] == "update"
+    assert M.summarize(M.plan(cfg, mode, "phase", "embedded", s, some), mode)["phase_gib"]["update"] <= tight
+    assert M.ahead_phases(cfg, mode, "keep", s, 1e6) == {}  # nothing released, nothing to bring back

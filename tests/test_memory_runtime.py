@@ -33,13 +33,15 @@ def _recompute_cfg(tp, pp):
 def one_rank(tiny_hf):
     """This file's one-process runs without a mutation, in one job (`tests.in_turn`), each on its own fresh
     objects: the offload round trip, the activation counts, the recompute check at TP=PP=1 and the keep-plan
-    run (which is compared only with runs of other processes)."""
+    run and the prefetch-ahead run (compared only with runs of other processes)."""
     cfg = load_run_config(["model=tiny", "dtype=bfloat16", "mode.name=rollplex", "memory.plan=phase"] + STEPS)
     calls = {"round_trip": (W.round_trip, (cfg,))}
     for i, overrides in enumerate(ACTIVATION_CASES):
         calls["activations", i] = (_saved_bytes, (overrides,))
     calls["recompute", 1, 1] = (W.recompute_vs_saved, (_recompute_cfg(1, 1), tiny_hf))
     calls["keep"] = (W.plan_steps, (_cfg_of("keep", tiny_hf), 3))
+    ahead = _cfg_of("phase", tiny_hf, "memory.prefetch_ahead=true", "memory.budget_gib=64")
+    calls["ahead"] = (W.plan_steps, (ahead, 3))
     return run_local(in_turn, 1, calls)[0]
 
 
@@ -59,10 +61,10 @@ def keep_run(one_rank):
     return case(one_rank, "keep")
 
 
-def _cfg_of(plan, hf):
+def _cfg_of(plan, hf, *extra):
     from tests.test_trainer import _cfg
 
-    return _cfg("rollplex", *([f"memory.plan={plan}"] if plan else []), hf=hf)
+    return _cfg("rollplex", *([f"memory.plan={plan}"] if plan else []), *extra, hf=hf)
 
 
 def _plan_run(hf, plan, *extra, mutant=""):
@@ -88,6 +90,28 @@ def test_phase_plan_gives_the_same_update_as_keeping_everything(tiny_hf, keep_ru
     # pays for an allocation (on the GPU: pinning, the step-2 cost of bench_video_long_c1fc225.json)
     assert [r["host_allocations"] for r in run["records"]] == [0, 0, 0]
     assert keep_run["records"][-1]["offload_bytes"] == {"d2h": 0, "h2d": 0}
+
+
+def test_prefetch_ahead_brings_classes_back_a_phase_early_with_the_same_update(one_rank, keep_run, rollplex_run):
+    """memory.prefetch_ahead under a budget everything fits in: Adam states and masters come back at the update's
+    entry and rollplex's reference at the optimizer step's (the phase before the rollout that reads it), each
+    released again where the phase plan releases it; the 3 steps equal keeping everything."""
+    run = case(one_rank, "ahead")
+    want = {"optimizer_states": "update", "main_weights": "update", "reference_weights": "optimizer"}
+    assert run["memory_ahead"] == run["memory_manager_ahead"] == want
+    assert run["tokens"] == keep_run["tokens"]
+    err, name = _param_err(run, keep_run)
+    assert err <= TOL, (name, err)
+    own = {"optimizer_states": "optimizer", "main_weights": "optimizer", "reference_weights": "rollout"}
+    for step, (rec, plain) in enumerate(zip(run["records"], rollplex_run["records"])):
+        got, base = rec["phase_managed_bytes"], plain["phase_managed_bytes"]
+        for cls, phase in want.items():  # all of it early here, none of it under the phase plan
+            assert got[phase][cls] == got[own[cls]][cls] and base[phase][cls] == 0, (step, cls, phase)
+        # this run is fp32 (no master copies); Adam's states exist from the first optimizer step on
+        assert got["optimizer"]["reference_weights"] > 0 and (step == 0 or got["update"]["optimizer_states"] > 0)
+        assert got["rollout"]["optimizer_states"] == got["update"]["reference_weights"] == 0  # released still
+        assert rec["offload_bytes"]["h2d"] > 0
+    assert rollplex_run["memory_ahead"] == {}  # off by default
 
 
 def test_stale_offload_is_detected(tiny_hf, keep_run):

@@ -107,6 +107,7 @@ def run_steps(cfg, steps: int, mutant: str = "", weights_after: int = 0):
     return {"tokens": tokens, "records": records, "informative": informative, "first": first if keep else None,
             "last": last if keep else None, "after": after if keep else None, "micro_batches": sizes,
             "logprob_kernel": rt.logprob_kernel, "norm_kernel": rt.norm_kernel, "rope_kernel": rt.rope_kernel,
+            "memory_ahead": rt.plan.get("ahead"), "memory_manager_ahead": rt.memory.ahead,
             "rope_launches": {k: n - launches_before[k] for k, n in triton_rope.launches.items()},
             "ropes": sorted({m.rope_kernel for m in [*rt.ddp.module.modules(), *rt.ref.modules()]
                              if hasattr(m, "rope_kernel")}),

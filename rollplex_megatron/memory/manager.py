@@ -29,6 +29,8 @@ own: a prefetch then need not queue behind the offloads issued before it in the 
 (rollplex's rollout entry offloads about 45 GB of Adam states and master weights at 3B and prefetches
 the 7.5 GB reference its window needs; on one stream the compute stream waits for both). A class's
 copy waits for its own previous copy on the other stream (a prefetch reads what its offload wrote).
+`memory.prefetch_ahead` (`ahead`: class -> phase) brings a class back at the entry of the phase before its
+own; the compute stream waits for its copy only at the entry of a phase that reads it (`needed_in`).
 Without CUDA the same steps run synchronously on CPU buffers (the tests' bit-exactness of the round
 trip and of the update holds there too).
 """
@@ -85,9 +87,10 @@ class MemoryManager:
 
     host_allocations = 0  # host buffers allocated by an offload (stays 0 after `reserve_host`)
 
-    def __init__(self, plan, mode: str, ddp, optimizer, reference, copy_streams: int = 1):
+    def __init__(self, plan, mode: str, ddp, optimizer, reference, copy_streams: int = 1, ahead: dict | None = None):
         self.plan, self.mode, self.ddp = plan, mode, ddp
         self.released = released(plan)  # the classes this plan releases outside their phases (checked there)
+        self.ahead = dict(ahead or {})  # class -> the phase before its own in which it comes back (prefetch_ahead)
         self.cuda = torch.cuda.is_available()
         self.device = torch.cuda.current_device() if self.cuda else "cpu"
         self.copy_streams = None  # {"d2h": stream, "h2d": stream}: one stream for both, or one each (CUDA)
@@ -127,7 +130,11 @@ class MemoryManager:
         self.phase_bytes, self.copy_bytes = {}, {"d2h": 0, "h2d": 0}
 
     def resident_in(self, name: str, phase: str) -> bool:
-        """Whether the plan wants class `name` on the device during `phase`."""
+        """Whether the plan wants class `name` on the device during `phase` (read there, or brought back ahead)."""
+        return self.needed_in(name, phase) or self.ahead.get(name) == phase
+
+    def needed_in(self, name: str, phase: str) -> bool:
+        """Whether `phase` reads class `name`: the compute stream waits for its copy at the phase's entry."""
         return name not in self.released or phase in resident_phases(name, self.mode)
 
     def enter(self, phase: str) -> None:
@@ -145,8 +152,8 @@ class MemoryManager:
             if not c.resident and self.resident_in(name, phase):
                 self._prefetch(c)
         if self.cuda:
-            for c in self.classes.values():
-                if c.resident and c.event is not None:
+            for name, c in self.classes.items():  # a class brought back ahead is waited for where it is read
+                if c.resident and c.event is not None and self.needed_in(name, phase):
                     torch.cuda.current_stream().wait_event(c.event)
                     c.event = None
         self.phase_bytes[phase] = self.resident_bytes()

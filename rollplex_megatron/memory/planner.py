@@ -249,7 +249,8 @@ def shared_rollout_bytes(cfg: RunConfig) -> int:
     return max(sum(cost(p) for p in g) for g in plan_pairs(cfg.model, t, r, pairs, "megatron", e))
 
 
-def plan(cfg: RunConfig, mode: str, residency: str, engine: str, s: Shape | None = None) -> list[TensorClass]:
+def plan(cfg: RunConfig, mode: str, residency: str, engine: str, s: Shape | None = None,
+         ahead: dict | None = None) -> list[TensorClass]:
     """Tensor classes of one step on the fullest GPU.
 
     mode: a registered mode name; the mode declares its phases, where the reference lives and the
@@ -263,6 +264,7 @@ def plan(cfg: RunConfig, mode: str, residency: str, engine: str, s: Shape | None
     colocation of an inference engine: its own weight copy at rollout.tp, and every sample
     holds its prompt's K/V).
     Phase workspaces (loss, Adam, the micro-batch's activations) are classes of their one phase.
+    ahead: {released class: the phase it comes back in, one before its own} (`ahead_phases`).
     """
     s = s or workload_shape(cfg)
     m, par, sp, norm, rope = cfg.model, cfg.parallel, cfg.plan.sequence_parallel, norm_kernel(cfg), rope_kernel(cfg)
@@ -272,7 +274,13 @@ def plan(cfg: RunConfig, mode: str, residency: str, engine: str, s: Shape | None
     rel = released(residency)
     kv_tok = kv_bytes_per_token(m, par.tp, m.num_layers // par.pp, e)
     kv32 = kv_bytes_per_token(m, par.tp, m.num_layers // par.pp, 4)
-    where = lambda name: resident_phases(name, mode) if name in rel else allp  # noqa: E731
+    ahead = ahead or {}
+
+    def where(name: str) -> tuple:
+        if name not in rel:
+            return allp
+        own = resident_phases(name, mode)
+        return own if name not in ahead else (ahead[name], *own)
     act = lambda name, how: how if name in rel else "keep"  # noqa: E731
     out = [
         TensorClass("actor_weights", w["actor_weights"], allp, "keep", "the rollout runs on them"
@@ -354,9 +362,10 @@ def runtime_cfg(cfg: RunConfig) -> RunConfig:
                    train=replace(cfg.train, norm_kernel=norm, rope_kernel=rope))
 
 
-def runtime_plan(cfg: RunConfig, s: Shape) -> list[TensorClass]:
-    """What the trainer's run of `cfg` holds: its mode and `memory.plan`, the embedded engine."""
-    return plan(runtime_cfg(cfg), cfg.mode.name, cfg.memory.plan, "embedded", s)
+def runtime_plan(cfg: RunConfig, s: Shape, ahead: dict | None = None) -> list[TensorClass]:
+    """What the trainer's run of `cfg` holds: its mode and `memory.plan`, the embedded engine (`ahead`: the
+    classes `memory.prefetch_ahead` brings back early)."""
+    return plan(runtime_cfg(cfg), cfg.mode.name, cfg.memory.plan, "embedded", s, ahead)
 
 
 def auto_release(cfg: RunConfig, s: Shape, budget_gib: float) -> frozenset:
@@ -383,6 +392,33 @@ def auto_release(cfg: RunConfig, s: Shape, budget_gib: float) -> frozenset:
         if fits([c for c in chosen if c != name]):
             chosen.remove(name)
     return frozenset(chosen)
+
+
+AHEAD_CLASSES = ("optimizer_states", "main_weights", "reference_weights")  # offloaded: their prefetch is a copy
+
+
+def phase_before(name: str, mode: str) -> str:
+    """The phase just before the first of `name`'s own phases in `mode`'s step (the step repeats: the optimizer
+    step comes before the next rollout)."""
+    allp, own = phases(mode), resident_phases(name, mode)
+    first = min(allp.index(p) for p in own if p in allp)
+    return allp[first - 1]
+
+
+def ahead_phases(cfg: RunConfig, mode: str, residency, s: Shape, budget_gib: float) -> dict:
+    """`memory.prefetch_ahead`: the released offload classes that come back one phase early, {class: phase}. A
+    class comes back at the entry of `phase_before` its own phases (Adam states and master weights during the
+    update, a reference the rollout reads during the optimizer step) when that phase's planned bytes with it
+    stay within `budget_gib`; the classes are tried in RELEASE_ORDER, each on top of those already taken. Its
+    copy then runs beside that phase's work, and its own phase waits only for what is left of the copy."""
+    rel = released(residency)
+    chosen: dict = {}
+    for name in (n for n in RELEASE_ORDER if n in AHEAD_CLASSES and n in rel):
+        trial = {**chosen, name: phase_before(name, mode)}
+        summary = summarize(plan(cfg, mode, residency, "embedded", s, trial), mode)
+        if summary["phase_gib"][trial[name]] <= budget_gib:
+            chosen = trial
+    return chosen
 
 
 def rollout_rank_plan(cfg: RunConfig, s: Shape | None = None) -> dict:

@@ -17,9 +17,9 @@ from rollplex_megatron.config import RunConfig
 from rollplex_megatron.data import build_source
 from rollplex_megatron.dist import ParallelLayouts, default_group_is_train_world, init_parallel, layouts, train_world
 from rollplex_megatron.memory.manager import MemoryManager
-from rollplex_megatron.memory.planner import (RELEASE_ORDER, auto_release, check_budget, pack_groups, plan,
-                                              released, rollout_rank_plan, runtime_cfg, runtime_plan, summarize,
-                                              workload_shape)
+from rollplex_megatron.memory.planner import (RELEASE_ORDER, ahead_phases, auto_release, check_budget, pack_groups,
+                                              plan, released, rollout_rank_plan, runtime_cfg, runtime_plan,
+                                              summarize, workload_shape)
 from rollplex_megatron.models.qwen25vl import build_model
 from rollplex_megatron.models.triton_norm import norm_kernel_for, use_norm_kernel
 from rollplex_megatron.models.triton_rope import rope_kernel_for, use_rope_kernel
@@ -105,18 +105,24 @@ def memory_plan(cfg: RunConfig, source) -> dict:
         # the actor's packs grow as far as that set allows
         rel = frozenset() if budget is None else auto_release(with_pack_tokens(cfg, min(pack, shape.P)), shape, budget)
         actor_pack = actor_pack_tokens(cfg, shape, budget or 0.0, rel)
-        summary = summarize(plan(runtime_cfg(with_pack_tokens(cfg, actor_pack)), cfg.mode.name, rel, "embedded", shape),
-                            cfg.mode.name)
+        rc = runtime_cfg(with_pack_tokens(cfg, actor_pack))
+        ahead = ahead_phases(rc, cfg.mode.name, rel, shape, budget) if cfg.memory.prefetch_ahead and budget else {}
+        summary = summarize(plan(rc, cfg.mode.name, rel, "embedded", shape, ahead), cfg.mode.name)
         return {**summary, "shape": vars(shape), "released": [n for n in RELEASE_ORDER if n in rel],
-                "auto_budget_gib": budget, "actor_pack_tokens": actor_pack}
+                "auto_budget_gib": budget, "actor_pack_tokens": actor_pack, "ahead": ahead}
     budget = cfg.memory.budget_gib
     if not budget and pack and "actor_prefix_graph" in released(cfg.memory.plan):
         # a recomputed pack's graph is held at once: checked against the device, not left to run out of memory
         budget = auto_budget_gib(cfg) or 0.0
     actor_pack = actor_pack_tokens(cfg, shape, budget, released(cfg.memory.plan))
     cfg = with_pack_tokens(cfg, actor_pack)
-    summary = summarize(runtime_plan(cfg, shape), cfg.mode.name)
-    summary["actor_pack_tokens"] = actor_pack
+    ahead = {}
+    if cfg.memory.prefetch_ahead and cfg.memory.plan != "keep":
+        ahead_budget = budget or auto_budget_gib(cfg)
+        if ahead_budget:
+            ahead = ahead_phases(runtime_cfg(cfg), cfg.mode.name, cfg.memory.plan, shape, ahead_budget)
+    summary = summarize(runtime_plan(cfg, shape, ahead), cfg.mode.name)
+    summary["actor_pack_tokens"], summary["ahead"] = actor_pack, ahead
     if cfg.parallel.rollout_ranks:  # mode=disaggregated: what a rollout rank holds (its own weights, its cache)
         summary["rollout_rank"] = rollout_rank_plan(cfg, shape)
     try:
@@ -231,7 +237,9 @@ class Runtime:
             self.plan["released"] = [n for n in self.plan["released"] if n != "reference_weights"]
             self.plan["sglang"] = ("reference_weights kept resident (shared with SGLang's scheduler); the per-phase "
                                    "bytes above were planned with it released")
-        self.memory = MemoryManager(rel, cfg.mode.name, self.ddp, self.optimizer, self.ref, cfg.memory.copy_streams)
+        ahead = {k: v for k, v in self.plan.get("ahead", {}).items() if k in rel}  # SGLang's reference: kept
+        self.memory = MemoryManager(rel, cfg.mode.name, self.ddp, self.optimizer, self.ref, cfg.memory.copy_streams,
+                                    ahead)
         self.plan["host_buffers_s"] = self.memory.reserve_host()  # a start-up cost, not step 1's and 2's
         self.recompute = "actor_prefix_graph" in rel  # the actor prefix keeps no graph
         if cfg.rollout.engine == "sglang":
