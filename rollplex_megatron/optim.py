@@ -12,11 +12,14 @@ import torch
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from rollplex_megatron.compat.optim import use_foreach_fallbacks
 from rollplex_megatron.config import OptimConfig
 
 
 def build_optimizer(ddp_model, cfg: OptimConfig, bf16: bool):
-    """megatron-core Adam over `ddp_model` (a megatron DistributedDataParallel)."""
+    """megatron-core Adam over `ddp_model` (a megatron DistributedDataParallel); without transformer-engine or
+    apex, its multi-tensor fallbacks are the foreach ones of `compat.optim` (no host read per tensor)."""
+    use_foreach_fallbacks()
     ocfg = OptimizerConfig(optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
                            adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps,
                            clip_grad=cfg.clip_grad, bf16=bf16,
