@@ -46,3 +46,25 @@ def test_phase_cycle_is_bit_exact(copy_streams, ahead):
     assert mm.copy_bytes["h2d"] > 0 and mm.copy_bytes["d2h"] > 0
     separate = mm.copy_streams["d2h"] is not mm.copy_streams["h2d"]
     assert separate == (copy_streams == 2)
+
+
+def test_reference_ahead_survives_update_and_optimizer_alternating():
+    """rollplex's reference brought back at the optimizer step's entry (its phase before the rollout) and released
+    again at the next update's before the compute stream waited for it (several mini-batches a step: update and
+    optimizer alternate): the storage is not handed out while that copy may still write it, and the reference read
+    at the rollout is bit-exact."""
+    mm, main, ref = manager(2, main_gib=2.0, ref_gib=2.0, seed=5, ahead={"reference_weights": "optimizer"})
+    want_ref = [r.cpu() for r in ref]
+    sizes = [r.numel() for r in ref]
+    mm.enter("update")  # the reference leaves (its first offload: a device-to-host copy)
+    scratch = []
+    for _ in range(3):
+        mm.enter("optimizer")  # the reference's copy back starts; nothing waits for it here
+        mm.enter("update")  # released again while that copy may still run
+        # allocations of its sizes on the compute stream: given its blocks too early, the copy would write them
+        scratch += [torch.full((n,), 7.0, dtype=torch.bfloat16, device="cuda") for n in sizes]
+    mm.enter("rollout")
+    got = [r.clone() for r in ref]
+    torch.cuda.synchronize()
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(got, want_ref))
+    assert all(bool((t == 7.0).all()) for t in scratch)

@@ -214,8 +214,9 @@ class MemoryManager:
             c.host_valid, c.versions = True, versions
         c.sizes = [s.nbytes() for s in storages]
         for s in storages:
-            if self.cuda:
-                _bytes(s, self.device).record_stream(self.copy_streams["d2h"])  # no reuse before the copy ends
+            if self.cuda:  # no reuse before this offload's copy ends, nor a prefetch ahead not yet waited for
+                for stream in dict.fromkeys(self.copy_streams.values()):  # (a read-only class copies nothing out)
+                    _bytes(s, self.device).record_stream(stream)
             s.resize_(0)
         c.resident = False
 
