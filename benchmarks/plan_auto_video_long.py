@@ -13,8 +13,8 @@ import argparse
 import json
 import sys
 
-from rollplex_megatron.memory.planner import (auto_release, pack_groups, plan, released, runtime_cfg, summarize,
-                                              workload_shape)
+from rollplex_megatron.memory.planner import (ahead_phases, auto_release, pack_groups, plan, released, runtime_cfg,
+                                              summarize, workload_shape)
 from rollplex_megatron.recipes import load_run_config
 from rollplex_megatron.runtime import environment_record
 from rollplex_megatron.trainer.runtime import with_pack_tokens, actor_pack_tokens
@@ -27,7 +27,11 @@ def main() -> None:
     ap.add_argument("--model", default="qwen2_5_vl_3b", help="a recipes/model preset")
     ap.add_argument("--pack", type=int, default=0, help="workload.prefix_pack_tokens to lower under the budget")
     ap.add_argument("--tokens", default="", help="workload.micro_batch_tokens budgets to plan (comma-separated)")
+    ap.add_argument("--ahead", default="", help="TOKENS,PACK: memory.prefetch_ahead's choice (see ahead_rows)")
     a = ap.parse_args()
+    if a.ahead:
+        tokens, pack = (int(x) for x in a.ahead.split(","))
+        return ahead_rows(a.model, tokens, pack)
     if a.tokens:
         return token_rows(a.model, [int(x) for x in a.tokens.split(",")], a.pack)
     if a.pack:
@@ -107,6 +111,37 @@ def token_rows(model: str, budgets: list[int], pack: int) -> None:
                f"serial, more whole prompts and vision towers) into one, so the fit is optimistic for serial",
                "command": cmd, "environment": environment_record(),
                "rows": rows}, sys.stdout, indent=1)
+
+
+def ahead_rows(model: str, tokens: int, pack: int) -> None:
+    """memory.prefetch_ahead's choice (planner.ahead_phases) under memory.plan=phase and the budget, with the fused
+    norm the GPU runs: at the suite's batching, and for the prefix modes at `tokens` / `pack` (the actor's packs
+    lowered as the trainer lowers them); each row has the phases' totals without and with the early classes."""
+    rows = []
+    for mode in ("serial", "prefix_shared", "rollplex"):
+        for packed in (False, True):
+            if packed and mode == "serial":
+                continue
+            over = ["+bench=video_long", f"model={model}", f"mode.name={mode}", "memory.plan=phase",
+                    "train.norm_kernel=triton"]
+            over += [f"workload.micro_batch_tokens={tokens}", f"workload.prefix_pack_tokens={pack}"] if packed else []
+            cfg = load_run_config(over)
+            s = workload_shape(cfg)
+            kept = actor_pack_tokens(cfg, s, BUDGET_GIB, released("phase")) if packed else 0
+            rc = runtime_cfg(with_pack_tokens(cfg, kept))
+            ahead = ahead_phases(rc, mode, "phase", s, BUDGET_GIB)
+            base, early = (summarize(plan(rc, mode, "phase", "embedded", s, a), mode) for a in ({}, ahead))
+            rows.append({"mode": mode, "micro_batch_tokens": tokens if packed else 0, "actor_pack_tokens": kept,
+                         "budget_gib": BUDGET_GIB, "ahead": ahead,
+                         "class_gib": {n: round(base["classes"][n]["gib"], 1)
+                                       for n in ("optimizer_states", "main_weights", "reference_weights")},
+                         "phase_gib": {k: round(v, 1) for k, v in base["phase_gib"].items()},
+                         "phase_gib_ahead": {k: round(v, 1) for k, v in early["phase_gib"].items()}})
+    json.dump({"what": f"memory.prefetch_ahead's choice on the video_long suite, model {model}, memory.plan=phase, "
+               f"under {BUDGET_GIB:g} GiB (the planner): which released classes come back a phase early, and each "
+               f"phase's planned total without and with them",
+               "command": f"TRITON_INTERPRET=1 python benchmarks/plan_auto_video_long.py --ahead {tokens},{pack}",
+               "environment": environment_record(), "rows": rows}, sys.stdout, indent=1)
 
 
 if __name__ == "__main__":
