@@ -6,7 +6,7 @@ megatron's local l2 norm builds `torch.tensor(list of per-tensor norms)`: on CUD
 host, one device synchronisation per parameter tensor (hundreds per optimizer step at 3B); its local scale runs two
 kernels per tensor. The versions here take the same per-tensor norms (`torch._foreach_norm`) and combine them on
 the device, and scale or copy a whole list with foreach ops: no host read, and bit for bit megatron's result on
-CPU (tests/test_optim_checkpoint.py). On CUDA the per-tensor norms come from a multi-tensor kernel whose reduction
+CPU (tests/test_optim_fallbacks.py). On CUDA the per-tensor norms come from a multi-tensor kernel whose reduction
 order may differ from `torch.norm`'s in the last bits of the gradient norm. With transformer-engine or apex
 installed megatron uses their fused kernels and nothing is replaced.
 """
