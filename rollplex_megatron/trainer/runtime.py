@@ -106,7 +106,7 @@ def memory_plan(cfg: RunConfig, source) -> dict:
         rel = frozenset() if budget is None else auto_release(with_pack_tokens(cfg, min(pack, shape.P)), shape, budget)
         actor_pack = actor_pack_tokens(cfg, shape, budget or 0.0, rel)
         rc = runtime_cfg(with_pack_tokens(cfg, actor_pack))
-        ahead = ahead_phases(rc, cfg.mode.name, rel, shape, budget) if cfg.memory.prefetch_ahead and budget else {}
+        ahead = _ahead(cfg, rc, rel, shape, budget)
         summary = summarize(plan(rc, cfg.mode.name, rel, "embedded", shape, ahead), cfg.mode.name)
         return {**summary, "shape": vars(shape), "released": [n for n in RELEASE_ORDER if n in rel],
                 "auto_budget_gib": budget, "actor_pack_tokens": actor_pack, "ahead": ahead}
@@ -116,11 +116,7 @@ def memory_plan(cfg: RunConfig, source) -> dict:
         budget = auto_budget_gib(cfg) or 0.0
     actor_pack = actor_pack_tokens(cfg, shape, budget, released(cfg.memory.plan))
     cfg = with_pack_tokens(cfg, actor_pack)
-    ahead = {}
-    if cfg.memory.prefetch_ahead and cfg.memory.plan != "keep":
-        ahead_budget = budget or auto_budget_gib(cfg)
-        if ahead_budget:
-            ahead = ahead_phases(runtime_cfg(cfg), cfg.mode.name, cfg.memory.plan, shape, ahead_budget)
+    ahead = _ahead(cfg, runtime_cfg(cfg), cfg.memory.plan, shape, budget)
     summary = summarize(runtime_plan(cfg, shape, ahead), cfg.mode.name)
     summary["actor_pack_tokens"], summary["ahead"] = actor_pack, ahead
     if cfg.parallel.rollout_ranks:  # mode=disaggregated: what a rollout rank holds (its own weights, its cache)
@@ -133,6 +129,15 @@ def memory_plan(cfg: RunConfig, source) -> dict:
         alt = summarize(plan(runtime_cfg(cfg), cfg.mode.name, "phase", "embedded", shape), cfg.mode.name)["peak_gib"]
         raise ValueError(f"{e}; memory.plan=phase would need {alt:.1f} GiB") from None
     return {**summary, "shape": vars(shape), "released": [n for n in RELEASE_ORDER if n in released(cfg.memory.plan)]}
+
+
+def _ahead(cfg: RunConfig, rc: RunConfig, residency, shape, budget_gib: float | None) -> dict:
+    """`memory.prefetch_ahead`'s classes (`planner.ahead_phases` over the runtime config `rc`): under `budget_gib`,
+    else `auto_budget_gib`'s; none when it is off or there is no budget (CPU without memory.budget_gib)."""
+    if not cfg.memory.prefetch_ahead:
+        return {}
+    budget_gib = budget_gib or auto_budget_gib(cfg)
+    return ahead_phases(rc, cfg.mode.name, residency, shape, budget_gib) if budget_gib else {}
 
 
 def with_pack_tokens(cfg: RunConfig, tokens: int) -> RunConfig:
