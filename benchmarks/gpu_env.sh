@@ -10,3 +10,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /
 # residency copy, a decode-window item). Megatron asks for 1 only to order tensor-parallel communication ahead
 # of the GEMMs it overlaps. `bench` records it per mode; `<mode>:conn1` runs a mode under 1 for comparison.
 export PYTHONPATH=/tmp/site:$PWD
+# gpu_tests TESTFILE NAME: a GPU test file's verdicts, also kept as $out/NAME (a failure is read there, not fatal)
+gpu_tests() {
+  python3 -m pytest -q -rA -p no:cacheprovider "$1" 2>&1 | grep -v -i warn | tee "$out/$2" | tail -25 || true
+}

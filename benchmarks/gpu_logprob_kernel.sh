@@ -8,8 +8,7 @@
 set -euo pipefail
 source benchmarks/gpu_env.sh
 if [ "${TESTS:-1}" = 1 ]; then
-  python3 -m pytest -q -rA -p no:cacheprovider tests/test_triton_logprob.py 2>&1 \
-    | grep -v -i warn | tee "$out/gpu_logprob_kernel_tests.txt" | tail -25 || true
+  gpu_tests tests/test_triton_logprob.py gpu_logprob_kernel_tests.txt
 fi
 if [ "${BENCH:-1}" = 1 ]; then
   python3 benchmarks/logprob_kernel.py --rows ${ROWS:-4096 8192 16384} --out "$out/logprob_kernel_h200.json" 2>&1 \

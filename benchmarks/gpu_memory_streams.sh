@@ -10,8 +10,7 @@
 set -euo pipefail
 source benchmarks/gpu_env.sh
 if [ "${TESTS:-1}" = 1 ]; then
-  python3 -m pytest -q -rA -p no:cacheprovider tests/test_gpu_memory_streams.py 2>&1 \
-    | grep -v -i warn | tee "$out/gpu_memory_streams_tests.txt" | tail -25 || true
+  gpu_tests tests/test_gpu_memory_streams.py gpu_memory_streams_tests.txt
 fi
 if [ "${BENCH:-1}" = 1 ]; then
   python3 benchmarks/copy_streams.py --out "$out/copy_streams_h200.json" 2>&1 | grep -v -i warn | tail -20

@@ -8,8 +8,7 @@
 set -euo pipefail
 source benchmarks/gpu_env.sh
 if [ "${TESTS:-1}" = 1 ]; then
-  python3 -m pytest -q -rA -p no:cacheprovider tests/test_gpu_split_attention.py 2>&1 \
-    | grep -v -i warn | tee "$out/gpu_split_attention_tests.txt" | tail -25 || true
+  gpu_tests tests/test_gpu_split_attention.py gpu_split_attention_tests.txt
 fi
 if [ "${BENCH:-1}" = 1 ]; then
   python3 benchmarks/split_attention.py --out "$out/split_attention_h200.json" 2>&1 | grep -v -i warn | tail -20
