@@ -322,14 +322,30 @@ def window_cost(modes: dict) -> None:
     (same decode without side work): what the window's side work and the actor prefill's K/V leaves added
     to the rollout phase (`rollout_excess_s`, against `rollout_excess_vs`), and the bound that sets: the
     ratio over that prefix_shared mode had the rollout cost no more than its (`free_window_ratio`: the median
-    step less the excess; a free window can reach no further, all else as measured)."""
+    step less the excess; a free window can reach no further, all else as measured).
+
+    With that mode's rollout `R` and the side work's GPU time alone `S` (its items' CUDA spans in a rollplex run of
+    the same settings whose items had the GPU to themselves: `interleave` or `after`): the window ratio,
+    (R + S) / this rollout (`window_ratio`: the rollout alone plus its side work alone over the two together),
+    and the most any overlap can give, (R + S) / max(R, S) (`window_ratio_bound`: the side work hidden whole)."""
+    alone_side = {}  # settings -> S, from a run whose items did not share the GPU with decode
+    for k, m in modes.items():
+        w = m.get("window") or {}
+        if k.partition(":")[0] == "rollplex" and w.get("mechanism") in ("interleave", "after") \
+                and w.get("side_work_in_window_gpu_s") is not None:
+            alone_side.setdefault(_settings(k), w["side_work_in_window_gpu_s"] + (w.get("side_work_after_gpu_s") or 0.0))
     for k, m in modes.items():
         base = next((b for b in modes if b.partition(":")[0] == "prefix_shared" and _settings(b) == _settings(k)),
                     None)
         if m.get("window") and base is not None:
-            excess = m["phase_median_s"]["rollout"] - modes[base]["phase_median_s"]["rollout"]
+            alone = modes[base]["phase_median_s"]["rollout"]
+            excess = m["phase_median_s"]["rollout"] - alone
             m["window"]["rollout_excess_s"] = excess
             m["window"]["rollout_excess_vs"] = base
+            side = alone_side.get(_settings(k))
+            if side is not None:
+                m["window"]["window_ratio"] = (alone + side) / m["phase_median_s"]["rollout"]
+                m["window"]["window_ratio_bound"] = (alone + side) / max(alone, side)
             if "steady" in m and "steady" in modes[base]:
                 m["window"]["free_window_ratio"] = (modes[base]["steady"]["median_s"]
                                                     / (m["steady"]["median_s"] - max(excess, 0.0)))
@@ -388,6 +404,8 @@ def render_markdown(results: Path) -> str:
             gpu = w.get("side_work_in_window_gpu_s") if w else None
             span = f" (GPU {gpu:.2f} s)" if gpu is not None else ""
             bound = f" (a free window: {w['free_window_ratio']:.2f}x)" if w and w.get("free_window_ratio") else ""
+            if w and w.get("window_ratio") is not None:
+                bound += f"; window ratio {w['window_ratio']:.2f}, at most {w['window_ratio_bound']:.2f}"
             win = (f"{w['mechanism']}: side work {w['side_work_in_window_s']:.2f} s{span}, rollout "
                    f"{w['rollout_excess_s']:+.2f} s vs {w.get('rollout_excess_vs', 'prefix_shared')}{bound}"
                    if w and w.get("rollout_excess_s") is not None

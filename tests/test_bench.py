@@ -160,6 +160,31 @@ def test_window_cost_compares_with_the_prefix_shared_run_of_the_same_settings():
     assert (w["rollout_excess_s"], w["rollout_excess_vs"]) == (pytest.approx(1.0), "prefix_shared:pack9+tokens8")
     assert w["free_window_ratio"] == pytest.approx(12.0 / 10.0)
     assert "rollout_excess_s" not in modes["rollplex:keep"]["window"]
+    assert "window_ratio" not in modes["rollplex"]["window"]  # no GPU spans of the side work: no ratio claimed
+
+
+def test_window_ratio_and_its_bound_come_from_the_side_works_gpu_time_alone():
+    """(rollout alone + side work alone) / together, and the most an overlap can give, (R + S) / max(R, S); S is
+    the side work's GPU time in a run of the same settings where it had the GPU alone (interleave or after), not
+    its time stretched beside decode; side work run after decode gives 1; no such run, no ratio."""
+    def mode(rollout, step, mech=None, inside=0.0, after=0.0):
+        w = None if mech is None else {"mechanism": mech, "side_work_in_window_gpu_s": inside,
+                                       "side_work_after_gpu_s": after}
+        return {"phase_median_s": {"rollout": rollout}, "window": w, "steady": {"median_s": step}}
+
+    modes = {"prefix_shared": mode(6.0, 14.0), "rollplex:stream": mode(6.25, 12.0, "stream", 1.5, 0.0),
+             "rollplex:after": mode(6.75, 12.75, "after", 0.0, 0.75),
+             "rollplex:tokens8+green": mode(4.5, 9.0, "green", 3.0, 1.0), "prefix_shared:tokens8": mode(1.0, 10.0),
+             "rollplex:tokens8+interleave": mode(5.0, 9.5, "interleave", 4.0), "prefix_shared:pack9": mode(2.0, 9.0),
+             "rollplex:pack9+stream": mode(2.5, 8.0, "stream", 1.0)}
+    bench.window_cost(modes)
+    w = modes["rollplex:stream"]["window"]  # S = 0.75 from the after run, not the stretched 1.5
+    assert w["window_ratio"] == pytest.approx(6.75 / 6.25) and w["window_ratio_bound"] == pytest.approx(6.75 / 6.0)
+    w = modes["rollplex:after"]["window"]
+    assert w["window_ratio"] == pytest.approx(1.0) and w["window_ratio_bound"] == pytest.approx(6.75 / 6.0)
+    w = modes["rollplex:tokens8+green"]["window"]  # side work longer than the rollout: the bound is over it
+    assert w["window_ratio"] == pytest.approx(5.0 / 4.5) and w["window_ratio_bound"] == pytest.approx(5.0 / 4.0)
+    assert "window_ratio" not in modes["rollplex:pack9+stream"]["window"]  # no run had its side work alone
 
 
 def test_a_mode_variant_can_set_its_process_environment(monkeypatch, tmp_path):
