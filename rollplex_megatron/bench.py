@@ -333,7 +333,8 @@ def window_cost(modes: dict) -> None:
         w = m.get("window") or {}
         if k.partition(":")[0] == "rollplex" and w.get("mechanism") in ("interleave", "after") \
                 and w.get("side_work_in_window_gpu_s") is not None:
-            alone_side.setdefault(_settings(k), w["side_work_in_window_gpu_s"] + (w.get("side_work_after_gpu_s") or 0.0))
+            side = w["side_work_in_window_gpu_s"] + (w.get("side_work_after_gpu_s") or 0.0)
+            alone_side.setdefault(_settings(k), side)
     for k, m in modes.items():
         base = next((b for b in modes if b.partition(":")[0] == "prefix_shared" and _settings(b) == _settings(k)),
                     None)
