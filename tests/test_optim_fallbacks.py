@@ -84,3 +84,45 @@ def test_only_megatrons_local_fallbacks_are_replaced():
     assert clip_grads.l2_norm_impl is foreach_l2_norm
     assert clip_grads.multi_tensor_scale_impl is optimizer.multi_tensor_scale_impl is foreach_scale
     assert use_foreach_fallbacks() == []  # nothing of megatron's left to replace (and TE/apex kernels never are)
+
+
+class Ops(TorchDispatchMode):
+    """The ops run, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func.overloadpacket.__name__))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_clipping_scales_the_gradients_in_place_as_megatron(dtype):
+    """Clipping passes one list as source and destination: the result is megatron's, and no out-of-place product
+    (a second copy of every gradient at once) is made; a distinct source list is left as it was."""
+    from megatron.core.utils import local_multi_tensor_scale
+
+    theirs = _tensors(7, dtype)
+    ours = [t.clone() for t in theirs]
+    local_multi_tensor_scale(2048 * 32, None, [theirs, theirs], 0.37)
+    with Ops() as ops:
+        foreach_scale(2048 * 32, None, [ours, ours], 0.37)
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
+    assert "_foreach_mul" not in ops.names and "mul" not in ops.names  # only in-place products
+    src = _tensors(8, dtype)
+    before = [t.clone() for t in src]
+    foreach_scale(2048 * 32, None, [src, [torch.empty_like(t) for t in src]], 0.37)
+    assert all(torch.equal(a, b) for a, b in zip(src, before))
+
+
+def test_the_norm_stays_on_the_gradients_device_and_empty_lists_pass():
+    """The norm is left where the gradients are (meta here stands for a GPU: the all-reduce reads it there);
+    no tensors give megatron's 0 and a scale of nothing does nothing."""
+    grads = [t.to("meta") for t in _tensors(9, torch.float32)]
+    norm, _ = foreach_l2_norm(2048 * 32, None, [grads], False)
+    assert norm.device.type == "meta" and norm.shape == (1,)
+    empty, _ = foreach_l2_norm(2048 * 32, None, [[]], False)
+    assert empty.shape == (1,) and float(empty.cpu()) == 0.0
+    foreach_scale(2048 * 32, None, [[], []], 0.5)

@@ -7,7 +7,8 @@ host, one device synchronisation per parameter tensor (hundreds per optimizer st
 kernels per tensor. The versions here take the same per-tensor norms (`torch._foreach_norm`) and combine them on
 the device, and scale or copy a whole list with foreach ops: no host read, and bit for bit megatron's result on
 CPU (tests/test_optim_fallbacks.py). On CUDA the per-tensor norms come from a multi-tensor kernel whose reduction
-order may differ from `torch.norm`'s in the last bits of the gradient norm. With transformer-engine or apex
+order may differ from `torch.norm`'s, and they are combined on the device where megatron combines them on the host:
+either may change the last bits of the gradient norm. With transformer-engine or apex
 installed megatron uses their fused kernels and nothing is replaced.
 """
 from __future__ import annotations
@@ -17,15 +18,31 @@ import torch
 
 def foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
     """Drop-in for megatron's `local_multi_tensor_l2_norm`: the l2 norm of every tensor of `tensor_lists[0]`
-    together, as a float32 tensor [1] on their device (no host read)."""
+    together, as a float32 tensor [1] on their device (no host read); 0 for no tensors, as megatron's."""
+    if not tensor_lists[0]:
+        return torch.zeros(1, dtype=torch.float32, device="cuda" if torch.cuda.is_available() else "cpu"), None
     norms = torch._foreach_norm(tensor_lists[0])  # in the tensors' dtype, combined in it too (as megatron does)
     return torch.linalg.vector_norm(torch.stack(norms)).float().reshape(1), None
 
 
 def foreach_scale(chunk_size, noop_flag, tensor_lists, scale):
     """Drop-in for megatron's `local_multi_tensor_scale`: `dst = src * scale` over the lists, each result cast to
-    its destination's dtype (a plain copy when `scale` is 1)."""
+    its destination's dtype (a plain copy when `scale` is 1).
+
+    Gradient clipping passes the gradients as both lists: they are scaled in place, holding no second copy of
+    them (megatron's loop holds one tensor's worth; an out-of-place foreach product would hold all of them)."""
     src, dst = list(tensor_lists[0]), list(tensor_lists[1])
+    if not src:
+        return
+    if len(src) == len(dst) and all(d is s for s, d in zip(src, dst)):
+        if scale == 1.0:
+            return
+        if all(t.dtype == torch.float32 for t in dst):
+            torch._foreach_mul_(dst, scale)
+        else:  # per tensor: the rounding of `src * scale` in its own dtype, as megatron's
+            for t in dst:
+                t.mul_(scale)
+        return
     torch._foreach_copy_(dst, src if scale == 1.0 else torch._foreach_mul(src, scale))
 
 
