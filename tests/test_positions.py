@@ -73,3 +73,47 @@ def test_vision_rotary_matches_transformers():
     rot = Qwen2_5_VLVisionRotaryEmbedding(Qwen2_5_VLVisionConfig(hidden_size=32, num_heads=2))
     cos, sin = rot(torch.zeros(1), pos)
     assert torch.allclose(ours.cos(), cos, atol=1e-6) and torch.allclose(ours.sin(), sin, atol=1e-6)
+
+
+def test_vision_plan_is_the_fresh_computation_kept_per_grids():
+    """The tower's cached plan equals what the functions compute now, for each set of grids; the same grids give
+    back the kept tensors (no second planning); other grids or another window size get a plan of their own."""
+    P._vision_plan.cache_clear()
+    grid = torch.tensor(GRIDS)
+    plan = P.vision_plan(grid, 2, 112, 14, 16, 10000.0)
+    order_U, cu_window = P.vision_window_order(grid, 2, 112, 14)
+    order_N = P.units_to_patches(order_U, 4)
+    assert torch.equal(plan.order_N, order_N) and torch.equal(plan.cu_window, cu_window.long())
+    assert torch.equal(plan.inverse_U, torch.argsort(order_U))
+    assert torch.equal(plan.cu_full, P.vision_cu_seqlens(grid).long())
+    assert torch.equal(plan.rotary_N, P.vision_rotary_freqs(P.vision_patch_positions(grid, 2), 16, 10000.0)[order_N])
+    again = P.vision_plan(grid.clone(), 2, 112, 14, 16, 10000.0)
+    assert all(a is b for a, b in zip(again, plan)) and P._vision_plan.cache_info().hits == 1
+    other = P.vision_plan(grid[:2], 2, 112, 14, 16, 10000.0)
+    assert other.order_N.numel() < plan.order_N.numel()
+    narrow = P.vision_plan(grid, 2, 56, 14, 16, 10000.0)
+    assert not torch.equal(narrow.cu_window, plan.cu_window) and P._vision_plan.cache_info().misses == 3
+
+
+def test_the_vision_tower_gives_the_same_embeddings_from_a_kept_plan():
+    """A second forward over the same grids (the plan kept) equals the first (the plan computed), bit for bit:
+    nothing the tower does writes into the shared plan."""
+    from rollplex_megatron.dist import destroy_parallel, init_parallel
+    from rollplex_megatron.models.qwen25vl.model import VisionTower
+
+    init_parallel(1, 1, 0, "gloo")
+    try:
+        cfg = load_run_config(["model=tiny"]).model
+        torch.manual_seed(0)
+        tower = VisionTower(cfg, torch.float32, 1).eval()
+        grid = torch.tensor([[2, 8, 4], [1, 4, 6]])
+        v = cfg.vision
+        pix = torch.randn(int(grid.prod(-1).sum()), v.in_channels * v.temporal_patch_size * v.patch_size ** 2)
+        P._vision_plan.cache_clear()
+        with torch.no_grad():
+            first = tower(pix, grid)
+            second = tower(pix, grid)
+        assert P._vision_plan.cache_info().hits >= 1
+        assert torch.equal(first, second)
+    finally:
+        destroy_parallel()

@@ -192,24 +192,21 @@ class VisionTower(MegatronModule):
         x = pixel_values.to(self.patch_embed.weight.dtype).view(
             -1, v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size)
         x = self.patch_embed(x).view(-1, v.hidden_size)
-        unit = v.spatial_merge_size ** 2
-        # index tensors are built on the host from the (host) grid and copied to the device once;
-        # nothing here reads the device back, so the tower can be issued ahead of its kernels
-        order_U, cu_window = P.vision_window_order(grid_thw, v.spatial_merge_size, v.window_size, v.patch_size)
-        order_N = P.units_to_patches(order_U, unit)
-        rot = P.vision_rotary_freqs(P.vision_patch_positions(grid_thw, v.spatial_merge_size),
-                                    v.hidden_size // v.num_heads, v.rope_theta)
+        # index tensors are planned on the host from the (host) grid, once per distinct grids (`P.vision_plan`), and
+        # copied to the device; nothing here reads the device back, so the tower can be issued ahead of its kernels
+        plan = P.vision_plan(grid_thw, v.spatial_merge_size, v.window_size, v.patch_size, v.hidden_size // v.num_heads,
+                             v.rope_theta)
         # Windows never cross frames and keep frame order, so per-frame full attention is also
         # attention within contiguous segments in window order; no [N, N] mask is built.
-        full = SegmentContext(cu=P.vision_cu_seqlens(grid_thw).long(), device=x.device)
-        window = SegmentContext(cu=cu_window.long(), device=x.device)
-        rot = rot[order_N].to(x.device)
+        full = SegmentContext(cu=plan.cu_full, device=x.device)
+        window = SegmentContext(cu=plan.cu_window, device=x.device)
+        rot = plan.rotary_N.to(x.device)
         if self.rope_kernel == "triton":  # one cos/sin table for all blocks, applied by the contexts' kernel
             full.rotary = window.rotary = rope_tables(rot, x.dtype)
             rot = None
-        x = self.blocks(x[order_N.to(x.device)][:, None], full, window, rot)
+        x = self.blocks(x[plan.order_N.to(x.device)][:, None], full, window, rot)
         merged = self.merger(x[:, 0])
-        return merged[torch.argsort(order_U).to(merged.device)]
+        return merged[plan.inverse_U.to(merged.device)]
 
 
 class Qwen25VLModel(MegatronModule):

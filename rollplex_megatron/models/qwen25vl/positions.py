@@ -5,7 +5,9 @@ grid_thw = [num_items, 3] patch grid (t, h, w) per image or video, in patches.
 """
 from __future__ import annotations
 
+import functools
 import itertools
+from typing import NamedTuple
 
 import torch
 
@@ -60,6 +62,35 @@ def vision_window_order(
     order_U = torch.cat(order)
     cu = torch.tensor([0] + list(itertools.accumulate(sizes)), dtype=torch.long)
     return order_U, torch.unique_consecutive(cu)
+
+
+class VisionPlan(NamedTuple):
+    """The vision tower's index tensors for one set of grids, on the host (a function of the grids alone)."""
+
+    order_N: torch.Tensor  # patch permutation into window order
+    inverse_U: torch.Tensor  # merge units back from window order to the processor's order
+    cu_full: torch.Tensor  # frame boundaries in patches (full-attention blocks)
+    cu_window: torch.Tensor  # window boundaries in patches (window-attention blocks)
+    rotary_N: torch.Tensor  # rotary angles [N, 1, 1, head_dim / 2 * 2] in window order
+
+
+@functools.lru_cache(maxsize=16)
+def _vision_plan(grids: tuple, merge: int, window_size: int, patch_size: int, head_dim: int,
+                 theta: float) -> VisionPlan:
+    grid_thw = torch.tensor(grids, dtype=torch.long).reshape(-1, 3)
+    order_U, cu_window = vision_window_order(grid_thw, merge, window_size, patch_size)
+    order_N = units_to_patches(order_U, merge * merge)
+    rot = vision_rotary_freqs(vision_patch_positions(grid_thw, merge), head_dim, theta)[order_N]
+    return VisionPlan(order_N, torch.argsort(order_U), vision_cu_seqlens(grid_thw).long(), cu_window.long(), rot)
+
+
+def vision_plan(grid_thw: torch.Tensor, merge: int, window_size: int, patch_size: int, head_dim: int,
+                theta: float) -> VisionPlan:
+    """The tower's window order, segment boundaries and rotary angles for `grid_thw` (host [n, 3]), computed once
+    per distinct set of grids and kept (a run sees few: a pack of 16 video prompts costs the host about 40 ms to
+    plan, on every prefix stage, scoring pass and recomputation that runs the tower). The tensors are shared
+    between callers: read them, never write them."""
+    return _vision_plan(tuple(map(tuple, grid_thw.tolist())), merge, window_size, patch_size, head_dim, float(theta))
 
 
 def block_diagonal_mask(cu_seqlens: torch.Tensor) -> torch.Tensor:
