@@ -50,8 +50,9 @@ def test_phase_cycle_is_bit_exact(copy_streams, ahead):
 
 def test_reference_ahead_survives_update_and_optimizer_alternating():
     """rollplex's reference brought back at the optimizer step's entry (its phase before the rollout) and released
-    again at the next update's before the compute stream waited for it (several mini-batches a step: update and
-    optimizer alternate): the storage is not handed out while that copy may still write it, and the reference read
+    again at the next update's before the compute stream waited for it (update and optimizer alternating, entered
+    without `then`: the trainer names the update that follows, and the reference then stays out until the last
+    optimizer step): the storage is not handed out while that copy may still write it, and the reference read
     at the rollout is bit-exact."""
     mm, main, ref = manager(2, main_gib=2.0, ref_gib=2.0, seed=5, ahead={"reference_weights": "optimizer"})
     want_ref = [r.cpu() for r in ref]

@@ -308,3 +308,39 @@ def test_tensors_from_a_checkpoint_are_adopted_before_offload(tmp_path):
     assert all(t.untyped_storage().nbytes() == 0 for t in state.values())  # the dict's own tensors released
     mm._prefetch(c)
     assert all(torch.equal(state[k], w) for k, w in zip("ab", want))
+
+
+def test_a_class_ahead_comes_back_once_when_update_and_optimizer_alternate():
+    """Three mini-batches a step (update and optimizer alternate): rollplex's reference, ahead at the optimizer
+    step, is copied in at the last optimizer step only (the one the rollout follows), not at each; the masters,
+    ahead at the update, stay through the alternation; the next step's rollout finds the reference, bit-exact."""
+    from types import SimpleNamespace
+
+    from rollplex_megatron.memory.manager import MemoryManager
+
+    g = torch.Generator().manual_seed(11)
+    main = [torch.randn(40 + i, generator=g) for i in range(3)]
+    ref = [torch.randn(25 + i, generator=g).to(torch.bfloat16) for i in range(2)]
+    want_ref = [r.clone() for r in ref]
+    optimizer = SimpleNamespace(fp32_from_float16_groups=[main], optimizer=SimpleNamespace(state={}, param_groups=[]))
+    mm = MemoryManager(frozenset({"main_weights", "reference_weights"}), "rollplex",
+                       SimpleNamespace(buffers=[], expert_parallel_buffers=[]), optimizer,
+                       SimpleNamespace(parameters=lambda: ref), ahead={"reference_weights": "optimizer",
+                                                                       "main_weights": "update"})
+    ref_bytes, main_bytes = sum(r.nbytes for r in ref), sum(m.nbytes for m in main)
+    resident = lambda ts: all(t.untyped_storage().nbytes() > 0 for t in ts)  # noqa: E731
+    for step in range(2):
+        for phase in ("rollout", "reward", "ref_logp"):
+            mm.enter(phase)
+        mm.new_step()
+        seen = []
+        for k in range(3):
+            mm.enter("update")
+            mm.enter("optimizer", None if k == 2 else "update")
+            seen.append((resident(ref), resident(main)))
+        assert seen == [(False, True), (False, True), (True, True)], (step, seen)
+        # one copy in of the reference a step; the masters come back once (at the first update) and leave never
+        assert mm.copy_bytes == {"d2h": ref_bytes * (step == 0), "h2d": ref_bytes + main_bytes}, (step, mm.copy_bytes)
+    mm.enter("rollout")
+    assert resident(ref) and not resident(main)
+    assert all(torch.equal(a, b) for a, b in zip(ref, want_ref))

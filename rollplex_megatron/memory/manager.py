@@ -30,7 +30,9 @@ own: a prefetch then need not queue behind the offloads issued before it in the 
 the 7.5 GB reference its window needs; on one stream the compute stream waits for both). A class's
 copy waits for its own previous copy on the other stream (a prefetch reads what its offload wrote).
 `memory.prefetch_ahead` (`ahead`: class -> phase) brings a class back at the entry of the phase before its
-own; the compute stream waits for its copy only at the entry of a phase that reads it (`needed_in`).
+own; the compute stream waits for its copy only at the entry of a phase that reads it (`needed_in`). Where update
+and optimizer alternate (several mini-batches a step) the trainer names the phase that follows (`then`), and a class
+comes back ahead only before a phase that reads it: the reference once a step, at the last optimizer step.
 Without CUDA the same steps run synchronously on CPU buffers (the tests' bit-exactness of the round
 trip and of the update holds there too).
 """
@@ -129,27 +131,33 @@ class MemoryManager:
         """Start a step's records (bytes per phase, bytes copied)."""
         self.phase_bytes, self.copy_bytes = {}, {"d2h": 0, "h2d": 0}
 
-    def resident_in(self, name: str, phase: str) -> bool:
-        """Whether the plan wants class `name` on the device during `phase` (read there, or brought back ahead)."""
-        return self.needed_in(name, phase) or self.ahead.get(name) == phase
+    def resident_in(self, name: str, phase: str, then: str | None = None) -> bool:
+        """Whether the plan wants class `name` on the device during `phase`: read there, or brought back ahead of
+        the phase that reads it. `then`: the phase entered after this one when it is not the next in the plan's
+        order (update and optimizer alternate over several mini-batches); a class comes back ahead only where
+        `then` reads it, so rollplex's reference is not copied in at every optimizer step of a step, only the last."""
+        if self.needed_in(name, phase):
+            return True
+        return self.ahead.get(name) == phase and (then is None or self.needed_in(name, then))
 
     def needed_in(self, name: str, phase: str) -> bool:
         """Whether `phase` reads class `name`: the compute stream waits for its copy at the phase's entry."""
         return name not in self.released or phase in resident_phases(name, self.mode)
 
-    def enter(self, phase: str) -> None:
-        """Release what `phase` does not need, then bring back what it does (in that order)."""
+    def enter(self, phase: str, then: str | None = None) -> None:
+        """Release what `phase` does not need, then bring back what it does (in that order); `then`: see
+        `resident_in`."""
         for name, c in self.classes.items():
-            if c.resident and not self.resident_in(name, phase):
+            if c.resident and not self.resident_in(name, phase, then):
                 self._offload(c)
-        if self.grads_resident and not self.resident_in("grads", phase):
+        if self.grads_resident and not self.resident_in("grads", phase, then):
             self.ddp.offload_grad_buffers(synchronize=False, empty_cache=False)
             self.grads_resident = False
-        if not self.grads_resident and self.resident_in("grads", phase):
+        if not self.grads_resident and self.resident_in("grads", phase, then):
             self.ddp.restore_grad_buffers(synchronize=False)  # zeroed, as after zero_grad_buffer
             self.grads_resident = True
         for name, c in self.classes.items():
-            if not c.resident and self.resident_in(name, phase):
+            if not c.resident and self.resident_in(name, phase, then):
                 self._prefetch(c)
         if self.cuda:
             for name, c in self.classes.items():  # a class brought back ahead is waited for where it is read

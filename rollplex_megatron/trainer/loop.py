@@ -45,7 +45,7 @@ def run_step(rt: Runtime, mode: Mode, step: int) -> dict:
     for k in range(n):
         with t("update"):
             res.append(mode.update(rt, prep, k % len(prep.minis), fresh=k == 0))
-        with t("optimizer"):
+        with t("optimizer", then=None if k == n - 1 else "update"):  # another mini-batch's update comes next
             opts.append(rt.optimizer_step(advance=k == n - 1))
     if rt.engine.weights_phase:  # a rollout model of its own: bound views refreshed, or weights sent to its ranks
         with t(rt.engine.weights_phase, residency="optimizer"):  # right after the optimizer step: no transition

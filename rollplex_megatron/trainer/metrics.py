@@ -29,15 +29,16 @@ class PhaseTimer:
         self.parts: dict[str, dict] = {}  # per phase: its named parts (`spans`: count, host and GPU seconds)
 
     @contextmanager
-    def __call__(self, name: str, residency: str | None = None):
+    def __call__(self, name: str, residency: str | None = None, then: str | None = None):
         """Time the enclosed phase under `name` (accumulates when a phase repeats); `residency`: the
-        phase whose memory plan it runs under (default its own)."""
+        phase whose memory plan it runs under (default its own); `then`: the phase entered next when it is not
+        the plan's next (`MemoryManager.resident_in`)."""
         sync()
         t0 = time.perf_counter()
         with collect() as parts:
             if self.memory is not None:
                 with span("memory"):  # the residency actions (on CUDA the GPU part is the wait for copies)
-                    self.memory.enter(residency or name)
+                    self.memory.enter(residency or name, then)
             if torch.cuda.is_available():
                 torch.cuda.reset_peak_memory_stats()  # after the releases, so the peak is this phase's
             profiled = self.profile and (not self.profile_phases or name in self.profile_phases)
