@@ -84,6 +84,19 @@ def test_rollplex_at_another_rollout_tp_matches_serial_with_uneven_replicas(tiny
     assert win["items_in_window"] > 0 and win["items_in_window"] + win["items_after"] == 2 * 8  # actor + reference
 
 
+def test_packed_window_items_at_another_rollout_tp_match_serial(tiny_hf, uneven_serial):
+    """The same, with every group's prefix in one pack (`workload.prefix_pack_tokens`): the window runs one actor
+    item and one reference item a step (each a single forward at the training layout, its collectives over both
+    replicas in the same order), and the run equals serial."""
+    run = run_local(LW.uneven_steps, 2, _cfg("rollplex", "parallel.tp=2", "rollout.tp=1", *UNEVEN,
+                                             "workload.prefix_pack_tokens=100000", hf=tiny_hf), 3, 3, 30)
+    assert run[0]["tokens"] == uneven_serial[0]["tokens"] == run[1]["tokens"]
+    _records_close(run[0]["records"], uneven_serial[0]["records"])
+    for rec in run[0]["records"]:
+        win = rec["rollout"]
+        assert win["items_in_window"] + win["items_after"] == 2, win
+
+
 def test_rollplex_at_another_rollout_tp_detects_a_dropped_prefix_backward(tiny_hf, uneven_serial):
     run = run_local(LW.uneven_steps, 2, _cfg("rollplex", "parallel.tp=2", "rollout.tp=1", *UNEVEN, hf=tiny_hf),
                     2, 3, 30, "skip_prefix_backward")

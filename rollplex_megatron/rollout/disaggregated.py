@@ -130,6 +130,7 @@ class RemoteRollout:
     """The training ranks' RolloutEngine under mode=disaggregated: the rollout ranks decode."""
 
     prefill_is_actor_prefix = False
+    window_items_elsewhere = False  # mode disaggregated has no decode window
     weights_phase = "weight_transfer"
     collective = True
 

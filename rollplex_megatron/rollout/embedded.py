@@ -199,6 +199,7 @@ class EmbeddedEngine:
     last stage's tokens are broadcast to all (decode runs eagerly there)."""
 
     prefill_is_actor_prefix = True  # the prefill can be the actor prefix stage (same modules, same layout)
+    window_items_elsewhere = False
     weights_phase = None  # decodes on the actor's own modules: nothing to sync after an optimizer step
     collective = False  # generate involves this rank's model-parallel group only
 

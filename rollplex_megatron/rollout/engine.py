@@ -89,6 +89,9 @@ class RolloutEngine(Protocol):
     """
 
     prefill_is_actor_prefix: bool
+    # the decode window's items run in another process (SGLang's scheduler, `take_items`): each is a `PrefixJob`,
+    # one group an item; else they run here as functions, several groups' prefixes an item where packed
+    window_items_elsewhere: bool
     # the loop's phase after a step's optimizer steps in which `sync_weights()` brings the rollout's
     # weights up to date (weight_refresh: rebuilt views; weight_transfer: sent to other ranks), or None
     weights_phase: str | None

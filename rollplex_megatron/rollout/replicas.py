@@ -62,6 +62,7 @@ class RolloutReplicas:
     """RolloutEngine over rollout replicas at `rollout.tp`, bound to the actor's training storage."""
 
     prefill_is_actor_prefix = False  # other layout: the trainer runs the actor prefix stage itself
+    window_items_elsewhere = False  # they run here, at the training layout (`_AtTrainingLayout`)
 
     def __init__(self, actor, cfg: RunConfig, layouts: ParallelLayouts, full_copy=None):
         """`actor`: the training model (unwrapped, after every wrapper that moves its parameters).

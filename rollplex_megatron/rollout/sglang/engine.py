@@ -121,6 +121,7 @@ class SGLangEngine:
     """SGLang as the rollout engine, with the decode window in its scheduler (the RolloutEngine contract)."""
 
     prefill_is_actor_prefix = False  # SGLang's prefill is not the trainer's graph: the actor prefix is a job
+    window_items_elsewhere = True  # the bridge runs them in the scheduler, as jobs
     weights_phase = "weight_refresh"
 
     def __init__(self, actor, reference, cfg, tp_group=None, sglang=None):

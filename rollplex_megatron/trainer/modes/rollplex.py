@@ -13,6 +13,7 @@ the prefix work of the groups not trained on is reported (`dropped_prefix_*`).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from functools import partial
 
 import torch
@@ -35,13 +36,21 @@ def reference_prefix_item(ref, prompts: list, store: KVStore, groups: list[int],
                          group_ids=groups, pack_tokens=pack_tokens)
 
 
-def actor_prefix_item(actor, prompt, store: KVStore, group: int, recompute: bool, states: list) -> None:
+def actor_prefix_item(actor, prompts: list, store: KVStore, groups: list[int], recompute: bool, states: list,
+                      pack_tokens: int = 0) -> None:
     """Decode-window work item where the rollout's prefill cannot be the actor prefix stage (rollout at
-    its own layout): the actor prefix stage of one group at the training layout, as the engine's prefill
-    would run it (trainable K/V leaves; the graph kept unless the prefix backward recomputes it)."""
+    its own layout): the actor prefix stage of one group, or of a pack of groups as one forward, at the training
+    layout, as the engine's prefill would run it (trainable K/V leaves; the graph kept unless the prefix backward
+    recomputes it, a pack at a time)."""
     with torch.set_grad_enabled(not recompute):
-        states += X.prefix_forward(actor, [Group(prompt, [], torch.zeros(0))], store, keep_graph=not recompute,
-                                   group_ids=[group], recompute=recompute)
+        states += X.prefix_forward(actor, [Group(p, [], torch.zeros(0)) for p in prompts], store,
+                                   keep_graph=not recompute, group_ids=groups, recompute=recompute,
+                                   pack_tokens=pack_tokens)
+
+
+def _pack_name(stage: str, rnd: int, pack: list[int]) -> str:
+    """A window item's name: `reference_prefix[0.3]` for group 3 of round 0, `[0.0-7]` for a pack of groups 0-7."""
+    return f"{stage}[{rnd}.{pack[0]}{f'-{pack[-1]}' if len(pack) > 1 else ''}]"
 
 
 class Rollplex(Mode):
@@ -60,22 +69,25 @@ class Rollplex(Mode):
         def round_kwargs(r, reqs):
             actor_kv, ref_kv, states = KVStore(), KVStore(), []
             window = DecodeWindow.from_config(rt.cfg.mode, rt.cfg.parallel, rt.cfg.rollout.tp)
-            # with the engine in this process the reference prefixes may run packed, several groups an item;
-            # an engine elsewhere (jobs as data) and the rollout at its own layout take one group an item
-            packs = X.prefix_packs([q.prompt.input_ids.numel() - 1 for q in reqs], rt.pack_tokens if in_prefill else 0)
-            for i, q in enumerate(reqs):
-                if not in_prefill:
-                    window.submit(f"actor_prefix[{r}.{i}]",
-                                  partial(actor_prefix_item, rt.ddp, q.prompt, actor_kv, i, rt.recompute, states),
-                                  PrefixJob("actor", q.prompt, actor_kv, i, trainable=True, states=states))
-                if len(packs) == len(reqs):
-                    window.submit(f"reference_prefix[{r}.{i}]",
-                                  partial(reference_prefix_item, rt.ref, [q.prompt], ref_kv, [i]),
-                                  PrefixJob("reference", q.prompt, ref_kv, i))
-            for pack in packs if len(packs) < len(reqs) else []:
-                window.submit(f"reference_prefix[{r}.{pack[0]}-{pack[-1]}]",
-                              partial(reference_prefix_item, rt.ref, [reqs[i].prompt for i in pack], ref_kv, pack,
-                                      rt.pack_tokens))
+            # items that run in this process may take several groups' prefixes as one forward (a pack: fewer,
+            # larger kernels); an engine elsewhere runs jobs as data, one group a job
+            here = not rt.engine.window_items_elsewhere
+            lens = [q.prompt.input_ids.numel() - 1 for q in reqs]
+            actor = [] if in_prefill else [  # where the prefill is not the actor prefix stage (rollout at its own TP)
+                (_pack_name("actor_prefix", r, pack),
+                 partial(actor_prefix_item, rt.ddp, [reqs[i].prompt for i in pack], actor_kv, pack, rt.recompute,
+                         states, rt.actor_pack_tokens),
+                 PrefixJob("actor", reqs[pack[0]].prompt, actor_kv, pack[0], trainable=True, states=states)
+                 if len(pack) == 1 else None)
+                for pack in X.prefix_packs(lens, rt.actor_pack_tokens if here else 0)]
+            reference = [(_pack_name("reference_prefix", r, pack),
+                          partial(reference_prefix_item, rt.ref, [reqs[i].prompt for i in pack], ref_kv, pack,
+                                  rt.pack_tokens),
+                          PrefixJob("reference", reqs[pack[0]].prompt, ref_kv, pack[0]) if len(pack) == 1 else None)
+                         for pack in X.prefix_packs(lens, rt.pack_tokens if here else 0)]
+            for item in itertools.chain(*itertools.zip_longest(actor, reference)):  # a group's actor, its reference
+                if item is not None:
+                    window.submit(*item)
             stores.append((actor_kv, ref_kv))
             windows.append(window)
             round_states.append(states)
