@@ -324,17 +324,20 @@ def window_cost(modes: dict) -> None:
     ratio over that prefix_shared mode had the rollout cost no more than its (`free_window_ratio`: the median
     step less the excess; a free window can reach no further, all else as measured).
 
-    With that mode's rollout `R` and the side work's GPU time alone `S` (its items' CUDA spans in a rollplex run of
-    the same settings whose items had the GPU to themselves: `interleave` or `after`): the window ratio,
+    With that mode's rollout `R` and the side work's time alone `S` (its items' CUDA spans in a rollplex run of
+    the same settings whose items had the GPU to themselves: `after`, else `interleave`): the window ratio,
     (R + S) / this rollout (`window_ratio`: the rollout alone plus its side work alone over the two together),
-    and the most any overlap can give, (R + S) / max(R, S) (`window_ratio_bound`: the side work hidden whole)."""
+    and the most any overlap can give, (R + S) / max(R, S) (`window_ratio_bound`: the side work hidden whole).
+    A span holds whatever GPU idle an item's issuing leaves inside it, so `S` is at most the item's work and
+    both figures are upper bounds where items are paced by the host."""
     alone_side = {}  # settings -> S, from a run whose items did not share the GPU with decode
-    for k, m in modes.items():
-        w = m.get("window") or {}
-        if k.partition(":")[0] == "rollplex" and w.get("mechanism") in ("interleave", "after") \
-                and w.get("side_work_in_window_gpu_s") is not None:
-            side = w["side_work_in_window_gpu_s"] + (w.get("side_work_after_gpu_s") or 0.0)
-            alone_side.setdefault(_settings(k), side)
+    for mech in ("after", "interleave"):
+        for k, m in modes.items():
+            w = m.get("window") or {}
+            if k.partition(":")[0] == "rollplex" and w.get("mechanism") == mech \
+                    and w.get("side_work_in_window_gpu_s") is not None:
+                side = w["side_work_in_window_gpu_s"] + (w.get("side_work_after_gpu_s") or 0.0)
+                alone_side.setdefault(_settings(k), side)
     for k, m in modes.items():
         base = next((b for b in modes if b.partition(":")[0] == "prefix_shared" and _settings(b) == _settings(k)),
                     None)

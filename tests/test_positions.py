@@ -93,6 +93,11 @@ def test_vision_plan_is_the_fresh_computation_kept_per_grids():
     assert other.order_N.numel() < plan.order_N.numel()
     narrow = P.vision_plan(grid, 2, 56, 14, 16, 10000.0)
     assert not torch.equal(narrow.cu_window, plan.cu_window) and P._vision_plan.cache_info().misses == 3
+    with torch.inference_mode():  # planned under inference mode, the plan still serves a forward with autograd
+        late = P.vision_plan(grid, 2, 112, 28, 16, 10000.0)
+    x = torch.randn(late.order_N.numel(), 3, requires_grad=True)
+    x[late.order_N].sum().backward()
+    assert torch.equal(x.grad, torch.ones_like(x))
 
 
 def test_the_vision_tower_gives_the_same_embeddings_from_a_kept_plan():

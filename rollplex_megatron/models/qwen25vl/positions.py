@@ -77,11 +77,12 @@ class VisionPlan(NamedTuple):
 @functools.lru_cache(maxsize=16)
 def _vision_plan(grids: tuple, merge: int, window_size: int, patch_size: int, head_dim: int,
                  theta: float) -> VisionPlan:
-    grid_thw = torch.tensor(grids, dtype=torch.long).reshape(-1, 3)
-    order_U, cu_window = vision_window_order(grid_thw, merge, window_size, patch_size)
-    order_N = units_to_patches(order_U, merge * merge)
-    rot = vision_rotary_freqs(vision_patch_positions(grid_thw, merge), head_dim, theta)[order_N]
-    return VisionPlan(order_N, torch.argsort(order_U), vision_cu_seqlens(grid_thw).long(), cu_window.long(), rot)
+    with torch.inference_mode(False):  # kept tensors serve later callers with autograd on (an index is saved)
+        grid_thw = torch.tensor(grids, dtype=torch.long).reshape(-1, 3)
+        order_U, cu_window = vision_window_order(grid_thw, merge, window_size, patch_size)
+        order_N = units_to_patches(order_U, merge * merge)
+        rot = vision_rotary_freqs(vision_patch_positions(grid_thw, merge), head_dim, theta)[order_N]
+        return VisionPlan(order_N, torch.argsort(order_U), vision_cu_seqlens(grid_thw).long(), cu_window.long(), rot)
 
 
 def vision_plan(grid_thw: torch.Tensor, merge: int, window_size: int, patch_size: int, head_dim: int,

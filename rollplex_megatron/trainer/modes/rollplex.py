@@ -85,7 +85,8 @@ class Rollplex(Mode):
                                   rt.pack_tokens),
                           PrefixJob("reference", reqs[pack[0]].prompt, ref_kv, pack[0]) if len(pack) == 1 else None)
                          for pack in X.prefix_packs(lens, rt.pack_tokens if here else 0)]
-            for item in itertools.chain(*itertools.zip_longest(actor, reference)):  # a group's actor, its reference
+            # actor and reference items alternate, in the same order on every rank (TP collectives inside them)
+            for item in itertools.chain(*itertools.zip_longest(actor, reference)):
                 if item is not None:
                     window.submit(*item)
             stores.append((actor_kv, ref_kv))
