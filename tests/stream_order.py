@@ -265,9 +265,10 @@ def patched(monkeypatch, sim: Sim) -> None:
 
 
 def trainer_steps(sim: Sim, mode: str, ahead: dict | None, copy_streams: int, minis: int, lazy_states: bool,
-                  host_sync: bool, checkpoint: bool, steps: int = 3) -> list[str]:
+                  host_sync: bool, checkpoint: bool, extras: bool = False, steps: int = 3) -> list[str]:
     """A manager over small synthetic classes driven through `steps` of the trainer's phase sequence (the loop's
-    order, the optimizer step's `then` included), the compute stream reading what each phase reads; the hazards."""
+    order, the optimizer step's `then` included), the compute stream reading what each phase reads; the hazards.
+    `extras`: each step also has a weights phase (under the optimizer's residency) and a validation rollout."""
     main = [torch.randn(100 + i) for i in range(3)]
     ref = [torch.randn(50 + i) for i in range(3)]
     state: dict = {}
@@ -301,11 +302,15 @@ def trainer_steps(sim: Sim, mode: str, ahead: dict | None, copy_streams: int, mi
     for _ in range(steps):
         phase("rollout")
         phase("reward")
-        for name in ("ref_logp",) if mode == "rollplex" else ("old_logp", "ref_logp"):
+        # rollplex scores later mini-batches' old log-probs after its reference stage (train.ppo_mini_batches > 1)
+        for name in ("ref_logp", "old_logp")[:1 + (minis > 1)] if mode == "rollplex" else ("old_logp", "ref_logp"):
             phase(name)
         for k in range(minis):
             phase("update")
             phase("optimizer", None if k == minis - 1 else "update")
+        if extras:
+            mm.enter("optimizer")  # the weights phase, right after the optimizer step: no transition
+            phase("rollout")  # validation decodes under the rollout's residency
         if checkpoint:
             mm.restore_all()
             for name in mm.classes:

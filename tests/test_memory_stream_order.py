@@ -18,10 +18,11 @@ def _aheads(mode):
 
 
 def _cases():
-    for mode, copy_streams, minis, (lazy, sync, ckpt) in itertools.product(
-            MODES, (1, 2), (1, 3), [(True, False, False), (False, True, True), (True, False, True)]):
+    for mode, copy_streams, minis, (lazy, sync, ckpt, extras) in itertools.product(
+            MODES, (1, 2), (1, 3), [(True, False, False, False), (False, True, True, False), (True, False, True, True),
+                                    (False, False, False, True)]):
         for ahead in _aheads(mode):
-            yield mode, ahead, copy_streams, minis, lazy, sync, ckpt
+            yield mode, ahead, copy_streams, minis, lazy, sync, ckpt, extras
 
 
 def _run(monkeypatch, drop=frozenset(), cases=None):
