@@ -137,3 +137,25 @@ def test_the_actor_pack_is_lowered_until_one_recomputed_pack_fits_the_device(mon
     assert auto["released"] == ["actor_prefix_graph"] and 1 < ka < k and auto["peak_gib"] <= 134
     keep = R.memory_plan(load_run_config(over + ["workload.prefix_pack_tokens=100000", "memory.plan=keep"]), src)
     assert keep["actor_pack_tokens"] == 100000  # kept graphs cost the same in any packs: nothing lowered
+
+
+def test_packed_rollplex_with_ppo_mini_batches_equals_serial(tiny_hf):
+    """Every group's prefix in one pack and two PPO mini-batches a step: the first update's prefix backward takes
+    only its own groups out of the rollout's pack, the second recomputes its groups' prefixes at the moved weights;
+    two steps equal serial (records and weights at DESIGN's tolerance), and a run without the prefix backward
+    does not."""
+    from tests import trainer_workers as TW
+    from tests.test_trainer import TOL as STEP_TOL
+    from tests.test_trainer import _cfg as trainer_cfg
+    from tests.test_trainer import _param_err, _records_close
+
+    minis = ["train.ppo_mini_batches=2"]
+    serial = run_local(TW.run_steps, 1, trainer_cfg("serial", *minis, hf=tiny_hf), 2)[0]
+    packed = trainer_cfg("rollplex", *minis, PACK, hf=tiny_hf)
+    run = run_local(TW.run_steps, 1, packed, 2)[0]
+    assert run["tokens"] == serial["tokens"]
+    _records_close(run["records"], serial["records"])
+    err, name = _param_err(run, serial)
+    assert err <= STEP_TOL, (name, err)
+    broken = run_local(TW.run_steps, 1, packed, 2, "skip_prefix_backward")[0]
+    assert _param_err(broken, serial)[0] > 10 * STEP_TOL
