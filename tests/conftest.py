@@ -20,6 +20,25 @@ if os.environ.get("ROLLPLEX_NUM_THREADS"):
 warnings.filterwarnings("ignore", message=".*CUDA_DEVICE_MAX_CONNECTIONS.*")
 
 
+LAUNCH_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+
+
+@pytest.fixture(autouse=True)
+def no_launch_env_left():
+    """A test that initialises torch.distributed in pytest's own process must not leave the launch variables
+    behind: every later command started with this environment would take that rendezvous (and its port, still
+    held). Fails the test that leaves them, naming them, and restores the environment for the next."""
+    before = {k: os.environ.get(k) for k in LAUNCH_ENV}
+    yield
+    left = {k: os.environ.get(k) for k in LAUNCH_ENV if os.environ.get(k) != before[k]}
+    for k, v in before.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    assert not left, f"the test left launch variables {left}: run torch.distributed in a worker (run_local)"
+
+
 @pytest.fixture(scope="session")
 def tiny_hf(tmp_path_factory):
     """Untied tiny checkpoint."""
