@@ -11,6 +11,10 @@ from rollplex_megatron.prefix.execution import prefix_packs
 from rollplex_megatron.recipes import load_run_config
 from tests import memory_workers as MW
 from tests import prefix_workers as W
+from tests import trainer_workers as TW
+from tests.test_trainer import TOL as STEP_TOL
+from tests.test_trainer import _cfg as trainer_cfg
+from tests.test_trainer import _param_err, _records_close
 
 TOL = 1e-5
 PACK = "workload.prefix_pack_tokens=100000"  # every group of a rank in one pack
@@ -144,11 +148,6 @@ def test_packed_rollplex_with_ppo_mini_batches_equals_serial(tiny_hf):
     only its own groups out of the rollout's pack, the second recomputes its groups' prefixes at the moved weights;
     two steps equal serial (records and weights at DESIGN's tolerance), and a run without the prefix backward
     does not."""
-    from tests import trainer_workers as TW
-    from tests.test_trainer import TOL as STEP_TOL
-    from tests.test_trainer import _cfg as trainer_cfg
-    from tests.test_trainer import _param_err, _records_close
-
     minis = ["train.ppo_mini_batches=2"]
     serial = run_local(TW.run_steps, 1, trainer_cfg("serial", *minis, hf=tiny_hf), 2)[0]
     packed = trainer_cfg("rollplex", *minis, PACK, hf=tiny_hf)
