@@ -532,6 +532,7 @@ class PlanConfig:
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")  # megatron's OptimizerParamScheduler
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")  # verl's
+REFERENCE_CHOICES = ("auto", "always", "never")  # train.reference (not on/off: YAML reads those as booleans)
 
 
 @dataclass(kw_only=True)
@@ -575,6 +576,11 @@ class TrainConfig:
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, sample more prompts to refill
     max_resample_rounds: int = 3  # dynamic sampling: extra rollout rounds per step at most (then fill, and log it)
     kl_coef: float = 0.0  # coefficient of the KL to the reference in the loss
+    # the reference model (the initial policy, frozen) and its scoring phase: auto builds it only where the loss
+    # reads it (kl_coef > 0; at 0 the step has no reference phase, no reference weights and no logged kl, as
+    # verl and TRL do); always (the logged kl at kl_coef 0; the benchmark suites, whose workload scores it);
+    # never (refused with kl_coef > 0)
+    reference: str = "auto"
     kl_estimator: str = "low_var_kl"  # k1 | k2 | k3 | low_var_kl (k3 clamped as verl clamps it); logged as `kl`
     entropy_coef: float = 0.0  # entropy bonus (token mean of the policy entropy) subtracted from the loss
     # log-probs and entropy over the vocabulary: torch (fp32 copies of the logits) or triton (one read of the
@@ -610,6 +616,11 @@ class TrainConfig:
     profile_phases: list[str] = field(default_factory=list)  # the phases profile_step profiles (empty: all of
     # them); at 3B a whole profiled step can outlast the GPU machine's 10-minute call, one phase fits
 
+    @property
+    def uses_reference(self) -> bool:
+        """Whether the run builds the reference and scores it (`reference`: always, or auto with kl_coef > 0)."""
+        return self.reference == "always" or (self.reference == "auto" and self.kl_coef > 0)
+
     def __post_init__(self) -> None:
         if self.steps < 1:
             raise ValueError(f"train.steps must be >= 1, got {self.steps}")
@@ -621,6 +632,11 @@ class TrainConfig:
             raise ValueError(f"train.rope_kernel must be auto, triton or torch, got {self.rope_kernel!r}")
         if min(self.kl_coef, self.entropy_coef, self.clip_low, self.clip_high) < 0:
             raise ValueError("train.kl_coef, train.entropy_coef, train.clip_low and train.clip_high must be >= 0")
+        if self.reference not in REFERENCE_CHOICES:
+            raise ValueError(f"train.reference must be one of {REFERENCE_CHOICES}, got {self.reference!r}")
+        if self.reference == "never" and self.kl_coef > 0:
+            raise ValueError(f"train.reference=never leaves nothing for train.kl_coef={self.kl_coef} to read; set "
+                             f"train.kl_coef=0 or train.reference=auto")
         if self.ppo_mini_batches < 1 or self.ppo_epochs < 1:
             raise ValueError(f"train.ppo_mini_batches ({self.ppo_mini_batches}) and train.ppo_epochs "
                              f"({self.ppo_epochs}) must be >= 1")

@@ -103,16 +103,17 @@ def run_steps(cfg, steps: int, mutant: str = "", weights_after: int = 0):
         if step + 1 == weights_after:
             after = {n: p.detach().float().clone() for n, p in rt.ddp.module.named_parameters()}
     last = {n: p.detach().float().clone() for n, p in rt.ddp.module.named_parameters()}
+    reference = [] if rt.ref is None else list(rt.ref.modules())  # none without the reference (train.reference)
     keep = ps.get_tensor_model_parallel_world_size() == 1 and ps.get_pipeline_model_parallel_world_size() == 1
     return {"tokens": tokens, "records": records, "informative": informative, "first": first if keep else None,
             "last": last if keep else None, "after": after if keep else None, "micro_batches": sizes,
             "logprob_kernel": rt.logprob_kernel, "norm_kernel": rt.norm_kernel, "rope_kernel": rt.rope_kernel,
             "memory_ahead": rt.plan.get("ahead"), "memory_manager_ahead": rt.memory.ahead,
             "rope_launches": {k: n - launches_before[k] for k, n in triton_rope.launches.items()},
-            "ropes": sorted({m.rope_kernel for m in [*rt.ddp.module.modules(), *rt.ref.modules()]
-                             if hasattr(m, "rope_kernel")}),
-            "norms": sorted({type(m).__name__ for m in [*rt.ddp.module.modules(), *rt.ref.modules()]
-                             if isinstance(m, torch.nn.RMSNorm)})}
+            "ropes": sorted({m.rope_kernel for m in [*rt.ddp.module.modules(), *reference] if hasattr(m, "rope_kernel")}),
+            "norms": sorted({type(m).__name__ for m in [*rt.ddp.module.modules(), *reference]
+                             if isinstance(m, torch.nn.RMSNorm)}),
+            "has_reference": rt.ref is not None}
 
 
 def _twice_overflow(lens, per_mb, max_tokens=0):

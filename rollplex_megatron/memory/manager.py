@@ -102,9 +102,10 @@ class MemoryManager:
         self.classes = {
             "main_weights": OffloadClass("main_weights", lambda: _main_weights(optimizer)),
             "optimizer_states": OffloadClass("optimizer_states", lambda: _optimizer_states(optimizer)),
-            "reference_weights": OffloadClass("reference_weights", lambda: list(reference.parameters()),
-                                              read_only=True),
         }
+        if reference is not None:  # none without a reference (train.reference)
+            self.classes["reference_weights"] = OffloadClass("reference_weights", lambda: list(reference.parameters()),
+                                                             read_only=True)
         self.grads_resident = True
         self.phase_bytes: dict[str, dict[str, int]] = {}  # managed bytes per class at each phase's entry
         self.copy_bytes = {"d2h": 0, "h2d": 0}

@@ -62,6 +62,22 @@ def phases(mode: str) -> tuple[str, ...]:
     return get_mode(mode).phases
 
 
+def without_reference(classes: list[TensorClass], allp: tuple[str, ...]) -> list[TensorClass]:
+    """A run without the reference (`train.reference`): no reference class (weights, prefix K/V) and no
+    reference scoring phase; every other class is resident in the phases left (`allp`)."""
+    out = []
+    for c in classes:
+        resident = tuple(p for p in c.resident if p in allp)
+        if not c.name.startswith("reference_") and resident:
+            out.append(replace(c, resident=resident))
+    return out
+
+
+def releasable(cfg: RunConfig) -> tuple[str, ...]:
+    """RELEASE_ORDER's classes the run has (no reference_weights without the reference)."""
+    return tuple(n for n in RELEASE_ORDER if n != "reference_weights" or cfg.train.uses_reference)
+
+
 def resident_phases(name: str, mode: str) -> tuple[str, ...]:
     """The phases in which the `phase` plan keeps a managed class on the device."""
     if name == "reference_weights":
@@ -269,7 +285,8 @@ def plan(cfg: RunConfig, mode: str, residency: str, engine: str, s: Shape | None
     s = s or workload_shape(cfg)
     m, par, sp, norm, rope = cfg.model, cfg.parallel, cfg.plan.sequence_parallel, norm_kernel(cfg), rope_kernel(cfg)
     e = 2 if cfg.dtype == "bfloat16" else 4
-    allp = phases(mode)
+    ref = cfg.train.uses_reference
+    allp = phases(mode) if ref else tuple(p for p in phases(mode) if p != "ref_logp")
     w = _weights(cfg)
     rel = released(residency)
     kv_tok = kv_bytes_per_token(m, par.tp, m.num_layers // par.pp, e)
@@ -334,7 +351,7 @@ def plan(cfg: RunConfig, mode: str, residency: str, engine: str, s: Shape | None
     adam = 0 if cfg.plan.fused_adam else w["optimizer_states"] // 2
     out.append(TensorClass("optimizer_workspace", adam, ("optimizer",), "free",
                            "torch Adam (foreach) holds sqrt(exp_avg_sq) for every parameter; fused Adam: 0"))
-    return out
+    return out if ref else without_reference(out, allp)
 
 
 def serial_plan(cfg: RunConfig, s: Shape | None = None) -> list[TensorClass]:
@@ -380,7 +397,7 @@ def auto_release(cfg: RunConfig, s: Shape, budget_gib: float) -> frozenset:
         return summarize(plan(rc, mode, frozenset(chosen), "embedded", s), mode)["peak_gib"] <= budget_gib
 
     chosen: list[str] = []
-    for name in (None, *RELEASE_ORDER):
+    for name in (None, *releasable(cfg)):
         if name is not None:
             chosen.append(name)
         if fits(chosen):
@@ -413,7 +430,7 @@ def ahead_phases(cfg: RunConfig, mode: str, residency, s: Shape, budget_gib: flo
     copy then runs beside that phase's work, and its own phase waits only for what is left of the copy."""
     rel = released(residency)
     chosen: dict = {}
-    for name in (n for n in RELEASE_ORDER if n in AHEAD_CLASSES and n in rel):
+    for name in (n for n in releasable(cfg) if n in AHEAD_CLASSES and n in rel):
         trial = {**chosen, name: phase_before(name, mode)}
         summary = summarize(plan(cfg, mode, residency, "embedded", s, trial), mode)
         if summary["phase_gib"][trial[name]] <= budget_gib:
@@ -437,9 +454,10 @@ def rollout_rank_plan(cfg: RunConfig, s: Shape | None = None) -> dict:
 
 
 def summarize(classes: list[TensorClass], mode: str) -> dict:
-    """Per-phase bytes by class (GiB) and the peak phase."""
+    """Per-phase bytes by class (GiB) and the peak phase, over the phases the classes live in (`mode`'s, less
+    the reference's scoring phase in a run without the reference)."""
     by_phase = {ph: {c.name: c.bytes / GIB for c in classes if ph in c.resident and c.bytes}
-                for ph in phases(mode)}
+                for ph in phases(mode) if any(ph in c.resident for c in classes)}
     totals = {ph: sum(v.values()) for ph, v in by_phase.items()}
     peak = max(totals, key=totals.get)
     return {"peak_gib": totals[peak], "peak_phase": peak, "phase_gib": totals, "by_phase_gib": by_phase,

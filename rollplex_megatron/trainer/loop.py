@@ -212,8 +212,8 @@ def _show(bar, rec: dict) -> None:
         per = " ".join(f"{k[4:]}={v:.3f}" for k, v in rec.items() if k.startswith("val/") and k.endswith("reward_mean"))
         return (print if bar is None else bar.write)(f"val after step {rec['step']}: {per}")
     phases = " ".join(f"{k}={v:.2f}s" for k, v in rec["phase_times"].items())
-    line = (f"step {rec['step']:4d} reward {rec['reward_mean']:.3f} acc {rec['accuracy']:.3f} kl {rec['kl']:.2e} "
-            f"(k1 {rec['kl_k1']:+.2e}) "
+    kl = f"kl {rec['kl']:.2e} (k1 {rec['kl_k1']:+.2e}) " if "kl" in rec else ""  # absent without the reference
+    line = (f"step {rec['step']:4d} reward {rec['reward_mean']:.3f} acc {rec['accuracy']:.3f} {kl}"
             f"loss {rec['loss']:+.3e} "
             f"entropy {rec['entropy']:.2f} | {rec['step_time_s']:.2f}s: {phases}")
     if bar is None:

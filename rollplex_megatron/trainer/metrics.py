@@ -103,7 +103,7 @@ def peak_bytes(t: PhaseTimer) -> tuple[int, str]:
 
 
 def reduce_metrics(rt, prep, updates: list[list[dict]]) -> dict:
-    """Global (DP-summed) loss, KL (the loss's estimator and plain k1), entropy, clip fraction, each the
+    """Global (DP-summed) loss, KL (the loss's estimator and plain k1; absent without the reference), entropy, clip fraction, each the
     mean over the step's updates (one per mini-batch and epoch; each a token mean over its
     mini-batch); mean reward, accuracy and response length of the batch trained on (`rt`: the
     trainer's Runtime, `prep`: the mode's Prepared step)."""
@@ -134,6 +134,8 @@ def reduce_metrics(rt, prep, updates: list[list[dict]]) -> dict:
     out["rollout_logp_diff"] = out.pop("logp_diff") / max(c["tokens"], 1.0)
     out["response_tokens"], out["prompt_tokens"] = int(c["tokens"]), int(c["prompt_tokens"])  # every DP rank's
     out["fwd_flops"] = {k: c[f"fwd_flops_{k}"] for k in fwd}  # analytic, by part (verify.flops.batch_fwd_flops)
+    if rt.ref is None:  # no reference (train.reference): no KL to log (the loss's terms are 0 by construction)
+        del out["kl"], out["kl_k1"]
     return out
 
 

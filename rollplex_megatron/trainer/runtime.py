@@ -17,8 +17,8 @@ from rollplex_megatron.config import RunConfig
 from rollplex_megatron.data import build_source
 from rollplex_megatron.dist import ParallelLayouts, default_group_is_train_world, init_parallel, layouts, train_world
 from rollplex_megatron.memory.manager import MemoryManager
-from rollplex_megatron.memory.planner import (RELEASE_ORDER, ahead_phases, auto_release, check_budget, pack_groups,
-                                              plan, released, rollout_rank_plan, runtime_cfg, runtime_plan,
+from rollplex_megatron.memory.planner import (ahead_phases, auto_release, check_budget, pack_groups, plan,
+                                              releasable, released, rollout_rank_plan, runtime_cfg, runtime_plan,
                                               summarize, workload_shape)
 from rollplex_megatron.models.qwen25vl import build_model
 from rollplex_megatron.models.triton_norm import norm_kernel_for, use_norm_kernel
@@ -108,7 +108,7 @@ def memory_plan(cfg: RunConfig, source) -> dict:
         rc = runtime_cfg(with_pack_tokens(cfg, actor_pack))
         ahead = _ahead(cfg, rc, rel, shape, budget)
         summary = summarize(plan(rc, cfg.mode.name, rel, "embedded", shape, ahead), cfg.mode.name)
-        return {**summary, "shape": vars(shape), "released": [n for n in RELEASE_ORDER if n in rel],
+        return {**summary, "shape": vars(shape), "released": [n for n in releasable(cfg) if n in rel],
                 "auto_budget_gib": budget, "actor_pack_tokens": actor_pack, "ahead": ahead}
     budget = cfg.memory.budget_gib
     if not budget and pack and "actor_prefix_graph" in released(cfg.memory.plan):
@@ -128,7 +128,7 @@ def memory_plan(cfg: RunConfig, source) -> dict:
             raise
         alt = summarize(plan(runtime_cfg(cfg), cfg.mode.name, "phase", "embedded", shape), cfg.mode.name)["peak_gib"]
         raise ValueError(f"{e}; memory.plan=phase would need {alt:.1f} GiB") from None
-    return {**summary, "shape": vars(shape), "released": [n for n in RELEASE_ORDER if n in released(cfg.memory.plan)]}
+    return {**summary, "shape": vars(shape), "released": [n for n in releasable(cfg) if n in released(cfg.memory.plan)]}
 
 
 def _ahead(cfg: RunConfig, rc: RunConfig, residency, shape, budget_gib: float | None) -> dict:
@@ -227,9 +227,11 @@ class Runtime:
         self.source = build_source(cfg)  # bad data settings fail before building models
         self.plan = memory_plan(cfg, self.source)  # over memory.budget_gib: fails here, before any model
         actor = build_policy(cfg)
-        self.ref = training_model(cfg)
-        self.ref.load_state_dict(actor.state_dict())  # the reference is the initial policy, frozen
-        self.ref.requires_grad_(False)
+        self.ref = None  # train.reference: none where the loss does not read it (kl_coef 0 under auto)
+        if cfg.train.uses_reference:
+            self.ref = training_model(cfg)
+            self.ref.load_state_dict(actor.state_dict())  # the reference is the initial policy, frozen
+            self.ref.requires_grad_(False)
         self.ddp = wrap_ddp(actor)
         with default_group_is_train_world():
             self.optimizer = build_optimizer(self.ddp, cfg.optim, bf16=cfg.dtype == "bfloat16")

@@ -23,6 +23,8 @@ class PrefixShared(Mode):
             prep.record_old(X.per_response(X.reference_prefix_logprobs(rt.ddp, batch.groups, mbs, rt.backend,
                                                                        rt.score_loss, rt.actor_pack_tokens), mbs,
                                            batch.groups))
+        if rt.ref is None:  # no reference (train.reference): no scoring phase of it
+            return prep
         with t("ref_logp"):
             prep.attach("ref_logp", X.per_response(X.reference_prefix_logprobs(rt.ref, batch.groups, mbs, rt.backend,
                                                                                rt.score_loss, rt.pack_tokens), mbs,

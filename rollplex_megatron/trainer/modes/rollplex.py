@@ -80,7 +80,7 @@ class Rollplex(Mode):
                  PrefixJob("actor", reqs[pack[0]].prompt, actor_kv, pack[0], trainable=True, states=states)
                  if len(pack) == 1 else None)
                 for pack in X.prefix_packs(lens, rt.actor_pack_tokens if here else 0)]
-            reference = [(_pack_name("reference_prefix", r, pack),
+            reference = [] if rt.ref is None else [(_pack_name("reference_prefix", r, pack),
                           partial(reference_prefix_item, rt.ref, [reqs[i].prompt for i in pack], ref_kv, pack,
                                   rt.pack_tokens),
                           PrefixJob("reference", reqs[pack[0]].prompt, ref_kv, pack[0]) if len(pack) == 1 else None)
@@ -121,9 +121,10 @@ class Rollplex(Mode):
         prep = Prepared(batch, minis, [rt.micro_batches(batch, "response", m) for m in minis], None, stats,
                         {"actor_kv": actor_kv, "states": states})
         mbs = prep.flat()
-        with t("ref_logp"):
-            prep.attach("ref_logp", X.per_response(X.response_logprobs(rt.ref, mbs, ref_kv, rt.backend, rt.score_loss),
-                                                   mbs, batch.groups))
+        if rt.ref is not None:  # else no reference (train.reference): no window items of it, no scoring phase
+            with t("ref_logp"):
+                prep.attach("ref_logp", X.per_response(X.response_logprobs(rt.ref, mbs, ref_kv, rt.backend,
+                                                                           rt.score_loss), mbs, batch.groups))
         if len(minis) > 1:  # later mini-batches: the rollout policy's log-probs before any optimizer step
             later = list(range(1, len(minis)))
             with t("old_logp"):

@@ -23,6 +23,8 @@ class Serial(Mode):
         with t("old_logp"), torch.no_grad():
             prep.record_old(X.per_response(X.full_sequence_step(rt.ddp, mbs, forward_only=True, backend=rt.backend,
                                                                 loss_fn=rt.score_loss), mbs, batch.groups))
+        if rt.ref is None:  # no reference (train.reference): no scoring phase of it
+            return prep
         with t("ref_logp"), torch.no_grad():
             prep.attach("ref_logp", X.per_response(X.full_sequence_step(rt.ref, mbs, forward_only=True,
                                                                         backend=rt.backend, loss_fn=rt.score_loss),
