@@ -143,7 +143,7 @@ def test_runtime_plan_uses_what_the_trainer_runs():
 def test_dynamic_sampling_rounds_hold_their_prefixes_until_selection(residency):
     """Rollplex with dynamic sampling: the rollout phase holds every round's actor and reference
     prefix K/V (and, under keep, graphs); after the selection only the trained groups' remain."""
-    base = ["model=qwen2_5_vl_3b", "dtype=bfloat16", "task=motion_long", "workload=vlm_gpu"]
+    base = ["model=qwen2_5_vl_3b", "dtype=bfloat16", "task=motion_long", "workload=vlm_gpu", "train.reference=always"]
     one = M.summarize(M.plan(load_run_config(base), "rollplex", residency, "embedded"), "rollplex")
     cfg = load_run_config(base + ["train.dynamic_sampling=true", "train.max_resample_rounds=2"])
     three = M.summarize(M.plan(cfg, "rollplex", residency, "embedded"), "rollplex")

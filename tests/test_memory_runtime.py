@@ -34,7 +34,8 @@ def one_rank(tiny_hf):
     """This file's one-process runs without a mutation, in one job (`tests.in_turn`), each on its own fresh
     objects: the offload round trip, the activation counts, the recompute check at TP=PP=1 and the keep-plan
     run and the prefetch-ahead run (compared only with runs of other processes)."""
-    cfg = load_run_config(["model=tiny", "dtype=bfloat16", "mode.name=rollplex", "memory.plan=phase"] + STEPS)
+    cfg = load_run_config(["model=tiny", "dtype=bfloat16", "mode.name=rollplex", "memory.plan=phase",
+                           "train.reference=always"] + STEPS)  # the reference's weights are one offloaded class
     calls = {"round_trip": (W.round_trip, (cfg,))}
     for i, overrides in enumerate(ACTIVATION_CASES):
         calls["activations", i] = (_saved_bytes, (overrides,))

@@ -110,7 +110,8 @@ def run_steps(cfg, steps: int, mutant: str = "", weights_after: int = 0):
             "logprob_kernel": rt.logprob_kernel, "norm_kernel": rt.norm_kernel, "rope_kernel": rt.rope_kernel,
             "memory_ahead": rt.plan.get("ahead"), "memory_manager_ahead": rt.memory.ahead,
             "rope_launches": {k: n - launches_before[k] for k, n in triton_rope.launches.items()},
-            "ropes": sorted({m.rope_kernel for m in [*rt.ddp.module.modules(), *reference] if hasattr(m, "rope_kernel")}),
+            "ropes": sorted({m.rope_kernel for m in [*rt.ddp.module.modules(), *reference]
+                             if hasattr(m, "rope_kernel")}),
             "norms": sorted({type(m).__name__ for m in [*rt.ddp.module.modules(), *reference]
                              if isinstance(m, torch.nn.RMSNorm)}),
             "has_reference": rt.ref is not None}

@@ -103,8 +103,8 @@ def peak_bytes(t: PhaseTimer) -> tuple[int, str]:
 
 
 def reduce_metrics(rt, prep, updates: list[list[dict]]) -> dict:
-    """Global (DP-summed) loss, KL (the loss's estimator and plain k1; absent without the reference), entropy, clip fraction, each the
-    mean over the step's updates (one per mini-batch and epoch; each a token mean over its
+    """Global (DP-summed) loss, KL (the loss's estimator and plain k1; absent without the reference), entropy,
+    clip fraction, each the mean over the step's updates (one per mini-batch and epoch; each a token mean over its
     mini-batch); mean reward, accuracy and response length of the batch trained on (`rt`: the
     trainer's Runtime, `prep`: the mode's Prepared step)."""
     batch = prep.batch
