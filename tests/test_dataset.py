@@ -121,15 +121,103 @@ def _no_reward(rows, tmp):
     rows[4]["data_source"] = "my_lab/colours"
 
 
+def _bad_choice(rows, tmp):  # a ground truth multiple_choice cannot read (it used to fail when first drawn)
+    rows[5]["reward_model"]["ground_truth"] = "blue"
+
+
+def _no_truth(rows, tmp):
+    rows[4]["reward_model"]["ground_truth"] = None
+
+
+def _url_image(rows, tmp):
+    rows[0]["images"] = ["https://example.org/a.png"]
+
+
+def _string_images(rows, tmp):  # a path where a list of them belongs (it was read character by character)
+    rows[2]["images"] = rows[2]["images"][0] if rows[2]["images"] else "a.png"
+
+
+def _json_reward_model(rows, tmp):  # a dict column exported as a JSON string
+    rows[1]["reward_model"] = json.dumps(rows[1]["reward_model"])
+
+
+def _string_messages(rows, tmp):
+    rows[3]["prompt"] = ["which colour?"]
+
+
 @pytest.mark.parametrize("edit,match", [
     (_missing_image, r"bad\.jsonl row 3: .*nowhere\.png"),
     (_bad_video, r"bad\.jsonl row 2: .*broken\.mp4"),
     (_two_placeholders, r"bad\.jsonl row 1: .*2.*1"),
     (_no_reward, r"my_lab/colours.*reward\.fns"),
+    (_bad_choice, r"bad\.jsonl row 5: .*'blue' does not start with a letter A-J, for the built-in reward "
+                  r"multiple_choice .*reward\.fns"),
+    (_no_truth, r"bad\.jsonl row 4: ground_truth None is not a string or number"),
+    (_url_image, r"bad\.jsonl row 0: media 'https://example\.org/a\.png' is a URL"),
+    (_string_images, r"bad\.jsonl row 2: column 'images' is a str, want a list such as \['img\.png'\]"),
+    (_json_reward_model, r"bad\.jsonl row 1: column 'reward_model' is a str, want a dict"),
+    (_string_messages, r"bad\.jsonl row 3: 'prompt' must hold chat messages"),
 ])
 def test_bad_rows_fail_naming_the_row(tmp_path, example_dir, edit, match):
     with pytest.raises((ValueError, FileNotFoundError), match=match):
         _bad(tmp_path, example_dir, edit)()
+
+
+def test_file_urls_read_as_paths(tmp_path, example_dir):
+    rows = _as_files(example_rows(4, seed=9), tmp_path)
+    plain = [dict(r, images=list(r["images"])) for r in rows]
+    for r in rows:
+        r["images"] = [f"file://{p}" for p in r["images"]]
+    _write_jsonl(tmp_path / "urls.jsonl", rows)
+    _write_jsonl(tmp_path / "plain.jsonl", plain)
+    a, b = (build_source(load_run_config([f"train.init_hf={example_dir / 'model'}",
+                                          f"data.train_files=[{tmp_path / f}]", "data.shuffle=false"]))
+            for f in ("urls.jsonl", "plain.jsonl"))
+    for x, y in zip(a.rows(0, 0, 1, 4), b.rows(0, 0, 1, 4)):
+        assert torch.equal(x.prompt.input_ids, y.prompt.input_ids)
+        assert (x.prompt.pixel_values is None) == (y.prompt.pixel_values is None)
+        assert x.prompt.pixel_values is None or torch.equal(x.prompt.pixel_values, y.prompt.pixel_values)
+
+
+def test_parquet_struct_columns_keep_only_each_rows_keys(tmp_path):
+    """pyarrow gives every row of a struct column every key of the file, None where the row has none: a row's
+    extra_info (and reward_model) holds only its own keys, so `extra_info.get(k, default)` sees the default."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from rollplex_megatron.data.dataset import load_records
+
+    rows = [{"prompt": [{"role": "user", "content": "q"}], "data_source": "bbox_iou", "images": [],
+             "reward_model": {"ground_truth": [0, 0, 2, 2], "style": "rule"}, "extra_info": {"iou_threshold": 0.3}},
+            {"prompt": [{"role": "user", "content": "q"}], "data_source": "bbox_iou", "images": [],
+             "reward_model": {"ground_truth": [0, 0, 1, 1]}, "extra_info": {"index": 1}}]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "boxes.parquet")
+    assert pq.read_table(tmp_path / "boxes.parquet").to_pylist()[1]["extra_info"] == {"iou_threshold": None,
+                                                                                        "index": 1}  # pyarrow's fill
+    got = load_records([str(tmp_path / "boxes.parquet")], ("prompt", "images", "videos"), "data.train_files")
+    assert [r.extra_info for r in got] == [{"iou_threshold": 0.3}, {"index": 1}]
+    assert got[0].ground_truth == [0, 0, 2, 2]
+
+
+def test_generation_config_stop_tokens_end_a_response(tmp_path, example_dir):
+    """The checkpoint's generation_config.json eos ids end a response as they end transformers' generate (the
+    Qwen2.5-VL-Instruct config lists <|im_end|> and <|endoftext|>); a malformed one is an error naming it."""
+    import shutil
+
+    from rollplex_megatron.data.processor import VLProcessor
+
+    model = tmp_path / "model"
+    shutil.copytree(example_dir / "model", model)
+    cfg = _cfg(example_dir)
+    (model / "generation_config.json").unlink(missing_ok=True)
+    before = VLProcessor(str(model), cfg.model).stop_token_ids
+    extra = max(before) + 7
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [before[0], extra]}))
+    after = VLProcessor(str(model), cfg.model).stop_token_ids
+    assert set(after) == set(before) | {extra}
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": "<|endoftext|>"}))
+    with pytest.raises(ValueError, match=r"generation_config\.json: eos_token_id '<\|endoftext\|>' is not a token"):
+        VLProcessor(str(model), cfg.model)
 
 
 def test_prompt_length_and_truncation(tmp_path, example_dir):
@@ -197,7 +285,7 @@ def test_train_on_a_dataset_with_validation_runs(tmp_path, example_dir, capsys):
     assert [r["step"] for r in steps] == [1, 2, 3] and [v["step"] for v in vals] == [0, 2, 3]
     assert all(v["val/responses"] == 32 and 0 <= v["val/multiple_choice/reward_mean"] <= 1.5 for v in vals)
     assert vals[-1]["val/reward_mean"] > 0  # sampled at temperature 1: some answers (eval below is not 0 == 0)
-    assert all(0 <= r["data_share"] < 1 and "kl_k1" in r and r["rollout_logp_diff"] < 1e-5 for r in steps)
+    assert all(0 <= r["data_share"] < 1 and "kl_k1" not in r and r["rollout_logp_diff"] < 1e-5 for r in steps)
     summary = json.loads((run / "summary.json").read_text())["modes"]["rollplex"]
     assert summary["val"]["last"]["step"] == 3 and (run / "report.png").stat().st_size > 0
     # `eval` on the run's final checkpoint (exported to HF) answers the validation rows as training did

@@ -293,3 +293,20 @@ def test_stop_tokens_and_decode_round_trip(proc):
 def test_tiny_vocabulary_must_fit(model, tmp_path):
     with pytest.raises(ValueError, match="do not fit in model.vocab_size"):
         write_tiny_processor(str(tmp_path), [f"w{k}" for k in range(400)], model)
+
+
+def test_video_pixel_limits_take_min_max_pixels_over_size_as_transformers_does():
+    """transformers' Qwen2VLVideoProcessor.__init__ overrides `size` with a config's min_pixels / max_pixels
+    (its "backward compatibility" branch; the class itself needs torchvision, absent here, so the rule is written
+    out); `data.min_pixels` / `data.max_pixels` override both."""
+    from rollplex_megatron.data.processor import video_settings
+
+    size = {"shortest_edge": 128 * 28 * 28, "longest_edge": 768 * 28 * 28}
+    both = video_settings("f", {"size": size, "min_pixels": 64 * 28 * 28, "max_pixels": 256 * 28 * 28}, None, None)
+    assert (both.min_pixels, both.max_pixels) == (64 * 28 * 28, 256 * 28 * 28)
+    only_size = video_settings("f", {"size": size}, None, None)
+    assert (only_size.min_pixels, only_size.max_pixels) == (128 * 28 * 28, 768 * 28 * 28)
+    one = video_settings("f", {"size": size, "max_pixels": 100 * 28 * 28}, None, None)
+    assert (one.min_pixels, one.max_pixels) == (128 * 28 * 28, 100 * 28 * 28)
+    data = video_settings("f", {"size": size, "max_pixels": 100 * 28 * 28}, 32 * 28 * 28, 50 * 28 * 28)
+    assert (data.min_pixels, data.max_pixels) == (32 * 28 * 28, 50 * 28 * 28)

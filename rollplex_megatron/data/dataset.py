@@ -31,6 +31,13 @@ except ImportError:
     pq = None
 
 FORMATS = (".parquet", ".jsonl", ".json")
+STRUCT_COLUMNS = ("reward_model", "extra_info")  # dict columns whose keys vary by row
+URL_SCHEMES = ("http://", "https://", "s3://", "gs://", "hf://")  # not read: rows name local files
+
+
+def _without_none(value):
+    """A parquet struct value without the keys its row does not have (pyarrow fills them with None)."""
+    return {k: v for k, v in value.items() if v is not None} if isinstance(value, dict) else value
 
 
 @dataclass
@@ -54,7 +61,9 @@ def read_rows(path: str) -> list[dict]:
     if p.suffix == ".parquet":
         if pq is None:
             raise ValueError(f"reading {path} needs pyarrow: pip install pyarrow (or convert the rows to jsonl)")
-        return pq.read_table(p).to_pylist()
+        # a struct column gives every row every key of the file: the keys a row does not have come back as None
+        return [{k: _without_none(v) if k in STRUCT_COLUMNS else v for k, v in row.items()}
+                for row in pq.read_table(p).to_pylist()]
     if p.suffix in (".jsonl", ".json"):
         rows = []
         for k, line in enumerate(p.read_text(encoding="utf-8").splitlines()):
@@ -67,15 +76,32 @@ def read_rows(path: str) -> list[dict]:
     raise ValueError(f"data file {path}: unknown format {p.suffix!r}; use one of {FORMATS}")
 
 
-def _resolve(item, base: Path):
-    """Relative media paths (plain, in frame lists, under "image"/"video"/"path") against the data file's folder."""
-    if isinstance(item, str) and not Path(item).is_absolute():
-        return str(base / item)
+def _resolve(item, base: Path, where: str):
+    """Relative media paths (plain, in frame lists, under "image"/"video"/"path") against the data file's folder;
+    `file://` paths as paths; a URL is an error naming the row (`where`)."""
+    if isinstance(item, str):
+        if item.startswith(URL_SCHEMES):
+            raise ValueError(f"{where}: media {item!r} is a URL; rows name local files (download it and give its "
+                             f"path, absolute or relative to the data file)")
+        item = item.removeprefix("file://")
+        return item if Path(item).is_absolute() else str(base / item)
     if isinstance(item, list):
-        return [_resolve(x, base) for x in item]
+        return [_resolve(x, base, where) for x in item]
     if isinstance(item, dict):
-        return {k: _resolve(v, base) if k in ("image", "video", "path") else v for k, v in item.items()}
+        return {k: _resolve(v, base, where) if k in ("image", "video", "path") else v for k, v in item.items()}
     return item
+
+
+def _column(row: dict, key: str, want: type, where: str, example: str):
+    """`row[key]` (a missing or null column: empty) when it is a `want`; else an error naming the row, the column
+    and the form it needs."""
+    value = row.get(key)
+    if value is None:
+        return want()
+    if not isinstance(value, want):
+        raise ValueError(f"{where}: column {key!r} is a {type(value).__name__}, want a {want.__name__} such as "
+                         f"{example}")
+    return value
 
 
 def _record(row: dict, where: str, keys: tuple[str, str, str], base: Path) -> Record:
@@ -87,13 +113,15 @@ def _record(row: dict, where: str, keys: tuple[str, str, str], base: Path) -> Re
         messages = [{"role": "user", "content": messages}]
     if not isinstance(messages, list) or not messages:
         raise ValueError(f"{where}: {prompt_key!r} must be a non-empty list of chat messages")
-    rm = row.get("reward_model") or {}
+    if not all(isinstance(m, dict) and "content" in m for m in messages):
+        raise ValueError(f"{where}: {prompt_key!r} must hold chat messages {{'role': ..., 'content': ...}}")
+    rm = _column(row, "reward_model", dict, where, "{'ground_truth': ..., 'style': 'rule'}")
     if "ground_truth" not in rm:
         raise ValueError(f"{where}: no reward_model.ground_truth")
-    images = [_resolve(x, base) for x in row.get(image_key) or []]
-    videos = [_resolve(x, base) for x in row.get(video_key) or []]
-    return Record(where, messages, images, videos, rm["ground_truth"], str(row.get("data_source", "")),
-                  dict(row.get("extra_info") or {}))
+    extra = _column(row, "extra_info", dict, where, "{'index': 0}")
+    images = [_resolve(x, base, where) for x in _column(row, image_key, list, where, "['img.png']")]
+    videos = [_resolve(x, base, where) for x in _column(row, video_key, list, where, "[['f0.png', 'f1.png']]")]
+    return Record(where, messages, images, videos, rm["ground_truth"], str(row.get("data_source", "")), dict(extra))
 
 
 def load_records(files: list[str], keys: tuple[str, str, str], setting: str) -> list[Record]:
@@ -153,6 +181,7 @@ class DatasetSource:
         """Each row's media, placeholders, prompt length and reward function, before any model work."""
         for r in records:
             self.rewards.check([r.data_source], r.where)  # the error names the first row without a function
+            self.rewards.check_ground_truth(r.ground_truth, r.extra_info, r.data_source, r.where)
             n = self._length(r)
             if n > self.max_prompt_len and self.truncation == "error":
                 raise ValueError(f"{r.where}: the prompt is {n} tokens, over rollout.max_prompt_len="

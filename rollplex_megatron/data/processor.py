@@ -90,10 +90,14 @@ def _read_json(file: str) -> dict:
 
 
 def video_settings(file: str, cfg: dict, min_pixels: int | None, max_pixels: int | None) -> PixelSettings:
-    """Video PixelSettings from a config dict: `size` {shortest_edge, longest_edge} or min/max_pixels."""
+    """Video PixelSettings from a config dict: `size` {shortest_edge, longest_edge}, each overridden by the file's
+    min_pixels / max_pixels where set (as transformers' Qwen2VLVideoProcessor reads its config), then by the
+    arguments (`data.min_pixels` / `data.max_pixels`)."""
     size = cfg.get("size") or {}
-    lo = size.get("shortest_edge", cfg.get("min_pixels", VIDEO_DEFAULTS["min_pixels"]))
-    hi = size.get("longest_edge", cfg.get("max_pixels", VIDEO_DEFAULTS["max_pixels"]))
+    lo = cfg.get("min_pixels") if cfg.get("min_pixels") is not None else \
+        size.get("shortest_edge", VIDEO_DEFAULTS["min_pixels"])
+    hi = cfg.get("max_pixels") if cfg.get("max_pixels") is not None else \
+        size.get("longest_edge", VIDEO_DEFAULTS["max_pixels"])
     for field, want in (("image_mean", CLIP_MEAN), ("image_std", CLIP_STD)):
         got = cfg.get(field, want)
         if not np.allclose(got, want, atol=1e-6):
@@ -225,6 +229,22 @@ def expand_pads(ids: torch.Tensor, pad_ids: tuple[int, int], counts: tuple[list[
     return torch.repeat_interleave(ids, repeats)
 
 
+def generation_eos(path: str) -> list[int]:
+    """`eos_token_id` of the checkpoint's generation_config.json (an id or a list; none without the file)."""
+    f = os.path.join(path, "generation_config.json")
+    if not os.path.isfile(f):
+        return []
+    with open(f, encoding="utf-8") as fh:
+        try:
+            eos = json.load(fh).get("eos_token_id")
+        except (json.JSONDecodeError, AttributeError) as e:
+            raise ValueError(f"{f} is not a JSON object ({e}); fix or remove it") from None
+    ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ValueError(f"{f}: eos_token_id {eos!r} is not a token id or a list of them")
+    return ids
+
+
 class VLProcessor:
     """A checkpoint's tokenizer, chat template and processor configs, checked against the model config.
 
@@ -250,7 +270,9 @@ class VLProcessor:
         check_settings(self.image, model)
         check_settings(self.video, model)
         vocab = self.tokenizer.get_vocab()
-        stops = [self.tokenizer.eos_token_id, vocab.get(IM_END)]
+        # what ends transformers' `generate`: the checkpoint's generation config (Qwen2.5-VL-Instruct lists
+        # <|im_end|> and <|endoftext|>), the tokenizer's EOS and the chat turn's end
+        stops = [*generation_eos(path), self.tokenizer.eos_token_id, vocab.get(IM_END)]
         self.stop_token_ids: tuple[int, ...] = tuple(dict.fromkeys(i for i in stops if i is not None))
 
     def _image_processor(self) -> Qwen2VLImageProcessorPil:

@@ -362,6 +362,33 @@ BUILTINS: dict[str, RewardFn] = {"exact_match": exact_match, "multiple_choice": 
                                  "math_boxed": math_boxed, "bbox_iou": bbox_iou}
 
 
+def _answers(ground_truth: Any) -> list:
+    """The acceptable answers of a text ground truth: a str or number, or a non-empty list of them."""
+    if isinstance(ground_truth, (list, tuple)):
+        answers = list(ground_truth)
+    else:
+        answers = [ground_truth]
+    if not answers or not all(isinstance(a, (str, numbers.Number)) and not isinstance(a, bool) for a in answers):
+        raise ValueError(f"ground_truth {ground_truth!r} is not a string or number, or a non-empty list of them")
+    return answers
+
+
+def _iou_threshold(extra_info: dict) -> None:
+    t = extra_info.get("iou_threshold", 0.5)
+    if not isinstance(t, numbers.Real) or isinstance(t, bool) or not 0 <= t <= 1:
+        raise ValueError(f"extra_info.iou_threshold {t!r} is not a number in [0, 1]")
+
+
+# What each built-in reads from a row, checked when the dataset is loaded (the functions check it again, per
+# response, mid-run): a ValueError says what is wrong.
+GROUND_TRUTH_CHECKS: dict[str, Callable[[Any, dict], None]] = {
+    "exact_match": lambda gt, info: _answers(gt),
+    "math_boxed": lambda gt, info: _answers(gt),
+    "multiple_choice": lambda gt, info: [_gt_letter(a) for a in _answers(gt)],
+    "bbox_iou": lambda gt, info: (_gt_box(gt), _iou_threshold(info)),
+}
+
+
 # --- Results, the format reward, loading, the registry ----------------------------------------------------------------
 @dataclass(frozen=True)
 class RewardResult:
@@ -476,6 +503,19 @@ class RewardRegistry:
         for source in data_sources:
             if self.spec_for(source) is None:
                 raise self._missing(source, where)
+
+    def check_ground_truth(self, ground_truth: Any, extra_info: dict, data_source: str, where: str) -> None:
+        """A row's ground truth and extra_info as its built-in reward function reads them (user functions are
+        not called before the run), so a bad row fails when the dataset loads, not when it is first drawn."""
+        spec = self.spec_for(data_source)
+        check = GROUND_TRUTH_CHECKS.get(spec)
+        if check is None:
+            return
+        try:
+            check(ground_truth, extra_info)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{where}: {' '.join(str(e).split())}, for the built-in reward {spec} (data_source "
+                             f"{data_source!r}); fix the row, or score it with another function (reward.fns)") from None
 
     def score(self, response: str, ground_truth: Any, extra_info: dict, data_source: str, row: str) -> RewardResult:
         """Score one response (`row` names it in errors, e.g. "train.parquet row 17"), format reward included."""
