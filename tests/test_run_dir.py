@@ -106,8 +106,9 @@ def test_run_directory_reuse_resume_settings_and_records(two_step_run, tmp_path)
     assert p.stdout.strip().splitlines()[-1] == str(out)
     assert (out / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rec = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
-    need = {"step", "reward_mean", "kl", "loss", "step_time_s", "phase_times", "peak_mem_bytes"}
-    assert need <= set(rec) and {"rollout", "ref_logp", "update", "optimizer"} <= set(rec["phase_times"])
+    need = {"step", "reward_mean", "loss", "step_time_s", "phase_times", "peak_mem_bytes"}
+    assert need <= set(rec) and {"rollout", "update", "optimizer"} <= set(rec["phase_times"])
+    assert "kl" not in rec and "ref_logp" not in rec["phase_times"]  # kl_coef 0: no reference (train.reference)
     before = _snapshot(out)
     # the refusals fail before any lock or process (check_start reads the directory only): started together
     reused, changed, done, empty = _cmds(["train", *SMALL, "train.steps=2", f"train.out={out}"],
@@ -217,6 +218,11 @@ def test_lock_refuses_a_second_launcher_and_takes_over_a_stale_one(tmp_path):
         assert "wait for that run to end" in err
         with pytest.raises(R.RunDirError, match="in use"):
             R.RunLock(run).acquire()
+        (run / "config.yaml").write_text("seed: 1\n")  # a live run before its first checkpoint: never "remove it"
+        with pytest.raises(R.RunDirError, match=f"is in use by pid {os.getpid()}"):
+            R.check_start(run, False, 1, "")
+    with pytest.raises(R.RunDirError, match="stopped before its first checkpoint"):  # its launcher gone
+        R.check_start(run, False, 1, "")
     # A lock left by a dead launcher (no holder): taken over; one whose worker still lives: refused.
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     (run / R.LOCK).write_text(json.dumps({"pid": int(dead.stdout), "host": os.uname().nodename, "workers": []}))
@@ -368,7 +374,7 @@ def test_train_to_hf_exports_the_trained_actor_exactly(tiny_hf, tmp_path):
         for rank in range(2):
             state = torch.load(ckdir / T.rank_file_name(rank), map_location="cpu", weights_only=False)
             shards = H.shard_checkpoint(exp, cfg, state["ranks"]["tp"], 2, 0, 1)
-            assert set(shards) <= set(state["model"])
+            assert set(shards) == {n for n in state["model"] if not n.endswith("_extra_state")}  # none left out
             for name, t in shards.items():
                 assert torch.equal(t, state["model"][name]), (step, rank, name)
     names = sorted(ck.keys())
@@ -381,6 +387,9 @@ def test_train_to_hf_exports_the_trained_actor_exactly(tiny_hf, tmp_path):
     _one_line_error(missing, "no checkpoint at step 7", "step_000001, step_000002")
     _one_line_error(exists, "already exists")
     assert not (tmp_path / "x").exists() and _snapshot(ck.path) == export
+    init.rename(tmp_path / "moved")  # the run's train.init_hf gone: no silent export without its files
+    _one_line_error(_cmd(*to_hf, "--out", str(tmp_path / "y")), f"train.init_hf={init}", "put it back")
+    assert not (tmp_path / "y").exists()
 
 
 def test_train_to_hf_without_init_builds_config_with_transformers(two_step_run, tmp_path):
@@ -408,6 +417,25 @@ def test_train_to_hf_without_init_builds_config_with_transformers(two_step_run, 
     assert not bad and len(back) == len([k for k in state["model"] if not k.endswith("_extra_state")]), bad
 
 
+def test_a_longer_resume_is_refused_where_the_decay_runs_over_train_steps(tmp_path):
+    """optim.lr_decay_steps=0 decays over train.steps: a run of 2 steps resumed as one of 3 would keep the 2-step
+    decay (megatron's scheduler takes the checkpoint's) while its record said 3, so it is refused naming both ways
+    out; with a constant rate the same extension runs."""
+    decaying, constant = tmp_path / "decaying", tmp_path / "constant"
+    linear = ["optim.lr_decay_style=linear", "optim.min_lr=1e-4"]
+    first = _cmds(["train", *SMALL, *linear, "train.steps=2", f"train.out={decaying}"],
+                  ["train", *SMALL, "train.steps=2", f"train.out={constant}"])
+    assert [p.returncode for p in first] == [0, 0], first[0].stderr[-2000:]
+    before = _snapshot(decaying)
+    longer, extended = _cmds(["train", *SMALL, *linear, "train.steps=3", "train.resume=true", f"train.out={decaying}"],
+                             ["train", *SMALL, "train.steps=3", "train.resume=true", f"train.out={constant}"])
+    _one_line_error(longer, "train.steps is 3 here but 2", "optim.lr_decay_steps=0", "resume with train.steps=2",
+                    "optim.lr_decay_steps set")
+    assert _snapshot(decaying) == before
+    assert extended.returncode == 0, extended.stderr[-2000:]
+    assert _steps(constant) == [1, 2, 3]
+
+
 def test_lr_schedule_resumes_with_the_checkpoint_and_tensorboard_gets_the_scalars(tmp_path):
     """Warm-up + linear decay, two PPO mini-batches and dynamic sampling: a run stopped at step 2 and
     resumed to 4 takes the same learning rates (the scheduler state is in the checkpoint), the same
@@ -433,3 +461,18 @@ def test_lr_schedule_resumes_with_the_checkpoint_and_tensorboard_gets_the_scalar
     assert [e.value for e in acc.Scalars("lr")] == pytest.approx([r["lr"] for r in a])
     assert [e.value for e in acc.Scalars("phase_times/update")] == pytest.approx(
         [r["phase_times"]["update"] for r in a])
+
+
+def test_tensorboard_drops_the_steps_a_resume_trains_again(tmp_path):
+    """Steps 1-3 logged, the run interrupted after its step-2 checkpoint, then resumed there: step 3 is trained
+    again, and its first logging is dropped from the event files, as metrics.jsonl is cut back (once per step)."""
+    from rollplex_megatron.trainer.tracking import Tracker
+
+    for start, steps in ((0, (1, 2, 3)), (2, (3, 4))):
+        tracker = Tracker(tmp_path, True, False, {}, "run", start)
+        for step in steps:
+            tracker.log({"step": step, "lr": 0.1 * step + start})  # the resumed run's values differ
+        tracker.close()
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert [(e.step, round(e.value, 6)) for e in acc.Scalars("lr")] == [(1, 0.1), (2, 0.2), (3, 2.3), (4, 2.4)]

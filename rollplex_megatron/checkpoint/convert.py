@@ -179,7 +179,10 @@ def train_to_hf(run_dir: str | os.PathLike, out_dir: str | os.PathLike, step: in
     cfg: RunConfig = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig),
                                                          OmegaConf.create(meta["config"])))
     init = Path(cfg.train.init_hf) if cfg.train.init_hf else None
-    if init is not None and (init / "config.json").is_file():
+    if init is not None and not (init / "config.json").is_file():  # moved or deleted since the run started
+        raise H.CheckpointError(f"the run started from train.init_hf={init}, which has no config.json now; the "
+                                f"export takes that checkpoint's config and processor files: put it back at that path")
+    if init is not None:
         hf_config = json.loads((init / "config.json").read_text())
         if not _same_model(H.model_config_from_hf(hf_config), cfg.model):
             raise H.CheckpointError(f"{init}/config.json no longer describes the run's model; it was changed "

@@ -24,6 +24,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from rollplex_megatron.checkpoint import train_state
+from rollplex_megatron.models.qwen25vl.hf import atomic_write_text
 from rollplex_megatron.config import RunConfig
 
 LOCK = ".lock"
@@ -108,6 +109,26 @@ class RunLock:
         self._write()
         return self
 
+    @staticmethod
+    def in_use(run: Path) -> dict | None:
+        """The holder's record ({"pid", "host", ...}) when a launcher holds `run`'s lock now, else None (a probe
+        that creates nothing; the launcher still takes the lock itself)."""
+        path = Path(run) / LOCK
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError:  # no lock file: never started there
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                return json.loads(path.read_text() or "{}") or {"pid": None}
+            except (OSError, ValueError):
+                return {"pid": None}
+        finally:
+            os.close(fd)  # closing releases a lock taken here
+        return None
+
     def add_workers(self, pids: list[int]) -> None:
         """Record the worker processes this launcher started (the current ones: earlier modes' exited)."""
         self.info["workers"] = list(pids)
@@ -162,9 +183,26 @@ def resume_changes(saved_yaml: str, config_yaml: str) -> list[tuple[str, object,
             and not any(k == r or (r.endswith(".") and k.startswith(r)) for r in RESUMABLE)]
 
 
+def _schedule_change(saved_yaml: str, config_yaml: str) -> str:
+    """Why a resume with another train.steps would change the learning rates of the steps already trained: the
+    decay length is train.steps (optim.lr_decay_steps=0) under a decaying style; "" when it would not."""
+    old, new = _flat(yaml.safe_load(saved_yaml) or {}), _flat(yaml.safe_load(config_yaml) or {})
+    before, after = old.get("train.steps"), new.get("train.steps")
+    if before == after or new.get("optim.lr_decay_steps") or new.get("optim.lr_decay_style") == "constant":
+        return ""
+    return (f"train.steps is {after} here but {before}, and optim.lr_decay_steps=0 decays the learning rate "
+            f"({new.get('optim.lr_decay_style')}) over train.steps, so the steps already trained followed a "
+            f"{before}-step schedule that a {after}-step run would not; resume with train.steps={before}, or "
+            f"start a new run with optim.lr_decay_steps set (such a run may be extended)")
+
+
 def check_start(run: Path, resume: bool, steps: int, config_yaml: str) -> int:
     """Before any process starts: the step this run starts at, or RunDirError with the way out."""
     run = Path(run)
+    holder = RunLock.in_use(run)
+    if holder is not None:  # before reading it: a live run's directory is not advice to remove (no checkpoint yet)
+        raise RunDirError(f"{run} is in use by pid {holder.get('pid')} on {holder.get('host')} (lock {run / LOCK}); "
+                          f"wait for that run to end or stop it")
     held = [f for f in RUN_FILES if (run / f).exists()]
     latest = train_state.latest_checkpoint(run) if run.is_dir() else None
     if latest is None and held:
@@ -184,6 +222,9 @@ def check_start(run: Path, resume: bool, steps: int, config_yaml: str) -> int:
         raise RunDirError(f"train.steps={steps} but {latest.name} is at step {meta['step']}; set train.steps "
                           f"above {meta['step']} to continue the run")
     changed = resume_changes(meta["config"], config_yaml)
+    schedule = _schedule_change(meta["config"], config_yaml)
+    if schedule:
+        raise RunDirError(f"train.resume=true: {schedule} in {latest.name}")
     if changed:
         k, old, new = changed[0]
         more = f" (and {len(changed) - 1} more: {', '.join(c[0] for c in changed[1:4])})" if len(changed) > 1 else ""
@@ -218,7 +259,5 @@ def truncate_metrics(run: Path, step: int) -> int:
             whole = lines[:-1]
     keep = [ln for ln in whole if json.loads(ln)["step"] <= step]
     if len(keep) != len(lines):
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        tmp.write_text("".join(ln + "\n" for ln in keep))
-        os.replace(tmp, path)
+        atomic_write_text(path, "".join(ln + "\n" for ln in keep))
     return len(lines) - len(keep)

@@ -222,6 +222,10 @@ def load_checkpoint(path, model, reference, optimizer) -> tuple[int, dict]:
     meta = read_meta(path)
     check_layout(meta, path)
     state = torch.load(path / rank_file_name(dist.get_rank()), map_location="cpu", weights_only=False)
+    if state.get("ranks", _ranks()) != _ranks():  # same sizes, another rank order: shards of one shape would swap
+        raise ValueError(f"{path / rank_file_name(dist.get_rank())} holds the shard of (tp, pp, dp) ranks "
+                         f"{state['ranks']}, but this process is {_ranks()}: the launch orders ranks differently "
+                         f"from the run that saved it; launch it as that run was launched")
     _module(model).load_state_dict(state["model"])
     _load_reference(reference, state["reference"], path)
     optimizer.load_state_dict(state["optimizer"])

@@ -23,6 +23,7 @@ from rollplex_megatron.checkpoint import train_state
 from rollplex_megatron.config import RunConfig
 from rollplex_megatron.data import build_source, source_name
 from rollplex_megatron.dist import check_world_size, exit_with_parent, launch_on_ranks, under_torchrun
+from rollplex_megatron.models.qwen25vl.hf import atomic_write_text
 from rollplex_megatron.recipes import load_run_config, to_yaml
 from rollplex_megatron.report import plot_runs, read_metrics, summarize
 from rollplex_megatron.trainer.loop import train_rank
@@ -132,8 +133,8 @@ def _report(root: Path, plans: list[RunConfig], modes: list[str] | None, cfg: Ru
         if val_runs[name]:
             summary[name]["val"] = {"first": val_runs[name][0], "last": val_runs[name][-1]}
     png = plot_runs(runs, str(root / "report.png"), chance=chance, val_runs=val_runs)
-    (root / "summary.json").write_text(json.dumps({"chance_reward": chance, "chance_accuracy": chance_acc,
-                                                   "modes": summary}, indent=1))
+    atomic_write_text(root / "summary.json", json.dumps({"chance_reward": chance, "chance_accuracy": chance_acc,
+                                                         "modes": summary}, indent=1))
     for name, s in summary.items():
         rnd = f"; random-answer policy {chance:.2f}" if chance is not None else ""
         acc = f" (chance {chance_acc:.2f})" if chance_acc is not None else ""

@@ -21,6 +21,7 @@ from tqdm import tqdm
 from rollplex_megatron.checkpoint import run_dir, train_state
 from rollplex_megatron.config import RunConfig
 from rollplex_megatron.dist import init_parallel, layouts, train_world
+from rollplex_megatron.models.qwen25vl.hf import atomic_write_text
 from rollplex_megatron.recipes import to_yaml
 from rollplex_megatron.rollout.disaggregated import RemoteRollout, RolloutWorker
 from rollplex_megatron.runtime import sync
@@ -130,12 +131,12 @@ def train_rank(cfg: RunConfig) -> dict:
             rt.data_cursor = extra.get("data_cursor", start)  # checkpoints before dynamic sampling: one batch a step
         if rank0:
             run_dir.truncate_metrics(run, start)  # steps after the checkpoint are trained again
-            (run / "config.yaml").write_text(to_yaml(cfg))
-            (run / "memory_plan.json").write_text(json.dumps(rt.plan, indent=1))
+            atomic_write_text(run / "config.yaml", to_yaml(cfg))  # a kill mid-write leaves the old file whole
+            atomic_write_text(run / "memory_plan.json", json.dumps(rt.plan, indent=1))
         metrics_path = run / run_dir.METRICS
         bar = _progress(cfg, start, rank0)
         if rank0 and (cfg.train.tensorboard or cfg.train.wandb):
-            tracker = Tracker(run, cfg.train.tensorboard, cfg.train.wandb, dataclasses.asdict(cfg), run.name)
+            tracker = Tracker(run, cfg.train.tensorboard, cfg.train.wandb, dataclasses.asdict(cfg), run.name, start)
         records, stopped = [], None
         if cfg.train.val_every and cfg.val.before_train and start == 0:
             rt.memory.enter("rollout")  # validation decodes under the rollout's residency

@@ -35,9 +35,13 @@ def check_tracking(use_wandb: bool) -> None:
 class Tracker:
     """Writes every record it is given to the enabled trackers (rank 0 only)."""
 
-    def __init__(self, run: Path, tensorboard: bool, use_wandb: bool, config: dict, name: str):
+    def __init__(self, run: Path, tensorboard: bool, use_wandb: bool, config: dict, name: str, start: int = 0):
+        """`start`: the step a resumed run continues after; TensorBoard drops the events it holds from later steps
+        (logged after that checkpoint, before the interruption), as metrics.jsonl is cut back."""
         check_tracking(use_wandb)
-        self.tb = SummaryWriter(str(run / "tensorboard")) if tensorboard else None
+        self.tb = None
+        if tensorboard:
+            self.tb = SummaryWriter(str(run / "tensorboard"), purge_step=start + 1 if start else None)
         self.wb = wandb.init(mode="offline", dir=str(run), config=config, name=name) if use_wandb else None
 
     def log(self, rec: dict) -> None:
