@@ -109,10 +109,12 @@ def resume_mutants(cfg, run_dir: str, steps: int, mutations: list[str]) -> dict:
     return {m: resume(cfg, run_dir, steps, m)["params"] for m in mutations}
 
 
-def broken_resumes(cfg, run_dir: str, steps: int, mutations: list[str], foreign_run_dir: str) -> dict:
-    """One launch for the failing cases: `resume_mutants`, then `load_error` on another layout's run."""
+def broken_resumes(cfg, run_dir: str, steps: int, mutations: list[str], foreign_run_dir: str,
+                   swapped_run_dir: str) -> dict:
+    """One launch for the failing cases: `resume_mutants`, then `load_error` on another layout's run and on a run
+    whose rank files were swapped."""
     return {"mutants": resume_mutants(cfg, run_dir, steps, mutations),
-            "foreign_error": load_error(cfg, foreign_run_dir)}
+            "foreign_error": load_error(cfg, foreign_run_dir), "swapped_error": load_error(cfg, swapped_run_dir)}
 
 
 class InjectedFailure(RuntimeError):

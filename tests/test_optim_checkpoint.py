@@ -6,6 +6,7 @@ the optimizer state or the RNG states are caught. Atomicity: crashes mid-file an
 directory rename leave the previous checkpoint published. TP=2 vs TP=1: one clipped Adam step gives
 the same gathered weights.
 """
+import shutil
 from pathlib import Path
 
 import pytest
@@ -61,10 +62,18 @@ def test_resume_is_bit_identical(tp2_run):
 
 
 @pytest.fixture(scope="module")
-def broken_resumes(tp2_run, crashed_run):
-    """At TP=2: resumes of `tp2_run` with mutated loading, and a load of the TP=1 `crashed_run`."""
+def broken_resumes(tp2_run, crashed_run, tmp_path_factory):
+    """At TP=2: resumes of `tp2_run` with mutated loading, a load of the TP=1 `crashed_run`, and a load of
+    `tp2_run` with its two rank files swapped (the same shapes: the TP shards would load crosswise)."""
+    swapped = tmp_path_factory.mktemp("swapped") / "run"
+    shutil.copytree(tp2_run[0], swapped)
+    step = swapped / "checkpoints" / "step_000002"
+    a, b = step / "rank00000.pt", step / "rank00001.pt"
+    a.rename(step / "tmp.pt")
+    b.rename(a)
+    (step / "tmp.pt").rename(b)
     return run_local(W.broken_resumes, 2, _cfg("parallel.tp=2"), str(tp2_run[0]), 3,
-                     ["skip_optimizer", "skip_rng"], str(crashed_run[0]))[0]
+                     ["skip_optimizer", "skip_rng"], str(crashed_run[0]), str(swapped))[0]
 
 
 @pytest.mark.parametrize("mutant", ["skip_optimizer", "skip_rng"])
@@ -95,6 +104,11 @@ def test_crash_leaves_previous_checkpoint(crashed_run):
 def test_load_into_other_layout_names_the_setting(broken_resumes):
     msg = broken_resumes["foreign_error"]
     assert "parallel.tp=1" in msg and "parallel.tp=2" in msg, msg
+
+
+def test_rank_files_of_other_ranks_are_refused(broken_resumes):
+    msg = broken_resumes["swapped_error"]
+    assert "rank00000.pt holds the shard of (tp, pp, dp) ranks {'tp': 1, 'pp': 0, 'dp': 0}" in msg, msg
 
 
 def test_adam_step_tp2_matches_tp1(tiny_hf):
