@@ -272,7 +272,8 @@ def test_the_readme_example_file_loads(example_dir):
 
 def test_train_on_a_dataset_with_validation_runs(tmp_path, example_dir, capsys):
     """`train` on dataset rows: validation before training, every 2 steps and after the last, per
-    data_source; the step records carry the data share and both KL numbers; the report has them."""
+    data_source; the step records carry the data share, no KL (kl_coef 0: no reference) and the reward's extra
+    metrics (the format reward's `format`, which is `answered` per response); the report has them."""
     run = tmp_path / "run"
     rc = cli_main(["train", f"train.init_hf={example_dir / 'model'}",
                    f"data.train_files=[{example_dir / 'train.parquet'}]",
@@ -286,6 +287,8 @@ def test_train_on_a_dataset_with_validation_runs(tmp_path, example_dir, capsys):
     assert all(v["val/responses"] == 32 and 0 <= v["val/multiple_choice/reward_mean"] <= 1.5 for v in vals)
     assert vals[-1]["val/reward_mean"] > 0  # sampled at temperature 1: some answers (eval below is not 0 == 0)
     assert all(0 <= r["data_share"] < 1 and "kl_k1" not in r and r["rollout_logp_diff"] < 1e-5 for r in steps)
+    assert all(r["reward_extra"] == {"format": pytest.approx(r["answered"])} for r in steps)
+    assert any(0 < r["answered"] < 1 for r in steps)  # a mean over responses, not one response's value
     summary = json.loads((run / "summary.json").read_text())["modes"]["rollplex"]
     assert summary["val"]["last"]["step"] == 3 and (run / "report.png").stat().st_size > 0
     # `eval` on the run's final checkpoint (exported to HF) answers the validation rows as training did

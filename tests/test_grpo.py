@@ -263,3 +263,15 @@ def test_losses_gather_the_loss_positions_without_a_device_count():
                 for k in a["stats"]:
                     assert torch.equal(a["stats"][k], b["stats"][k]), (kind, k)
                 assert a["syncs"] == 0 and b["syncs"] > 0, (kind, a["syncs"], b["syncs"])
+
+
+def test_reward_extra_metrics_are_means_over_every_rank_that_reports_them():
+    """Two DP ranks with different key sets (rank 1 has a key rank 0 lacks, and a response without any): each key
+    is the mean over the responses that report it, on both ranks."""
+    from rollplex_megatron.dist import run_local
+    from tests import trainer_workers as W
+
+    per_rank = [[[{"a": 1.0}, {"a": 3.0}]], [[{"b": 2.0}, {}], [{"a": 5.0, "b": 4.0}]]]
+    got = run_local(W.reward_extra_means, 2, per_rank)
+    assert got[0] == got[1] == {"a": 3.0, "b": 3.0}
+    assert run_local(W.reward_extra_means, 2, [[[{}]], [[{}]]]) == [{}, {}]

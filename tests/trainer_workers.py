@@ -129,3 +129,16 @@ def _twice_overflow(lens, per_mb, max_tokens=0):
         out[-1].append(i)
         used += n
     return out
+
+
+def reward_extra_means(per_rank: list) -> dict:
+    """`metrics.reward_extra_means` over a gloo world, this rank's extras `per_rank[rank]`."""
+    import torch.distributed as dist
+
+    from rollplex_megatron.trainer.metrics import reward_extra_means as means
+
+    dist.init_process_group("gloo")
+    try:
+        return means(per_rank[dist.get_rank()], dist.group.WORLD, "cpu")
+    finally:
+        dist.destroy_process_group()

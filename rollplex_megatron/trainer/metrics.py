@@ -136,7 +136,27 @@ def reduce_metrics(rt, prep, updates: list[list[dict]]) -> dict:
     out["fwd_flops"] = {k: c[f"fwd_flops_{k}"] for k in fwd}  # analytic, by part (verify.flops.batch_fwd_flops)
     if rt.ref is None:  # no reference (train.reference): no KL to log (the loss's terms are 0 by construction)
         del out["kl"], out["kl_k1"]
+    extra = reward_extra_means(batch.reward_extra, rt.dp_group, rt.dev)
+    if extra:
+        out["reward_extra"] = extra
     return out
+
+
+def reward_extra_means(extras: list[list[dict]], group, dev) -> dict[str, float]:
+    """The reward functions' extra metrics (their other numeric keys, data/rewards.py), each the mean over the
+    responses of every DP rank that report it (a key some responses lack is averaged over those that have it).
+    Collective over `group`: the ranks exchange their key sets first."""
+    mine = sorted({k for row in extras for e in row for k in e})
+    keys = [None] * dist.get_world_size(group)
+    dist.all_gather_object(keys, mine, group=group)
+    names = sorted({k for ks in keys for k in ks})
+    if not names:
+        return {}
+    sums = torch.tensor([[sum(float(e[k]) for row in extras for e in row if k in e),
+                          float(sum(k in e for row in extras for e in row))] for k in names],
+                        dtype=torch.float64, device=dev)
+    dist.all_reduce(sums, group=group)
+    return {k: float(s / n) for k, (s, n) in zip(names, sums.tolist()) if n > 0}
 
 
 def logp_diff(batch, old: dict | None) -> float:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import torch
@@ -50,12 +50,15 @@ class StepBatch:
     correct: torch.Tensor  # [N, G] 1 where the answer is right (reward without shaping)
     answered: torch.Tensor  # [N, G] 1 where the response gives an answer at all
     rollout_logprobs: list  # [N] lists of G tensors [R]: the sampler's log-probs
+    # [N] lists of G dicts: the reward function's extra metrics of each response (its other numeric keys)
+    reward_extra: list = field(default_factory=list)
 
     def take(self, picks: list[int]) -> "StepBatch":
         """The groups at `picks`, in that order."""
         return StepBatch([self.rows[i] for i in picks], [self.requests[i] for i in picks],
                          [self.groups[i] for i in picks], self.rewards[picks], self.correct[picks],
-                         self.answered[picks], [self.rollout_logprobs[i] for i in picks])
+                         self.answered[picks], [self.rollout_logprobs[i] for i in picks],
+                         [self.reward_extra[i] for i in picks])
 
     @staticmethod
     def concat(batches: list["StepBatch"]) -> "StepBatch":
@@ -63,7 +66,7 @@ class StepBatch:
         cat = lambda k: [x for b in batches for x in getattr(b, k)]  # noqa: E731
         return StepBatch(cat("rows"), cat("requests"), cat("groups"), torch.cat([b.rewards for b in batches]),
                          torch.cat([b.correct for b in batches]), torch.cat([b.answered for b in batches]),
-                         cat("rollout_logprobs"))
+                         cat("rollout_logprobs"), cat("reward_extra"))
 
     def informative(self) -> list[bool]:
         """Per group: its rewards are not all equal (its advantages are not all 0)."""
@@ -302,7 +305,7 @@ class Runtime:
         groups = [Group(r.prompt, res.tokens, a) for r, res, a in zip(requests, rollout.results, adv)]
         validate_groups(self.cfg.model, groups, self.cfg.rollout.max_response_len)
         return StepBatch(rows, requests, groups, rewards, correct, answered,
-                         [list(res.logprobs) for res in rollout.results])
+                         [list(res.logprobs) for res in rollout.results], [[s.extra for s in row] for row in scores])
 
     def _agreed(self, scores: torch.Tensor) -> torch.Tensor:
         """The model replica's first rank's scores on every rank of it (TP and PP peers score the same
