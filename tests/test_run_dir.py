@@ -118,7 +118,7 @@ def test_run_directory_reuse_resume_settings_and_records(two_step_run, tmp_path)
                                          ["train", *SMALL, "train.steps=3", "train.resume=true",
                                           f"train.out={tmp_path / 'none'}"])
     _one_line_error(reused, "already holds a run", "train.resume=true", "new train.out")
-    _one_line_error(changed, "optim.lr is 0.5 here but 0.001")
+    _one_line_error(changed, "optim.lr is 0.5 here but 0.001", "set optim.lr=0.001 (the checkpoint's)")
     _one_line_error(done, "train.steps=2 but step_000002 is at step 2")
     _one_line_error(empty, "has no checkpoint to resume from")
     assert _snapshot(out) == before
@@ -221,8 +221,12 @@ def test_lock_refuses_a_second_launcher_and_takes_over_a_stale_one(tmp_path):
         (run / "config.yaml").write_text("seed: 1\n")  # a live run before its first checkpoint: never "remove it"
         with pytest.raises(R.RunDirError, match=f"is in use by pid {os.getpid()}"):
             R.check_start(run, False, 1, "")
-    with pytest.raises(R.RunDirError, match="stopped before its first checkpoint"):  # its launcher gone
+    with pytest.raises(R.RunDirError, match="stopped before its first checkpoint, so"):  # its launcher gone
         R.check_start(run, False, 1, "")
+    (run / "checkpoints" / "step_000001").mkdir(parents=True)  # saved, killed before `latest` was written
+    with pytest.raises(R.RunDirError, match="step_000001 written but never published as latest"):
+        R.check_start(run, True, 2, "")
+    shutil.rmtree(run / "checkpoints")
     # A lock left by a dead launcher (no holder): taken over; one whose worker still lives: refused.
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     (run / R.LOCK).write_text(json.dumps({"pid": int(dead.stdout), "host": os.uname().nodename, "workers": []}))

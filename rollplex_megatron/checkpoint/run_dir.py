@@ -206,8 +206,12 @@ def check_start(run: Path, resume: bool, steps: int, config_yaml: str) -> int:
     held = [f for f in RUN_FILES if (run / f).exists()]
     latest = train_state.latest_checkpoint(run) if run.is_dir() else None
     if latest is None and held:
+        unpublished = sorted(p.name for p in (run / train_state.CHECKPOINTS).glob("step_*")
+                             if ".tmp-" not in p.name) if (run / train_state.CHECKPOINTS).is_dir() else []
+        why = f" ({', '.join(unpublished)} written but never published as latest: the run stopped while saving)" \
+            if unpublished else ""
         raise RunDirError(f"train.out={run} holds a run ({', '.join(held)}) that stopped before its first "
-                          f"checkpoint, so there is nothing to resume; remove that directory or choose a new "
+                          f"checkpoint{why}, so there is nothing to resume; remove that directory or choose a new "
                           f"train.out")
     if not resume:
         if held:
@@ -229,8 +233,8 @@ def check_start(run: Path, resume: bool, steps: int, config_yaml: str) -> int:
         k, old, new = changed[0]
         more = f" (and {len(changed) - 1} more: {', '.join(c[0] for c in changed[1:4])})" if len(changed) > 1 else ""
         raise RunDirError(f"train.resume=true: {k} is {new!r} here but {old!r} in {latest.name}{more}; a resumed "
-                          f"run keeps its settings (only {', '.join(RESUMABLE)} may change); drop the override "
-                          f"or start a new run with another train.out")
+                          f"run keeps its settings (only {', '.join(RESUMABLE)} may change); set {k}={old!r} (the "
+                          f"checkpoint's) or start a new run with another train.out")
     return int(meta["step"])
 
 
