@@ -62,6 +62,40 @@ def load_run_config(overrides: list[str] | None = None) -> RunConfig:
     return run
 
 
+# Recipe groups whose options fill one subtree of the config (`mode=serial` sets mode.*); the others write
+# anywhere (`+bench=video_long`, `+plan_preset=...`).
+SUBTREE_GROUPS = ("mode", "model", "parallel", "task", "workload", "memory")
+
+
+def _leaves(node, prefix: str = "") -> dict:
+    """{dotted key: value} of a plain config dict."""
+    out = {}
+    for k, v in node.items():
+        if isinstance(v, dict) and v:
+            out.update(_leaves(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def resumed_config(cfg: RunConfig, overrides: list[str], saved_yaml: str) -> RunConfig:
+    """The config of a resumed run: the saved run's (`saved_yaml`, its checkpoint's) with what this command line
+    sets explicitly on top, so `train.resume=true train.out=DIR train.steps=N` continues the run whatever
+    overrides started it. Explicit: every dotted key given (`train.steps=N`, `memory.plan=keep`), the subtree of a
+    group chosen (`mode=serial`: mode.*), and whatever else the command line's composition (`cfg`) sets apart from
+    the root recipe's. The resume check then refuses what may not change."""
+    new = _leaves(OmegaConf.to_container(OmegaConf.structured(cfg)))
+    default = _leaves(OmegaConf.to_container(OmegaConf.structured(load_run_config([]))))
+    keys = {o.lstrip("+~").split("=", 1)[0] for o in overrides if "=" in o}
+    explicit = {k for k in new if k in keys or any(k.startswith(f"{g}.") for g in keys & set(SUBTREE_GROUPS))
+                or new[k] != default.get(k)}
+    merged = OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.create(saved_yaml),
+                             OmegaConf.create({}))
+    for k in sorted(explicit):
+        OmegaConf.update(merged, k, new[k], merge=False)
+    return OmegaConf.to_object(merged)
+
+
 # Model fields that are run settings, not the checkpoint's shape: the command line keeps them.
 RUN_MODEL_FIELDS = ("name", "freeze_vision")
 

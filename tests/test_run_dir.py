@@ -424,20 +424,25 @@ def test_train_to_hf_without_init_builds_config_with_transformers(two_step_run, 
 def test_a_longer_resume_is_refused_where_the_decay_runs_over_train_steps(tmp_path):
     """optim.lr_decay_steps=0 decays over train.steps: a run of 2 steps resumed as one of 3 would keep the 2-step
     decay (megatron's scheduler takes the checkpoint's) while its record said 3, so it is refused naming both ways
-    out; with a constant rate the same extension runs."""
+    out; with a constant rate the same extension runs. Both resumes give only train.resume, train.out and
+    train.steps: the other settings are the saved run's."""
     decaying, constant = tmp_path / "decaying", tmp_path / "constant"
     linear = ["optim.lr_decay_style=linear", "optim.min_lr=1e-4"]
     first = _cmds(["train", *SMALL, *linear, "train.steps=2", f"train.out={decaying}"],
                   ["train", *SMALL, "train.steps=2", f"train.out={constant}"])
     assert [p.returncode for p in first] == [0, 0], first[0].stderr[-2000:]
     before = _snapshot(decaying)
-    longer, extended = _cmds(["train", *SMALL, *linear, "train.steps=3", "train.resume=true", f"train.out={decaying}"],
-                             ["train", *SMALL, "train.steps=3", "train.resume=true", f"train.out={constant}"])
+    # the README's form: a resume names only the run and its new length; the rest is the saved run's config
+    longer, extended = _cmds(["train", "train.steps=3", "train.resume=true", f"train.out={decaying}"],
+                             ["train", "train.steps=3", "train.resume=true", f"train.out={constant}",
+                              "train.progress=false"])
     _one_line_error(longer, "train.steps is 3 here but 2", "optim.lr_decay_steps=0", "resume with train.steps=2",
                     "optim.lr_decay_steps set")
     assert _snapshot(decaying) == before
     assert extended.returncode == 0, extended.stderr[-2000:]
     assert _steps(constant) == [1, 2, 3]
+    rec = json.loads((constant / "metrics.jsonl").read_text().splitlines()[-1])
+    assert rec["response_tokens"] <= 8 * 12  # SMALL's 8 responses a step, not the root recipe's 128
 
 
 def test_lr_schedule_resumes_with_the_checkpoint_and_tensorboard_gets_the_scalars(tmp_path):
@@ -480,3 +485,20 @@ def test_tensorboard_drops_the_steps_a_resume_trains_again(tmp_path):
     acc = EventAccumulator(str(tmp_path / "tensorboard"))
     acc.Reload()
     assert [(e.step, round(e.value, 6)) for e in acc.Scalars("lr")] == [(1, 0.1), (2, 0.2), (3, 2.3), (4, 2.4)]
+
+
+def test_a_resume_takes_the_saved_config_and_what_its_command_line_sets(tmp_path):
+    """What the resume's command line names wins, even where it is the root recipe's default (`memory.plan=phase`
+    over the saved keep; `mode=rollplex`, the default group, over the saved serial: the whole mode.* subtree);
+    everything else is the saved run's (its batch, its learning rate)."""
+    from rollplex_megatron.recipes import resumed_config, to_yaml
+
+    saved = load_run_config(["mode=serial", "memory.plan=keep", "workload.rollout_batch=8", "rollout.group_size=4",
+                             "optim.lr=5e-4", "mode.window=stream"])
+    over = ["train.resume=true", f"train.out={tmp_path}", "train.steps=9", "memory.plan=phase", "mode=rollplex"]
+    got = resumed_config(load_run_config(over), over, to_yaml(saved))
+    assert (got.memory.plan, got.mode.name, got.mode.window) == ("phase", "rollplex", "interleave")
+    assert (got.workload.rollout_batch, got.rollout.group_size, got.optim.lr) == (8, 4, 5e-4)
+    assert (got.train.steps, got.train.resume) == (9, True)
+    bare = resumed_config(load_run_config(over[:3]), over[:3], to_yaml(saved))
+    assert (bare.memory.plan, bare.mode.name, bare.mode.window) == ("keep", "serial", "stream")

@@ -231,10 +231,10 @@ def check_start(run: Path, resume: bool, steps: int, config_yaml: str) -> int:
         raise RunDirError(f"train.resume=true: {schedule} in {latest.name}")
     if changed:
         k, old, new = changed[0]
-        more = f" (and {len(changed) - 1} more: {', '.join(c[0] for c in changed[1:4])})" if len(changed) > 1 else ""
+        more = f" (and {', '.join(c[0] for c in changed[1:])})" if len(changed) > 1 else ""
         raise RunDirError(f"train.resume=true: {k} is {new!r} here but {old!r} in {latest.name}{more}; a resumed "
-                          f"run keeps its settings (only {', '.join(RESUMABLE)} may change); set {k}={old!r} (the "
-                          f"checkpoint's) or start a new run with another train.out")
+                          f"run keeps what a step computes (README, Resume: the settings that may change); set "
+                          f"{k}={old!r} (the checkpoint's) or start a new run with another train.out")
     return int(meta["step"])
 
 

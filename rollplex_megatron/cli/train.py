@@ -24,7 +24,7 @@ from rollplex_megatron.config import RunConfig
 from rollplex_megatron.data import build_source, source_name
 from rollplex_megatron.dist import check_world_size, exit_with_parent, launch_on_ranks, under_torchrun
 from rollplex_megatron.models.qwen25vl.hf import atomic_write_text
-from rollplex_megatron.recipes import load_run_config, to_yaml
+from rollplex_megatron.recipes import load_run_config, resumed_config, to_yaml
 from rollplex_megatron.report import plot_runs, read_metrics, summarize
 from rollplex_megatron.trainer.loop import train_rank
 from rollplex_megatron.trainer.modes import MODES
@@ -95,9 +95,22 @@ def _plan(cfg: RunConfig, root: Path, modes: list[str] | None) -> list[RunConfig
     return plans
 
 
+def _saved_config(root: Path, modes: list[str] | None) -> str | None:
+    """The config the run at `root` was trained with (its latest checkpoint's; with --modes the first mode's that
+    has one), or None without a checkpoint."""
+    for out in [root / m for m in modes] if modes else [root]:
+        latest = train_state.latest_checkpoint(out) if out.is_dir() else None
+        if latest is not None:
+            return train_state.read_meta(latest)["config"]
+    return None
+
+
 def _config(overrides: list[str], modes: list[str] | None) -> RunConfig:
     """The run's config with every check that needs no process (bad input fails here)."""
     cfg = load_run_config(overrides)  # train.init_hf: the model is the checkpoint's (recipes.model_from_hf)
+    saved = _saved_config(Path(cfg.train.out), modes) if cfg.train.resume and cfg.train.out else None
+    if saved is not None:  # a resume continues the saved run: what this command line sets goes on top
+        cfg = resumed_config(cfg, overrides, saved)
     cfg.check_training()
     bad = [m for m in modes or [] if m not in MODES]
     if bad:
