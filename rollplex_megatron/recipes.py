@@ -3,10 +3,13 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib
+import re
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
+from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from rollplex_megatron.config import RunConfig, check_model_parallel, register_configs
@@ -26,9 +29,48 @@ def compose_config(overrides: list[str] | None = None, config_name: str = "confi
         raise FileNotFoundError(f"recipes folder not found at {RECIPES_DIR}; install the package editable "
                                 f"(pip install -e .)")
     register_configs()
+    overrides = list(overrides or [])
+    schemas = [o for o in overrides if "=" in o and "." not in o.split("=", 1)[0]
+               and o.split("=", 1)[1].endswith("_schema")]
+    if schemas:  # the schemas are registered in the groups' search path, but are not recipes
+        group, name = schemas[0].lstrip("+~").split("=", 1)
+        options = sorted(p.stem for p in (RECIPES_DIR / group).glob("*.yaml"))
+        raise ValueError(f"{schemas[0]}: {name} is the schema of {group}, not a recipe; choose one of {options}")
     GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(RECIPES_DIR), version_base="1.3"):
-        return compose(config_name=config_name, overrides=list(overrides or []))
+    try:
+        with initialize_config_dir(config_dir=str(RECIPES_DIR), version_base="1.3"):
+            return compose(config_name=config_name, overrides=overrides)
+    except ConfigCompositionException as e:
+        raise ValueError(_override_error(e)) from None
+
+
+def _override_error(e: ConfigCompositionException) -> str:
+    """Hydra's composition error as one line naming the setting and the fix: an unknown key (with the closest
+    field; Hydra's own advice, `+key`, would add an unknown key), or a value of the wrong type."""
+    cause = " ".join(str(e.__cause__ or "").split()).split(" full_key:")[0]
+    unknown = re.match(r"Could not override '([^']+)'", str(e))
+    if unknown:
+        key = unknown.group(1)
+        node, path = RunConfig, ""
+        for part in key.split(".")[:-1]:
+            fields = {f.name: f.type for f in dataclasses.fields(node)} if dataclasses.is_dataclass(node) else {}
+            sub = fields.get(part)
+            sub = getattr(importlib.import_module("rollplex_megatron.config"), sub, None) if isinstance(sub, str) \
+                else sub
+            if not dataclasses.is_dataclass(sub):
+                break
+            node, path = sub, f"{path}{part}."
+        parts = key.split(".")
+        wrong = parts[path.count(".")]  # the first part that names no field
+        names = [f.name for f in dataclasses.fields(node)] if dataclasses.is_dataclass(node) else []
+        close = difflib.get_close_matches(wrong, names, n=1)
+        rest = ".".join(parts[path.count(".") + 1:])
+        hint = f"; did you mean {path}{close[0]}{'.' + rest if rest else ''}?" if close else ""
+        return f"unknown config key {key!r}{hint} (`rollplex print-config` lists every key)"
+    bad = re.match(r"Error merging override (\S+)", str(e))
+    if bad:
+        return f"{bad.group(1)}: {cause}; give a value of the setting's type (`rollplex print-config` shows it)"
+    return " ".join(f"{e} {cause}".split())
 
 
 def check_closed(node, schema: type, path: str = "") -> None:

@@ -37,9 +37,19 @@ def test_config_errors_name_the_setting(overrides, match):
         load_run_config(overrides)
 
 
-def test_unknown_keys_are_rejected():
-    with pytest.raises(ConfigCompositionException, match="model.bogus"):
-        load_run_config(["model.bogus=1"])
+@pytest.mark.parametrize("overrides,match", [
+    (["model.bogus=1"], r"^unknown config key 'model.bogus' \(`rollplex print-config`"),
+    (["train.stepz=2"], r"^unknown config key 'train.stepz'; did you mean train.steps\?"),  # Hydra: "use +train..."
+    (["trian.steps=2"], r"^unknown config key 'trian.steps'; did you mean train.steps\?"),
+    (["+train.stepz=2"], r"did you mean train.steps\?"),
+    (["train.steps=abc"], r"^train.steps=abc: Value 'abc' of type 'str' could not be converted to Integer; give a "),
+    (["mode=mode_schema"], r"^mode=mode_schema: mode_schema is the schema of mode, not a recipe; choose one of "
+                           r"\['disaggregated', 'prefix_shared', 'rollplex', 'serial'\]"),
+])
+def test_unknown_keys_wrong_types_and_schemas_are_one_line_errors(overrides, match):
+    with pytest.raises(ValueError, match=match) as err:
+        load_run_config(overrides)
+    assert "\n" not in str(err.value) and not isinstance(err.value, ConfigCompositionException)
 
 
 def test_released_presets_compose():
