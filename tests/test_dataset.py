@@ -297,6 +297,7 @@ def test_train_on_a_dataset_with_validation_runs(tmp_path, example_dir, capsys):
                      "rollout.max_response_len=4", "val.temperature=1.0", "val.n=4", "reward.format_reward=0.5",
                      f"--out={out}"]) == 0
     got = json.loads(out.read_text())
+    assert got["checkpoint_step"] == 3  # the latest, which --run without --step took
     assert {k: got[k] for k in vals[-1] if k.startswith("val/")} == {k: v for k, v in vals[-1].items()
                                                                      if k.startswith("val/")}
     assert cli_main(["generate", "--run", str(run), f"data.val_files=[{example_dir / 'val.parquet'}]",

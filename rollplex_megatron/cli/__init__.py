@@ -244,7 +244,8 @@ def _cmd_make_example(argv: list[str]) -> int:
     out = make_example(a.out, load_run_config(overrides).model, a.train_rows, a.val_rows, a.seed, a.videos)
     train, val = (next(out.glob(f"{name}.*")) for name in ("train", "val"))  # .parquet, or .jsonl without pyarrow
     print(f"train with: python -m rollplex_megatron train train.init_hf={out / 'model'} data.train_files=[{train}] "
-          f"data.val_files=[{val}] train.val_every=25 rollout.max_response_len=4 reward.format_reward=0.5")
+          f"data.val_files=[{val}] train.val_every=50 rollout.max_response_len=4 reward.format_reward=0.5 "
+          f"train.steps=800 optim.lr=5e-4")  # README's recipe (at the default lr 1e-3 this example collapses)
     print(out)
     return 0
 
@@ -276,9 +277,11 @@ def _cmd_eval(argv: list[str]) -> int:
     a, overrides = ap.parse_known_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         cfg = _eval_config(a, overrides, tmp)
+        # --run without --step: the step the export took (the latest)
+        step = None if a.hf_dir else json.loads((Path(tmp) / "export" / convert.EXPORT_META).read_text())["step"]
         rec = launch_on_ranks(eval_rank, cfg.parallel.world_size, cfg)[0]
     rec.pop("step")
-    out = {"checkpoint": a.hf_dir or a.run, "checkpoint_step": a.step, "val_files": list(cfg.data.val_files),
+    out = {"checkpoint": a.hf_dir or a.run, "checkpoint_step": step, "val_files": list(cfg.data.val_files),
            "temperature": cfg.val.temperature, "n": cfg.val.n, **rec, "env": environment_record()}
     if a.out:
         Path(a.out).write_text(json.dumps(out, indent=1))
