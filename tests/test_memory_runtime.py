@@ -136,7 +136,7 @@ def test_prefix_recompute_mutation_is_detected(tiny_hf):
     assert o["err"] > 1e-2
 
 
-def test_budget_error_names_the_class_and_fires_before_models_are_built():
+def test_budget_error_names_the_class_and_fires_before_models_are_built(tmp_path):
     from rollplex_megatron.data import build_source
     from rollplex_megatron.trainer.runtime import memory_plan
 
@@ -149,9 +149,11 @@ def test_budget_error_names_the_class_and_fires_before_models_are_built():
     assert "memory.plan=phase would need 76.9 GiB" in msg
     cfg.memory.plan = "phase"
     assert memory_plan(cfg, build_source(cfg))["peak_gib"] <= 80  # the phase plan fits
+    runs = tmp_path / "runs"
     p = subprocess.run([sys.executable, "-m", "rollplex_megatron", "train", "memory.budget_gib=0.0001",
-                        "train.steps=1"], capture_output=True, text=True, timeout=300)
+                        "train.steps=1", f"run_dir={runs}"], capture_output=True, text=True, timeout=300)
     assert p.returncode != 0 and "over memory.budget_gib=0.0001" in p.stderr and "to fit:" in p.stderr
+    assert not any(runs.iterdir())  # the refused start removed the run directory it had created and locked
 
 
 def test_auto_plan_releases_only_what_the_budget_needs():

@@ -238,6 +238,20 @@ def check_start(run: Path, resume: bool, steps: int, config_yaml: str) -> int:
     return int(meta["step"])
 
 
+def remove_if_unused(run: Path) -> bool:
+    """Remove a run directory a failed start created and left with nothing but its (released) lock file, so a
+    start refused by a worker's check leaves no empty run behind; anything else in it is kept."""
+    run = Path(run)
+    if not run.is_dir() or any(p.name != LOCK for p in run.iterdir()) or RunLock.in_use(run) is not None:
+        return False
+    (run / LOCK).unlink(missing_ok=True)
+    try:
+        run.rmdir()
+    except OSError:  # something appeared meanwhile: it stays
+        return False
+    return True
+
+
 def clean_interrupted(run: Path, lock: RunLock) -> list[str]:
     """With the lock held: remove what interrupted saves left (`checkpoints/*.tmp-*`, `.*.tmp-*`)."""
     assert lock.fd is not None, "clean_interrupted needs the run directory's lock"

@@ -169,12 +169,24 @@ def main(overrides: list[str], modes: list[str] | None = None) -> int:
     rank0 = not under_torchrun() or os.environ["RANK"] == "0"
     if under_torchrun():
         exit_with_parent()  # a rank whose torchrun agent was killed stops writing
+    dirs = list(dict.fromkeys([root] + [Path(p.train.out) for p in plans])) if rank0 else []
+    fresh = [d for d in dirs if not d.exists()]  # created by this start: removed again if it fails before writing
+    try:
+        return _train(cfg, root, plans, modes, dirs, rank0)
+    except BaseException:
+        for d in reversed(fresh):  # the modes' directories before the root that holds them
+            R.remove_if_unused(d)
+        raise
+
+
+def _train(cfg: RunConfig, root: Path, plans: list[RunConfig], modes: list[str] | None, dirs: list[Path],
+           rank0: bool) -> int:
+    """`main`'s launch: lock `dirs` (rank 0), train each plan, report."""
     with ExitStack() as stack:
         locks = []
-        if rank0:  # the launcher (rank 0 under torchrun) holds every directory it writes
-            for d in dict.fromkeys([root] + [Path(p.train.out) for p in plans]):
-                locks.append(stack.enter_context(R.RunLock(d)))
-                R.clean_interrupted(d, locks[-1])
+        for d in dirs:  # the launcher (rank 0 under torchrun) holds every directory it writes
+            locks.append(stack.enter_context(R.RunLock(d)))
+            R.clean_interrupted(d, locks[-1])
         launcher = _Launcher(locks)
         stack.callback(launcher.close)
         stopped = None
