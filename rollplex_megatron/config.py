@@ -545,11 +545,12 @@ class OptimConfig:
     adam_beta2: float = 0.999  # Adam beta2
     adam_eps: float = 1e-8  # Adam epsilon
     clip_grad: float = 1.0  # global gradient-norm clip (0: off)
-    # megatron-core's OptimizerParamScheduler, stepped once per optimizer step and checkpointed
-    lr_warmup_steps: int = 0  # linear warm-up from lr_warmup_init to lr over this many optimizer steps
+    # megatron-core's OptimizerParamScheduler, stepped once per RL step (the optimizer steps of one step's
+    # mini-batches and epochs share its rate, verl's convention) and checkpointed
+    lr_warmup_steps: int = 0  # linear warm-up from lr_warmup_init to lr over this many RL steps
     lr_warmup_init: float = 0.0  # learning rate at the first step of the warm-up
     lr_decay_style: str = "constant"  # constant | linear | cosine | inverse-square-root (after warm-up)
-    lr_decay_steps: int = 0  # optimizer steps to decay over (0: train.steps)
+    lr_decay_steps: int = 0  # RL steps to decay over (0: train.steps)
     min_lr: float = 0.0  # learning rate at the end of the decay
 
     def __post_init__(self) -> None:
@@ -599,7 +600,8 @@ class TrainConfig:
     clip_high: float = 0.2  # PPO ratio clip above 1
     clip_ratio_c: float = 0.0  # dual clip: negative-advantage tokens' loss capped at clip_ratio_c * |A| (0: off; > 1)
     # token-mean (every response token weighs the same) | seq-mean-token-mean (every response the same) |
-    # seq-mean-token-sum | seq-mean-token-sum-norm (Dr. GRPO: token sums over responses x rollout.max_response_len)
+    # seq-mean-token-sum | seq-mean-token-sum-norm (Dr. GRPO: token sums over responses x the generation cap: a
+    # dataset's rollout.max_response_len, a rendered task's task.max_answer_tokens)
     loss_agg_mode: str = "token-mean"
     tensorboard: bool = False  # TensorBoard event files (tensorboard/ in the run directory): metrics.jsonl's scalars
     wandb: bool = False  # wandb in offline mode (wandb/ in the run directory; needs the wandb package)

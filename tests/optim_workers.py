@@ -114,7 +114,24 @@ def broken_resumes(cfg, run_dir: str, steps: int, mutations: list[str], foreign_
     """One launch for the failing cases: `resume_mutants`, then `load_error` on another layout's run and on a run
     whose rank files were swapped."""
     return {"mutants": resume_mutants(cfg, run_dir, steps, mutations),
-            "foreign_error": load_error(cfg, foreign_run_dir), "swapped_error": load_error(cfg, swapped_run_dir)}
+            "foreign_error": load_error(cfg, foreign_run_dir), "swapped_error": load_error(cfg, swapped_run_dir),
+            "without_reference": load_without_reference(cfg, run_dir)}
+
+
+def load_without_reference(cfg, run_dir: str) -> dict:
+    """Load a checkpoint that holds a reference into a run that builds none (train.reference=auto at kl_coef 0):
+    whether the checkpoint had one, and whether the actor came back equal to its saved state."""
+    import torch.distributed as dist
+
+    from rollplex_megatron.checkpoint import train_state as T
+
+    ddp, opt = _setup(cfg)
+    path = T.latest_checkpoint(run_dir)
+    T.load_checkpoint(path, ddp, None, opt)
+    saved = torch.load(path / T.rank_file_name(dist.get_rank()), map_location="cpu", weights_only=False)
+    mine = T._module(ddp).state_dict()
+    return {"saved_reference": saved["reference"] is not None,
+            "actor_equal": all(torch.equal(mine[k], v) for k, v in saved["model"].items() if torch.is_tensor(v))}
 
 
 class InjectedFailure(RuntimeError):

@@ -275,3 +275,17 @@ def test_reward_extra_metrics_are_means_over_every_rank_that_reports_them():
     got = run_local(W.reward_extra_means, 2, per_rank)
     assert got[0] == got[1] == {"a": 3.0, "b": 3.0}
     assert run_local(W.reward_extra_means, 2, [[[{}]], [[{}]]]) == [{}, {}]
+
+
+def test_dr_grpo_normalises_by_the_generation_cap_of_the_run(tiny_hf):
+    """seq-mean-token-sum-norm's constant is the longest response the run generates: the rendered task's
+    task.max_answer_tokens (6 in the trainer tests), not rollout.max_response_len (256 by default), which it never
+    reaches (the loss would be 40x smaller than Dr. GRPO's)."""
+    from rollplex_megatron.dist import run_local
+    from tests import trainer_workers as W
+    from tests.test_trainer import _cfg
+
+    cfg = _cfg("rollplex", "train.loss_agg_mode=seq-mean-token-sum-norm", hf=tiny_hf)
+    got = run_local(W.dr_grpo_weights, 1, cfg)[0]
+    assert got["cap"] == cfg.task.max_answer_tokens == 6 != cfg.rollout.max_response_len
+    assert got["weights"] == [pytest.approx(1 / (got["responses"] * 6))]

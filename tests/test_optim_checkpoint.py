@@ -106,6 +106,12 @@ def test_load_into_other_layout_names_the_setting(broken_resumes):
     assert "parallel.tp=1" in msg and "parallel.tp=2" in msg, msg
 
 
+def test_a_saved_reference_is_left_unread_by_a_run_without_one(broken_resumes):
+    """Checkpoints from before train.reference saved the reference always; a run at kl_coef 0 (auto: no reference)
+    resumes from them with the actor as saved."""
+    assert broken_resumes["without_reference"] == {"saved_reference": True, "actor_equal": True}
+
+
 def test_rank_files_of_other_ranks_are_refused(broken_resumes):
     msg = broken_resumes["swapped_error"]
     assert "rank00000.pt holds the shard of (tp, pp, dp) ranks {'tp': 1, 'pp': 0, 'dp': 0}" in msg, msg

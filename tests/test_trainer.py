@@ -252,6 +252,15 @@ def test_modes_match_serial_with_mini_batches_epochs_and_dynamic_sampling(mode_r
             ref["records"][run["records"].index(rec)]["rollout"]["dynamic_sampling"]
 
 
+def test_dynamic_sampling_counts_are_global_at_dp2(tiny_hf):
+    """At DP=2 every dynamic-sampling count is over both ranks, the prefix work on groups not trained on too: the
+    dropped groups are the sampled ones less the 8 trained (4 a rank)."""
+    runs = run_local(W.run_steps, 2, _cfg("rollplex", *PPO, "parallel.dp=2", hf=tiny_hf), 1)
+    ds = [r["records"][0]["rollout"]["dynamic_sampling"] for r in runs]
+    assert ds[0] == ds[1]
+    assert ds[0]["dropped_prefix_groups"] == ds[0]["sampled_groups"] - 8 > 0, ds[0]
+
+
 def test_later_mini_batch_on_the_rollout_prefix_is_detected(tiny_hf, ppo_serial_run):
     """The second mini-batch reading the prefix K/V the rollout computed (at the weights before the
     first optimizer step) instead of recomputing it: the update leaves serial's."""

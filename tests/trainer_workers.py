@@ -142,3 +142,19 @@ def reward_extra_means(per_rank: list) -> dict:
         return means(per_rank[dist.get_rank()], dist.group.WORLD, "cpu")
     finally:
         dist.destroy_process_group()
+
+
+def dr_grpo_weights(cfg) -> dict:
+    """One step's rollout and scoring, then the per-token loss weights `seq-mean-token-sum-norm` laid on the first
+    mini-batch: their distinct values, the responses of the mini-batch and the data source's generation cap."""
+    import torch
+
+    from rollplex_megatron.trainer.modes import MODES
+    from rollplex_megatron.trainer.metrics import PhaseTimer
+    from rollplex_megatron.trainer.runtime import Runtime
+
+    rt = Runtime(cfg)
+    prep = MODES[cfg.mode.name]().prepare(rt, 0, PhaseTimer(rt.memory))
+    w = torch.cat([mb.token_data["loss_w"][mb.label_mask] for mb in prep.mbs[0]])
+    return {"weights": sorted(set(w.tolist())), "responses": prep.minis[0].responses,
+            "cap": rt.source.max_new_tokens}

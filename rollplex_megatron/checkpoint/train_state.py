@@ -209,9 +209,12 @@ def check_layout(meta: dict, path) -> None:
 
 
 def _load_reference(reference, saved, path) -> None:
-    if (reference is None) != (saved is None):
-        raise ValueError(f"checkpoint {path} {'has no' if saved is None else 'has a'} reference model state "
-                         f"but this run {'has' if reference is not None else 'has no'} separate reference model")
+    """The reference's state into `reference`. A saved reference the run does not build is left unread: the loss
+    does not read it (`train.reference=auto` at kl_coef 0; checkpoints from before that setting saved one always).
+    A reference the run needs and the checkpoint lacks cannot be made up (it is the run's initial policy)."""
+    if reference is not None and saved is None:
+        raise ValueError(f"checkpoint {path} has no reference model state, but this run scores a reference "
+                         f"(train.reference / train.kl_coef > 0); resume with the settings of the run that saved it")
     if reference is not None:
         _module(reference).load_state_dict(saved)
 

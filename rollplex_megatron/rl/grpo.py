@@ -89,7 +89,7 @@ def loss_weights(lengths: list[int], mode: str, responses: int, total_tokens: in
     """Per-token loss weight of each response under verl's `loss_agg_mode` (`responses` and
     `total_tokens` are global counts, over every micro-batch and data-parallel rank):
     token-mean 1/T; seq-mean-token-sum 1/S; seq-mean-token-mean 1/(S n_i); seq-mean-token-sum-norm
-    1/(S L_max) (Dr. GRPO's constant normaliser, L_max = rollout.max_response_len)."""
+    1/(S L_max) (Dr. GRPO's constant normaliser, L_max = the longest response the run generates)."""
     if mode == "token-mean":
         return [1.0 / total_tokens] * len(lengths)
     if mode == "seq-mean-token-sum":

@@ -341,8 +341,9 @@ class Runtime:
                                          for (gi, ri), n in zip(keys, lens)})
         t = self.cfg.train
         if t.loss_agg_mode != "token-mean":  # token-mean is GRPOLoss's own weighting (no tensor needed)
-            ws = loss_weights(lens, t.loss_agg_mode, mini.responses, mini.total_tokens,
-                              self.cfg.rollout.max_response_len)
+            # Dr. GRPO's constant: the longest response this run generates (a rendered task's
+            # task.max_answer_tokens, a dataset's rollout.max_response_len)
+            ws = loss_weights(lens, t.loss_agg_mode, mini.responses, mini.total_tokens, self.source.max_new_tokens)
             B.attach_token_data(mbs, "loss_w", {k: torch.full((n,), w) for k, n, w in zip(keys, lens, ws)})
         return mbs
 

@@ -17,6 +17,7 @@ import itertools
 from functools import partial
 
 import torch
+import torch.distributed as dist
 
 from rollplex_megatron.attention.kv_store import KVStore
 from rollplex_megatron.memory.classes import PlanInputs, TensorClass
@@ -105,11 +106,14 @@ class Rollplex(Mode):
             ref_kv.adopt(stores[r][1], i, gi)
             states += [dataclasses.replace(st, group=gi) for st in round_states[r] if st.group == i]
         stats.update(sum_stats([w.stats() for w in windows]))
-        if rt.cfg.train.dynamic_sampling:
+        if rt.cfg.train.dynamic_sampling:  # global counts, as `_select`'s beside them
             kept = set(picks)
             lost = [st.length for r, rs in enumerate(round_states) for st in rs if (r, st.group) not in kept]
-            stats["dynamic_sampling"].update(dropped_prefix_groups=len(lost), dropped_prefix_tokens=int(sum(lost)),
-                                             dropped_prefix_work="actor prefill + reference prefix, each")
+            counts = torch.tensor([len(lost), sum(lost)], dtype=torch.float64, device=rt.dev)
+            dist.all_reduce(counts, group=rt.dp_group)
+            work = "actor prefill + reference prefix, each" if rt.ref is not None else "actor prefill"
+            stats["dynamic_sampling"].update(dropped_prefix_groups=int(counts[0]), dropped_prefix_tokens=int(counts[1]),
+                                             dropped_prefix_work=work)
         for store in (x for pair in stores for x in pair):  # what is left there: groups not trained on
             store.leaves.clear()
             store.graph.clear()
