@@ -196,10 +196,12 @@ def _schedule_change(saved_yaml: str, config_yaml: str) -> str:
             f"start a new run with optim.lr_decay_steps set (such a run may be extended)")
 
 
-def check_start(run: Path, resume: bool, steps: int, config_yaml: str) -> int:
-    """Before any process starts: the step this run starts at, or RunDirError with the way out."""
+def check_start(run: Path, resume: bool, steps: int, config_yaml: str, launcher: bool = True) -> int:
+    """Before any process starts: the step this run starts at, or RunDirError with the way out. `launcher`: this
+    process will take the directory's lock (rank 0); the other torchrun ranks only read, and may find that lock
+    held already."""
     run = Path(run)
-    holder = RunLock.in_use(run)
+    holder = RunLock.in_use(run) if launcher else None
     if holder is not None:  # before reading it: a live run's directory is not advice to remove (no checkpoint yet)
         raise RunDirError(f"{run} is in use by pid {holder.get('pid')} on {holder.get('host')} (lock {run / LOCK}); "
                           f"wait for that run to end or stop it")

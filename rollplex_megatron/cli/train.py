@@ -77,8 +77,9 @@ def _launch(cfg: RunConfig, launcher: _Launcher) -> dict:
                            defer_sigterm=True)[0]
 
 
-def _plan(cfg: RunConfig, root: Path, modes: list[str] | None) -> list[RunConfig]:
-    """One config per mode to train, each checked against its run directory (nothing written)."""
+def _plan(cfg: RunConfig, root: Path, modes: list[str] | None, launcher: bool = True) -> list[RunConfig]:
+    """One config per mode to train, each checked against its run directory (nothing written; `launcher`: this
+    process locks the directories, see `check_start`)."""
     plans = []
     for name in modes or [cfg.mode.name]:
         out = root / name if modes else root
@@ -90,7 +91,7 @@ def _plan(cfg: RunConfig, root: Path, modes: list[str] | None) -> list[RunConfig
                 continue  # this mode finished before the interruption
             if latest is None and not any((out / f).exists() for f in R.RUN_FILES):
                 mcfg = dataclasses.replace(mcfg, train=dataclasses.replace(mcfg.train, resume=False))
-        R.check_start(out, mcfg.train.resume, mcfg.train.steps, to_yaml(mcfg))
+        R.check_start(out, mcfg.train.resume, mcfg.train.steps, to_yaml(mcfg), launcher)
         plans.append(mcfg)
     return plans
 
@@ -165,8 +166,8 @@ def main(overrides: list[str], modes: list[str] | None = None) -> int:
     """Train one mode (or several in turn), write report.png and summary.json, print the run dir last."""
     cfg = _config(overrides, modes)
     root = Path(cfg.train.out or os.path.join(cfg.run_dir, time.strftime("%Y%m%d-%H%M%S") + "-train")).resolve()
-    plans = _plan(cfg, root, modes)
     rank0 = not under_torchrun() or os.environ["RANK"] == "0"
+    plans = _plan(cfg, root, modes, rank0)
     if under_torchrun():
         exit_with_parent()  # a rank whose torchrun agent was killed stops writing
     dirs = list(dict.fromkeys([root] + [Path(p.train.out) for p in plans])) if rank0 else []
