@@ -535,6 +535,17 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "se
 REFERENCE_CHOICES = ("auto", "always", "never")  # train.reference (not on/off: YAML reads those as booleans)
 
 
+def flat_settings(d: dict, prefix: str = "") -> dict:
+    """{dotted setting: value} of a plain (YAML-loaded or to_container) config dict; empty dicts have no key."""
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(flat_settings(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
 @dataclass(kw_only=True)
 class OptimConfig:
     """megatron-core optimizer (Adam) settings."""

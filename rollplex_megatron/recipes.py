@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import importlib
 import re
+import typing
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
@@ -12,7 +12,7 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from rollplex_megatron.config import RunConfig, check_model_parallel, register_configs
+from rollplex_megatron.config import RunConfig, check_model_parallel, flat_settings, register_configs
 from rollplex_megatron.data import check_source
 from rollplex_megatron.models.qwen25vl.hf import HFCheckpoint
 from rollplex_megatron.models.qwen25vl.model import check_megatron_overrides
@@ -53,10 +53,7 @@ def _override_error(e: ConfigCompositionException) -> str:
         key = unknown.group(1)
         node, path = RunConfig, ""
         for part in key.split(".")[:-1]:
-            fields = {f.name: f.type for f in dataclasses.fields(node)} if dataclasses.is_dataclass(node) else {}
-            sub = fields.get(part)
-            sub = getattr(importlib.import_module("rollplex_megatron.config"), sub, None) if isinstance(sub, str) \
-                else sub
+            sub = typing.get_type_hints(node).get(part)  # the schema's annotations are strings (future import)
             if not dataclasses.is_dataclass(sub):
                 break
             node, path = sub, f"{path}{part}."
@@ -109,30 +106,18 @@ def load_run_config(overrides: list[str] | None = None) -> RunConfig:
 SUBTREE_GROUPS = ("mode", "model", "parallel", "task", "workload", "memory")
 
 
-def _leaves(node, prefix: str = "") -> dict:
-    """{dotted key: value} of a plain config dict."""
-    out = {}
-    for k, v in node.items():
-        if isinstance(v, dict) and v:
-            out.update(_leaves(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
 def resumed_config(cfg: RunConfig, overrides: list[str], saved_yaml: str) -> RunConfig:
     """The config of a resumed run: the saved run's (`saved_yaml`, its checkpoint's) with what this command line
     sets explicitly on top, so `train.resume=true train.out=DIR train.steps=N` continues the run whatever
     overrides started it. Explicit: every dotted key given (`train.steps=N`, `memory.plan=keep`), the subtree of a
     group chosen (`mode=serial`: mode.*), and whatever else the command line's composition (`cfg`) sets apart from
     the root recipe's. The resume check then refuses what may not change."""
-    new = _leaves(OmegaConf.to_container(OmegaConf.structured(cfg)))
-    default = _leaves(OmegaConf.to_container(OmegaConf.structured(load_run_config([]))))
+    new = flat_settings(OmegaConf.to_container(OmegaConf.structured(cfg)))
+    default = flat_settings(OmegaConf.to_container(OmegaConf.structured(load_run_config([]))))
     keys = {o.lstrip("+~").split("=", 1)[0] for o in overrides if "=" in o}
     explicit = {k for k in new if k in keys or any(k.startswith(f"{g}.") for g in keys & set(SUBTREE_GROUPS))
                 or new[k] != default.get(k)}
-    merged = OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.create(saved_yaml),
-                             OmegaConf.create({}))
+    merged = OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.create(saved_yaml))
     for k in sorted(explicit):
         OmegaConf.update(merged, k, new[k], merge=False)
     return OmegaConf.to_object(merged)

@@ -25,7 +25,7 @@ from omegaconf import OmegaConf
 
 from rollplex_megatron.checkpoint import train_state
 from rollplex_megatron.models.qwen25vl.hf import atomic_write_text
-from rollplex_megatron.config import RunConfig
+from rollplex_megatron.config import RunConfig, flat_settings
 
 LOCK = ".lock"
 METRICS = "metrics.jsonl"
@@ -162,21 +162,11 @@ class RunLock:
         self.release()
 
 
-def _flat(d, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
 def resume_changes(saved_yaml: str, config_yaml: str) -> list[tuple[str, object, object]]:
     """(setting, checkpoint value, new value) for every setting that differs and may not on resume.
     A setting newer than the checkpoint (absent from its config) counts as unchanged at its default."""
-    old, new = _flat(yaml.safe_load(saved_yaml) or {}), _flat(yaml.safe_load(config_yaml) or {})
-    defaults = _flat(yaml.safe_load(OmegaConf.to_yaml(OmegaConf.structured(RunConfig))))
+    old, new = flat_settings(yaml.safe_load(saved_yaml) or {}), flat_settings(yaml.safe_load(config_yaml) or {})
+    defaults = flat_settings(yaml.safe_load(OmegaConf.to_yaml(OmegaConf.structured(RunConfig))))
     keys = sorted(set(old) | set(new))
     return [(k, old.get(k), new.get(k)) for k in keys
             if old.get(k) != new.get(k) and not (k not in old and k in defaults and new.get(k) == defaults[k])
@@ -186,7 +176,7 @@ def resume_changes(saved_yaml: str, config_yaml: str) -> list[tuple[str, object,
 def _schedule_change(saved_yaml: str, config_yaml: str) -> str:
     """Why a resume with another train.steps would change the learning rates of the steps already trained: the
     decay length is train.steps (optim.lr_decay_steps=0) under a decaying style; "" when it would not."""
-    old, new = _flat(yaml.safe_load(saved_yaml) or {}), _flat(yaml.safe_load(config_yaml) or {})
+    old, new = flat_settings(yaml.safe_load(saved_yaml) or {}), flat_settings(yaml.safe_load(config_yaml) or {})
     before, after = old.get("train.steps"), new.get("train.steps")
     if before == after or new.get("optim.lr_decay_steps") or new.get("optim.lr_decay_style") == "constant":
         return ""
