@@ -146,21 +146,31 @@ def _string_messages(rows, tmp):
 
 
 @pytest.mark.parametrize("edit,match", [
-    (_missing_image, r"bad\.jsonl row 3: .*nowhere\.png"),
-    (_bad_video, r"bad\.jsonl row 2: .*broken\.mp4"),
-    (_two_placeholders, r"bad\.jsonl row 1: .*2.*1"),
+    (_missing_image, r"bad\.jsonl line 4: .*nowhere\.png"),
+    (_bad_video, r"bad\.jsonl line 3: .*broken\.mp4"),
+    (_two_placeholders, r"bad\.jsonl line 2: .*2.*1"),
     (_no_reward, r"my_lab/colours.*reward\.fns"),
-    (_bad_choice, r"bad\.jsonl row 5: .*'blue' does not start with a letter A-J, for the built-in reward "
+    (_bad_choice, r"bad\.jsonl line 6: .*'blue' does not start with a letter A-J, for the built-in reward "
                   r"multiple_choice .*reward\.fns"),
-    (_no_truth, r"bad\.jsonl row 4: ground_truth None is not a string or number"),
-    (_url_image, r"bad\.jsonl row 0: media 'https://example\.org/a\.png' is a URL"),
-    (_string_images, r"bad\.jsonl row 2: column 'images' is a str, want a list such as \['img\.png'\]"),
-    (_json_reward_model, r"bad\.jsonl row 1: column 'reward_model' is a str, want a dict"),
-    (_string_messages, r"bad\.jsonl row 3: 'prompt' must hold chat messages"),
+    (_no_truth, r"bad\.jsonl line 5: ground_truth None is not a string or number"),
+    (_url_image, r"bad\.jsonl line 1: media 'https://example\.org/a\.png' is a URL"),
+    (_string_images, r"bad\.jsonl line 3: column 'images' is a str, want a list such as \['img\.png'\]"),
+    (_json_reward_model, r"bad\.jsonl line 2: column 'reward_model' is a str, want a dict"),
+    (_string_messages, r"bad\.jsonl line 4: 'prompt' must hold chat messages"),
 ])
 def test_bad_rows_fail_naming_the_row(tmp_path, example_dir, edit, match):
     with pytest.raises((ValueError, FileNotFoundError), match=match):
         _bad(tmp_path, example_dir, edit)()
+
+
+def test_jsonl_rows_named_by_the_line_an_editor_shows(tmp_path, example_dir):
+    rows = _as_files(example_rows(4, seed=5), tmp_path)
+    rows[2]["images"] = [str(tmp_path / "nowhere.png")]
+    lines = [json.dumps(r) for r in rows]
+    (tmp_path / "gaps.jsonl").write_text("\n".join(lines[:2] + ["", "  "] + lines[2:]) + "\n")
+    cfg = load_run_config([f"train.init_hf={example_dir / 'model'}", f"data.train_files=[{tmp_path / 'gaps.jsonl'}]"])
+    with pytest.raises(FileNotFoundError, match=r"gaps\.jsonl line 5: .*nowhere\.png"):  # row 2, after 2 blank lines
+        build_source(cfg)
 
 
 def test_file_urls_read_as_paths(tmp_path, example_dir):
@@ -254,7 +264,7 @@ def test_jsonl_rows_with_image_paths(tmp_path, example_dir):
     src = build_source(load_run_config([f"train.init_hf={example_dir / 'model'}",
                                         f"data.train_files=[{tmp_path / 'rows.jsonl'}]", "data.shuffle=false"]))
     got = src.rows(0, 0, 1, 4)
-    assert [r.meta.where.rsplit(" ", 1)[1] for r in got] == ["0", "1", "2", "3"]
+    assert [r.meta.where.rsplit(" ", 2)[1:] for r in got] == [["line", str(n)] for n in (1, 2, 3, 4)]
     assert all(r.prompt.pixel_values is not None and r.prompt.image_grid_thw.shape == (1, 3) for r in got)
 
 

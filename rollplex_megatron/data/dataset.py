@@ -55,6 +55,12 @@ class Record:
 
 def read_rows(path: str) -> list[dict]:
     """The rows of one parquet / jsonl file as dicts (a missing file or format is an error naming it)."""
+    return [row for _, row in read_labelled_rows(path)]
+
+
+def read_labelled_rows(path: str) -> list[tuple[str, dict]]:
+    """The rows of one parquet / jsonl file, each with the name errors give it: "row K" (0-based) in a parquet
+    file, "line N" (1-based, blank lines counted, as an editor shows it) in a jsonl file."""
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"data file {path} does not exist")
@@ -62,14 +68,14 @@ def read_rows(path: str) -> list[dict]:
         if pq is None:
             raise ValueError(f"reading {path} needs pyarrow: pip install pyarrow (or convert the rows to jsonl)")
         # a struct column gives every row every key of the file: the keys a row does not have come back as None
-        return [{k: _without_none(v) if k in STRUCT_COLUMNS else v for k, v in row.items()}
-                for row in pq.read_table(p).to_pylist()]
+        return [(f"row {k}", {c: _without_none(v) if c in STRUCT_COLUMNS else v for c, v in row.items()})
+                for k, row in enumerate(pq.read_table(p).to_pylist())]
     if p.suffix in (".jsonl", ".json"):
         rows = []
         for k, line in enumerate(p.read_text(encoding="utf-8").splitlines()):
             if line.strip():
                 try:
-                    rows.append(json.loads(line))
+                    rows.append((f"line {k + 1}", json.loads(line)))
                 except json.JSONDecodeError as e:
                     raise ValueError(f"{path} line {k + 1}: malformed JSON ({e.msg})") from None
         return rows
@@ -130,7 +136,7 @@ def load_records(files: list[str], keys: tuple[str, str, str], setting: str) -> 
         raise ValueError(f"{setting} is empty: give parquet or jsonl files, e.g. {setting}=[train.parquet]")
     out = []
     for f in files:
-        out += [_record(r, f"{f} row {k}", keys, Path(f).parent) for k, r in enumerate(read_rows(f))]
+        out += [_record(r, f"{f} {label}", keys, Path(f).parent) for label, r in read_labelled_rows(f)]
     if not out:
         raise ValueError(f"{setting}: {', '.join(files)} hold no rows")
     return out
