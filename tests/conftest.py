@@ -4,6 +4,7 @@ ROLLPLEX_NUM_THREADS=k runs this process and every `run_local` rank with k intra
 suite with 1 and with 2 to find assertions that depend on the CPU's reduction order.
 """
 import os
+import tempfile
 import warnings
 
 import pytest
@@ -18,6 +19,8 @@ quiet_known_warnings()
 if os.environ.get("ROLLPLEX_NUM_THREADS"):
     torch.set_num_threads(int(os.environ["ROLLPLEX_NUM_THREADS"]))
 warnings.filterwarnings("ignore", message=".*CUDA_DEVICE_MAX_CONNECTIONS.*")
+# what the suite's runs cache (video probes) stays out of the user's cache; every rank started from here inherits it
+os.environ.setdefault("ROLLPLEX_CACHE_DIR", tempfile.mkdtemp(prefix="rollplex-test-cache-"))
 
 
 LAUNCH_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")

@@ -10,6 +10,7 @@ import importlib.util
 import io
 import json
 import math
+import os
 import shutil
 import types
 
@@ -20,6 +21,7 @@ from PIL import Image
 from transformers.models.qwen2_vl import image_processing_pil_qwen2_vl as hf_image
 from transformers.video_utils import VideoMetadata
 
+from rollplex_megatron.data import processor
 from rollplex_megatron.data.example_files import write_tiny_processor, write_video
 from rollplex_megatron.data.processor import VLProcessor
 from rollplex_megatron.envs import vision
@@ -230,6 +232,25 @@ def test_build_video_file(proc, tmp_path):
     # {"video": path, "fps": f} overrides the stream's rate: 8 frames at 8 fps -> min_frames 4, sampled at 4 fps.
     q = proc.build(msgs, [], [{"video": path, "fps": 8}])
     assert q.second_per_grid_ts.tolist() == [0.5] and torch.equal(q.pixel_values_videos, rows)
+
+
+def test_video_probe_kept_until_the_file_changes(proc, tmp_path, monkeypatch):
+    """A dataset's start-up probes each video file in the launcher and in every rank: the second probe reads the
+    cache, a rewritten file is decoded again, and ROLLPLEX_CACHE_DIR=off keeps nothing."""
+    monkeypatch.setenv("ROLLPLEX_CACHE_DIR", str(tmp_path / "cache"))
+    clip = torch.nn.functional.interpolate(frames(8, 3, 3, 6).float(), size=(64, 96), mode="bilinear")
+    path = write_video(str(tmp_path / "x.mp4"), clip.round().to(torch.uint8), fps=4)
+    decodes = []
+    real = processor.read_video
+    monkeypatch.setattr(processor, "read_video", lambda p, visit: decodes.append(p) or real(p, visit))
+    assert proc.video_shape(path) == (8, 64, 96, 4.0) and len(decodes) == 1
+    assert proc.video_shape(f"file://{path}") == (8, 64, 96, 4.0) and len(decodes) == 1  # read back, not decoded
+    assert len(list((tmp_path / "cache" / "video_probe").glob("*.json"))) == 1
+    write_video(path, clip[:6].round().to(torch.uint8), fps=4)  # same name, other content
+    os.utime(path, ns=(1, 1))  # and a time unlike the first file's, whatever the clock's resolution
+    assert proc.video_shape(path) == (6, 64, 96, 4.0) and len(decodes) == 2
+    monkeypatch.setenv("ROLLPLEX_CACHE_DIR", "off")
+    assert proc.video_shape(path) == (6, 64, 96, 4.0) and len(decodes) == 3
 
 
 def test_bad_media_name_the_file(proc, tmp_path):

@@ -9,12 +9,14 @@ holds `<image>` / `<video>` placeholders, or content lists as the chat template 
 """
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import math
 import os
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -24,6 +26,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 
 from rollplex_megatron.config import ModelConfig
 from rollplex_megatron.envs.vision import CLIP_MEAN, CLIP_STD, sample_frame_indices, smart_resize, video_patches
+from rollplex_megatron.models.qwen25vl.hf import atomic_write_text
 from rollplex_megatron.prefix.batch import Prompt
 
 try:  # video files only (pinned in constraints.txt); frame lists, images and the package itself need no PyAV
@@ -213,11 +216,47 @@ def decode_video(path: str) -> tuple[torch.Tensor, float]:
     return torch.stack(frames).permute(0, 3, 1, 2).contiguous(), fps
 
 
+def probe_cache_dir() -> Path | None:
+    """Where `probe_video` keeps what it measured: $ROLLPLEX_CACHE_DIR/video_probe, else
+    $XDG_CACHE_HOME/rollplex/video_probe (~/.cache by default); ROLLPLEX_CACHE_DIR=off keeps nothing."""
+    root = os.environ.get("ROLLPLEX_CACHE_DIR")
+    if root == "off":
+        return None
+    if not root:
+        root = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "rollplex")
+    return Path(root) / "video_probe"
+
+
 def probe_video(path: str) -> tuple[int, int, int, float]:
-    """(frames, height, width, fps) of a video file, decoding every frame but keeping none."""
+    """(frames, height, width, fps) of a video file, decoding every frame but keeping none.
+
+    The frame count is exact only by decoding (container metadata can be wrong), and a dataset's start-up
+    probes every file in the launcher and again in every rank. So the result is kept on disk under the file's
+    resolved path, size and modification time (`probe_cache_dir`): a changed file is decoded again. An
+    unwritable cache only costs the decode."""
+    st = os.stat(path) if os.path.isfile(path) else None
+    where = probe_cache_dir()
+    entry = None
+    if st is not None and where is not None:
+        key = f"{os.path.realpath(path)}\0{st.st_size}\0{st.st_mtime_ns}"
+        entry = where / f"{hashlib.sha256(key.encode()).hexdigest()}.json"
+        try:
+            got = json.loads(entry.read_text(encoding="utf-8"))
+            if got.get("key") == key:
+                return int(got["frames"]), int(got["height"]), int(got["width"]), float(got["fps"])
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            pass  # absent or unreadable: decode
     shapes = []
     fps = read_video(path, lambda f: shapes.append((f.height, f.width)))
-    return len(shapes), *shapes[-1], fps
+    out = (len(shapes), *shapes[-1], fps)
+    if entry is not None:
+        try:
+            entry.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(entry, json.dumps({"key": key, "frames": out[0], "height": out[1], "width": out[2],
+                                                 "fps": out[3]}))
+        except OSError:
+            pass
+    return out
 
 
 def expand_pads(ids: torch.Tensor, pad_ids: tuple[int, int], counts: tuple[list[int], list[int]]) -> torch.Tensor:
