@@ -245,7 +245,7 @@ def _cmd_make_example(argv: list[str]) -> int:
     train, val = (next(out.glob(f"{name}.*")) for name in ("train", "val"))  # .parquet, or .jsonl without pyarrow
     print(f"train with: python -m rollplex_megatron train train.init_hf={out / 'model'} data.train_files=[{train}] "
           f"data.val_files=[{val}] train.val_every=50 rollout.max_response_len=4 reward.format_reward=0.5 "
-          f"train.steps=800 optim.lr=5e-4")  # README's recipe (at the default lr 1e-3 this example collapses)
+          f"train.steps=800 optim.lr=5e-4")  # README's recipe (its lr named: at lr 1e-3 it collapses)
     print(out)
     return 0
 
