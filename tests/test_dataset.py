@@ -173,6 +173,27 @@ def test_jsonl_rows_named_by_the_line_an_editor_shows(tmp_path, example_dir):
         build_source(cfg)
 
 
+def test_json_array_file_reads_as_its_rows(tmp_path, example_dir):
+    """A .json file may hold one JSON array of rows (as `datasets` reads it) or JSON lines; its rows are named
+    "row K"; a row that is not an object is an error naming it, in either form."""
+    rows = _as_files(example_rows(4, seed=9), tmp_path)
+    _write_jsonl(tmp_path / "lines.json", rows)
+    (tmp_path / "array.json").write_text(json.dumps(rows, indent=1))
+    a, b = (build_source(load_run_config([f"train.init_hf={example_dir / 'model'}",
+                                          f"data.train_files=[{tmp_path / f}]", "data.shuffle=false"]))
+            for f in ("lines.json", "array.json"))
+    ra, rb = a.rows(0, 0, 1, 4), b.rows(0, 0, 1, 4)
+    assert [r.meta.where.rsplit(" ", 2)[1:] for r in rb] == [["row", str(k)] for k in range(4)]
+    assert all(torch.equal(x.prompt.input_ids, y.prompt.input_ids) for x, y in zip(ra, rb))
+    assert all(torch.equal(x.prompt.pixel_values, y.prompt.pixel_values) for x, y in zip(ra, rb))
+    (tmp_path / "bad.json").write_text(json.dumps([rows[0], ["not", "a", "row"]]))
+    (tmp_path / "bad.jsonl").write_text(json.dumps(rows[0]) + "\n" + json.dumps([1, 2]) + "\n")
+    for name, where in (("bad.json", "row 1"), ("bad.jsonl", "line 2")):
+        cfg = load_run_config([f"train.init_hf={example_dir / 'model'}", f"data.train_files=[{tmp_path / name}]"])
+        with pytest.raises(ValueError, match=rf"{name} {where}: a row is a JSON object .*got list"):
+            build_source(cfg)
+
+
 def test_file_urls_read_as_paths(tmp_path, example_dir):
     rows = _as_files(example_rows(4, seed=9), tmp_path)
     plain = [dict(r, images=list(r["images"])) for r in rows]

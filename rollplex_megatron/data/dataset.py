@@ -54,13 +54,14 @@ class Record:
 
 
 def read_rows(path: str) -> list[dict]:
-    """The rows of one parquet / jsonl file as dicts (a missing file or format is an error naming it)."""
+    """The rows of one parquet / jsonl / json file as dicts (a missing file or format is an error naming it)."""
     return [row for _, row in read_labelled_rows(path)]
 
 
 def read_labelled_rows(path: str) -> list[tuple[str, dict]]:
-    """The rows of one parquet / jsonl file, each with the name errors give it: "row K" (0-based) in a parquet
-    file, "line N" (1-based, blank lines counted, as an editor shows it) in a jsonl file."""
+    """The rows of one parquet / jsonl / json file, each with the name errors give it: "row K" (0-based) in a
+    parquet file or a .json file holding one JSON array, "line N" (1-based, blank lines counted, as an editor
+    shows it) in JSON lines (.jsonl, or .json with one object per line)."""
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"data file {path} does not exist")
@@ -71,15 +72,31 @@ def read_labelled_rows(path: str) -> list[tuple[str, dict]]:
         return [(f"row {k}", {c: _without_none(v) if c in STRUCT_COLUMNS else v for c, v in row.items()})
                 for k, row in enumerate(pq.read_table(p).to_pylist())]
     if p.suffix in (".jsonl", ".json"):
+        text = p.read_text(encoding="utf-8")
+        if p.suffix == ".json" and text.lstrip().startswith("["):  # one JSON array of rows, as `datasets` reads it
+            try:
+                rows = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path} line {e.lineno}: malformed JSON ({e.msg})") from None
+            return _objects(path, [(f"row {k}", r) for k, r in enumerate(rows)])
         rows = []
-        for k, line in enumerate(p.read_text(encoding="utf-8").splitlines()):
+        for k, line in enumerate(text.splitlines()):
             if line.strip():
                 try:
                     rows.append((f"line {k + 1}", json.loads(line)))
                 except json.JSONDecodeError as e:
                     raise ValueError(f"{path} line {k + 1}: malformed JSON ({e.msg})") from None
-        return rows
+        return _objects(path, rows)
     raise ValueError(f"data file {path}: unknown format {p.suffix!r}; use one of {FORMATS}")
+
+
+def _objects(path: str, rows: list[tuple[str, object]]) -> list[tuple[str, dict]]:
+    """`rows` when each is a JSON object; else an error naming the first that is not."""
+    for label, r in rows:
+        if not isinstance(r, dict):
+            raise ValueError(f"{path} {label}: a row is a JSON object ({{\"prompt\": ..., ...}}), got "
+                             f"{type(r).__name__}")
+    return rows
 
 
 def _resolve(item, base: Path, where: str):
