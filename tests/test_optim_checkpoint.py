@@ -120,7 +120,7 @@ def test_rank_files_of_other_ranks_are_refused(broken_resumes):
 def test_adam_step_tp2_matches_tp1(tiny_hf):
     # adam_eps=1e-4: with 1e-8 Adam's first update is ~lr*sign(g), and parameters whose exact
     # gradient is zero (k_proj bias: softmax is shift invariant) would step by +-lr on rounding noise.
-    opts = ["optim.clip_grad=0.1", "optim.adam_eps=1e-4"]
+    opts = ["optim.lr=1e-3", "optim.clip_grad=0.1", "optim.adam_eps=1e-4"]
     one = run_local(W.one_step_hf, 1, _cfg(*opts), str(tiny_hf))[0]
     two = run_local(W.one_step_hf, 2, _cfg("parallel.tp=2", *opts), str(tiny_hf))[0]
     n1, n2 = one["stats"]["grad_norm"], two["stats"]["grad_norm"]

@@ -118,7 +118,7 @@ def test_run_directory_reuse_resume_settings_and_records(two_step_run, tmp_path)
                                          ["train", *SMALL, "train.steps=3", "train.resume=true",
                                           f"train.out={tmp_path / 'none'}"])
     _one_line_error(reused, "already holds a run", "train.resume=true", "new train.out")
-    _one_line_error(changed, "optim.lr is 0.5 here but 0.001", "set optim.lr=0.001 (the checkpoint's)")
+    _one_line_error(changed, "optim.lr is 0.5 here but 0.0005", "set optim.lr=0.0005 (the checkpoint's)")
     _one_line_error(done, "train.steps=2 but step_000002 is at step 2")
     _one_line_error(empty, "has no checkpoint to resume from")
     assert _snapshot(out) == before
@@ -450,8 +450,8 @@ def test_lr_schedule_resumes_with_the_checkpoint_and_tensorboard_gets_the_scalar
     resumed to 4 takes the same learning rates (the scheduler state is in the checkpoint), the same
     prompts (the data stream's position, moved on by the resampling rounds, is in it too) and the same
     weights as an uninterrupted run; the TensorBoard event files hold metrics.jsonl's scalars."""
-    sched = ["optim.lr_warmup_steps=2", "optim.lr_decay_style=linear", "optim.lr_decay_steps=4", "optim.min_lr=1e-4",
-             "train.tensorboard=true", "train.ppo_mini_batches=2", "train.dynamic_sampling=true",
+    sched = ["optim.lr=1e-3", "optim.lr_warmup_steps=2", "optim.lr_decay_style=linear", "optim.lr_decay_steps=4",
+             "optim.min_lr=1e-4", "train.tensorboard=true", "train.ppo_mini_batches=2", "train.dynamic_sampling=true",
              "train.max_resample_rounds=2"]
     whole, part = tmp_path / "whole", tmp_path / "part"
     assert _train(*sched, "train.steps=4", f"train.out={whole}").returncode == 0
