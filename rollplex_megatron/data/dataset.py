@@ -53,15 +53,11 @@ class Record:
     extra_info: dict = field(default_factory=dict)
 
 
-def read_rows(path: str) -> list[dict]:
-    """The rows of one parquet / jsonl / json file as dicts (a missing file or format is an error naming it)."""
-    return [row for _, row in read_labelled_rows(path)]
-
-
-def read_labelled_rows(path: str) -> list[tuple[str, dict]]:
-    """The rows of one parquet / jsonl / json file, each with the name errors give it: "row K" (0-based) in a
-    parquet file or a .json file holding one JSON array, "line N" (1-based, blank lines counted, as an editor
-    shows it) in JSON lines (.jsonl, or .json with one object per line)."""
+def read_rows(path: str) -> list[tuple[str, dict]]:
+    """The rows of one parquet / jsonl / json file as dicts, each with the name errors give it: "row K" (0-based)
+    in a parquet file or a .json file holding one JSON array, "line N" (1-based, blank lines counted, as an editor
+    shows it) in JSON lines (.jsonl, or .json with one object per line). A missing file or format is an error
+    naming it."""
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"data file {path} does not exist")
@@ -153,7 +149,7 @@ def load_records(files: list[str], keys: tuple[str, str, str], setting: str) -> 
         raise ValueError(f"{setting} is empty: give parquet or jsonl files, e.g. {setting}=[train.parquet]")
     out = []
     for f in files:
-        out += [_record(r, f"{f} {label}", keys, Path(f).parent) for label, r in read_labelled_rows(f)]
+        out += [_record(r, f"{f} {label}", keys, Path(f).parent) for label, r in read_rows(f)]
     if not out:
         raise ValueError(f"{setting}: {', '.join(files)} hold no rows")
     return out
