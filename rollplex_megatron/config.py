@@ -535,12 +535,14 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "se
 REFERENCE_CHOICES = ("auto", "always", "never")  # train.reference (not on/off: YAML reads those as booleans)
 
 
-def flat_settings(d: dict, prefix: str = "") -> dict:
-    """{dotted setting: value} of a plain (YAML-loaded or to_container) config dict; empty dicts have no key."""
+def flat_settings(d: dict, prefix: str = "", keep_empty: bool = False) -> dict:
+    """{dotted setting: value} of a plain (YAML-loaded or to_container) config dict. An empty dict has no key,
+    or with `keep_empty` is a setting of its own (`reward.fns: {}`), so a command line that empties a mapping
+    is seen to set it."""
     out = {}
     for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(flat_settings(v, f"{prefix}{k}."))
+        if isinstance(v, dict) and (v or not keep_empty):
+            out.update(flat_settings(v, f"{prefix}{k}.", keep_empty))
         else:
             out[f"{prefix}{k}"] = v
     return out

@@ -112,8 +112,8 @@ def resumed_config(cfg: RunConfig, overrides: list[str], saved_yaml: str) -> Run
     overrides started it. Explicit: every dotted key given (`train.steps=N`, `memory.plan=keep`), the subtree of a
     group chosen (`mode=serial`: mode.*), and whatever else the command line's composition (`cfg`) sets apart from
     the root recipe's. The resume check then refuses what may not change."""
-    new = flat_settings(OmegaConf.to_container(OmegaConf.structured(cfg)))
-    default = flat_settings(OmegaConf.to_container(OmegaConf.structured(load_run_config([]))))
+    new = flat_settings(OmegaConf.to_container(OmegaConf.structured(cfg)), keep_empty=True)
+    default = flat_settings(OmegaConf.to_container(OmegaConf.structured(load_run_config([]))), keep_empty=True)
     keys = {o.lstrip("+~").split("=", 1)[0] for o in overrides if "=" in o}
     explicit = {k for k in new if k in keys or any(k.startswith(f"{g}.") for g in keys & set(SUBTREE_GROUPS))
                 or new[k] != default.get(k)}

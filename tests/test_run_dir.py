@@ -502,3 +502,20 @@ def test_a_resume_takes_the_saved_config_and_what_its_command_line_sets(tmp_path
     assert (got.train.steps, got.train.resume) == (9, True)
     bare = resumed_config(load_run_config(over[:3]), over[:3], to_yaml(saved))
     assert (bare.memory.plan, bare.mode.name, bare.mode.window) == ("keep", "serial", "stream")
+
+
+def test_a_resume_that_empties_a_mapping_applies_it_and_is_refused(tmp_path):
+    """`reward.fns={}` on a resume's command line is a setting like any other: the resumed config holds the empty
+    mapping (not the saved one), so the resume check sees the change and refuses it, naming the saved entry."""
+    from rollplex_megatron.checkpoint.run_dir import resume_changes
+    from rollplex_megatron.recipes import resumed_config, to_yaml
+
+    saved = load_run_config(["+reward.fns={multiple_choice: 'pkg.mod:first_letter'}"])
+    over = ["train.resume=true", f"train.out={tmp_path}", "reward.fns={}"]
+    got = resumed_config(load_run_config(over), over, to_yaml(saved))
+    assert got.reward.fns == {}
+    assert resume_changes(to_yaml(saved), to_yaml(got)) == [
+        ("reward.fns.multiple_choice", "pkg.mod:first_letter", None)]
+    bare = resumed_config(load_run_config(over[:2]), over[:2], to_yaml(saved))  # not named: the saved mapping
+    assert bare.reward.fns == {"multiple_choice": "pkg.mod:first_letter"}
+    assert resume_changes(to_yaml(saved), to_yaml(bare)) == []
