@@ -83,13 +83,27 @@ class PrefixState:
     pack_pos: int = 0  # the group's place in its pack
 
 
-def prefix_packs(lengths: list[int], pack_tokens: int) -> list[list[int]]:
+def mini_batch_slices(n: int, m: int) -> list[list[int]]:
+    """`m` consecutive slices of `n` groups: the PPO mini-batches (`train.ppo_mini_batches`)."""
+    return [list(range(i * n // m, (i + 1) * n // m)) for i in range(m)]
+
+
+def mini_batch_starts(n: int, m: int) -> frozenset[int]:
+    """The groups (of `n`) that open a PPO mini-batch after the first: no prefix pack spans one, so every phase
+    that packs the whole batch (the rollout's prefill, the window's reference items, scoring) packs each group
+    with the same neighbours as the update of its mini-batch does; the same kernels give the same rounding, and
+    a step whose gradient is exactly 0 in serial (all rewards equal at the first step) is 0 here too."""
+    return frozenset(sl[0] for sl in mini_batch_slices(n, m)[1:] if sl)
+
+
+def prefix_packs(lengths: list[int], pack_tokens: int, starts: frozenset[int] = frozenset()) -> list[list[int]]:
     """Consecutive indices of `lengths` in packs of at most `pack_tokens` prefix tokens (a longer prefix goes
-    alone); `pack_tokens` 0: one each. Every pipeline stage packs the same groups the same way."""
+    alone); `pack_tokens` 0: one each; an index in `starts` opens a new pack (`mini_batch_starts`). Every
+    pipeline stage packs the same groups the same way."""
     packs: list[list[int]] = []
     total = 0
     for i, n in enumerate(lengths):
-        if packs and pack_tokens > 0 and total + n <= pack_tokens:
+        if packs and pack_tokens > 0 and total + n <= pack_tokens and i not in starts:
             packs[-1].append(i)
             total += n
         else:
@@ -105,7 +119,7 @@ def p2p_communicator(model) -> P2PCommunicator:
 
 def prefix_forward(model, groups: list[Group], store: KVStore, keep_graph: bool,
                    group_ids: list[int] | None = None, recompute: bool = False,
-                   pack_tokens: int = 0) -> list[PrefixState]:
+                   pack_tokens: int = 0, pack_starts: frozenset[int] = frozenset()) -> list[PrefixState]:
     """Step 1 on this stage for every group, in group order (the order every stage uses).
 
     `group_ids` name the groups in the store (default 0..n-1), e.g. when a rollout prefills in waves.
@@ -114,7 +128,7 @@ def prefix_forward(model, groups: list[Group], store: KVStore, keep_graph: bool,
     input (the prompt on the first stage, the received hidden states on later ones).
     `pack_tokens` > 0: consecutive groups run as one forward of up to that many prefix tokens (fewer, larger
     kernels; each group still attends to its own prefix alone); under `recompute` the backward recomputes a
-    pack at a time, holding one pack's graph.
+    pack at a time, holding one pack's graph. A group whose id is in `pack_starts` opens a new pack.
     """
     m, p2p = unwrap(model), p2p_communicator(model)
     first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
@@ -123,7 +137,7 @@ def prefix_forward(model, groups: list[Group], store: KVStore, keep_graph: bool,
     states = []
     ids = list(range(len(groups))) if group_ids is None else list(group_ids)
     lens = [g.prompt.input_ids.numel() - 1 for g in groups]
-    for pack in prefix_packs(lens, pack_tokens):
+    for pack in prefix_packs(lens, pack_tokens, frozenset(j for j, i in enumerate(ids) if i in pack_starts)):
         n = sum(lens[i] for i in pack)
         recv = None if first else p2p.recv_forward((n, 1, m.config.hidden_size), first)
         ctx = PrefixContext(mode="record", store=store, group=ids[pack[0]], keep_graph=keep_graph, trainable=recompute,
@@ -305,14 +319,15 @@ def actor_prefix_step(model, groups: list[Group], micro_batches: list[MicroBatch
 
 
 def reference_prefix_logprobs(model, groups: list[Group], micro_batches: list[MicroBatch],
-                              backend: str = "auto", loss_fn=None, pack_tokens: int = 0) -> list[dict]:
-    """Reference variant: prefix K/V without a graph (`pack_tokens`: `prefix_forward`'s packing), response
-    stage forward-only."""
+                              backend: str = "auto", loss_fn=None, pack_tokens: int = 0,
+                              pack_starts: frozenset[int] = frozenset()) -> list[dict]:
+    """Reference variant: prefix K/V without a graph (`pack_tokens`, `pack_starts`: `prefix_forward`'s
+    packing), response stage forward-only."""
     dev = device()
     mbs = [mb.to(dev) for mb in micro_batches]
     store = KVStore()
     with torch.no_grad():
-        prefix_forward(model, groups, store, keep_graph=False, pack_tokens=pack_tokens)
+        prefix_forward(model, groups, store, keep_graph=False, pack_tokens=pack_tokens, pack_starts=pack_starts)
         return run_schedule(model, mbs, lambda mb: PrefixContext(mode="use", layout=mb.layout, store=store,
                                                                  backend=backend), forward_only=True,
                             loss_fn=loss_fn)

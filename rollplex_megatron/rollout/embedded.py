@@ -51,7 +51,7 @@ from rollplex_megatron.config import ModelConfig
 from rollplex_megatron.memory.planner import kv_bytes_per_token
 from rollplex_megatron.models.qwen25vl.model import check_placeholders, gather_vocab_logits
 from rollplex_megatron.prefix.batch import Group, prompt_positions
-from rollplex_megatron.prefix.execution import p2p_communicator, prefix_forward, unwrap
+from rollplex_megatron.prefix.execution import mini_batch_starts, p2p_communicator, prefix_forward, unwrap
 from rollplex_megatron.rollout.engine import DecodeHooks, RolloutOutput, RolloutRequest, RolloutResult
 from rollplex_megatron.rollout.sampling import SamplingParams, row_uniforms, sample_tokens
 from rollplex_megatron.rollout.triton_norm import fused_rms_norms
@@ -206,13 +206,15 @@ class EmbeddedEngine:
     def __init__(self, model, cfg: ModelConfig, max_prompt_len: int, max_response_len: int, kv_cache_gib: float,
                  cuda_graphs: bool = True, decode_attention: str = "auto", sampling_kernel: str = "auto",
                  fused_rope: bool = True, fused_norm: bool = True, prefix_pack_tokens: int = 0,
-                 actor_pack_tokens: int | None = None, keep_decode_state: bool = False):
+                 actor_pack_tokens: int | None = None, keep_decode_state: bool = False, pack_splits: int = 1):
         self.model, self.cfg = model, cfg
         self.keep_decode_state = keep_decode_state  # the cache, slot state and graphs outlive a rollout
         self._state: _DecodeState | None = None  # what the last wave left (kept only under keep_decode_state)
         self.prefix_pack_tokens = prefix_pack_tokens  # the prefill's packing (prefix_forward's pack_tokens)
         # ... when the prefill is the actor prefix stage (its graph, or its recomputation, per pack)
         self.actor_pack_tokens = prefix_pack_tokens if actor_pack_tokens is None else actor_pack_tokens
+        # packs end where the requests' PPO mini-batches do (train.ppo_mini_batches): an update packs the same way
+        self.pack_splits = pack_splits
         self.max_prompt_len, self.max_response_len = max_prompt_len, max_response_len
         self.budget = int(kv_cache_gib * 2**30)
         self.dev = device()
@@ -244,7 +246,7 @@ class EmbeddedEngine:
         return cls(model, cfg.model, r.max_prompt_len, r.max_response_len, cfg.memory.kv_cache_gib, r.cuda_graphs,
                    r.decode_attention, sampling_kernel=r.sampling_kernel,
                    prefix_pack_tokens=cfg.workload.prefix_pack_tokens, actor_pack_tokens=actor_pack_tokens,
-                   keep_decode_state=r.keep_decode_state)
+                   keep_decode_state=r.keep_decode_state, pack_splits=cfg.train.ppo_mini_batches)
 
     def generate(self, requests: list[RolloutRequest], params: SamplingParams,
                  hooks: DecodeHooks | None = None, actor_prefix: KVStore | None = None,
@@ -272,6 +274,7 @@ class EmbeddedEngine:
         states, stats = [], {"decode_steps": 0, "waves": 0, "prefill_s": 0.0, "decode_s": 0.0, "graphs_captured": 0,
                              "graph_replays": 0, "eager_steps": 0, "capture_s": 0.0, "attention": self.attention,
                              "sampling": "", "states_reused": 0}
+        starts = mini_batch_starts(len(requests), self.pack_splits)
         for wave in self._waves(requests):
             t0 = time.perf_counter()
             store = actor_prefix if actor_prefix is not None else KVStore()
@@ -281,7 +284,7 @@ class EmbeddedEngine:
                 states += prefix_forward(self.model, groups, store, keep_graph=graph, group_ids=wave,
                                          recompute=actor_prefix is not None and recompute_prefix,
                                          pack_tokens=self.prefix_pack_tokens if actor_prefix is None
-                                         else self.actor_pack_tokens)
+                                         else self.actor_pack_tokens, pack_starts=starts)
             state = self._wave_state(store, [requests[i] for i in wave], wave, params)
             stats["states_reused"] += int(state.tensors is not None)
             cache = state.cache

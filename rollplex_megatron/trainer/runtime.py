@@ -320,13 +320,16 @@ class Runtime:
 
     def mini_batches(self, batch: StepBatch) -> list[MiniBatch]:
         """`train.ppo_mini_batches` consecutive slices of whole groups, with their global counts."""
-        n, m = len(batch.groups), self.cfg.train.ppo_mini_batches
-        slices = [list(range(i * n // m, (i + 1) * n // m)) for i in range(m)]
+        slices = X.mini_batch_slices(len(batch.groups), self.cfg.train.ppo_mini_batches)
         counts = torch.tensor([[float(sum(r.numel() for gi in sl for r in batch.groups[gi].responses)),
                                 float(sum(len(batch.groups[gi].responses) for gi in sl))] for sl in slices],
                               dtype=torch.float64, device=self.dev)
         dist.all_reduce(counts, group=self.dp_group)
         return [MiniBatch(sl, int(c[0]), int(c[1])) for sl, c in zip(slices, counts.tolist())]
+
+    def pack_starts(self, n: int) -> frozenset[int]:
+        """Of a batch of `n` groups, those where a prefix pack must start: its PPO mini-batches' first groups."""
+        return X.mini_batch_starts(n, self.cfg.train.ppo_mini_batches)
 
     def micro_batches(self, batch: StepBatch, kind: str, mini: MiniBatch):
         """Full-sequence or response-stage micro-batches of one mini-batch, with the advantages (and

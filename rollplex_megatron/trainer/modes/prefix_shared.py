@@ -19,18 +19,18 @@ class PrefixShared(Mode):
         prep = Prepared(batch, minis, [rt.micro_batches(batch, "response", m) for m in minis], None, stats)
         mbs = prep.flat()
         with t("old_logp"):
-            # the actor scores in the packs its update runs (the same kernels: ratio 1 at the first update); with
-            # several PPO mini-batches an update packs only its own groups, so a pack that spans two mini-batches
-            # scores in another reduction order (fp32 rounding, 5e-7 of a log-prob on CPU)
+            # the actor scores in the packs its update runs (the same kernels: ratio 1 at the first update): an
+            # update packs only its own mini-batch's groups, so no scoring pack spans two mini-batches
+            starts = rt.pack_starts(len(batch.groups))
             prep.record_old(X.per_response(X.reference_prefix_logprobs(rt.ddp, batch.groups, mbs, rt.backend,
-                                                                       rt.score_loss, rt.actor_pack_tokens), mbs,
-                                           batch.groups))
+                                                                       rt.score_loss, rt.actor_pack_tokens, starts),
+                                           mbs, batch.groups))
         if rt.ref is None:  # no reference (train.reference): no scoring phase of it
             return prep
         with t("ref_logp"):
             prep.attach("ref_logp", X.per_response(X.reference_prefix_logprobs(rt.ref, batch.groups, mbs, rt.backend,
-                                                                               rt.score_loss, rt.pack_tokens), mbs,
-                                                   batch.groups))
+                                                                               rt.score_loss, rt.pack_tokens, starts),
+                                                   mbs, batch.groups))
         return prep
 
     def update(self, rt, prep, m, fresh):  # noqa: D102

@@ -74,18 +74,21 @@ class Rollplex(Mode):
             # larger kernels); an engine elsewhere runs jobs as data, one group a job
             here = not rt.engine.window_items_elsewhere
             lens = [q.prompt.input_ids.numel() - 1 for q in reqs]
+            # packs end at the PPO mini-batches' bounds, as the engine's prefill and the updates pack (one round:
+            # packing with dynamic sampling's rounds is refused)
+            starts = rt.pack_starts(len(reqs))
             actor = [] if in_prefill else [  # where the prefill is not the actor prefix stage (rollout at its own TP)
                 (_pack_name("actor_prefix", r, pack),
                  partial(actor_prefix_item, rt.ddp, [reqs[i].prompt for i in pack], actor_kv, pack, rt.recompute,
                          states, rt.actor_pack_tokens),
                  PrefixJob("actor", reqs[pack[0]].prompt, actor_kv, pack[0], trainable=True, states=states)
                  if len(pack) == 1 else None)
-                for pack in X.prefix_packs(lens, rt.actor_pack_tokens if here else 0)]
+                for pack in X.prefix_packs(lens, rt.actor_pack_tokens if here else 0, starts)]
             reference = [] if rt.ref is None else [(_pack_name("reference_prefix", r, pack),
                           partial(reference_prefix_item, rt.ref, [reqs[i].prompt for i in pack], ref_kv, pack,
                                   rt.pack_tokens),
                           PrefixJob("reference", reqs[pack[0]].prompt, ref_kv, pack[0]) if len(pack) == 1 else None)
-                         for pack in X.prefix_packs(lens, rt.pack_tokens if here else 0)]
+                         for pack in X.prefix_packs(lens, rt.pack_tokens if here else 0, starts)]
             # actor and reference items alternate, in the same order on every rank (TP collectives inside them)
             for item in itertools.chain(*itertools.zip_longest(actor, reference)):
                 if item is not None:
