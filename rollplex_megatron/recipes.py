@@ -123,7 +123,35 @@ def resumed_config(cfg: RunConfig, overrides: list[str], saved_yaml: str) -> Run
     return OmegaConf.to_object(merged)
 
 
-# Model fields that are run settings, not the checkpoint's shape: the command line keeps them.
+# What an evaluation of a run's checkpoint (`eval --run`, `generate --run`) takes from the run: how it read its
+# rows, answered them and scored the answers. The rows (data.*_files) and the model (the exported checkpoint) are
+# the command's own.
+RUN_EVAL_SETTINGS = ("data.", "reward.", "val.", "rollout.max_response_len", "rollout.max_prompt_len",
+                     "rollout.top_p", "rollout.top_k", "seed")
+RUN_EVAL_OWN = ("data.train_files", "data.val_files", "data.source")
+
+
+def run_eval_config(cfg: RunConfig, overrides: list[str], saved_yaml: str) -> tuple[RunConfig, dict]:
+    """The config of an evaluation of a run's checkpoint: `cfg` (this command line's) with the run's
+    `RUN_EVAL_SETTINGS` (from `saved_yaml`, the checkpoint's config) wherever the command line does not name them,
+    so `eval --run RUN` scores as the run's own validation did. Also returns what was taken that differs from the
+    root recipe's (recorded with the result)."""
+    saved = flat_settings(OmegaConf.to_container(OmegaConf.merge(OmegaConf.structured(RunConfig),
+                                                                 OmegaConf.create(saved_yaml))), keep_empty=True)
+    default = flat_settings(OmegaConf.to_container(OmegaConf.structured(load_run_config([]))), keep_empty=True)
+    named = {o.lstrip("+~").split("=", 1)[0] for o in overrides if "=" in o}
+
+    def taken(k: str) -> bool:
+        return (k.startswith(tuple(s for s in RUN_EVAL_SETTINGS if s.endswith("."))) or k in RUN_EVAL_SETTINGS) \
+            and not k.startswith(RUN_EVAL_OWN) \
+            and not any(k == n or k.startswith(f"{n}.") or n.startswith(f"{k}.") for n in named)
+
+    merged = OmegaConf.structured(cfg)
+    carried = {k: v for k, v in saved.items() if taken(k)}
+    for k, v in carried.items():
+        OmegaConf.update(merged, k, v, merge=False)
+    return OmegaConf.to_object(merged), {k: v for k, v in carried.items() if v != default.get(k)}
+
 RUN_MODEL_FIELDS = ("name", "freeze_vision")
 
 

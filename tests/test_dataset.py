@@ -322,17 +322,20 @@ def test_train_on_a_dataset_with_validation_runs(tmp_path, example_dir, capsys):
     assert any(0 < r["answered"] < 1 for r in steps)  # a mean over responses, not one response's value
     summary = json.loads((run / "summary.json").read_text())["modes"]["rollplex"]
     assert summary["val"]["last"]["step"] == 3 and (run / "report.png").stat().st_size > 0
-    # `eval` on the run's final checkpoint (exported to HF) answers the validation rows as training did
+    # `eval` on the run's final checkpoint (exported to HF) answers the validation rows as training did: it takes
+    # the run's response length, validation sampling and reward (named in the record), none of them repeated here
     out = tmp_path / "eval.json"
     assert cli_main(["eval", "--run", str(run), f"data.val_files=[{example_dir / 'val.parquet'}]",
-                     "rollout.max_response_len=4", "val.temperature=1.0", "val.n=4", "reward.format_reward=0.5",
                      f"--out={out}"]) == 0
     got = json.loads(out.read_text())
     assert got["checkpoint_step"] == 3  # the latest, which --run without --step took
     assert {k: got[k] for k in vals[-1] if k.startswith("val/")} == {k: v for k, v in vals[-1].items()
                                                                      if k.startswith("val/")}
+    assert got["settings_from_run"] == {"rollout.max_response_len": 4, "val.temperature": 1.0, "val.n": 4,
+                                        "reward.format_reward": 0.5}
+    # what the command line names wins over the run's
     assert cli_main(["generate", "--run", str(run), f"data.val_files=[{example_dir / 'val.parquet'}]",
-                     "rollout.max_response_len=4", "--rows=2", "val.n=2", "val.temperature=1.0"]) == 0
+                     "--rows=2", "val.n=2"]) == 0
     printed = capsys.readouterr().out
     assert printed.count("-- response") == 4 and "<|vision_start|>" in printed
 

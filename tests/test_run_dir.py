@@ -519,3 +519,25 @@ def test_a_resume_that_empties_a_mapping_applies_it_and_is_refused(tmp_path):
     bare = resumed_config(load_run_config(over[:2]), over[:2], to_yaml(saved))  # not named: the saved mapping
     assert bare.reward.fns == {"multiple_choice": "pkg.mod:first_letter"}
     assert resume_changes(to_yaml(saved), to_yaml(bare)) == []
+
+
+def test_an_evaluation_of_a_run_takes_its_reading_and_scoring_settings():
+    """`eval --run`: the run's reward, response length, validation sampling and data reading where the command line
+    names nothing, whatever it names instead (an emptied mapping too); never the run's rows or training settings."""
+    from rollplex_megatron.recipes import run_eval_config, to_yaml
+
+    saved = load_run_config(["+reward.fns={multiple_choice: 'pkg.mod:first_letter'}", "reward.format_reward=0.5",
+                             "rollout.max_response_len=4", "val.n=4", "data.max_pixels=3136", "optim.lr=1e-4",
+                             "data.train_files=[run_rows.parquet]", "rollout.group_size=4"])
+    over = ["data.val_files=[val.parquet]", "data.train_files=[val.parquet]", "val.n=2"]  # as eval composes it
+    got, taken = run_eval_config(load_run_config(over), over, to_yaml(saved))
+    assert (got.reward.fns, got.reward.format_reward, got.rollout.max_response_len) == (
+        {"multiple_choice": "pkg.mod:first_letter"}, 0.5, 4)
+    assert (got.val.n, got.data.max_pixels, got.data.val_files, got.data.train_files) == (
+        2, 3136, ["val.parquet"], ["val.parquet"])
+    assert (got.optim.lr, got.rollout.group_size) == (load_run_config([]).optim.lr, load_run_config([]).rollout.group_size)
+    assert taken == {"reward.fns.multiple_choice": "pkg.mod:first_letter", "reward.format_reward": 0.5,
+                     "rollout.max_response_len": 4, "data.max_pixels": 3136}
+    mine = ["data.train_files=[val.parquet]", "reward.fns={}", "reward.fn=exact_match"]
+    got, _ = run_eval_config(load_run_config(mine), mine, to_yaml(saved))
+    assert (got.reward.fns, got.reward.fn, got.reward.format_reward) == ({}, "exact_match", 0.5)

@@ -153,6 +153,11 @@ def _train_checkpoint(run: Path, step: int | None) -> Path:
     return ck
 
 
+def checkpoint_config(run_dir: str | os.PathLike, step: int | None = None) -> str:
+    """The config (YAML) a run's checkpoint (latest, or `step`) was trained under."""
+    return T.read_meta(_train_checkpoint(Path(run_dir), step))["config"]
+
+
 def _actor_states(ck: Path, meta: dict) -> list[list[dict]]:
     """The actor's state per [pp_rank][tp_rank], from the data-parallel rank 0 files (mmap)."""
     tp, pp, dp = meta["tp"], meta["pp"], meta["dp"]

@@ -56,7 +56,7 @@ from rollplex_megatron.data.dataset import DatasetSource
 from rollplex_megatron.data.example import make_example
 from rollplex_megatron.dist import LocalRunError, check_world_size, launch_on_ranks, leave_torchrun
 from rollplex_megatron.memory.planner import check_budget, plan_memory
-from rollplex_megatron.recipes import RECIPES_DIR, load_run_config, to_yaml
+from rollplex_megatron.recipes import RECIPES_DIR, load_run_config, run_eval_config, to_yaml
 from rollplex_megatron.runtime import environment_record
 from rollplex_megatron.trainer.validation import eval_rank, generate_rank
 from rollplex_megatron.verify.equivalence import run_rank
@@ -260,15 +260,23 @@ def _checkpoint_args(prog: str, description: str) -> argparse.ArgumentParser:
 
 
 def _eval_config(a, overrides: list[str], tmp: str):
-    """The run config of an eval/generate command: the checkpoint as train.init_hf, the val files as rows."""
+    """The run config of an eval/generate command: the checkpoint as train.init_hf, the val files as rows; with
+    `--run`, the run's reading, answering and scoring settings (`RUN_EVAL_SETTINGS`) where the command line does
+    not name them. Also returns those taken from the run that differ from the root recipe's."""
     files = [o.split("=", 1)[1] for o in overrides if o.startswith("data.val_files=")]
     if not files:
         raise ValueError("give the rows to answer: data.val_files=[FILE, ...] (parquet or jsonl, verl's format)")
     hf = a.hf_dir or str(convert.train_to_hf(a.run, f"{tmp}/export", a.step))
     cfg = load_run_config([*overrides, f"train.init_hf={hf}", f"data.train_files={files[-1]}"])  # rows are checked
+    from_run = {}
+    if a.run:
+        cfg, from_run = run_eval_config(cfg, overrides, convert.checkpoint_config(a.run, a.step))
+        if from_run:
+            print(f"from the run ({a.run}): {' '.join(f'{k}={v}' for k, v in sorted(from_run.items()))}",
+                  file=sys.stderr)
     check_world_size(cfg.parallel.world_size)
     DatasetSource(cfg)  # every row checked before a process starts
-    return cfg
+    return cfg, from_run
 
 
 def _cmd_eval(argv: list[str]) -> int:
@@ -276,13 +284,14 @@ def _cmd_eval(argv: list[str]) -> int:
     ap.add_argument("--out", default=None, help="write the JSON record here too")
     a, overrides = ap.parse_known_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = _eval_config(a, overrides, tmp)
+        cfg, from_run = _eval_config(a, overrides, tmp)
         # --run without --step: the step the export took (the latest)
         step = None if a.hf_dir else json.loads((Path(tmp) / "export" / convert.EXPORT_META).read_text())["step"]
         rec = launch_on_ranks(eval_rank, cfg.parallel.world_size, cfg)[0]
     rec.pop("step")
     out = {"checkpoint": a.hf_dir or a.run, "checkpoint_step": step, "val_files": list(cfg.data.val_files),
-           "temperature": cfg.val.temperature, "n": cfg.val.n, **rec, "env": environment_record()}
+           "temperature": cfg.val.temperature, "n": cfg.val.n, "settings_from_run": from_run, **rec,
+           "env": environment_record()}
     if a.out:
         Path(a.out).write_text(json.dumps(out, indent=1))
     for k, v in rec.items():
@@ -297,7 +306,7 @@ def _cmd_generate(argv: list[str]) -> int:
     ap.add_argument("--rows", type=int, default=4, help="how many rows to answer")
     a, overrides = ap.parse_known_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = _eval_config(a, overrides, tmp)
+        cfg, _ = _eval_config(a, overrides, tmp)
         rows = launch_on_ranks(generate_rank, cfg.parallel.world_size, cfg, a.rows)[0]
     for r in rows:
         print(f"== {r['row']} (ground truth {r['ground_truth']!r})\n{r['prompt']}")
