@@ -535,7 +535,8 @@ def test_an_evaluation_of_a_run_takes_its_reading_and_scoring_settings():
         {"multiple_choice": "pkg.mod:first_letter"}, 0.5, 4)
     assert (got.val.n, got.data.max_pixels, got.data.val_files, got.data.train_files) == (
         2, 3136, ["val.parquet"], ["val.parquet"])
-    assert (got.optim.lr, got.rollout.group_size) == (load_run_config([]).optim.lr, load_run_config([]).rollout.group_size)
+    root = load_run_config([])
+    assert (got.optim.lr, got.rollout.group_size) == (root.optim.lr, root.rollout.group_size)
     assert taken == {"reward.fns.multiple_choice": "pkg.mod:first_letter", "reward.format_reward": 0.5,
                      "rollout.max_response_len": 4, "data.max_pixels": 3136}
     mine = ["data.train_files=[val.parquet]", "reward.fns={}", "reward.fn=exact_match"]
