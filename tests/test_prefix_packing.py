@@ -171,15 +171,16 @@ def test_packed_rollplex_with_ppo_mini_batches_equals_serial(tiny_hf):
 
 @pytest.mark.parametrize("mode", ["prefix_shared", "rollplex"])
 def test_packed_mini_batches_leave_the_weights_where_serial_does(example_dir, mode):
-    """Ragged image and video prompts in one pack, two PPO mini-batches, KL on, a first step without reward: the
-    true gradient is exactly 0 (actor = reference, advantages 0) and serial's is 0 bit for bit. Every phase packs
-    a mini-batch's groups apart from the other's (rollout prefill, window reference items, scoring), as the
-    updates do, so the same kernels give the same log-probs and the weights stay exactly where they were. Packs
-    spanning the bound (measured here: prefix_shared moved 1.7e-4, rollplex 5.4e-7) give Adam rounding noise to
-    normalise into a step."""
-    cfg = data_cfg(mode, example_dir, PACK, "train.ppo_mini_batches=2")
+    """Ragged image and video prompts in one pack, two PPO mini-batches, KL on, a first step whose reward function
+    gives 0: the true gradient is exactly 0 (actor = reference, advantages 0) and serial's is 0 bit for bit. Every
+    phase packs a mini-batch's groups apart from the other's (rollout prefill, window reference items, scoring), as
+    the updates do, so the same kernels give the same log-probs and the weights stay exactly where they were.
+    Packs spanning the bound (measured on the development machine: prefix_shared moved 1.7e-4, rollplex 5.4e-7)
+    give Adam rounding noise to normalise into a step."""
+    cfg = data_cfg(mode, example_dir, PACK, "train.ppo_mini_batches=2", "reward.fn=tests.trainer_workers:no_reward",
+                   "reward.format_reward=0")
     run = run_local(TW.run_steps, 1, cfg, 1)[0]
-    assert run["records"][0]["reward_mean"] == 0.0, "the example's first step was meant to have no reward"
+    assert run["records"][0]["reward_mean"] == 0.0
     assert run["records"][0]["kl"] == 0.0
     assert all(torch.equal(run["last"][n], run["first"][n]) for n in run["first"])
     if mode == "rollplex":  # the window's reference prefixes: one pack per mini-batch

@@ -2,6 +2,11 @@
 from __future__ import annotations
 
 
+def no_reward(response, ground_truth, extra_info):
+    """A reward function (`reward.fn=tests.trainer_workers:no_reward`) under which every advantage is 0."""
+    return 0.0
+
+
 def run_steps(cfg, steps: int, mutant: str = "", weights_after: int = 0):
     """`steps` RL steps of cfg.mode; per-step rollout tokens and records, initial and final weights (with
     `weights_after`, also the weights after that many steps: a longer run stands in for a shorter one), and
