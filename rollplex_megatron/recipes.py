@@ -152,6 +152,8 @@ def run_eval_config(cfg: RunConfig, overrides: list[str], saved_yaml: str) -> tu
         OmegaConf.update(merged, k, v, merge=False)
     return OmegaConf.to_object(merged), {k: v for k, v in carried.items() if v != default.get(k)}
 
+
+# Model fields that are run settings, not the checkpoint's shape: the command line keeps them.
 RUN_MODEL_FIELDS = ("name", "freeze_vision")
 
 
