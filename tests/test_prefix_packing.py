@@ -61,6 +61,9 @@ def test_the_planner_counts_a_pack_of_the_shortest_prompts():
     assert pack_groups(cfg, Shape(16, 8, 100, 10, 0, 2, P_min=50)) == 8
     assert pack_groups(cfg, Shape(16, 8, 100, 10, 0, 2)) == 4
     assert pack_groups(cfg, Shape(3, 8, 100, 10, 0, 2, P_min=50)) == 3  # at most the rank's groups
+    minis = load_run_config(["workload.prefix_pack_tokens=400", "train.ppo_mini_batches=3"])
+    assert pack_groups(minis, Shape(16, 8, 100, 10, 0, 2, P_min=50)) == 6  # ... of the largest mini-batch's
+    assert pack_groups(minis, Shape(16, 8, 100, 10, 0, 2, P_min=50)) == max(map(len, mini_batch_slices(16, 3)))
     assert pack_groups(load_run_config([]), Shape(16, 8, 100, 10, 0, 2, P_min=50)) == 1  # off
 
 

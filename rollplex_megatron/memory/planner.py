@@ -219,9 +219,11 @@ def workload_shape(cfg: RunConfig, prefix_tokens: int | None = None, patches: in
 
 def pack_groups(cfg: RunConfig, s: Shape) -> int:
     """The most groups one pack of `workload.prefix_pack_tokens` holds: prefixes of the shortest sampled length
-    (`s.P_min`, else `s.P`), each counted with the largest group's graph (1 when off)."""
+    (`s.P_min`, else `s.P`), each counted with the largest group's graph (1 when off), at most the largest PPO
+    mini-batch's groups (no pack spans two: `prefix.execution.mini_batch_starts`)."""
     pack = cfg.workload.prefix_pack_tokens
-    return 1 if pack <= 0 else max(1, min(s.prompts, pack // max(s.P_min or s.P, 1)))
+    largest_mini = -(-s.prompts // cfg.train.ppo_mini_batches)
+    return 1 if pack <= 0 else max(1, min(largest_mini, pack // max(s.P_min or s.P, 1)))
 
 
 def micro_batch_responses(cfg: RunConfig, response_tokens: int) -> int:
