@@ -341,10 +341,15 @@ def test_train_on_a_dataset_with_validation_runs(tmp_path, example_dir, capsys):
 
 
 def test_per_source_reward_functions_from_the_command_line(tmp_path, example_dir, monkeypatch):
-    """The README's form `+reward.fns={SOURCE: 'package.module:function'}` reaches the registry."""
+    """The README's form `+reward.fns={SOURCE: 'package.module:function'}` reaches the registry; a key that names
+    no row's data_source (a typo, whose rows the built-in would score without a word) is refused at load."""
     (tmp_path / "cli_form_rewards.py").write_text("def first_letter(response, ground_truth, extra_info):\n"
                                             "    return float(response.strip()[:1] == ground_truth)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match=r"^reward\.fns names data_source 'multiple_choise', which no row of .*"
+                                         r"train\.parquet has \(they have multiple_choice\); did you mean "
+                                         r"'multiple_choice'\? fix the key or drop it"):
+        build_source(_cfg(example_dir, "+reward.fns={multiple_choise: 'cli_form_rewards:first_letter'}"))
     src = build_source(_cfg(example_dir, "+reward.fns={multiple_choice: 'cli_form_rewards:first_letter'}"))
     row = src.rows(0, 0, 1, 1)[0]
     tok = src.proc.tokenizer

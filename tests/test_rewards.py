@@ -1,6 +1,5 @@
 """Reward functions: the built-ins' parsing and comparisons, user functions by dotted path, the registry, and
 errors that name the setting, row, data_source and function."""
-import math
 import textwrap
 
 import numpy as np
@@ -247,6 +246,15 @@ def user_module(tmp_path, monkeypatch):
         def text(response, ground_truth, extra_info):
             return "1.0"
 
+        def one_arg(response):
+            return 1.0
+
+        def with_defaults(response, ground_truth=None, extra_info=None, scale=1.0):
+            return scale
+
+        def anything(*args, **kwargs):
+            return 1.0
+
         NOT_CALLABLE = 3
     """))
     (tmp_path / "my_pkg").mkdir()
@@ -261,7 +269,8 @@ def test_load_function_builtins_and_dotted(user_module):
     assert load_function("math_boxed", "reward.fn") is math_boxed
     fn = load_function(f"{user_module}:length", "reward.fn")
     assert fn("abcde", "abcde", {}) == {"score": 0.5, "acc": 1.0, "chars": 5}
-    assert load_function("math:sqrt", "reward.fn") is math.sqrt
+    with pytest.raises(ValueError, match=r"^reward\.fn='math:sqrt': sqrt\(x, /\) cannot be called as fn\("):
+        load_function("math:sqrt", "reward.fn")  # importable, callable, but not with a reward's three arguments
     assert load_function("my_pkg.scoring:half", "reward.fn")("x", "y", {}) == 0.5
 
 
@@ -347,6 +356,12 @@ def test_registry_config_errors(user_module):
         RewardRegistry(fn="math_boxed", fns={"geo": "bad"})  # checked even where reward.fn overrides them
     with pytest.raises(ValueError, match=r"reward\.format_reward must be a finite number >= 0, got -1"):
         RewardRegistry(format_weight=-1)
+    # a function that cannot take (response, ground_truth, extra_info) fails at start-up, not at the first score
+    with pytest.raises(ValueError, match=r"^reward\.fns\['geo'\]='my_rewards:one_arg': one_arg\(response\) cannot "
+                                         r"be called as fn\(response, ground_truth, extra_info\); give it those three"):
+        RewardRegistry(fns={"geo": "my_rewards:one_arg"})
+    assert RewardRegistry(fn="my_rewards:with_defaults").score("x", "y", {}, "s", "r").score == 1.0
+    assert RewardRegistry(fn="my_rewards:anything").score("x", "y", {}, "s", "r").score == 1.0
 
 
 def test_builtins_registry_is_the_contract():

@@ -175,7 +175,9 @@ class DatasetSource:
 
     name = "dataset"
 
-    def __init__(self, cfg: RunConfig):
+    def __init__(self, cfg: RunConfig, training: bool = True):
+        """`training`: the rows are a run's (train + val files), so every `reward.fns` key must name one of their
+        data_sources; an evaluation (`eval`, `generate`) answers a subset and takes the run's functions as they are."""
         d = cfg.data
         path = d.processor or cfg.train.init_hf
         if not path:
@@ -189,6 +191,9 @@ class DatasetSource:
         self.lengths: dict[str, int] = {}  # prompt tokens per row (`where`), from the check
         self.train = self._checked(load_records(d.train_files, keys, "data.train_files"))
         self.val = self._checked(load_records(d.val_files, keys, "data.val_files")) if d.val_files else []
+        if training:
+            self.rewards.check_fns_used({r.data_source for r in self.train + self.val},
+                                        ", ".join(map(str, [*d.train_files, *d.val_files])))
         self.seed, self.shuffle, self.data_seed = cfg.seed, d.shuffle, d.seed
         self.stop_token_ids = self.proc.stop_token_ids
         self.max_new_tokens = cfg.rollout.max_response_len

@@ -14,8 +14,10 @@ Built-ins: `exact_match`, `multiple_choice`, `math_boxed`, `bbox_iou` (each docu
 from __future__ import annotations
 
 import ast
+import difflib
 import functools
 import importlib
+import inspect
 import json
 import math
 import numbers
@@ -465,6 +467,15 @@ def load_function(spec: str, setting: str) -> RewardFn:
     if not callable(obj):
         raise ValueError(f"{setting}={spec!r}: {attr!r} is a {type(obj).__name__}, not callable; "
                          "name a function fn(response, ground_truth, extra_info)")
+    try:
+        signature = inspect.signature(obj)
+    except (TypeError, ValueError):  # a callable without an inspectable signature (a C function): called as is
+        return obj
+    try:
+        signature.bind("", None, {})
+    except TypeError:
+        raise ValueError(f"{setting}={spec!r}: {attr}{signature} cannot be called as fn(response, ground_truth, "
+                         "extra_info); give it those three parameters") from None
     return obj
 
 
@@ -497,6 +508,18 @@ class RewardRegistry:
         return ValueError(f"{where}: data_source {data_source!r} has no reward function; set "
                           f"+reward.fns={{{data_source}: 'package.module:function'}} or reward.fn=..., "
                           f"or name a built-in: {', '.join(BUILTINS)}")
+
+    def check_fns_used(self, data_sources: set[str], files: str) -> None:
+        """Every `reward.fns` key names a data_source of the rows (`files`): a key that scores no row is a typo, and
+        its rows would be scored by another function without a word (none when `reward.fn` scores them all)."""
+        if self.fn:
+            return
+        for src in self.fns:
+            if src not in data_sources:
+                close = difflib.get_close_matches(src, sorted(data_sources), n=1)
+                hint = f"did you mean {close[0]!r}? " if close else ""
+                raise ValueError(f"reward.fns names data_source {src!r}, which no row of {files} has (they have "
+                                 f"{', '.join(sorted(data_sources))}); {hint}fix the key or drop it")
 
     def check(self, data_sources: Iterable[str], where: str) -> None:
         """Raise ValueError for the first data_source without a function (`where`: e.g. the file)."""

@@ -64,7 +64,7 @@ class EvalRuntime:
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
         init_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.seed, cfg.parallel.backend)
-        self.source = DatasetSource(cfg)
+        self.source = DatasetSource(cfg, training=False)
         model = build_policy(cfg)
         model.eval()
         self.engine = build_engine(model, cfg)
