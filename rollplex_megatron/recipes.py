@@ -94,11 +94,24 @@ def load_run_config(overrides: list[str] | None = None) -> RunConfig:
     `train.init_hf=DIR` the model's shape and special tokens are DIR's config.json (`model_from_hf`)."""
     cfg = compose_config(overrides)
     check_closed(cfg, RunConfig)
-    run = OmegaConf.to_object(cfg)
+    run = absolute_data_paths(OmegaConf.to_object(cfg))
     if run.train.init_hf:
         run = model_from_hf(run, list(overrides or []))
     check_registered(run)
     return run
+
+
+def absolute_data_paths(cfg: RunConfig) -> RunConfig:
+    """`cfg` with `data.train_files`, `data.val_files` and `data.processor` absolute, as `train.init_hf` is: the
+    run records the files it read, and a resume or an evaluation started from another folder reads those."""
+    d = cfg.data
+
+    def resolved(p: str) -> str:
+        return str(Path(p).expanduser().resolve()) if p else p
+
+    return dataclasses.replace(cfg, data=dataclasses.replace(
+        d, train_files=[resolved(f) for f in d.train_files], val_files=[resolved(f) for f in d.val_files],
+        processor=resolved(d.processor)))
 
 
 # Recipe groups whose options fill one subtree of the config (`mode=serial` sets mode.*); the others write

@@ -533,8 +533,8 @@ def test_an_evaluation_of_a_run_takes_its_reading_and_scoring_settings():
     got, taken = run_eval_config(load_run_config(over), over, to_yaml(saved))
     assert (got.reward.fns, got.reward.format_reward, got.rollout.max_response_len) == (
         {"multiple_choice": "pkg.mod:first_letter"}, 0.5, 4)
-    assert (got.val.n, got.data.max_pixels, got.data.val_files, got.data.train_files) == (
-        2, 3136, ["val.parquet"], ["val.parquet"])
+    val = str(Path("val.parquet").resolve())  # data files are recorded absolute
+    assert (got.val.n, got.data.max_pixels, got.data.val_files, got.data.train_files) == (2, 3136, [val], [val])
     root = load_run_config([])
     assert (got.optim.lr, got.rollout.group_size) == (root.optim.lr, root.rollout.group_size)
     assert taken == {"reward.fns.multiple_choice": "pkg.mod:first_letter", "reward.format_reward": 0.5,
@@ -542,3 +542,18 @@ def test_an_evaluation_of_a_run_takes_its_reading_and_scoring_settings():
     mine = ["data.train_files=[val.parquet]", "reward.fns={}", "reward.fn=exact_match"]
     got, _ = run_eval_config(load_run_config(mine), mine, to_yaml(saved))
     assert (got.reward.fns, got.reward.fn, got.reward.format_reward) == ({}, "exact_match", 0.5)
+
+
+def test_data_paths_are_recorded_absolute(tmp_path, monkeypatch):
+    """Relative data files and processor are resolved when the config is built, so config.yaml names the files the
+    run read, and a resume started from another folder reads those, not that folder's namesakes."""
+    from rollplex_megatron.recipes import to_yaml
+
+    monkeypatch.chdir(tmp_path)
+    cfg = load_run_config(["data.train_files=[ex/train.parquet]", "data.val_files=[ex/val.parquet]",
+                           "data.processor=ex/model"])
+    root = tmp_path.resolve()
+    assert cfg.data.train_files == [str(root / "ex" / "train.parquet")]
+    assert (cfg.data.val_files, cfg.data.processor) == ([str(root / "ex" / "val.parquet")], str(root / "ex" / "model"))
+    assert f"- {root / 'ex' / 'train.parquet'}" in to_yaml(cfg)
+    assert load_run_config([]).data.processor == ""  # unset stays unset
