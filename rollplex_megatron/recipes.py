@@ -175,6 +175,9 @@ def model_from_hf(cfg: RunConfig, overrides: list[str]) -> RunConfig:
     default preset gives way; a `model=` preset or `model.*` value chosen on the command line that
     disagrees with the checkpoint is an error naming the field."""
     path = str(Path(cfg.train.init_hf).resolve())  # recorded absolute: exports and resumes elsewhere find it
+    if not Path(path).is_dir():
+        raise ValueError(f"train.init_hf={cfg.train.init_hf}: {path} does not exist; name a Hugging Face "
+                         f"Qwen2.5-VL directory (config.json, safetensors, processor files)")
     hf = HFCheckpoint(path).model_config()
     hf = dataclasses.replace(hf, freeze_vision=cfg.model.freeze_vision)  # a run setting (RUN_MODEL_FIELDS)
     chosen = [o.lstrip("+~") for o in overrides if o.lstrip("+~").split("=")[0].split(".")[0] == "model"]

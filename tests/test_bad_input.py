@@ -103,3 +103,34 @@ def test_not_a_checkpoint(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2_5_vl"}))
     with pytest.raises(CheckpointError, match=r"no \*.safetensors files"):
         HFCheckpoint(tmp_path)
+
+
+def test_command_arguments_are_checked_before_any_work(tmp_path, tiny_hf, capsys):
+    """What a command's own arguments get wrong is one `error:` line naming the argument and the fix, before an
+    export, a model or a process: a record is never overwritten, a finished evaluation never lost to a missing
+    folder, a --step never silently ignored, a count below 1 never read as a slice."""
+    from rollplex_megatron.cli import main
+
+    existing, run_like = tmp_path / "eval.json", tmp_path / "run"
+    existing.write_text("{}")
+    (run_like / "checkpoints").mkdir(parents=True)
+    rows = "data.val_files=[rows.parquet]"
+    cases = [
+        (["eval", "--hf-dir", tiny_hf, "--step", "3", rows], "--step 3 selects a checkpoint of a training run: use "
+                                                             "it with --run RUN"),
+        (["eval", "--hf-dir", str(tmp_path / "nothere"), rows], "nothere does not exist; name a Hugging Face"),
+        (["generate", "--hf-dir", str(run_like), rows], f"is a training run directory (it has checkpoints/); use "
+                                                        f"--run {run_like}"),
+        (["eval", "--hf-dir", tiny_hf, rows, "--out", str(existing)], "eval.json exists; choose a new path"),
+        (["eval", "--hf-dir", tiny_hf, rows, "--out", str(tmp_path / "no" / "x.json")], "does not exist; create it"),
+        (["generate", "--hf-dir", tiny_hf, rows, "--rows", "0"], "--rows must be >= 1, got 0"),
+        (["make-example", str(tmp_path / "ex"), "--train-rows", "0"], "--train-rows and --val-rows must be >= 1"),
+        (["convert", "train-to-hf", "--run", str(tmp_path / "norun"), "--out", str(tmp_path / "o")],
+         "norun: no such run directory"),
+        (["print-config", f"train.init_hf={tmp_path / 'nomodel'}"], "nomodel does not exist; name a Hugging Face"),
+    ]
+    for argv, want in cases:
+        assert main(argv) == 1, argv
+        err = capsys.readouterr().err
+        assert want in err and err.startswith("error: ") and err.count("\n") == 1, (argv, err)
+    assert existing.read_text() == "{}" and not (tmp_path / "ex").exists() and not (tmp_path / "o").exists()

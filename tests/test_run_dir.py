@@ -557,3 +557,23 @@ def test_data_paths_are_recorded_absolute(tmp_path, monkeypatch):
     assert (cfg.data.val_files, cfg.data.processor) == ([str(root / "ex" / "val.parquet")], str(root / "ex" / "model"))
     assert f"- {root / 'ex' / 'train.parquet'}" in to_yaml(cfg)
     assert load_run_config([]).data.processor == ""  # unset stays unset
+
+
+def test_a_file_as_train_out_and_a_damaged_checkpoint_are_refused_before_any_work(two_step_run, tmp_path):
+    """train.out naming a file, and a resume whose latest checkpoint lost a rank's file: one error naming the
+    setting or the missing file and the way out, before any model is built; nothing is changed."""
+    plain = tmp_path / "afile"
+    plain.write_text("x")
+    with pytest.raises(R.RunDirError, match=r"train\.out=.*afile is a file, not a run directory; choose another"):
+        R.check_start(plain, False, 2, "seed: 1\n")
+    _, _, pristine = two_step_run
+    run = tmp_path / "damaged"
+    shutil.copytree(pristine, run)
+    config = (run / "config.yaml").read_text()
+    assert R.check_start(run, True, 3, config) == 2  # intact: resumes at step 2
+    (run / "checkpoints" / "step_000002" / "rank00000.pt").unlink()
+    before = _snapshot(run)
+    with pytest.raises(R.RunDirError, match=r"step_000002 lacks rank00000\.pt of its world size 1 .*restore those "
+                                            r"files, or resume from an earlier checkpoint"):
+        R.check_start(run, True, 3, config)
+    assert _snapshot(run) == before

@@ -140,6 +140,8 @@ def _same_model(a: ModelConfig, b: ModelConfig) -> bool:
 
 
 def _train_checkpoint(run: Path, step: int | None) -> Path:
+    if not run.is_dir():
+        raise H.CheckpointError(f"{run}: no such run directory; name a training run's train.out directory")
     if step is None:
         ck = T.latest_checkpoint(run) if (run / T.CHECKPOINTS).is_dir() else None
         if ck is None:

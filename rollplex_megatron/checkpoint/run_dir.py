@@ -191,6 +191,8 @@ def check_start(run: Path, resume: bool, steps: int, config_yaml: str, launcher:
     process will take the directory's lock (rank 0); the other torchrun ranks only read, and may find that lock
     held already."""
     run = Path(run)
+    if run.exists() and not run.is_dir():
+        raise RunDirError(f"train.out={run} is a file, not a run directory; choose another train.out")
     holder = RunLock.in_use(run) if launcher else None
     if holder is not None:  # before reading it: a live run's directory is not advice to remove (no checkpoint yet)
         raise RunDirError(f"{run} is in use by pid {holder.get('pid')} on {holder.get('host')} (lock {run / LOCK}); "
@@ -214,6 +216,13 @@ def check_start(run: Path, resume: bool, steps: int, config_yaml: str, launcher:
         raise RunDirError(f"train.resume=true but {run} has no checkpoint to resume from; drop train.resume "
                           f"to start a new run there, or point train.out at the run to continue")
     meta = train_state.read_meta(latest)
+    missing = [train_state.rank_file_name(r) for r in range(meta["world_size"])
+               if not (latest / train_state.rank_file_name(r)).is_file()]
+    if missing:
+        raise RunDirError(f"train.resume=true but {latest} lacks {', '.join(missing)} of its world size "
+                          f"{meta['world_size']} (the checkpoint was damaged after it was written); restore those "
+                          f"files, or resume from an earlier checkpoint by writing its directory name (step_...) "
+                          f"into {run / train_state.CHECKPOINTS / train_state.LATEST}")
     if steps <= meta["step"]:
         raise RunDirError(f"train.steps={steps} but {latest.name} is at step {meta['step']}; set train.steps "
                           f"above {meta['step']} to continue the run")

@@ -48,7 +48,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from rollplex_megatron.bench import main as bench_main
 from rollplex_megatron.checkpoint import convert
-from rollplex_megatron.models.qwen25vl.hf import HFCheckpoint
+from rollplex_megatron.models.qwen25vl.hf import HFCheckpoint, atomic_write_text
 from rollplex_megatron.cli.train import main as train_main
 from rollplex_megatron.compat import quiet_known_warnings
 from rollplex_megatron.config import ParallelConfig, check_model_parallel
@@ -241,6 +241,8 @@ def _cmd_make_example(argv: list[str]) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--videos", action="store_true", help="every third row a two-frame video")
     a, overrides = ap.parse_known_args(argv)
+    if a.train_rows < 1 or a.val_rows < 1:
+        raise ValueError(f"--train-rows and --val-rows must be >= 1, got {a.train_rows} and {a.val_rows}")
     out = make_example(a.out, load_run_config(overrides).model, a.train_rows, a.val_rows, a.seed, a.videos)
     train, val = (next(out.glob(f"{name}.*")) for name in ("train", "val"))  # .parquet, or .jsonl without pyarrow
     print(f"train with: python -m rollplex_megatron train train.init_hf={out / 'model'} data.train_files=[{train}] "
@@ -259,10 +261,22 @@ def _checkpoint_args(prog: str, description: str) -> argparse.ArgumentParser:
     return ap
 
 
+def _check_checkpoint_args(a) -> None:
+    """`--step` belongs to `--run`; `--hf-dir` names a Hugging Face directory (a run directory is `--run`'s)."""
+    if a.hf_dir and a.step is not None:
+        raise ValueError(f"--step {a.step} selects a checkpoint of a training run: use it with --run RUN, or drop it "
+                         f"with --hf-dir")
+    if a.hf_dir and not Path(a.hf_dir).is_dir():
+        raise ValueError(f"--hf-dir {a.hf_dir} does not exist; name a Hugging Face Qwen2.5-VL directory")
+    if a.hf_dir and (Path(a.hf_dir) / "checkpoints").is_dir() and not (Path(a.hf_dir) / "config.json").is_file():
+        raise ValueError(f"--hf-dir {a.hf_dir} is a training run directory (it has checkpoints/); use --run {a.hf_dir}")
+
+
 def _eval_config(a, overrides: list[str], tmp: str):
     """The run config of an eval/generate command: the checkpoint as train.init_hf, the val files as rows; with
     `--run`, the run's reading, answering and scoring settings (`RUN_EVAL_SETTINGS`) where the command line does
     not name them. Also returns those taken from the run that differ from the root recipe's."""
+    _check_checkpoint_args(a)
     files = [o.split("=", 1)[1] for o in overrides if o.startswith("data.val_files=")]
     if not files:
         raise ValueError("give the rows to answer: data.val_files=[FILE, ...] (parquet or jsonl, verl's format)")
@@ -281,8 +295,12 @@ def _eval_config(a, overrides: list[str], tmp: str):
 
 def _cmd_eval(argv: list[str]) -> int:
     ap = _checkpoint_args("rollplex eval", "per-data_source scores of a checkpoint on data.val_files")
-    ap.add_argument("--out", default=None, help="write the JSON record here too")
+    ap.add_argument("--out", default=None, help="write the JSON record here too (a new file)")
     a, overrides = ap.parse_known_args(argv)
+    if a.out and Path(a.out).exists():  # checked before the work: a record is never overwritten
+        raise ValueError(f"--out {a.out} exists; choose a new path or remove it")
+    if a.out and not Path(a.out).resolve().parent.is_dir():
+        raise ValueError(f"--out {a.out}: folder {Path(a.out).resolve().parent} does not exist; create it first")
     with tempfile.TemporaryDirectory() as tmp:
         cfg, from_run = _eval_config(a, overrides, tmp)
         # --run without --step: the step the export took (the latest)
@@ -293,7 +311,7 @@ def _cmd_eval(argv: list[str]) -> int:
            "temperature": cfg.val.temperature, "n": cfg.val.n, "settings_from_run": from_run, **rec,
            "env": environment_record()}
     if a.out:
-        Path(a.out).write_text(json.dumps(out, indent=1))
+        atomic_write_text(Path(a.out), json.dumps(out, indent=1))
     for k, v in rec.items():
         if k.startswith("val/"):
             print(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}")
@@ -305,6 +323,8 @@ def _cmd_generate(argv: list[str]) -> int:
     ap = _checkpoint_args("rollplex generate", "a checkpoint's responses to the first rows of data.val_files")
     ap.add_argument("--rows", type=int, default=4, help="how many rows to answer")
     a, overrides = ap.parse_known_args(argv)
+    if a.rows < 1:
+        raise ValueError(f"--rows must be >= 1, got {a.rows}")
     with tempfile.TemporaryDirectory() as tmp:
         cfg, _ = _eval_config(a, overrides, tmp)
         rows = launch_on_ranks(generate_rank, cfg.parallel.world_size, cfg, a.rows)[0]
