@@ -30,6 +30,10 @@ def compose_config(overrides: list[str] | None = None, config_name: str = "confi
                                 f"(pip install -e .)")
     register_configs()
     overrides = list(overrides or [])
+    options = [o for o in overrides if o.startswith("-")]
+    if options:  # an option the command did not take (a typo such as --mdoes) reached the settings
+        raise ValueError(f"unknown option {options[0]}: this command has no such option, and settings are key=value "
+                         f"(`--help` lists the command's options)")
     schemas = [o for o in overrides if "=" in o and "." not in o.split("=", 1)[0]
                and o.split("=", 1)[1].endswith("_schema")]
     if schemas:  # the schemas are registered in the groups' search path, but are not recipes
@@ -42,6 +46,15 @@ def compose_config(overrides: list[str] | None = None, config_name: str = "confi
             return compose(config_name=config_name, overrides=overrides)
     except ConfigCompositionException as e:
         raise ValueError(_override_error(e)) from None
+
+
+def _missing_option_error(group: str, name: str) -> str:
+    """A recipe group's option that does not exist (`mode=rollplx`), as one line with the group's recipes and the
+    closest one (Hydra's text lists the schemas and its search path too)."""
+    options = sorted(p.stem for p in (RECIPES_DIR / group).glob("*.yaml"))
+    close = difflib.get_close_matches(name, options, n=1)
+    hint = f"did you mean {group}={close[0]}? " if close else ""
+    return f"{group}={name}: no such recipe in recipes/{group}/; {hint}choose one of {', '.join(options)}"
 
 
 def _override_error(e: ConfigCompositionException) -> str:
@@ -64,6 +77,9 @@ def _override_error(e: ConfigCompositionException) -> str:
         rest = ".".join(parts[path.count(".") + 1:])
         hint = f"; did you mean {path}{close[0]}{'.' + rest if rest else ''}?" if close else ""
         return f"unknown config key {key!r}{hint} (`rollplex print-config` lists every key)"
+    missing = re.search(r"Could not find '([^'/]+)/([^']+)'", str(e))
+    if missing:
+        return _missing_option_error(*missing.groups())
     bad = re.match(r"Error merging override (\S+)", str(e))
     if bad:
         return f"{bad.group(1)}: {cause}; give a value of the setting's type (`rollplex print-config` shows it)"

@@ -45,6 +45,10 @@ def test_config_errors_name_the_setting(overrides, match):
     (["train.steps=abc"], r"^train.steps=abc: Value 'abc' of type 'str' could not be converted to Integer; give a "),
     (["mode=mode_schema"], r"^mode=mode_schema: mode_schema is the schema of mode, not a recipe; choose one of "
                            r"\['disaggregated', 'prefix_shared', 'rollplex', 'serial'\]"),
+    (["mode=rollplx"], r"^mode=rollplx: no such recipe in recipes/mode/; did you mean mode=rollplex\? choose one of "
+                       r"disaggregated, prefix_shared, rollplex, serial$"),  # Hydra's text lists the schemas too
+    (["--mdoes", "serial"], r"^unknown option --mdoes: this command has no such option, and settings are key=value"),
+    (["+bench=video_lng"], r"^bench=video_lng: no such recipe in recipes/bench/; did you mean bench=video_long\?"),
 ])
 def test_unknown_keys_wrong_types_and_schemas_are_one_line_errors(overrides, match):
     with pytest.raises(ValueError, match=match) as err:
