@@ -272,6 +272,15 @@ def test_empty_dataset_and_missing_settings(tmp_path, example_dir):
     with pytest.raises(ValueError, match=r"data.train_files: .*empty\.jsonl hold no rows"):
         build_source(load_run_config([f"train.init_hf={example_dir / 'model'}",
                                       f"data.train_files=[{tmp_path / 'empty.jsonl'}]"]))
+    for name, data in (("empty.parquet", b""), ("text.parquet", b"prompt,answer\n")):  # not parquet inside
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(ValueError, match=rf"^data file .*{name} is not a readable parquet file \(.*\); write it "
+                                             rf"again, or give the rows as jsonl$"):
+            build_source(load_run_config([f"train.init_hf={example_dir / 'model'}",
+                                          f"data.train_files=[{tmp_path / name}]"]))
+    with pytest.raises(ValueError, match=r"^data\.image_key=imgs: no row of .*train\.parquet has a 'imgs' column "
+                                         r"\(its columns: .*images.*\); set data\.image_key to the column"):
+        build_source(_cfg(example_dir, "data.image_key=imgs"))  # a typo would read as rows without images
     with pytest.raises(ValueError, match="needs the model's processor"):
         build_source(load_run_config([f"data.train_files=[{example_dir / 'train.parquet'}]"]))
     with pytest.raises(ValueError, match=r"reward\.fn.*no_such_module"):

@@ -26,9 +26,10 @@ from rollplex_megatron.data.source import Row, Score
 from rollplex_megatron.prefix.batch import Prompt
 
 try:  # parquet files only (pinned in constraints.txt); jsonl rows and the package itself need no pyarrow
+    import pyarrow as pa
     import pyarrow.parquet as pq
 except ImportError:
-    pq = None
+    pa = pq = None
 
 FORMATS = (".parquet", ".jsonl", ".json")
 STRUCT_COLUMNS = ("reward_model", "extra_info")  # dict columns whose keys vary by row
@@ -64,9 +65,14 @@ def read_rows(path: str) -> list[tuple[str, dict]]:
     if p.suffix == ".parquet":
         if pq is None:
             raise ValueError(f"reading {path} needs pyarrow: pip install pyarrow (or convert the rows to jsonl)")
+        try:
+            table = pq.read_table(p)
+        except (pa.ArrowException, OSError) as e:  # empty, truncated, or another format under a .parquet name
+            raise ValueError(f"data file {path} is not a readable parquet file ({' '.join(str(e).split())}); "
+                             f"write it again, or give the rows as jsonl") from None
         # a struct column gives every row every key of the file: the keys a row does not have come back as None
         return [(f"row {k}", {c: _without_none(v) if c in STRUCT_COLUMNS else v for c, v in row.items()})
-                for k, row in enumerate(pq.read_table(p).to_pylist())]
+                for k, row in enumerate(table.to_pylist())]
     if p.suffix in (".jsonl", ".json"):
         text = p.read_text(encoding="utf-8")
         if p.suffix == ".json" and text.lstrip().startswith("["):  # one JSON array of rows, as `datasets` reads it
@@ -149,7 +155,14 @@ def load_records(files: list[str], keys: tuple[str, str, str], setting: str) -> 
         raise ValueError(f"{setting} is empty: give parquet or jsonl files, e.g. {setting}=[train.parquet]")
     out = []
     for f in files:
-        out += [_record(r, f"{f} {label}", keys, Path(f).parent) for label, r in read_rows(f)]
+        rows = read_rows(f)
+        for setting_name, key, default in (("data.image_key", keys[1], "images"),
+                                           ("data.video_key", keys[2], "videos")):
+            if rows and key != default and not any(key in r for _, r in rows):  # a typo would read as "no media"
+                columns = sorted({c for _, r in rows for c in r})
+                raise ValueError(f"{setting_name}={key}: no row of {f} has a {key!r} column (its columns: "
+                                 f"{', '.join(columns)}); set {setting_name} to the column of the rows' media lists")
+        out += [_record(r, f"{f} {label}", keys, Path(f).parent) for label, r in rows]
     if not out:
         raise ValueError(f"{setting}: {', '.join(files)} hold no rows")
     return out
