@@ -251,8 +251,7 @@ class SGLangConfig:
             raise ValueError(f"rollout.sglang.mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
         if self.window_depth < 1:
             raise ValueError(f"rollout.sglang.window_depth must be >= 1, got {self.window_depth}")
-        if self.timeout_s <= 0 or self.startup_timeout_s <= 0:
-            raise ValueError("rollout.sglang.timeout_s and rollout.sglang.startup_timeout_s must be > 0")
+        at_least(self, "rollout.sglang", ("timeout_s", "startup_timeout_s"), 0, strict=True)
         # set by the project (TP, seed, dtype, the alias loader, seeds honoured, memory release) or breaking its
         # one-scheduler-per-training-TP-rank layout (data / pipeline parallel, another GPU base, a draft model)
         taken = {"model_path", "tp_size", "load_format", "custom_weight_loader", "random_seed", "dtype",
@@ -432,8 +431,7 @@ class WorkloadConfig:
     prefix_pack_tokens: int = 0
 
     def __post_init__(self) -> None:
-        if self.rollout_batch < 1 or self.responses_per_micro_batch < 1:
-            raise ValueError("workload.rollout_batch and workload.responses_per_micro_batch must be >= 1")
+        at_least(self, "workload", ("rollout_batch", "responses_per_micro_batch"), 1)
         if self.micro_batch_tokens < 0:
             raise ValueError(f"workload.micro_batch_tokens must be >= 0, got {self.micro_batch_tokens} (0 packs by "
                              "workload.responses_per_micro_batch)")
@@ -535,6 +533,15 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "se
 REFERENCE_CHOICES = ("auto", "always", "never")  # train.reference (not on/off: YAML reads those as booleans)
 
 
+def at_least(section, path: str, names: tuple[str, ...], low: float, strict: bool = False, note: str = "") -> None:
+    """A one-line error naming the first of `names` (fields of the config `section` at `path`) below `low` (at or
+    below with `strict`), with the value given."""
+    for name in names:
+        value = getattr(section, name)
+        if value < low or (strict and value == low):
+            raise ValueError(f"{path}.{name} must be {'>' if strict else '>='} {low}, got {value}{note}")
+
+
 def flat_settings(d: dict, prefix: str = "", keep_empty: bool = False) -> dict:
     """{dotted setting: value} of a plain (YAML-loaded or to_container) config dict. An empty dict has no key,
     or with `keep_empty` is a setting of its own (`reward.fns: {}`), so a command line that empties a mapping
@@ -573,10 +580,10 @@ class OptimConfig:
             raise ValueError(f"optim.clip_grad must be >= 0, got {self.clip_grad}")
         if self.lr_decay_style not in LR_DECAY_STYLES:
             raise ValueError(f"optim.lr_decay_style must be one of {LR_DECAY_STYLES}, got {self.lr_decay_style!r}")
-        if min(self.lr_warmup_steps, self.lr_decay_steps) < 0 or not 0 <= self.min_lr <= self.lr \
-                or not 0 <= self.lr_warmup_init <= self.lr:
-            raise ValueError("optim.lr_warmup_steps and optim.lr_decay_steps must be >= 0, and optim.min_lr and "
-                             "optim.lr_warmup_init within [0, optim.lr]")
+        at_least(self, "optim", ("lr_warmup_steps", "lr_decay_steps"), 0)
+        for name in ("min_lr", "lr_warmup_init"):
+            if not 0 <= getattr(self, name) <= self.lr:
+                raise ValueError(f"optim.{name} must be within [0, optim.lr={self.lr}], got {getattr(self, name)}")
 
 
 @dataclass(kw_only=True)
@@ -645,8 +652,7 @@ class TrainConfig:
             raise ValueError(f"train.norm_kernel must be auto, triton or torch, got {self.norm_kernel!r}")
         if self.rope_kernel not in ROPE_KERNELS:
             raise ValueError(f"train.rope_kernel must be auto, triton or torch, got {self.rope_kernel!r}")
-        if min(self.kl_coef, self.entropy_coef, self.clip_low, self.clip_high) < 0:
-            raise ValueError("train.kl_coef, train.entropy_coef, train.clip_low and train.clip_high must be >= 0")
+        at_least(self, "train", ("kl_coef", "entropy_coef", "clip_low", "clip_high"), 0)
         if self.reference not in REFERENCE_CHOICES:
             raise ValueError(f"train.reference must be one of {REFERENCE_CHOICES}, got {self.reference!r}")
         if self.reference == "never" and self.kl_coef > 0:
@@ -662,8 +668,7 @@ class TrainConfig:
             raise ValueError(f"train.profile_phases: unknown phase(s) {bad}; the phases are {list(STEP_PHASES)}")
         if self.max_resample_rounds < 0:
             raise ValueError(f"train.max_resample_rounds must be >= 0, got {self.max_resample_rounds}")
-        if self.save_every < 0 or self.val_every < 0:
-            raise ValueError("train.save_every and train.val_every must be >= 0 (0: off)")
+        at_least(self, "train", ("save_every", "val_every"), 0, note=" (0: off)")
         if self.loss_agg_mode not in LOSS_AGG_MODES:
             raise ValueError(f"train.loss_agg_mode must be one of {LOSS_AGG_MODES}, got {self.loss_agg_mode!r}")
         if self.clip_ratio_c and self.clip_ratio_c <= 1:
@@ -699,8 +704,7 @@ class EquivalenceConfig:
             raise ValueError("verify.repeats must be >= 1")
         if not 1 <= self.min_response_len <= self.max_response_len:
             raise ValueError("verify.min_response_len must be >= 1 and <= verify.max_response_len")
-        if self.groups_per_rank < 1 or self.responses_per_micro_batch < 1:
-            raise ValueError("verify.groups_per_rank and verify.responses_per_micro_batch must be >= 1")
+        at_least(self, "verify", ("groups_per_rank", "responses_per_micro_batch"), 1)
 
 
 DATA_TRUNCATION = ("error", "left")
