@@ -17,5 +17,5 @@ nvidia-smi --query-gpu=name,uuid,memory.used,memory.total --format=csv > "$out/b
 status=0
 python3 -m rollplex_megatron bench "$suite" --modes "$modes" --out "$json" "${merge[@]}" "$@" > /tmp/bench.log 2>&1 || status=$?
 grep -v -i warn /tmp/bench.log | tail -40
-cp "$json" runs/bench/BENCHMARKS.md runs/bench/*_profile.json "$out/" 2>/dev/null || true
+cp "$json" "${json%.json}.md" runs/bench/*_profile.json "$out/" 2>/dev/null || true
 exit $status

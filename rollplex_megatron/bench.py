@@ -64,6 +64,25 @@ PHASE_FLOPS = {
 }
 
 
+class BenchModeError(ValueError):
+    """A mode's training process failed (its own last error lines inside): reported as one line, no traceback."""
+
+
+def _merged(path: str) -> dict:
+    """The suite JSON `--merge` names, or a one-line error naming it."""
+    try:
+        prev = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ValueError(f"--merge {path} does not exist; name a suite JSON this command wrote") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--merge {path}: malformed JSON ({e.msg}, line {e.lineno}); name a suite JSON this command "
+                         f"wrote") from None
+    need = ("suite", "machine", "environment", "settings", "modes")
+    if not isinstance(prev, dict) or any(k not in prev for k in need):
+        raise ValueError(f"--merge {path} is not a suite JSON of this command (it needs {', '.join(need)})")
+    return prev
+
+
 def parse_modes(spec: str) -> list[tuple[str, list[str]]]:
     """`serial,rollplex:stream,...` -> [(label, overrides)]; a clear error for an unknown entry."""
     out = []
@@ -83,6 +102,8 @@ def parse_modes(spec: str) -> list[tuple[str, list[str]]]:
                 raise ValueError(f"--modes: {label!r}: two variants set {key}; give one")
             keys.add(key)
             over.append(setting)
+        if any(label == seen for seen, _ in out):
+            raise ValueError(f"--modes: {label!r} is given twice; each mode runs once per suite JSON")
         out.append((label, over))
     if not out:
         raise ValueError("--modes: no mode given")
@@ -193,7 +214,7 @@ def run_mode(suite: str, overrides: list[str], mode_over: list[str], out: Path, 
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env={**os.environ, **env})
     if p.returncode != 0:
         tail = [ln for ln in p.stderr.splitlines() if ln.strip() and "warn" not in ln.lower()][-8:]
-        raise RuntimeError(f"bench: {' '.join(mode_over)} failed (exit {p.returncode}):\n" + "\n".join(tail))
+        raise BenchModeError(f"bench: {' '.join(mode_over)} failed (exit {p.returncode}): " + " | ".join(tail))
     recs = [r for r in read_metrics(out / "metrics.jsonl") if r.get("kind") != "val"]
     return [r for r in recs if r["step"] != profile_step] if profile_step else recs
 
@@ -479,7 +500,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--warmup", type=int, default=2, help="first steps kept apart from the steady figures")
     ap.add_argument("--out", help="the suite's JSON (default benchmarks/results/bench_SUITE.json)")
     ap.add_argument("--merge", help="a JSON of this suite from the same machine: its modes are kept")
-    ap.add_argument("--md", help="BENCHMARKS.md to regenerate from the JSONs beside --out")
+    ap.add_argument("--md", help="the page to regenerate from the JSONs beside --out (default: BENCHMARKS.md for "
+                                 "benchmarks/results, else --out with .md)")
     ap.add_argument("--render", action="store_true", help="only regenerate BENCHMARKS.md from benchmarks/results")
     ap.add_argument("--timeout", type=float, default=None, help="seconds per mode")
     ap.add_argument("--profile", action="store_true",
@@ -488,8 +510,18 @@ def main(argv: list[str]) -> int:
                     help="with --profile: only these phases (comma-separated, e.g. update,ref_logp; default all)")
     a, overrides = ap.parse_known_args(argv)
     if a.render:
-        (Path(a.md) if a.md else ROOT / "BENCHMARKS.md").write_text(render_markdown(RESULTS))
+        if a.suite or overrides:
+            raise ValueError(f"bench --render only regenerates BENCHMARKS.md from {RESULTS.relative_to(ROOT)}: drop "
+                             f"{a.suite or overrides[0]} (or drop --render to run a suite)")
+        if not any(RESULTS.glob("bench_*.json")):
+            raise ValueError(f"bench --render: no bench_*.json under {RESULTS}; nothing to render (BENCHMARKS.md "
+                             f"is left as it is)")
+        atomic_write_text(Path(a.md) if a.md else ROOT / "BENCHMARKS.md", render_markdown(RESULTS))
         return 0
+    if a.warmup < 0:
+        raise ValueError(f"bench: --warmup must be >= 0, got {a.warmup}")
+    if a.timeout is not None and a.timeout <= 0:
+        raise ValueError(f"bench: --timeout must be > 0 seconds, got {a.timeout}")
     if not a.suite or not (RECIPES_DIR / "bench" / f"{a.suite}.yaml").exists():
         have = sorted(p.stem for p in (RECIPES_DIR / "bench").glob("*.yaml"))
         raise ValueError(f"bench: name a suite, one of {have} (recipes/bench/SUITE.yaml)")
@@ -504,7 +536,11 @@ def main(argv: list[str]) -> int:
         raise ValueError(f"bench: train.steps={steps} leaves fewer than 3 steady steps after --warmup {a.warmup}; "
                          f"raise train.steps")
     out = Path(a.out) if a.out else RESULTS / f"bench_{a.suite}.json"
-    prev = json.loads(Path(a.merge).read_text()) if a.merge else None
+    prev = _merged(a.merge) if a.merge else None
+    if prev is not None and prev.get("warmup") != a.warmup:
+        raise ValueError(f"--merge {a.merge}: its modes kept --warmup {prev.get('warmup')} steps apart, this run "
+                         f"{a.warmup}; the steady figures of one JSON share one warm-up: pass --warmup "
+                         f"{prev.get('warmup')}")
     here = machine()
     if prev is not None and (prev["suite"] != a.suite or prev["machine"]["host"] != here["host"]
                              or prev["machine"]["gpu_uuids"] != here["gpu_uuids"]):
@@ -525,8 +561,11 @@ def main(argv: list[str]) -> int:
               "command": command, "commands": (prev or {}).get("commands", []) + [command],
               "environment": env, "machine": here, "warmup": a.warmup, "settings": settings,
               "modes": modes, "ratios": {}, "notes": (prev or {}).get("notes", "")}
+    # the project's BENCHMARKS.md is generated from benchmarks/results only; a JSON elsewhere gets a page of its own
     md = Path(a.md) if a.md else (ROOT / "BENCHMARKS.md" if out.parent.resolve() == RESULTS.resolve()
-                                  else out.parent / "BENCHMARKS.md")
+                                  else out.with_suffix(".md"))
+    if a.md and not md.resolve().parent.is_dir():  # before any mode runs (--out's folder is created)
+        raise ValueError(f"bench: --md {md}: folder {md.resolve().parent} does not exist; create it first")
     with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
         for label, over in specs:
             print(f"bench {a.suite}: {label} ...", flush=True)
@@ -545,7 +584,7 @@ def main(argv: list[str]) -> int:
             window_cost(modes)
             result["ratios"] = ratios(modes)
             _write(out, result)  # after every mode: a later failure or time-out keeps what ran
-            md.write_text(render_markdown(out.parent))
+            atomic_write_text(md, render_markdown(out.parent))
     for k, v in result["ratios"].items():
         print(f"{k}: {v:.2f}x")
     print(out)

@@ -68,7 +68,8 @@ def test_bench_json_schema_and_markdown(tiny_bench):
     assert busy["compiled_frames"] == 0  # nothing is torch.compiled on CPU
     assert {"prefix_recompute", "prefix_backward"} <= set(d["modes"]["rollplex"]["phase_parts_s"]["update"])
     assert not {"prefix_recompute", "prefix_backward"} & set(d["modes"]["serial"]["phase_parts_s"]["update"])
-    md = (tiny_bench.parent / "BENCHMARKS.md").read_text()
+    md = tiny_bench.with_suffix(".md").read_text()  # outside benchmarks/results: a page of its own, named after it
+    assert not (tiny_bench.parent / "BENCHMARKS.md").exists()
     assert "## tiny" in md and "| serial |" in md and "serial/rollplex" in md
     assert "- rollplex, update " in md and "backward by difference" in md and "not in a part" in md
 
@@ -87,6 +88,37 @@ def test_bench_refuses_to_overwrite_and_to_merge_another_machine(tiny_bench, tmp
     (_, overwrite), (_, merge) = [p.communicate(timeout=900) for p in procs]
     assert procs[0].returncode == 1 and "--merge" in overwrite and tiny_bench.read_bytes() == before
     assert procs[1].returncode == 1 and "machine" in merge and not (tmp_path / "m.json").exists()
+
+
+def test_bench_arguments_are_checked_before_any_mode_runs(tiny_bench, tmp_path, capsys):
+    """Bad arguments are one line naming them, before a mode runs; BENCHMARKS.md is never rewritten from nothing."""
+    from rollplex_megatron.cli import main
+
+    (tmp_path / "bad.json").write_text("{")
+    (tmp_path / "list.json").write_text("[1, 2]")
+    cases = [(["bench", "tiny", "--warmup", "-1"], "--warmup must be >= 0, got -1"),
+             (["bench", "tiny", "--timeout", "-5"], "--timeout must be > 0 seconds, got -5.0"),
+             (["bench", "tiny", "--warmup", "1", "--modes", "serial,serial"], "'serial' is given twice"),
+             (["bench", "tiny", "--warmup", "1", "--merge", str(tmp_path / "none.json")], "none.json does not exist"),
+             (["bench", "tiny", "--warmup", "1", "--merge", str(tmp_path / "bad.json")], "bad.json: malformed JSON"),
+             (["bench", "tiny", "--warmup", "1", "--merge", str(tmp_path / "list.json")], "is not a suite JSON"),
+             (["bench", "tiny", "--warmup", "2", "train.steps=5", "--merge", str(tiny_bench), "--out",
+               str(tiny_bench)], "its modes kept --warmup 1 steps apart, this run 2"),
+             (["bench", "tiny", "--warmup", "1", "--md", str(tmp_path / "no" / "x.md"), "--out",
+               str(tmp_path / "x.json")], "x.md: folder"),
+             (["bench", "--render", "tiny"], "bench --render only regenerates BENCHMARKS.md")]
+    for argv, want in cases:
+        assert main(argv) == 1, argv
+        err = capsys.readouterr().err
+        assert want in err and err.startswith("error: ") and err.count("\n") == 1, (argv, err)
+    assert not (tmp_path / "x.json").exists()
+    empty = tmp_path / "results"
+    empty.mkdir()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(bench, "RESULTS", empty)
+        with pytest.raises(ValueError, match="no bench_\\*.json under"):
+            bench.main(["--render", "--md", str(tmp_path / "B.md")])
+    assert not (tmp_path / "B.md").exists()
 
 
 def test_modes_and_lengths_parse():
