@@ -779,8 +779,9 @@ class ValConfig:
     before_train: bool = True  # also evaluate the initial policy (as step 0)
 
     def __post_init__(self) -> None:
-        if self.temperature < 0 or self.n < 1 or self.max_rows < 0:
-            raise ValueError("val.temperature must be >= 0 (0: greedy), val.n >= 1 and val.max_rows >= 0")
+        at_least(self, "val", ("temperature",), 0, note=" (0: greedy)")
+        at_least(self, "val", ("n",), 1)
+        at_least(self, "val", ("max_rows",), 0, note=" (0: all)")
 
 
 @dataclass(kw_only=True)
@@ -842,6 +843,13 @@ class RunConfig:
                              f"0 and nothing trains; set rollout.group_size >= 2")
         if n % g:
             raise ValueError(f"rollout.group_size ({g}) must divide workload.rollout_batch ({n})")
+        t = self.train
+        if t.profile_step > t.steps:
+            raise ValueError(f"train.profile_step={t.profile_step} is after the run's last step (train.steps="
+                             f"{t.steps}), so nothing would be profiled; choose a step in 1..{t.steps}")
+        if t.profile_phases and not t.profile_step:
+            raise ValueError("train.profile_phases chooses the phases train.profile_step profiles; set "
+                             "train.profile_step=K too")
         decay = self.optim.lr_decay_steps or self.train.steps
         if self.optim.lr_warmup_steps >= decay:
             raise ValueError(f"optim.lr_warmup_steps ({self.optim.lr_warmup_steps}) must be below the decay length "

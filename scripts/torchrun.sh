@@ -13,6 +13,9 @@
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 n=${1:?usage: torchrun.sh NPROC_PER_NODE COMMAND [args...]}; shift
+if ! [[ "$n" =~ ^[1-9][0-9]*$ ]]; then
+  echo "torchrun.sh: NPROC_PER_NODE=$n is not a process count (a positive integer)" >&2; exit 2
+fi
 py=${PYTHON_BIN:-$root/.venv/bin/python}
 [ -x "$py" ] || py=python3
 if [ -z "${NNODES:-}" ] && [ -n "${SLURM_NNODES:-}" ] && [ "${SLURM_NNODES}" -gt 1 ]; then
@@ -27,6 +30,9 @@ if [ -z "${NNODES:-}" ] || [ "$NNODES" -eq 1 ]; then
   exec "$py" -m torch.distributed.run --standalone --nproc_per_node "$n" -m rollplex_megatron "$@"
 fi
 : "${NODE_RANK:?NNODES=$NNODES needs NODE_RANK (0..NNODES-1) on every node}"
+if ! [[ "$NODE_RANK" =~ ^[0-9]+$ ]] || [ "$NODE_RANK" -ge "$NNODES" ]; then
+  echo "torchrun.sh: NODE_RANK=$NODE_RANK is not in 0..$((NNODES - 1)) (NNODES=$NNODES)" >&2; exit 2
+fi
 : "${RDZV_ENDPOINT:?NNODES=$NNODES needs RDZV_ENDPOINT=host:port of node 0}"
 [[ "$RDZV_ENDPOINT" == *:* ]] || RDZV_ENDPOINT="$RDZV_ENDPOINT:${RDZV_PORT:-29500}"
 exec "$py" -m torch.distributed.run --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc_per_node "$n" \

@@ -27,6 +27,7 @@ from rollplex_megatron.recipes import load_run_config
     (["train.kl_coef=0.1", "train.clip_high=-1"], r"^train.clip_high must be >= 0, got -1.0$"),
     (["train.save_every=-1"], r"^train.save_every must be >= 0, got -1 \(0: off\)$"),
     (["optim.min_lr=0.5"], r"^optim.min_lr must be within \[0, optim.lr=0.0005\], got 0.5$"),
+    (["val.n=0"], r"^val.n must be >= 1, got 0$"),
     (["train.logprob_kernel=fast"], r"train.logprob_kernel must be auto, triton or torch, got 'fast'"),
     (["train.norm_kernel=fused"], r"train.norm_kernel must be auto, triton or torch, got 'fused'"),
     (["train.rope_kernel=fast"], r"train.rope_kernel must be auto, triton or torch, got 'fast'"),
@@ -142,3 +143,11 @@ def test_command_arguments_are_checked_before_any_work(tmp_path, tiny_hf, capsys
         err = capsys.readouterr().err
         assert want in err and err.startswith("error: ") and err.count("\n") == 1, (argv, err)
     assert existing.read_text() == "{}" and not (tmp_path / "ex").exists() and not (tmp_path / "o").exists()
+
+
+def test_a_profile_that_would_never_run_is_refused():
+    with pytest.raises(ValueError, match=r"^train\.profile_step=5 is after the run's last step \(train\.steps=2\)"):
+        load_run_config(["train.steps=2", "train.profile_step=5"]).check_training()
+    with pytest.raises(ValueError, match=r"^train\.profile_phases chooses the phases train\.profile_step profiles"):
+        load_run_config(["train.profile_phases=[update]"]).check_training()
+    load_run_config(["train.steps=2", "train.profile_step=2", "train.profile_phases=[update]"]).check_training()
