@@ -283,8 +283,9 @@ def _eval_config(a, overrides: list[str], tmp: str):
     hf = a.hf_dir or str(convert.train_to_hf(a.run, f"{tmp}/export", a.step))
     cfg = load_run_config([*overrides, f"train.init_hf={hf}", f"data.train_files={files[-1]}"])  # rows are checked
     from_run = {}
-    if a.run:
-        cfg, from_run = run_eval_config(cfg, overrides, convert.checkpoint_config(a.run, a.step))
+    if a.run:  # the config of the checkpoint just exported (--step, or the latest then)
+        step = json.loads((Path(hf) / convert.EXPORT_META).read_text())["step"]
+        cfg, from_run = run_eval_config(cfg, overrides, convert.checkpoint_config(a.run, step))
         if from_run:
             print(f"from the run ({a.run}): {' '.join(f'{k}={v}' for k, v in sorted(from_run.items()))}",
                   file=sys.stderr)
