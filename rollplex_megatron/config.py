@@ -17,6 +17,15 @@ TASK_MAX_OBJECTS = 8  # one colour per object
 VOCAB_DIVISIBLE_BY = 128
 
 
+def at_least(section, path: str, names: tuple[str, ...], low: float, strict: bool = False, note: str = "") -> None:
+    """A one-line error naming the first of `names` (fields of the config `section` at `path`) below `low` (at or
+    below with `strict`), with the value given."""
+    for name in names:
+        value = getattr(section, name)
+        if value < low or (strict and value == low):
+            raise ValueError(f"{path}.{name} must be {'>' if strict else '>='} {low}, got {value}{note}")
+
+
 @dataclass(kw_only=True)
 class VisionConfig:
     """Qwen2.5-VL vision tower shape."""
@@ -531,15 +540,6 @@ class PlanConfig:
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")  # megatron's OptimizerParamScheduler
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")  # verl's
 REFERENCE_CHOICES = ("auto", "always", "never")  # train.reference (not on/off: YAML reads those as booleans)
-
-
-def at_least(section, path: str, names: tuple[str, ...], low: float, strict: bool = False, note: str = "") -> None:
-    """A one-line error naming the first of `names` (fields of the config `section` at `path`) below `low` (at or
-    below with `strict`), with the value given."""
-    for name in names:
-        value = getattr(section, name)
-        if value < low or (strict and value == low):
-            raise ValueError(f"{path}.{name} must be {'>' if strict else '>='} {low}, got {value}{note}")
 
 
 def flat_settings(d: dict, prefix: str = "", keep_empty: bool = False) -> dict:

@@ -135,15 +135,24 @@ def absolute_data_paths(cfg: RunConfig) -> RunConfig:
 SUBTREE_GROUPS = ("mode", "model", "parallel", "task", "workload", "memory")
 
 
+def named_keys(overrides: list[str]) -> set[str]:
+    """The dotted keys a command line's `key=value` overrides name (`+` / `~` forms included)."""
+    return {o.lstrip("+~").split("=", 1)[0] for o in overrides if "=" in o}
+
+
+def _settings(cfg) -> dict:
+    """{dotted setting: value} of a RunConfig (or its OmegaConf form), an empty mapping kept as a setting."""
+    node = cfg if OmegaConf.is_config(cfg) else OmegaConf.structured(cfg)
+    return flat_settings(OmegaConf.to_container(node), keep_empty=True)
+
+
 def resumed_config(cfg: RunConfig, overrides: list[str], saved_yaml: str) -> RunConfig:
     """The config of a resumed run: the saved run's (`saved_yaml`, its checkpoint's) with what this command line
     sets explicitly on top, so `train.resume=true train.out=DIR train.steps=N` continues the run whatever
     overrides started it. Explicit: every dotted key given (`train.steps=N`, `memory.plan=keep`), the subtree of a
     group chosen (`mode=serial`: mode.*), and whatever else the command line's composition (`cfg`) sets apart from
     the root recipe's. The resume check then refuses what may not change."""
-    new = flat_settings(OmegaConf.to_container(OmegaConf.structured(cfg)), keep_empty=True)
-    default = flat_settings(OmegaConf.to_container(OmegaConf.structured(load_run_config([]))), keep_empty=True)
-    keys = {o.lstrip("+~").split("=", 1)[0] for o in overrides if "=" in o}
+    new, default, keys = _settings(cfg), _settings(load_run_config([])), named_keys(overrides)
     explicit = {k for k in new if k in keys or any(k.startswith(f"{g}.") for g in keys & set(SUBTREE_GROUPS))
                 or new[k] != default.get(k)}
     merged = OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.create(saved_yaml))
@@ -165,10 +174,8 @@ def run_eval_config(cfg: RunConfig, overrides: list[str], saved_yaml: str) -> tu
     `RUN_EVAL_SETTINGS` (from `saved_yaml`, the checkpoint's config) wherever the command line does not name them,
     so `eval --run RUN` scores as the run's own validation did. Also returns what was taken that differs from the
     root recipe's (recorded with the result)."""
-    saved = flat_settings(OmegaConf.to_container(OmegaConf.merge(OmegaConf.structured(RunConfig),
-                                                                 OmegaConf.create(saved_yaml))), keep_empty=True)
-    default = flat_settings(OmegaConf.to_container(OmegaConf.structured(load_run_config([]))), keep_empty=True)
-    named = {o.lstrip("+~").split("=", 1)[0] for o in overrides if "=" in o}
+    saved = _settings(OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.create(saved_yaml)))
+    default, named = _settings(load_run_config([])), named_keys(overrides)
 
     def taken(k: str) -> bool:
         return (k.startswith(tuple(s for s in RUN_EVAL_SETTINGS if s.endswith("."))) or k in RUN_EVAL_SETTINGS) \

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rollplex_megatron.config import RunConfig
+from rollplex_megatron.config import DataConfig, RunConfig
 from rollplex_megatron.data.processor import VLProcessor
 from rollplex_megatron.data.rewards import RewardRegistry
 from rollplex_megatron.data.source import Row, Score
@@ -156,8 +156,8 @@ def load_records(files: list[str], keys: tuple[str, str, str], setting: str) -> 
     out = []
     for f in files:
         rows = read_rows(f)
-        for setting_name, key, default in (("data.image_key", keys[1], "images"),
-                                           ("data.video_key", keys[2], "videos")):
+        for setting_name, key, default in (("data.image_key", keys[1], DataConfig.image_key),
+                                           ("data.video_key", keys[2], DataConfig.video_key)):
             if rows and key != default and not any(key in r for _, r in rows):  # a typo would read as "no media"
                 columns = sorted({c for _, r in rows for c in r})
                 raise ValueError(f"{setting_name}={key}: no row of {f} has a {key!r} column (its columns: "
