@@ -534,7 +534,7 @@ def main(argv: list[str]) -> int:
     steps = cfg.train.steps
     if steps < a.warmup + 3:
         raise ValueError(f"bench: train.steps={steps} leaves fewer than 3 steady steps after --warmup {a.warmup}; "
-                         f"raise train.steps")
+                         f"raise train.steps to {a.warmup + 3} or lower --warmup")
     out = Path(a.out) if a.out else RESULTS / f"bench_{a.suite}.json"
     prev = _merged(a.merge) if a.merge else None
     if prev is not None and prev.get("warmup") != a.warmup:

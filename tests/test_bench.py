@@ -19,7 +19,7 @@ def _bench(*args):
 def tiny_bench(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "bench_tiny.json"
     p = _bench("--warmup", "1", "--modes", "serial,rollplex", "--out", str(out), "--profile", "--profile-phases",
-               "rollout,update")
+               "rollout,update", "train.steps=4")
     assert p.returncode == 0, p.stderr[-3000:]
     return out
 
@@ -99,7 +99,10 @@ def test_bench_arguments_are_checked_before_any_mode_runs(tiny_bench, tmp_path, 
     cases = [(["bench", "tiny", "--warmup", "-1"], "--warmup must be >= 0, got -1"),
              (["bench", "tiny", "--timeout", "-5"], "--timeout must be > 0 seconds, got -5.0"),
              (["bench", "tiny", "--warmup", "1", "--modes", "serial,serial"], "'serial' is given twice"),
-             (["bench", "tiny", "--warmup", "1", "--merge", str(tmp_path / "none.json")], "none.json does not exist"),
+             (["bench", "tiny", "--warmup", "3"], "train.steps=5 leaves fewer than 3 steady steps after --warmup 3; "
+                                                  "raise train.steps to 6 or lower --warmup"),
+             # the suite's own steps fit the default --warmup: the refusal is the merge file's, made after that check
+             (["bench", "tiny", "--merge", str(tmp_path / "none.json")], "none.json does not exist"),
              (["bench", "tiny", "--warmup", "1", "--merge", str(tmp_path / "bad.json")], "bad.json: malformed JSON"),
              (["bench", "tiny", "--warmup", "1", "--merge", str(tmp_path / "list.json")], "is not a suite JSON"),
              (["bench", "tiny", "--warmup", "2", "train.steps=5", "--merge", str(tiny_bench), "--out",
