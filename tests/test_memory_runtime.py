@@ -1,6 +1,7 @@
 """The memory manager at run time: bit-exact offload round trips, the same update with the phase plan
 as with everything resident, prefix recompute against the saved graph, the budget check, and the
 planner's activation count against autograd's saved tensors."""
+import re
 import subprocess
 import sys
 
@@ -153,6 +154,8 @@ def test_budget_error_names_the_class_and_fires_before_models_are_built(tmp_path
     p = subprocess.run([sys.executable, "-m", "rollplex_megatron", "train", "memory.budget_gib=0.0001",
                         "train.steps=1", f"run_dir={runs}"], capture_output=True, text=True, timeout=300)
     assert p.returncode != 0 and "over memory.budget_gib=0.0001" in p.stderr and "to fit:" in p.stderr
+    need = re.search(r"plan needs ([0-9.e-]+) GiB", p.stderr)  # the tiny model's MiBs, not a bare "0.0"
+    assert need and 0.0001 < float(need.group(1)) < 1, p.stderr
     assert not any(runs.iterdir())  # the refused start removed the run directory it had created and locked
 
 

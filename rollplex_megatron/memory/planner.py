@@ -492,6 +492,11 @@ RUNTIME_FIXES = {  # the trainer honours no plan.* setting: only what its own co
 RELEASED_BY_PHASE_PLAN = {"main_weights", "optimizer_states", "grads", "reference_weights", "actor_prefix_graph"}
 
 
+def gib_text(x: float) -> str:
+    """A GiB figure for a message: one decimal, or three significant digits below 1 GiB (never a bare 0.0)."""
+    return f"{x:.1f}" if x >= 1 else f"{x:.3g}"
+
+
 def check_budget(summary: dict, budget_gib: float, mode: str, runtime: bool = False) -> None:
     """Fail, naming the largest class of the peak phase and what would free it, when over budget.
 
@@ -504,8 +509,9 @@ def check_budget(summary: dict, budget_gib: float, mode: str, runtime: bool = Fa
     fix = fixes.get(top[0], "a larger parallel.tp/pp or a smaller workload")
     if top[0] in RELEASED_BY_PHASE_PLAN and summary["classes"][top[0]]["action"] == "keep":
         fix = f"memory.plan=phase (releases it outside its phases), or {fix}"
-    raise ValueError(f"{mode} plan needs {summary['peak_gib']:.1f} GiB in phase {phase!r}, over memory.budget_gib="
-                     f"{budget_gib:g}; the largest class there is {top[0]} ({top[1]:.1f} GiB); to fit: {fix}")
+    raise ValueError(f"{mode} plan needs {gib_text(summary['peak_gib'])} GiB in phase {phase!r}, over "
+                     f"memory.budget_gib={budget_gib:g}; the largest class there is {top[0]} ({gib_text(top[1])} "
+                     f"GiB); to fit: {fix}")
 
 
 def plan_memory(cfg: RunConfig) -> dict:

@@ -17,7 +17,7 @@ from rollplex_megatron.config import RunConfig
 from rollplex_megatron.data import build_source
 from rollplex_megatron.dist import ParallelLayouts, default_group_is_train_world, init_parallel, layouts, train_world
 from rollplex_megatron.memory.manager import MemoryManager
-from rollplex_megatron.memory.planner import (ahead_phases, auto_release, check_budget, pack_groups, plan,
+from rollplex_megatron.memory.planner import (ahead_phases, auto_release, check_budget, gib_text, pack_groups, plan,
                                               releasable, released, rollout_rank_plan, runtime_cfg, runtime_plan,
                                               summarize, workload_shape)
 from rollplex_megatron.models.qwen25vl import build_model
@@ -130,7 +130,7 @@ def memory_plan(cfg: RunConfig, source) -> dict:
         if cfg.memory.plan == "phase":
             raise
         alt = summarize(plan(runtime_cfg(cfg), cfg.mode.name, "phase", "embedded", shape), cfg.mode.name)["peak_gib"]
-        raise ValueError(f"{e}; memory.plan=phase would need {alt:.1f} GiB") from None
+        raise ValueError(f"{e}; memory.plan=phase would need {gib_text(alt)} GiB") from None
     return {**summary, "shape": vars(shape), "released": [n for n in releasable(cfg) if n in released(cfg.memory.plan)]}
 
 
