@@ -348,14 +348,30 @@ def _cmd_window_policy(argv: list[str]) -> int:
                                  description="mode.window=auto's table from a decode-window benchmark JSON")
     ap.add_argument("--from", dest="src", required=True, help="benchmarks/decode_window.py's output JSON")
     ap.add_argument("--margin", type=float, default=MARGIN, help="share by which a mechanism must beat interleave")
-    ap.add_argument("--out", default=str(POLICY_PATH), help="where to write the table (default: the shipped one)")
+    ap.add_argument("--out", default=str(POLICY_PATH), help="where to write the table (default: the table shipped with the package, which "
+                                          "mode.window=auto reads)")
     a = ap.parse_args(argv)
     src = Path(a.src)
     if not src.is_file():
         print(f"window-policy: {src} does not exist; pass the decode-window benchmark's JSON", file=sys.stderr)
         return 2
-    table = build_policy(json.loads(src.read_text()), a.src, a.margin)
-    Path(a.out).write_text(json.dumps(table, indent=1) + "\n")
+    if not 0 <= a.margin < 1:
+        raise ValueError(f"window-policy: --margin is the share by which a mechanism must beat interleave, in [0, 1); "
+                         f"got {a.margin:g}")
+    try:
+        bench = json.loads(src.read_text())
+        table = build_policy(bench, a.src, a.margin)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"window-policy: {src} is not JSON ({e}); pass benchmarks/decode_window.py's output") from None
+    except (KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"window-policy: {src} is not a decode-window benchmark JSON ({type(e).__name__}: {e}); "
+                         f"pass benchmarks/decode_window.py's output") from None
+    out = Path(a.out)
+    if not out.parent.is_dir():
+        raise ValueError(f"window-policy: --out {out}: folder {out.parent} does not exist")
+    atomic_write_text(out, json.dumps(table, indent=1) + "\n")
+    shipped = out.resolve() == POLICY_PATH.resolve()
+    print(f"wrote {out}" + (" (the table shipped with the package: mode.window=auto reads it)" if shipped else ""))
     for r in table["rows"]:
         print(f"{r['case']}: {r['mechanism']} ({', '.join(f'{k} {v:.3f}s' for k, v in r['wall_s'].items())})")
     return 0
