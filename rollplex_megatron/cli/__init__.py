@@ -348,8 +348,9 @@ def _cmd_window_policy(argv: list[str]) -> int:
                                  description="mode.window=auto's table from a decode-window benchmark JSON")
     ap.add_argument("--from", dest="src", required=True, help="benchmarks/decode_window.py's output JSON")
     ap.add_argument("--margin", type=float, default=MARGIN, help="share by which a mechanism must beat interleave")
-    ap.add_argument("--out", default=str(POLICY_PATH), help="where to write the table (default: the table shipped with the package, which "
-                                          "mode.window=auto reads)")
+    ap.add_argument("--out", default=str(POLICY_PATH),
+                    help="where to write the table (default: the table shipped with the package, which "
+                         "mode.window=auto reads)")
     a = ap.parse_args(argv)
     src = Path(a.src)
     if not src.is_file():
