@@ -119,3 +119,13 @@ def test_plan_weights_cli_json():
     assert {"full_copy_bytes", "allocated_bytes", "by_kind"} <= set(s)
     assert s["by_kind"]["llm.self_attention.linear_qkv.weight"]["class"] == "view"
     assert 0 < s["allocated_bytes"] < s["full_copy_bytes"]
+
+
+def test_plan_weights_cli_refuses_a_bad_element_size(capsys):
+    from rollplex_megatron.cli import main
+
+    for bad in ("0", "x", "3"):
+        assert main(["plan-weights", f"dtype_bytes={bad}"]) == 1
+        err = capsys.readouterr().err
+        assert f"dtype_bytes={bad} is the rollout weights' bytes per element" in err and err.count("\n") == 1, err
+    assert main(["plan-weights", "dtype_bytes=4"]) == 0  # fp32 rollout weights are a plan, not an error

@@ -162,6 +162,9 @@ def _cmd_plan_weights(argv: list[str]) -> int:
             own[key] = value
         else:
             overrides.append(item)
+    if own["dtype_bytes"] not in ("1", "2", "4"):
+        raise ValueError(f"plan-weights: dtype_bytes={own['dtype_bytes']} is the rollout weights' bytes per element: "
+                         f"1 (fp8), 2 (bf16/fp16) or 4 (fp32)")
     cfg = load_run_config(overrides)
     s = plan_weights(cfg.model, cfg.parallel.tp, cfg.rollout.tp or cfg.parallel.tp, own["layout"],
                      int(own["dtype_bytes"]), own["mapping"]).summary()
