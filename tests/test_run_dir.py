@@ -339,6 +339,11 @@ def test_checkpoint_errors_name_model_type_file_and_tensor(tiny_hf, tmp_path):
     f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
     with pytest.raises(H.CheckpointError, match=f"{f.name}: not a readable safetensors file.*truncated"):
         H.HFCheckpoint(trunc).model_config()
+    cut = _hf_copy(tiny_hf, tmp_path / "cut")
+    text = (cut / "config.json").read_text()
+    (cut / "config.json").write_text(text[: len(text) // 2])
+    with pytest.raises(H.CheckpointError, match=f"{cut / 'config.json'}: not valid JSON .*truncated or damaged"):
+        H.HFCheckpoint(cut)
     wide = _hf_copy(tiny_hf, tmp_path / "wide", lambda c: c["text_config"].update(hidden_size=128))
     with pytest.raises(H.CheckpointError, match=r"embed_tokens.weight the shape \(320, 128\), but the tensor "
                                                 r"has \(320, 64\)"):

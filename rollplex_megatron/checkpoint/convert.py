@@ -71,7 +71,7 @@ def read_meta(mcore_dir: str | os.PathLike) -> dict:
     path = Path(mcore_dir) / META
     if not path.is_file():
         raise H.CheckpointError(f"{mcore_dir}: no {META}; not a rollplex megatron checkpoint")
-    meta = json.loads(path.read_text())
+    meta = H.read_json(path)
     if meta.get("format") != FORMAT:
         raise H.CheckpointError(f"{path}: format {meta.get('format')!r}, expected {FORMAT!r}")
     return meta
@@ -190,7 +190,7 @@ def train_to_hf(run_dir: str | os.PathLike, out_dir: str | os.PathLike, step: in
         raise H.CheckpointError(f"the run started from train.init_hf={init}, which has no config.json now; the "
                                 f"export takes that checkpoint's config and processor files: put it back at that path")
     if init is not None:
-        hf_config = json.loads((init / "config.json").read_text())
+        hf_config = H.read_json(init / "config.json")
         if not _same_model(H.model_config_from_hf(hf_config), cfg.model):
             raise H.CheckpointError(f"{init}/config.json no longer describes the run's model; it was changed "
                                     f"after training")

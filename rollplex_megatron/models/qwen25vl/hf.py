@@ -23,6 +23,15 @@ class CheckpointError(ValueError):
     """A checkpoint does not match the model: names the tensor and the numbers."""
 
 
+def read_json(path: Path):
+    """A checkpoint's JSON file; a truncated or malformed one is a CheckpointError naming it."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e}); the file is truncated or damaged: copy it again from "
+                              f"its source") from None
+
+
 SUPPORTED_MODEL_TYPES = {"qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
 
 
@@ -78,11 +87,11 @@ class HFCheckpoint:
         self.path = Path(path)
         if not (self.path / "config.json").is_file():
             raise CheckpointError(f"{self.path}: no config.json (expected a Hugging Face model directory)")
-        self.raw_config = json.loads((self.path / "config.json").read_text())
+        self.raw_config = read_json(self.path / "config.json")
         check_model_type(self.raw_config, f"{self.path / 'config.json'}")
         self._handles: dict[str, object] = {}
         if (self.path / INDEX).is_file():
-            wmap = json.loads((self.path / INDEX).read_text())["weight_map"]
+            wmap = read_json(self.path / INDEX)["weight_map"]
             for f in sorted(set(wmap.values())):
                 self._open(f)  # headers only: a missing or truncated file fails here, by name
         else:
