@@ -275,12 +275,18 @@ def check_tp_in_node(tp: int, world: int, per_node: int) -> None:
                          f"group would span nodes; launch a multiple of {tp} processes per node")
 
 
-def check_world_size(world_size: int, what: str = "parallel.tp*parallel.pp*parallel.dp") -> None:
-    """Under torchrun, the launched process count must be the layout's: a run records what ran."""
-    if under_torchrun() and int(os.environ["WORLD_SIZE"]) != world_size:
-        raise ValueError(f"launched {os.environ['WORLD_SIZE']} processes but {what} = {world_size}; "
-                         f"launch {world_size} processes or set parallel.dp so that tp*pp*dp equals the "
-                         f"process count")
+def check_world_size(parallel) -> None:
+    """Under torchrun, the launched process count must be the layout's (`ParallelConfig.world_size`, the
+    rollout's own ranks included under mode=disaggregated): a run records what ran."""
+    if not under_torchrun() or int(os.environ["WORLD_SIZE"]) == parallel.world_size:
+        return
+    p, n = parallel, parallel.world_size
+    layout = f"parallel.tp*parallel.pp*parallel.dp = {p.tp}*{p.pp}*{p.dp}"
+    if p.rollout_ranks:
+        layout += f" plus parallel.rollout_ranks={p.rollout_ranks}"
+    fix = "parallel.dp (or parallel.rollout_ranks)" if p.rollout_ranks else "parallel.dp"
+    raise ValueError(f"launched {os.environ['WORLD_SIZE']} processes but {layout} = {n}; launch {n} processes or "
+                     f"set {fix} so that the layout equals the process count")
 
 
 def exit_with_parent(poll_s: float = 0.2) -> None:

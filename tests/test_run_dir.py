@@ -294,8 +294,24 @@ def test_launched_process_count_must_match_the_layout(tmp_path):
     env = {**os.environ, "PYTHON_BIN": sys.executable}
     p = subprocess.run(["bash", str(script), "2", *SMALL, "train.steps=1", f"train.out={tmp_path / 'x'}"],
                        capture_output=True, text=True, timeout=600, env=env)
-    assert p.returncode != 0 and "launched 2 processes but parallel.tp*parallel.pp*parallel.dp = 1" in p.stderr
+    assert p.returncode != 0 and "launched 2 processes but parallel.tp*parallel.pp*parallel.dp = 1*1*1 = 1;" in p.stderr
     assert not (tmp_path / "x" / "metrics.jsonl").exists()
+
+
+def test_process_count_check_counts_the_rollout_ranks(monkeypatch):
+    """mode=disaggregated: the rollout's own ranks are part of the count the launch must match, and said so."""
+    from rollplex_megatron.config import ParallelConfig
+    from rollplex_megatron.dist import check_world_size
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    p = ParallelConfig(tp=2, rollout_ranks=1)
+    with pytest.raises(ValueError, match=r"launched 2 processes but parallel.tp\*parallel.pp\*parallel.dp = 2\*1\*1 "
+                                         r"plus parallel.rollout_ranks=1 = 3; launch 3 processes or set parallel.dp "
+                                         r"\(or parallel.rollout_ranks\)"):
+        check_world_size(p)
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    check_world_size(p)  # tp*pp*dp + rollout_ranks processes: the layout
 
 
 @pytest.mark.parametrize("override,match", [

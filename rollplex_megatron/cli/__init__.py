@@ -292,7 +292,7 @@ def _eval_config(a, overrides: list[str], tmp: str):
         if from_run:
             print(f"from the run ({a.run}): {' '.join(f'{k}={v}' for k, v in sorted(from_run.items()))}",
                   file=sys.stderr)
-    check_world_size(cfg.parallel.world_size)
+    check_world_size(cfg.parallel)
     DatasetSource(cfg, training=False)  # every row checked before a process starts
     return cfg, from_run
 

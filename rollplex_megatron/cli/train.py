@@ -119,7 +119,7 @@ def _config(overrides: list[str], modes: list[str] | None) -> RunConfig:
     if modes and "disaggregated" in modes:
         raise ValueError("--modes: disaggregated runs on parallel.rollout_ranks more processes than the other modes; "
                          "train it in a launch of its own (mode=disaggregated parallel.rollout_ranks=N)")
-    check_world_size(cfg.parallel.world_size)
+    check_world_size(cfg.parallel)
     check_tracking(cfg.train.wandb)
     build_source(cfg)  # bad data settings (a task/model mismatch, ...) fail before any process starts
     return cfg
