@@ -45,3 +45,18 @@ def test_sglang_settings_fail_up_front(overrides, match):
 
     with pytest.raises(Exception, match=match):
         load_run_config(overrides)
+
+
+def test_train_without_sglang_fails_before_any_work(tmp_path, monkeypatch, capsys):
+    """rollout.engine=sglang where SGLang is not importable: one line before a run directory or a model exists."""
+    import sys
+
+    from rollplex_megatron.cli import main
+
+    monkeypatch.setitem(sys.modules, "sglang", None)  # import fails as where it is not installed
+    runs = tmp_path / "runs"
+    assert main(["train", "rollout.engine=sglang", "rollout.sglang.model_path=x", "train.steps=1",
+                 f"run_dir={runs}"]) == 1
+    err = capsys.readouterr().err
+    assert "rollout.engine=sglang needs SGLang in this environment" in err and err.count("\n") == 1, err
+    assert not runs.exists()

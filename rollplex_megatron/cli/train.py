@@ -26,6 +26,7 @@ from rollplex_megatron.dist import check_world_size, exit_with_parent, launch_on
 from rollplex_megatron.models.qwen25vl.hf import atomic_write_text
 from rollplex_megatron.recipes import load_run_config, resumed_config, to_yaml
 from rollplex_megatron.report import plot_runs, read_metrics, summarize
+from rollplex_megatron.rollout.sglang.engine import import_sglang
 from rollplex_megatron.trainer.loop import train_rank
 from rollplex_megatron.trainer.modes import MODES
 from rollplex_megatron.trainer.tracking import check_tracking
@@ -121,6 +122,8 @@ def _config(overrides: list[str], modes: list[str] | None) -> RunConfig:
                          "train it in a launch of its own (mode=disaggregated parallel.rollout_ranks=N)")
     check_world_size(cfg.parallel)
     check_tracking(cfg.train.wandb)
+    if cfg.rollout.engine == "sglang":
+        import_sglang()  # missing or too old: one line before any process starts or the model is built
     build_source(cfg)  # bad data settings (a task/model mismatch, ...) fail before any process starts
     return cfg
 
