@@ -73,6 +73,9 @@ def _override_error(e: ConfigCompositionException) -> str:
         parts = key.split(".")
         wrong = parts[path.count(".")]  # the first part that names no field
         names = [f.name for f in dataclasses.fields(node)] if dataclasses.is_dataclass(node) else []
+        if wrong in names:  # a field that is a free mapping (e.g. rollout.sglang.engine_args): new keys take `+`
+            return (f"{path}{wrong} is a mapping whose keys are yours: add {key!r} with +{key}=VALUE (Hydra's "
+                    f"syntax for a key the recipe does not have)")
         close = difflib.get_close_matches(wrong, names, n=1)
         rest = ".".join(parts[path.count(".") + 1:])
         hint = f"; did you mean {path}{close[0]}{'.' + rest if rest else ''}?" if close else ""
