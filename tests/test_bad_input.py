@@ -46,8 +46,9 @@ def test_config_errors_name_the_setting(overrides, match):
     (["model.bogus=1"], r"^unknown config key 'model.bogus' \(`rollplex print-config`"),
     (["train.stepz=2"], r"^unknown config key 'train.stepz'; did you mean train.steps\?"),  # Hydra: "use +train..."
     (["trian.steps=2"], r"^unknown config key 'trian.steps'; did you mean train.steps\?"),
-    (["rollout.sglang.engine_args.mem=1"], r"^rollout.sglang.engine_args is a mapping whose keys are yours: add "
-                                           r"'rollout.sglang.engine_args.mem' with \+rollout.sglang.engine_args.mem=VALUE"),
+    (["rollout.sglang.engine_args.mem=1"],
+     r"^rollout.sglang.engine_args is a mapping whose keys are yours: add 'rollout.sglang.engine_args.mem' with "
+     r"\+rollout.sglang.engine_args.mem=VALUE"),
     (["+train.stepz=2"], r"did you mean train.steps\?"),
     (["train.steps=abc"], r"^train.steps=abc: Value 'abc' of type 'str' could not be converted to Integer; give a "),
     (["mode=mode_schema"], r"^mode=mode_schema: mode_schema is the schema of mode, not a recipe; choose one of "

@@ -93,6 +93,16 @@ def test_verify_equivalence_cli():
     assert (res["tp"], res["pp"], res["dp"]) == (2, 2, 1) and res["ok"]
 
 
+def test_verify_equivalence_hf_dir_takes_the_checkpoints_model(tiny_hf, capsys):
+    """--hf-dir sets the model as train.init_hf does: a model= preset that disagrees is refused, not ignored."""
+    from rollplex_megatron.cli import main
+
+    assert main(["verify-equivalence", "--hf-dir", str(tiny_hf), "model=qwen2_5_vl_3b"]) == 1
+    err = capsys.readouterr().err
+    assert "(from model=qwen2_5_vl_3b) disagrees with" in err and "--hf-dir sets the model" in err, err
+    assert err.count("\n") == 1
+
+
 def test_bf16_gradient_rule_is_against_fp32(shared_jobs):
     """bf16: the prefix path may add at most 1e-2 to the serial path's own error against fp32."""
     r = shared_jobs["bf16"]

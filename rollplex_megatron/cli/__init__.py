@@ -130,10 +130,13 @@ def _cmd_verify_equivalence(argv: list[str]) -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     ap.add_argument("--hf-dir", default=None, help="load weights from this HF checkpoint (default: random init)")
     a, overrides = ap.parse_known_args(argv)
-    cfg = load_run_config(overrides)
+    if a.hf_dir is not None:  # the model is the checkpoint's (as train.init_hf): a model= that disagrees is refused
+        overrides = [*overrides, f"train.init_hf={a.hf_dir}"]
+    try:
+        cfg = load_run_config(overrides)
+    except ValueError as e:
+        raise ValueError(str(e).replace("train.init_hf sets the model", "--hf-dir sets the model")) from None
     cfg.check_verify()
-    if a.hf_dir is not None:  # bad checkpoint directory: fail here, before processes start
-        check_model_parallel(HFCheckpoint(a.hf_dir).model_config(), cfg.parallel)
     res = launch_on_ranks(run_rank, cfg.parallel.world_size, cfg, a.hf_dir)[0]
     if dist.is_initialized() and dist.get_rank() != 0:
         return 0 if res["ok"] else 1
