@@ -314,6 +314,20 @@ def test_process_count_check_counts_the_rollout_ranks(monkeypatch):
     check_world_size(p)  # tp*pp*dp + rollout_ranks processes: the layout
 
 
+
+@pytest.mark.parametrize("command", ["smoke", "verify-equivalence"])
+def test_smoke_and_verify_check_the_process_count_under_torchrun(command, monkeypatch, capsys):
+    """Under torchrun, smoke and verify-equivalence run only at their layout's process count (megatron would
+    otherwise take dp from the launch, and smoke would gather a world it did not plan)."""
+    from rollplex_megatron.cli import main
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert main([command, "model=tiny", "parallel.tp=2"]) == 1
+    err = capsys.readouterr().err
+    assert "launched 4 processes but parallel.tp*parallel.pp*parallel.dp = 2*1*1 = 2" in err, err
+
+
 @pytest.mark.parametrize("override,match", [
     ("+train.stepz=3", "unknown config key 'train.stepz'.*did you mean train.steps"),
     ("+rollout.tempreature=0.5", "unknown config key 'rollout.tempreature'.*did you mean rollout.temperature"),

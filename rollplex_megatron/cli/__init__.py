@@ -137,6 +137,7 @@ def _cmd_verify_equivalence(argv: list[str]) -> int:
     except ValueError as e:
         raise ValueError(str(e).replace("train.init_hf sets the model", "--hf-dir sets the model")) from None
     cfg.check_verify()
+    check_world_size(cfg.parallel)  # under torchrun: megatron would take dp from the launch, not from the config
     res = launch_on_ranks(run_rank, cfg.parallel.world_size, cfg, a.hf_dir)[0]
     if dist.is_initialized() and dist.get_rank() != 0:
         return 0 if res["ok"] else 1
