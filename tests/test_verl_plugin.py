@@ -263,3 +263,18 @@ def test_group_partitions_refuses_what_cannot_split_equally():
     assert group_partitions(["a"] * 3 + ["b"] * 3, [1.0] * 6, 4) is None  # 6 rows over 4 ranks
     assert group_partitions(["a"] * 3 + ["b"] * 1, [1.0] * 4, 2) is None  # a group larger than a share
     assert group_partitions(["a", "a", "b", "b"], [1.0, 1.0, 5.0, 5.0], 2) == [[2, 3], [0, 1]]
+
+
+def test_recipe_script_names_a_missing_setting_before_ray_starts():
+    """The recipe script without the settings verl has no default for: one line naming the first, exit 2, at once
+    (verl's driver would start Ray and wait on its workers)."""
+    import os
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "recipes" / "verl" / "run_qwen2_5_vl_rollplex.sh"
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    for args, missing in [([], "data.train_files"),
+                          (["data.train_files=t.parquet", "data.val_files=v.parquet"], "actor_rollout_ref.model.path")]:
+        p = subprocess.run(["bash", str(script), *args], capture_output=True, text=True, timeout=60, env=env)
+        assert p.returncode == 2 and p.stderr == f"run_qwen2_5_vl_rollplex.sh: set {missing}=... (see the usage at " \
+                                                 f"the top of this script)\n", p.stderr
