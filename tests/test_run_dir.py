@@ -397,6 +397,7 @@ def test_train_to_hf_exports_the_trained_actor_exactly(tiny_hf, tmp_path):
     run = tmp_path / "run"
     p = _train("parallel.tp=2", f"train.init_hf={init}", "train.steps=2", "train.save_every=1", f"train.out={run}")
     assert p.returncode == 0, p.stderr[-3000:]
+    assert "note: no data.train_files: the run trains the built-in rendered task" in p.stderr  # said, not silent
     exports = {}
     for step, p in zip((1, 2), _cmds(*[["convert", "train-to-hf", "--run", str(run), "--step", str(step), "--out",
                                         str(tmp_path / f"hf{step}")] for step in (1, 2)])):  # two exports at once

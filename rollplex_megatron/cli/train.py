@@ -12,6 +12,7 @@ import dataclasses
 import json
 import os
 import signal
+import sys
 import threading
 import time
 from contextlib import ExitStack
@@ -122,6 +123,10 @@ def _config(overrides: list[str], modes: list[str] | None) -> RunConfig:
                          "train it in a launch of its own (mode=disaggregated parallel.rollout_ranks=N)")
     check_world_size(cfg.parallel)
     check_tracking(cfg.train.wandb)
+    if cfg.train.init_hf and cfg.data.source == "auto" and not cfg.data.train_files:  # said, not assumed
+        print(f"note: no data.train_files: the run trains the built-in rendered task (task.question="
+              f"{cfg.task.question}) on train.init_hf's model; give data.train_files=[...] for your data, or "
+              f"data.source=rendered to say this is meant", file=sys.stderr)
     if cfg.rollout.engine == "sglang":
         import_sglang()  # missing or too old: one line before any process starts or the model is built
     build_source(cfg)  # bad data settings (a task/model mismatch, ...) fail before any process starts
