@@ -55,12 +55,12 @@ def import_sglang():
         import sglang
     except ImportError:
         raise ValueError("rollout.engine=sglang needs SGLang in this environment (pip install 'sglang==0.5.23', "
-                           "or 0.5.12 as verl 0.9.1 pins; README 'SGLang'); use rollout.engine=embedded") from None
+                         "or 0.5.12 as verl 0.9.1 pins; README 'SGLang'); use rollout.engine=embedded") from None
     version = getattr(sglang, "__version__", "0")
     if _release(version) < MIN_ADAPTER:
         raise ValueError(f"rollout.engine=sglang needs SGLang >= {'.'.join(map(str, MIN_ADAPTER))} (per-sample "
-                           f"sampling_seed, deterministic inference); this is {version}. Older releases get the "
-                           f"bridge's hooks through patches/sglang/ but not this adapter")
+                         f"sampling_seed, deterministic inference); this is {version}. Older releases get the "
+                         f"bridge's hooks through patches/sglang/ but not this adapter")
     return sglang
 
 
