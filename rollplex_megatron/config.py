@@ -46,6 +46,8 @@ class VisionConfig:
     rope_theta: float = 10000.0  # vision 2D rotary base
 
     def __post_init__(self) -> None:
+        at_least(self, "model.vision", ("depth", "hidden_size", "ffn_hidden_size", "num_heads", "patch_size",
+                                        "temporal_patch_size", "spatial_merge_size", "window_size", "in_channels"), 1)
         if self.hidden_size % self.num_heads:
             raise ValueError(
                 f"model.vision.hidden_size ({self.hidden_size}) must be divisible by "
@@ -91,6 +93,8 @@ class ModelConfig:
     vision: VisionConfig = field(default_factory=VisionConfig)  # vision tower shape
 
     def __post_init__(self) -> None:
+        at_least(self, "model", ("vocab_size", "hidden_size", "ffn_hidden_size", "num_layers", "num_attention_heads",
+                                 "num_query_groups", "max_position_embeddings"), 1)
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"model.hidden_size ({self.hidden_size}) must be divisible by "
@@ -237,6 +241,7 @@ class SmokeConfig:
         for key in ("batch", "micro_batches", "text_tokens", "steps"):
             if getattr(self, key) < 1:
                 raise ValueError(f"smoke.{key} must be >= 1, got {getattr(self, key)}")
+        at_least(self, "smoke", ("warmup",), 0)
         for key in ("image_grid", "video_grid"):
             if len(getattr(self, key)) != 3 or min(getattr(self, key)) < 1:
                 raise ValueError(f"smoke.{key} must be three positive ints (t, h, w), got {getattr(self, key)}")
@@ -385,6 +390,11 @@ class MotionTaskConfig:
             raise ValueError(f"task.question must be one of {TASK_QUESTIONS}, got {self.question!r}")
         if self.image_size % 28:
             raise ValueError(f"task.image_size ({self.image_size}) must be a multiple of 28 (patch 14 x merge 2)")
+        at_least(self, "task", ("frames", "object_px"), 1)
+        at_least(self, "task", ("jitter_px", "format_reward"), 0)
+        if self.question == "motion" and self.step_px < 1:
+            raise ValueError(f"task.step_px must be >= 1 (the target's motion per frame is the answer), got "
+                             f"{self.step_px}")
         if self.frames != 1 and self.frames % 2:
             raise ValueError(f"task.frames ({self.frames}) must be 1 (image) or even (temporal patch 2)")
         if not 1 <= self.num_objects <= TASK_MAX_OBJECTS:
@@ -581,6 +591,11 @@ class OptimConfig:
         if self.lr_decay_style not in LR_DECAY_STYLES:
             raise ValueError(f"optim.lr_decay_style must be one of {LR_DECAY_STYLES}, got {self.lr_decay_style!r}")
         at_least(self, "optim", ("lr_warmup_steps", "lr_decay_steps"), 0)
+        at_least(self, "optim", ("weight_decay",), 0)
+        at_least(self, "optim", ("adam_eps",), 0, strict=True)
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"optim.{name} must be in [0, 1), got {getattr(self, name)}")
         for name in ("min_lr", "lr_warmup_init"):
             if not 0 <= getattr(self, name) <= self.lr:
                 raise ValueError(f"optim.{name} must be within [0, optim.lr={self.lr}], got {getattr(self, name)}")
@@ -653,6 +668,9 @@ class TrainConfig:
         if self.rope_kernel not in ROPE_KERNELS:
             raise ValueError(f"train.rope_kernel must be auto, triton or torch, got {self.rope_kernel!r}")
         at_least(self, "train", ("kl_coef", "entropy_coef", "clip_low", "clip_high"), 0)
+        if self.clip_low >= 1:
+            raise ValueError(f"train.clip_low must be < 1 (the ratio's lower bound is 1 - clip_low), got "
+                             f"{self.clip_low}")
         if self.reference not in REFERENCE_CHOICES:
             raise ValueError(f"train.reference must be one of {REFERENCE_CHOICES}, got {self.reference!r}")
         if self.reference == "never" and self.kl_coef > 0:
@@ -704,7 +722,10 @@ class EquivalenceConfig:
             raise ValueError("verify.repeats must be >= 1")
         if not 1 <= self.min_response_len <= self.max_response_len:
             raise ValueError("verify.min_response_len must be >= 1 and <= verify.max_response_len")
-        at_least(self, "verify", ("groups_per_rank", "responses_per_micro_batch"), 1)
+        at_least(self, "verify", ("groups_per_rank", "responses_per_micro_batch", "text_tokens"), 1)
+        for key in ("image_grid", "video_grid"):
+            if len(getattr(self, key)) != 3 or min(getattr(self, key)) < 1:
+                raise ValueError(f"verify.{key} must be three positive ints (t, h, w), got {getattr(self, key)}")
 
 
 DATA_TRUNCATION = ("error", "left")
@@ -738,6 +759,7 @@ class DataConfig:
     def __post_init__(self) -> None:
         if self.truncation not in DATA_TRUNCATION:
             raise ValueError(f"data.truncation must be one of {DATA_TRUNCATION}, got {self.truncation!r}")
+        at_least(self, "data", ("seed",), 0)
         if self.prefetch not in ("auto", "on", "off"):
             raise ValueError(f"data.prefetch must be auto, on or off, got {self.prefetch!r}")
         if min(self.min_pixels, self.max_pixels) < 0 or (self.max_pixels and self.min_pixels > self.max_pixels):
@@ -811,6 +833,8 @@ class RunConfig:
     run_dir: str = "runs"  # where runs write their outputs
 
     def __post_init__(self) -> None:
+        if self.seed < 0:
+            raise ValueError(f"seed must be >= 0 (numpy and the samplers take unsigned seeds), got {self.seed}")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
         check_model_parallel(self.model, self.parallel)

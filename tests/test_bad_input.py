@@ -36,6 +36,23 @@ from rollplex_megatron.recipes import load_run_config
      r"train.profile_phases: unknown phase\(s\) \['decode'\]; the phases are"),
     (["workload.micro_batch_tokens=-8"],
      r"workload.micro_batch_tokens must be >= 0, got -8 \(0 packs by workload.responses_per_micro_batch\)"),
+    # each of these reached the model (or a step) before, and failed there without naming the setting or ran
+    (["seed=-1"], r"^seed must be >= 0 \(numpy and the samplers take unsigned seeds\), got -1$"),
+    (["data.seed=-2"], r"^data.seed must be >= 0, got -2$"),
+    (["task=motion", "task.jitter_px=-2"], r"^task.jitter_px must be >= 0, got -2$"),
+    (["task=motion", "task.step_px=-3"], r"^task.step_px must be >= 1 \(the target's motion per frame is the answer\)"),
+    (["task.frames=0"], r"^task.frames must be >= 1, got 0$"),
+    (["task.object_px=0"], r"^task.object_px must be >= 1, got 0$"),
+    (["task.format_reward=-1"], r"^task.format_reward must be >= 0, got -1.0$"),
+    (["optim.adam_beta1=1.5"], r"^optim.adam_beta1 must be in \[0, 1\), got 1.5$"),
+    (["optim.weight_decay=-1"], r"^optim.weight_decay must be >= 0, got -1.0$"),
+    (["optim.adam_eps=0"], r"^optim.adam_eps must be > 0, got 0.0$"),
+    (["model.num_layers=0"], r"^model.num_layers must be >= 1, got 0$"),
+    (["model.vision.depth=0", "model.vision.fullatt_block_indexes=[]"], r"^model.vision.depth must be >= 1, got 0$"),
+    (["smoke.warmup=-1"], r"^smoke.warmup must be >= 0, got -1$"),
+    (["verify.text_tokens=-5"], r"^verify.text_tokens must be >= 1, got -5$"),
+    (["verify.video_grid=[2,0,4]"], r"^verify.video_grid must be three positive ints \(t, h, w\), got \[2, 0, 4\]$"),
+    (["train.clip_low=1.5"], r"^train.clip_low must be < 1 \(the ratio's lower bound is 1 - clip_low\), got 1.5$"),
 ])
 def test_config_errors_name_the_setting(overrides, match):
     with pytest.raises(ValueError, match=match):
