@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from rollplex_megatron.checkpoint import convert
@@ -472,13 +473,26 @@ def test_a_longer_resume_is_refused_where_the_decay_runs_over_train_steps(tmp_pa
     longer, extended = _cmds(["train", "train.steps=3", "train.resume=true", f"train.out={decaying}"],
                              ["train", "train.steps=3", "train.resume=true", f"train.out={constant}",
                               "train.progress=false"])
-    _one_line_error(longer, "train.steps is 3 here but 2", "optim.lr_decay_steps=0", "resume with train.steps=2",
-                    "optim.lr_decay_steps set")
+    _one_line_error(longer, "train.steps is 3 here but 2", "optim.lr_decay_steps=0", "optim.lr_decay_steps set")
+    assert "resume with train.steps=2" not in longer.stderr  # the 2-step schedule has ended: no way back to it
     assert _snapshot(decaying) == before
     assert extended.returncode == 0, extended.stderr[-2000:]
     assert _steps(constant) == [1, 2, 3]
     rec = json.loads((constant / "metrics.jsonl").read_text().splitlines()[-1])
     assert rec["response_tokens"] <= 8 * 12  # SMALL's 8 responses a step, not the root recipe's 128
+
+
+def test_schedule_refusal_offers_only_ways_that_exist_and_yields_to_a_changed_style():
+    """The longer-resume refusal offers the saved length only where the checkpoint is short of it; a resume that
+    changes optim.lr_decay_style is refused for that change, not for train.steps."""
+    saved = "train:\n  steps: 10\noptim:\n  lr_decay_style: linear\n  lr_decay_steps: 0\n"
+    longer = saved.replace("steps: 10", "steps: 12")
+    assert "resume with train.steps=10, or start a new run" in R._schedule_change(saved, longer, 4)
+    assert "resume with" not in R._schedule_change(saved, longer, 10)
+    constant = "train:\n  steps: 2\noptim:\n  lr_decay_style: constant\n  lr_decay_steps: 0\n"
+    cosine = constant.replace("constant", "cosine").replace("steps: 2\n", "steps: 3\n", 1)
+    changed = R.resume_changes(constant, cosine)
+    assert changed and changed[0][0] == "optim.lr_decay_style"  # check_start reports this before the schedule
 
 
 def test_lr_schedule_resumes_with_the_checkpoint_and_tensorboard_gets_the_scalars(tmp_path):
@@ -613,3 +627,24 @@ def test_a_file_as_train_out_and_a_damaged_checkpoint_are_refused_before_any_wor
                                             r"files, or resume from an earlier checkpoint"):
         R.check_start(run, True, 3, config)
     assert _snapshot(run) == before
+    # a truncated rank file, and a damaged meta.json: named before any work, and by the exporter
+    cut = tmp_path / "cut"
+    shutil.copytree(pristine, cut)
+    rank = cut / "checkpoints" / "step_000002" / "rank00000.pt"
+    rank.write_bytes(rank.read_bytes()[: rank.stat().st_size // 2])
+    with pytest.raises(R.RunDirError, match=r"step_000002/rank00000\.pt is not a readable checkpoint file \(truncated "
+                                            r"or damaged after it was written\); restore it, or resume from an earlier"):
+        R.check_start(cut, True, 3, config)
+    with pytest.raises(H.CheckpointError, match=r"rank00000\.pt: not a readable checkpoint file \(.*\); the file is "
+                                                r"truncated or damaged"):
+        convert.train_to_hf(cut, tmp_path / "hf_out", step=2)
+    assert not (tmp_path / "hf_out").exists()
+    # a resume that changes the decay style (and the length) is refused for the style, the change it makes
+    longer_cosine = yaml.safe_load(config)
+    longer_cosine["optim"]["lr_decay_style"], longer_cosine["train"]["steps"] = "cosine", 3
+    cosine = yaml.safe_dump(longer_cosine)
+    with pytest.raises(R.RunDirError, match=r"optim.lr_decay_style is 'cosine' here but 'constant'"):
+        R.check_start(pristine, True, 3, cosine)
+    (cut / "checkpoints" / "step_000002" / "meta.json").write_text("{bad")
+    with pytest.raises(H.CheckpointError, match=r"step_000002/meta\.json: not valid JSON"):
+        R.check_start(cut, True, 3, config)

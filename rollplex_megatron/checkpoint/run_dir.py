@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import socket
+import zipfile
 from pathlib import Path
 
 import yaml
@@ -173,17 +174,18 @@ def resume_changes(saved_yaml: str, config_yaml: str) -> list[tuple[str, object,
             and not any(k == r or (r.endswith(".") and k.startswith(r)) for r in RESUMABLE)]
 
 
-def _schedule_change(saved_yaml: str, config_yaml: str) -> str:
+def _schedule_change(saved_yaml: str, config_yaml: str, at_step: int) -> str:
     """Why a resume with another train.steps would change the learning rates of the steps already trained: the
     decay length is train.steps (optim.lr_decay_steps=0) under a decaying style; "" when it would not."""
     old, new = flat_settings(yaml.safe_load(saved_yaml) or {}), flat_settings(yaml.safe_load(config_yaml) or {})
     before, after = old.get("train.steps"), new.get("train.steps")
     if before == after or new.get("optim.lr_decay_steps") or new.get("optim.lr_decay_style") == "constant":
         return ""
+    way = f"resume with train.steps={before}, or " if before > at_step else ""  # else that schedule has ended
     return (f"train.steps is {after} here but {before}, and optim.lr_decay_steps=0 decays the learning rate "
             f"({new.get('optim.lr_decay_style')}) over train.steps, so the steps already trained followed a "
-            f"{before}-step schedule that a {after}-step run would not; resume with train.steps={before}, or "
-            f"start a new run with optim.lr_decay_steps set (such a run may be extended)")
+            f"{before}-step schedule that a {after}-step run would not; {way}start a new run with "
+            f"optim.lr_decay_steps set (such a run may be extended)")
 
 
 def check_start(run: Path, resume: bool, steps: int, config_yaml: str, launcher: bool = True) -> int:
@@ -226,16 +228,23 @@ def check_start(run: Path, resume: bool, steps: int, config_yaml: str, launcher:
     if steps <= meta["step"]:
         raise RunDirError(f"train.steps={steps} but {latest.name} is at step {meta['step']}; set train.steps "
                           f"above {meta['step']} to continue the run")
+    damaged = [n for r in range(meta["world_size"])
+               if not zipfile.is_zipfile(latest / (n := train_state.rank_file_name(r)))]
+    if damaged:  # torch.save's zip format: a truncated file has no central directory
+        raise RunDirError(f"train.resume=true but {latest}/{damaged[0]} is not a readable checkpoint file (truncated "
+                          f"or damaged after it was written); restore it, or resume from an earlier checkpoint by "
+                          f"writing its directory name (step_...) into "
+                          f"{run / train_state.CHECKPOINTS / train_state.LATEST}")
     changed = resume_changes(meta["config"], config_yaml)
-    schedule = _schedule_change(meta["config"], config_yaml)
-    if schedule:
-        raise RunDirError(f"train.resume=true: {schedule} in {latest.name}")
     if changed:
         k, old, new = changed[0]
         more = f" (and {', '.join(c[0] for c in changed[1:])})" if len(changed) > 1 else ""
         raise RunDirError(f"train.resume=true: {k} is {new!r} here but {old!r} in {latest.name}{more}; a resumed "
                           f"run keeps what a step computes (README, Resume: the settings that may change); set "
                           f"{k}={old!r} (the checkpoint's) or start a new run with another train.out")
+    schedule = _schedule_change(meta["config"], config_yaml, int(meta["step"]))  # after `changed`: a new style is that
+    if schedule:
+        raise RunDirError(f"train.resume=true: {schedule} in {latest.name}")
     return int(meta["step"])
 
 

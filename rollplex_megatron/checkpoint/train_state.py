@@ -28,6 +28,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
+from rollplex_megatron.models.qwen25vl.hf import load_torch_file, read_json
 from rollplex_megatron.dist import train_world
 from rollplex_megatron.runtime import device
 
@@ -194,7 +195,7 @@ def latest_checkpoint(run_dir) -> Path | None:
 
 def read_meta(path) -> dict:
     """meta.json of a published checkpoint directory."""
-    return json.loads((Path(path) / META).read_text())
+    return read_json(Path(path) / META)
 
 
 def check_layout(meta: dict, path) -> None:
@@ -224,7 +225,7 @@ def load_checkpoint(path, model, reference, optimizer) -> tuple[int, dict]:
     path = Path(path)
     meta = read_meta(path)
     check_layout(meta, path)
-    state = torch.load(path / rank_file_name(dist.get_rank()), map_location="cpu", weights_only=False)
+    state = load_torch_file(path / rank_file_name(dist.get_rank()), map_location="cpu", weights_only=False)
     if state.get("ranks", _ranks()) != _ranks():  # same sizes, another rank order: shards of one shape would swap
         raise ValueError(f"{path / rank_file_name(dist.get_rank())} holds the shard of (tp, pp, dp) ranks "
                          f"{state['ranks']}, but this process is {_ranks()}: the launch orders ranks differently "

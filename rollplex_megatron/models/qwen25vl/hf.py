@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 from pathlib import Path
 
 import torch
@@ -30,6 +31,16 @@ def read_json(path: Path):
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}: not valid JSON ({e}); the file is truncated or damaged: copy it again from "
                               f"its source") from None
+
+
+def load_torch_file(path: Path, **kwargs):
+    """A checkpoint's `torch.save` file; a truncated or damaged one is a CheckpointError naming it."""
+    try:
+        return torch.load(path, **kwargs)
+    except (RuntimeError, EOFError, pickle.UnpicklingError) as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise CheckpointError(f"{path}: not a readable checkpoint file ({first}); the file is truncated or damaged: "
+                              f"restore it from a copy, or use another step's checkpoint") from None
 
 
 SUPPORTED_MODEL_TYPES = {"qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
