@@ -632,8 +632,8 @@ def test_a_file_as_train_out_and_a_damaged_checkpoint_are_refused_before_any_wor
     shutil.copytree(pristine, cut)
     rank = cut / "checkpoints" / "step_000002" / "rank00000.pt"
     rank.write_bytes(rank.read_bytes()[: rank.stat().st_size // 2])
-    with pytest.raises(R.RunDirError, match=r"step_000002/rank00000\.pt is not a readable checkpoint file \(truncated "
-                                            r"or damaged after it was written\); restore it, or resume from an earlier"):
+    with pytest.raises(R.RunDirError, match=r"step_000002/rank00000\.pt is not a readable checkpoint file "
+                                            r"\(truncated or damaged after it was written\); restore it, or resume"):
         R.check_start(cut, True, 3, config)
     with pytest.raises(H.CheckpointError, match=r"rank00000\.pt: not a readable checkpoint file \(.*\); the file is "
                                                 r"truncated or damaged"):
