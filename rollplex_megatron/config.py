@@ -880,6 +880,9 @@ class RunConfig:
                              f"({decay}: optim.lr_decay_steps, or train.steps when 0)")
         if self.train.val_every and not self.data.val_files:
             raise ValueError("train.val_every > 0 needs data.val_files=[FILE, ...] to evaluate")
+        if self.data.val_files and not self.train.val_every:
+            raise ValueError("data.val_files are evaluated every train.val_every steps, which is 0 (never); set "
+                             "train.val_every=K, or drop data.val_files (eval --run answers them after training)")
         if (n // g) % dp:
             raise ValueError(f"workload.rollout_batch/rollout.group_size = {n // g} prompts must be divisible "
                              f"by parallel.dp ({dp})")

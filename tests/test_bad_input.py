@@ -157,6 +157,9 @@ def test_command_arguments_are_checked_before_any_work(tmp_path, tiny_hf, capsys
         (["convert", "train-to-hf", "--run", str(tmp_path / "norun"), "--out", str(tmp_path / "o")],
          "norun: no such run directory"),
         (["print-config", f"train.init_hf={tmp_path / 'nomodel'}"], "nomodel does not exist; name a Hugging Face"),
+        (["train", "--modes", "serial,rollplex,serial", "train.steps=1", f"train.out={tmp_path / 'o'}"],
+         "--modes: serial given twice"),
+        (["train", "train.steps=1", f"run_dir={existing}"], "eval.json is a file; run_dir is the folder new runs"),
     ]
     for argv, want in cases:
         assert main(argv) == 1, argv
@@ -171,3 +174,12 @@ def test_a_profile_that_would_never_run_is_refused():
     with pytest.raises(ValueError, match=r"^train\.profile_phases chooses the phases train\.profile_step profiles"):
         load_run_config(["train.profile_phases=[update]"]).check_training()
     load_run_config(["train.steps=2", "train.profile_step=2", "train.profile_phases=[update]"]).check_training()
+
+
+def test_validation_files_without_a_validation_period_are_refused():
+    """data.val_files with train.val_every=0 would never be evaluated; the reverse was refused already."""
+    with pytest.raises(ValueError, match=r"^data\.val_files are evaluated every train\.val_every steps, which is 0"):
+        load_run_config(["data.train_files=[t.parquet]", "data.val_files=[v.parquet]"]).check_training()
+    load_run_config(["data.train_files=[t.parquet]", "data.val_files=[v.parquet]", "train.val_every=5"]).check_training()
+    with pytest.raises(ValueError, match=r"^train\.val_every > 0 needs data\.val_files"):
+        load_run_config(["train.val_every=5"]).check_training()

@@ -118,6 +118,12 @@ def _config(overrides: list[str], modes: list[str] | None) -> RunConfig:
     bad = [m for m in modes or [] if m not in MODES]
     if bad:
         raise ValueError(f"--modes: unknown mode(s) {bad}; choose from {', '.join(MODES)}")
+    if not cfg.train.out and Path(cfg.run_dir).exists() and not Path(cfg.run_dir).is_dir():
+        raise ValueError(f"run_dir={cfg.run_dir} is a file; run_dir is the folder new runs are made in: choose a "
+                         f"folder (or set train.out)")
+    twice = sorted({m for m in modes or [] if modes.count(m) > 1})
+    if twice:
+        raise ValueError(f"--modes: {', '.join(twice)} given twice; each mode trains once, into train.out/<mode>")
     if modes and "disaggregated" in modes:
         raise ValueError("--modes: disaggregated runs on parallel.rollout_ranks more processes than the other modes; "
                          "train it in a launch of its own (mode=disaggregated parallel.rollout_ranks=N)")
