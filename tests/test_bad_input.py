@@ -180,6 +180,7 @@ def test_validation_files_without_a_validation_period_are_refused():
     """data.val_files with train.val_every=0 would never be evaluated; the reverse was refused already."""
     with pytest.raises(ValueError, match=r"^data\.val_files are evaluated every train\.val_every steps, which is 0"):
         load_run_config(["data.train_files=[t.parquet]", "data.val_files=[v.parquet]"]).check_training()
-    load_run_config(["data.train_files=[t.parquet]", "data.val_files=[v.parquet]", "train.val_every=5"]).check_training()
+    files = ["data.train_files=[t.parquet]", "data.val_files=[v.parquet]"]
+    load_run_config([*files, "train.val_every=5"]).check_training()
     with pytest.raises(ValueError, match=r"^train\.val_every > 0 needs data\.val_files"):
         load_run_config(["train.val_every=5"]).check_training()
