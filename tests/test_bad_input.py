@@ -176,6 +176,19 @@ def test_a_profile_that_would_never_run_is_refused():
     load_run_config(["train.steps=2", "train.profile_step=2", "train.profile_phases=[update]"]).check_training()
 
 
+def test_rendered_task_longer_than_the_rollout_limits_is_refused_before_any_model():
+    """The rendered task's answer budget and prompt length against the rollout's limits, at the data source's
+    construction (the engine refused every request of step 1 before)."""
+    from rollplex_megatron.data import build_source
+
+    with pytest.raises(ValueError, match=r"^task\.max_answer_tokens \(4\) exceeds rollout\.max_response_len \(1\)"):
+        build_source(load_run_config(["rollout.max_response_len=1", "task.max_answer_tokens=4"]))
+    with pytest.raises(ValueError, match=r"^the rendered task's prompt is 19 tokens .* over "
+                                         r"rollout\.max_prompt_len=18"):
+        build_source(load_run_config(["rollout.max_prompt_len=18"]))
+    build_source(load_run_config(["rollout.max_prompt_len=19", "rollout.max_response_len=4"]))  # exactly fits
+
+
 def test_validation_files_without_a_validation_period_are_refused():
     """data.val_files with train.val_every=0 would never be evaluated; the reverse was refused already."""
     with pytest.raises(ValueError, match=r"^data\.val_files are evaluated every train\.val_every steps, which is 0"):

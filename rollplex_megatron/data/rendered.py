@@ -19,6 +19,14 @@ class RenderedTask:
         self.seed = cfg.seed
         self.stop_token_ids = self.env.stop_token_ids
         self.max_new_tokens = cfg.task.max_answer_tokens
+        r = cfg.rollout
+        if self.max_new_tokens > r.max_response_len:  # the engine would refuse every request of the first step
+            raise ValueError(f"task.max_answer_tokens ({self.max_new_tokens}) exceeds rollout.max_response_len "
+                             f"({r.max_response_len}); raise rollout.max_response_len or lower task.max_answer_tokens")
+        n = self.env.prompt(self.env.episode(0)).input_ids.numel()  # every episode's prompt has this length
+        if n > r.max_prompt_len:
+            raise ValueError(f"the rendered task's prompt is {n} tokens (task.image_size, task.frames), over "
+                             f"rollout.max_prompt_len={r.max_prompt_len}; raise it or render a smaller task")
         self.chance_accuracy = MotionEnv.chance
         self.chance_reward = MotionEnv.chance + cfg.task.format_reward
 
