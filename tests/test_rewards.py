@@ -328,6 +328,21 @@ def test_registry_missing_source():
         reg.score("x", "x", {}, "chartqa", "train.parquet row 4")
 
 
+def test_a_row_without_data_source_is_named_as_such(tmp_path):
+    """A missing or null data_source reads as none (not the text 'None'), and the error says the row lacks one."""
+    import json
+
+    from rollplex_megatron.data.dataset import load_records
+
+    row = {"prompt": [{"role": "user", "content": "q"}], "reward_model": {"ground_truth": "a"}, "extra_info": {}}
+    (tmp_path / "r.jsonl").write_text(json.dumps(row) + "\n" + json.dumps({**row, "data_source": None}) + "\n")
+    got = load_records([str(tmp_path / "r.jsonl")], ("prompt", "images", "videos"), "data.train_files")
+    assert [r.data_source for r in got] == ["", ""]
+    with pytest.raises(ValueError, match=r"^r\.jsonl row 0: the row has no data_source \(the column is missing or "
+                                         r"empty\), so no reward function is chosen for it; give each row"):
+        RewardRegistry(fns={"geo": "math_boxed"}).check([got[0].data_source], "r.jsonl row 0")
+
+
 def test_registry_user_function_raises(user_module):
     reg = RewardRegistry(fns={"geo": f"{user_module}:boom"})
     with pytest.raises(RuntimeError, match=r"^train\.parquet row 17: reward function my_rewards:boom "

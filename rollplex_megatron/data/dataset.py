@@ -146,7 +146,9 @@ def _record(row: dict, where: str, keys: tuple[str, str, str], base: Path) -> Re
     extra = _column(row, "extra_info", dict, where, "{'index': 0}")
     images = [_resolve(x, base, where) for x in _column(row, image_key, list, where, "['img.png']")]
     videos = [_resolve(x, base, where) for x in _column(row, video_key, list, where, "[['f0.png', 'f1.png']]")]
-    return Record(where, messages, images, videos, rm["ground_truth"], str(row.get("data_source", "")), dict(extra))
+    source = row.get("data_source")
+    source = "" if source is None or (isinstance(source, float) and source != source) else str(source)  # None, NaN
+    return Record(where, messages, images, videos, rm["ground_truth"], source, dict(extra))
 
 
 def load_records(files: list[str], keys: tuple[str, str, str], setting: str) -> list[Record]:

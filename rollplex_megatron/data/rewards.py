@@ -505,6 +505,10 @@ class RewardRegistry:
 
     def _missing(self, data_source: str, where: str) -> ValueError:
         """The error for a data_source that has no function."""
+        if not data_source:
+            return ValueError(f"{where}: the row has no data_source (the column is missing or empty), so no reward "
+                              f"function is chosen for it; give each row a data_source (a built-in: "
+                              f"{', '.join(BUILTINS)}, or a +reward.fns key), or set reward.fn=... to score every row")
         return ValueError(f"{where}: data_source {data_source!r} has no reward function; set "
                           f"+reward.fns={{{data_source}: 'package.module:function'}} or reward.fn=..., "
                           f"or name a built-in: {', '.join(BUILTINS)}")
