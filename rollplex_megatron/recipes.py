@@ -201,6 +201,9 @@ def model_from_hf(cfg: RunConfig, overrides: list[str]) -> RunConfig:
     default preset gives way; a `model=` preset or `model.*` value chosen on the command line that
     disagrees with the checkpoint is an error naming the field."""
     path = str(Path(cfg.train.init_hf).resolve())  # recorded absolute: exports and resumes elsewhere find it
+    if Path(path).is_file():
+        raise ValueError(f"train.init_hf={cfg.train.init_hf} is a file; name the Hugging Face Qwen2.5-VL directory "
+                         f"that holds it (config.json, safetensors, processor files)")
     if not Path(path).is_dir():
         raise ValueError(f"train.init_hf={cfg.train.init_hf}: {path} does not exist; name a Hugging Face "
                          f"Qwen2.5-VL directory (config.json, safetensors, processor files)")

@@ -287,6 +287,18 @@ def test_empty_dataset_and_missing_settings(tmp_path, example_dir):
         build_source(_cfg(example_dir, "reward.fn=no_such_module:score"))
     with pytest.raises(ValueError, match="train.val_every > 0 needs data.val_files"):
         _cfg(example_dir, "train.val_every=2").check_training()
+    # the wrong kind of path is named as such, not as missing
+    (tmp_path / "noproc").mkdir()
+    model = example_dir / "model"
+    for over, match in [(f"data.train_files=[{example_dir}]", r"^data file .* is a folder; name the parquet / jsonl"),
+                        (f"data.processor={model / 'tokenizer.json'}", r"^processor directory .*tokenizer\.json is a "
+                                                                       r"file; name the folder that holds it"),
+                        (f"data.processor={tmp_path / 'noproc'}", r"^processor directory .*noproc has no tokenizer")]:
+        with pytest.raises(ValueError, match=match):
+            build_source(load_run_config([f"train.init_hf={model}",
+                                          f"data.train_files=[{example_dir / 'train.parquet'}]", over]))
+    with pytest.raises(ValueError, match=r"^train\.init_hf=.*config\.json is a file; name the Hugging Face"):
+        load_run_config([f"train.init_hf={model / 'config.json'}"])
 
 
 def test_jsonl_rows_with_image_paths(tmp_path, example_dir):

@@ -60,6 +60,9 @@ def read_rows(path: str) -> list[tuple[str, dict]]:
     shows it) in JSON lines (.jsonl, or .json with one object per line). A missing file or format is an error
     naming it."""
     p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"data file {path} is a folder; name the parquet / jsonl files in it, e.g. "
+                         f"[{p / 'train.parquet'}]")
     if not p.is_file():
         raise FileNotFoundError(f"data file {path} does not exist")
     if p.suffix == ".parquet":

@@ -44,6 +44,9 @@ VIDEO_DEFAULTS = {"min_pixels": 128 * 28 * 28, "max_pixels": 768 * 28 * 28, "pat
                   "temporal_patch_size": 2, "merge_size": 2}
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")  # any one: AutoTokenizer can load
+
+
 @dataclass(frozen=True)
 class PixelSettings:
     """Resize limits and patch shape read from one processor config file (`file` names it in errors)."""
@@ -294,8 +297,14 @@ class VLProcessor:
     def __init__(self, path: str, model: ModelConfig, *, min_pixels: int | None = None,
                  max_pixels: int | None = None, video_fps: float = 2.0, max_frames: int = 768,
                  min_frames: int = 4):
+        if os.path.isfile(path):
+            raise ValueError(f"processor directory {path} is a file; name the folder that holds it (the model's "
+                             f"tokenizer and preprocessor configs)")
         if not os.path.isdir(path):
             raise FileNotFoundError(f"processor directory {path} does not exist")
+        if not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
+            raise ValueError(f"processor directory {path} has no tokenizer ({' or '.join(TOKENIZER_FILES)}); name a "
+                             f"Qwen2.5-VL model folder with its tokenizer and preprocessor files")
         self.path, self.model = path, model
         self.video_fps, self.max_frames, self.min_frames = video_fps, max_frames, min_frames
         self.tokenizer = AutoTokenizer.from_pretrained(path)
