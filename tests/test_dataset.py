@@ -297,6 +297,9 @@ def test_empty_dataset_and_missing_settings(tmp_path, example_dir):
         with pytest.raises(ValueError, match=match):
             build_source(load_run_config([f"train.init_hf={model}",
                                           f"data.train_files=[{example_dir / 'train.parquet'}]", over]))
+    with pytest.raises(ValueError, match=r"^min_pixels \d+ \(from .*preprocessor_config\.json\) is above "
+                                         r"data\.max_pixels=1: no image size fits"):
+        build_source(_cfg(example_dir, "data.max_pixels=1"))  # the setting is named, not only the file
     with pytest.raises(ValueError, match=r"^train\.init_hf=.*config\.json is a file; name the Hugging Face"):
         load_run_config([f"train.init_hf={model / 'config.json'}"])
 

@@ -112,8 +112,10 @@ def video_settings(file: str, cfg: dict, min_pixels: int | None, max_pixels: int
                          *(cfg.get(k, VIDEO_DEFAULTS[k]) for k in ("patch_size", "temporal_patch_size", "merge_size")))
 
 
-def check_settings(s: PixelSettings, model: ModelConfig) -> None:
-    """The config file's patch, temporal patch and merge sizes equal the model's vision tower's."""
+def check_settings(s: PixelSettings, model: ModelConfig, min_pixels: int | None = None,
+                   max_pixels: int | None = None) -> None:
+    """The config file's patch, temporal patch and merge sizes equal the model's vision tower's; the pixel range
+    (the file's, or `data.min_pixels` / `data.max_pixels` where given) is not empty."""
     v = model.vision
     for field, got, want, name in (("patch_size", s.patch_size, v.patch_size, "patch_size"),
                                    ("temporal_patch_size", s.temporal_patch_size, v.temporal_patch_size,
@@ -122,8 +124,13 @@ def check_settings(s: PixelSettings, model: ModelConfig) -> None:
         if got != want:
             raise ValueError(f"{s.file} has {field} {got} but model.vision.{name} is {want}")
     if not 0 < s.min_pixels <= s.max_pixels:
-        raise ValueError(f"{s.file}: min_pixels ({s.min_pixels}) must be positive and at most max_pixels "
-                         f"({s.max_pixels})")
+        if not (min_pixels or max_pixels):
+            raise ValueError(f"{s.file}: min_pixels ({s.min_pixels}) must be positive and at most max_pixels "
+                             f"({s.max_pixels})")
+        lo = f"data.min_pixels={min_pixels}" if min_pixels else f"min_pixels {s.min_pixels} (from {s.file})"
+        hi = f"data.max_pixels={max_pixels}" if max_pixels else f"max_pixels {s.max_pixels} (from {s.file})"
+        raise ValueError(f"{lo} is above {hi}: no image size fits; set data.min_pixels and data.max_pixels so "
+                         f"that min <= max")
 
 
 def check_tokenizer(tokenizer, path: str, model: ModelConfig) -> None:
@@ -315,8 +322,8 @@ class VLProcessor:
                                    max_pixels or ip.size.longest_edge, ip.patch_size, ip.temporal_patch_size,
                                    ip.merge_size)
         self.video = video_settings(*read_video_config(path), min_pixels, max_pixels)
-        check_settings(self.image, model)
-        check_settings(self.video, model)
+        check_settings(self.image, model, min_pixels, max_pixels)
+        check_settings(self.video, model, min_pixels, max_pixels)
         vocab = self.tokenizer.get_vocab()
         # what ends transformers' `generate`: the checkpoint's generation config (Qwen2.5-VL-Instruct lists
         # <|im_end|> and <|endoftext|>), the tokenizer's EOS and the chat turn's end
