@@ -289,6 +289,15 @@ def check_world_size(parallel) -> None:
                      f"set {fix} so that the layout equals the process count")
 
 
+def check_launch(parallel) -> None:
+    """Before any process starts: the launched process count (`check_world_size`), and a backend this machine has
+    (parallel.backend=nccl needs CUDA devices)."""
+    check_world_size(parallel)
+    if parallel.backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError("parallel.backend=nccl needs CUDA devices, and this machine has none; use parallel.backend="
+                         "auto (gloo on CPU) or gloo")
+
+
 def exit_with_parent(poll_s: float = 0.2) -> None:
     """Exit this process (code 1) as soon as its parent dies, e.g. after `kill -9` of the launcher:
     a worker that outlived its launcher would go on writing into a run directory nobody holds."""

@@ -168,6 +168,17 @@ def test_command_arguments_are_checked_before_any_work(tmp_path, tiny_hf, capsys
     assert existing.read_text() == "{}" and not (tmp_path / "ex").exists() and not (tmp_path / "o").exists()
 
 
+def test_nccl_without_cuda_devices_is_refused_before_any_process(tmp_path, monkeypatch, capsys):
+    from rollplex_megatron.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # as on a CPU machine, wherever this runs
+    for argv in (["train", "train.steps=1", f"train.out={tmp_path / 'o'}"], ["smoke"], ["verify-equivalence"]):
+        assert main([*argv, "parallel.backend=nccl"]) == 1, argv
+        err = capsys.readouterr().err
+        assert err.startswith("error: parallel.backend=nccl needs CUDA devices") and err.count("\n") == 1, err
+    assert not (tmp_path / "o").exists()
+
+
 def test_a_profile_that_would_never_run_is_refused():
     with pytest.raises(ValueError, match=r"^train\.profile_step=5 is after the run's last step \(train\.steps=2\)"):
         load_run_config(["train.steps=2", "train.profile_step=5"]).check_training()

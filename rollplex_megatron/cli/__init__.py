@@ -54,7 +54,7 @@ from rollplex_megatron.compat import quiet_known_warnings
 from rollplex_megatron.config import ParallelConfig, check_model_parallel
 from rollplex_megatron.data.dataset import DatasetSource
 from rollplex_megatron.data.example import make_example
-from rollplex_megatron.dist import LocalRunError, check_world_size, launch_on_ranks, leave_torchrun
+from rollplex_megatron.dist import LocalRunError, check_launch, launch_on_ranks, leave_torchrun
 from rollplex_megatron.memory.planner import check_budget, plan_memory
 from rollplex_megatron.recipes import RECIPES_DIR, load_run_config, run_eval_config, to_yaml
 from rollplex_megatron.runtime import environment_record
@@ -137,7 +137,7 @@ def _cmd_verify_equivalence(argv: list[str]) -> int:
     except ValueError as e:
         raise ValueError(str(e).replace("train.init_hf sets the model", "--hf-dir sets the model")) from None
     cfg.check_verify()
-    check_world_size(cfg.parallel)  # under torchrun: megatron would take dp from the launch, not from the config
+    check_launch(cfg.parallel)  # under torchrun: megatron would take dp from the launch, not from the config
     res = launch_on_ranks(run_rank, cfg.parallel.world_size, cfg, a.hf_dir)[0]
     if dist.is_initialized() and dist.get_rank() != 0:
         return 0 if res["ok"] else 1
@@ -296,7 +296,7 @@ def _eval_config(a, overrides: list[str], tmp: str):
         if from_run:
             print(f"from the run ({a.run}): {' '.join(f'{k}={v}' for k, v in sorted(from_run.items()))}",
                   file=sys.stderr)
-    check_world_size(cfg.parallel)
+    check_launch(cfg.parallel)
     DatasetSource(cfg, training=False)  # every row checked before a process starts
     return cfg, from_run
 

@@ -23,7 +23,7 @@ from rollplex_megatron.checkpoint import run_dir as R
 from rollplex_megatron.checkpoint import train_state
 from rollplex_megatron.config import RunConfig
 from rollplex_megatron.data import build_source, source_name
-from rollplex_megatron.dist import check_world_size, exit_with_parent, launch_on_ranks, under_torchrun
+from rollplex_megatron.dist import check_launch, exit_with_parent, launch_on_ranks, under_torchrun
 from rollplex_megatron.models.qwen25vl.hf import atomic_write_text
 from rollplex_megatron.recipes import load_run_config, resumed_config, to_yaml
 from rollplex_megatron.report import plot_runs, read_metrics, summarize
@@ -127,7 +127,7 @@ def _config(overrides: list[str], modes: list[str] | None) -> RunConfig:
     if modes and "disaggregated" in modes:
         raise ValueError("--modes: disaggregated runs on parallel.rollout_ranks more processes than the other modes; "
                          "train it in a launch of its own (mode=disaggregated parallel.rollout_ranks=N)")
-    check_world_size(cfg.parallel)
+    check_launch(cfg.parallel)
     check_tracking(cfg.train.wandb)
     if cfg.train.init_hf and cfg.data.source == "auto" and not cfg.data.train_files:  # said, not assumed
         print(f"note: no data.train_files: the run trains the built-in rendered task (task.question="

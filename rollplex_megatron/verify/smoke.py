@@ -21,7 +21,7 @@ from megatron.core import tensor_parallel
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 
 from rollplex_megatron.config import RunConfig
-from rollplex_megatron.dist import check_world_size, destroy_parallel, init_parallel, launch_on_ranks, under_torchrun
+from rollplex_megatron.dist import check_launch, destroy_parallel, init_parallel, launch_on_ranks, under_torchrun
 from rollplex_megatron.models.qwen25vl import build_model
 from rollplex_megatron.recipes import load_run_config, to_yaml
 from rollplex_megatron.runtime import device, environment_record
@@ -109,7 +109,7 @@ def main(argv: list[str]) -> int:
     cfg = load_run_config(argv)
     if cfg.parallel.dp != 1:
         raise ValueError("smoke runs tp*pp processes; set parallel.dp=1")
-    check_world_size(cfg.parallel)  # under torchrun: as many processes as tp*pp
+    check_launch(cfg.parallel)  # under torchrun: as many processes as tp*pp
     print(to_yaml(cfg), flush=True)
     world = cfg.parallel.world_size
     if world == 1 and not under_torchrun():
