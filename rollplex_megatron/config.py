@@ -874,6 +874,9 @@ class RunConfig:
         if t.profile_phases and not t.profile_step:
             raise ValueError("train.profile_phases chooses the phases train.profile_step profiles; set "
                              "train.profile_step=K too")
+        if "ref_logp" in t.profile_phases and not t.uses_reference:
+            raise ValueError(f"train.profile_phases names ref_logp, but this run scores no reference (train.reference="
+                             f"{t.reference}, train.kl_coef={t.kl_coef:g}); drop it or set train.reference=always")
         decay = self.optim.lr_decay_steps or self.train.steps
         if self.optim.lr_warmup_steps >= decay:
             raise ValueError(f"optim.lr_warmup_steps ({self.optim.lr_warmup_steps}) must be below the decay length "

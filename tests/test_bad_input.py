@@ -185,6 +185,10 @@ def test_a_profile_that_would_never_run_is_refused():
     with pytest.raises(ValueError, match=r"^train\.profile_phases chooses the phases train\.profile_step profiles"):
         load_run_config(["train.profile_phases=[update]"]).check_training()
     load_run_config(["train.steps=2", "train.profile_step=2", "train.profile_phases=[update]"]).check_training()
+    with pytest.raises(ValueError, match=r"^train\.profile_phases names ref_logp, but this run scores no reference"):
+        load_run_config(["train.steps=2", "train.profile_step=2", "train.profile_phases=[ref_logp]"]).check_training()
+    load_run_config(["train.steps=2", "train.profile_step=2", "train.profile_phases=[ref_logp]",
+                     "train.reference=always"]).check_training()
 
 
 def test_rendered_task_longer_than_the_rollout_limits_is_refused_before_any_model():
