@@ -157,6 +157,10 @@ def test_command_arguments_are_checked_before_any_work(tmp_path, tiny_hf, capsys
         (["convert", "train-to-hf", "--run", str(tmp_path / "norun"), "--out", str(tmp_path / "o")],
          "norun: no such run directory"),
         (["print-config", f"train.init_hf={tmp_path / 'nomodel'}"], "nomodel does not exist; name a Hugging Face"),
+        (["eval", "--hf-dir", tiny_hf, rows, "model.num_layers=2"], "model.num_layers=2: the model is the "
+                                                                     "checkpoint's (--hf-dir"),
+        (["generate", "--run", str(run_like), rows, "model=qwen2_5_vl_3b"], "model=qwen2_5_vl_3b: the model is the "
+                                                                            "checkpoint's (--run"),
         (["train", "--modes", "serial,rollplex,serial", "train.steps=1", f"train.out={tmp_path / 'o'}"],
          "--modes: serial given twice"),
         (["train", "train.steps=1", f"run_dir={existing}"], "eval.json is a file; run_dir is the folder new runs"),

@@ -284,6 +284,10 @@ def _eval_config(a, overrides: list[str], tmp: str):
     `--run`, the run's reading, answering and scoring settings (`RUN_EVAL_SETTINGS`) where the command line does
     not name them. Also returns those taken from the run that differ from the root recipe's."""
     _check_checkpoint_args(a)
+    model = [o for o in overrides if o.lstrip("+~").split("=")[0].split(".")[0] == "model"]
+    if model:  # before an export: the model is the checkpoint's
+        where = f"--run {a.run}" if a.run else f"--hf-dir {a.hf_dir}"
+        raise ValueError(f"{model[0]}: the model is the checkpoint's ({where}); drop the model override")
     files = [o.split("=", 1)[1] for o in overrides if o.startswith("data.val_files=")]
     if not files:
         raise ValueError("give the rows to answer: data.val_files=[FILE, ...] (parquet or jsonl, verl's format)")
