@@ -362,6 +362,12 @@ def test_train_on_a_dataset_with_validation_runs(tmp_path, example_dir, capsys):
                      "--rows=2", "val.n=2"]) == 0
     printed = capsys.readouterr().out
     assert printed.count("-- response") == 4 and "<|vision_start|>" in printed
+    import pyarrow.parquet as pq  # --rows above the rows there: all of them, and said so
+    pq.write_table(pq.read_table(example_dir / "val.parquet").slice(0, 2), tmp_path / "two.parquet")
+    assert cli_main(["generate", "--run", str(run), f"data.val_files=[{tmp_path / 'two.parquet'}]", "--rows=5",
+                     "val.n=1"]) == 0
+    out = capsys.readouterr()
+    assert out.out.count("-- response") == 2 and "--rows 5, but data.val_files hold 2 rows" in out.err
 
 
 def test_per_source_reward_functions_from_the_command_line(tmp_path, example_dir, monkeypatch):

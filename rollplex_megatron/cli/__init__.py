@@ -340,6 +340,9 @@ def _cmd_generate(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         cfg, _ = _eval_config(a, overrides, tmp)
         rows = launch_on_ranks(generate_rank, cfg.parallel.world_size, cfg, a.rows)[0]
+    if len(rows) < a.rows:
+        print(f"generate: --rows {a.rows}, but data.val_files hold {len(rows)} rows; all of them answered",
+              file=sys.stderr)
     for r in rows:
         print(f"== {r['row']} (ground truth {r['ground_truth']!r})\n{r['prompt']}")
         for k, (text, reward) in enumerate(zip(r["responses"], r["rewards"])):
