@@ -426,8 +426,9 @@ ATTENTION_BACKENDS = ("auto", "sdpa", "flex", "split")  # mode.attention_backend
 LOGPROB_KERNELS = ("auto", "triton", "torch")  # train.logprob_kernel (rl/grpo.logprob_kernel_for)
 NORM_KERNELS = ("auto", "triton", "torch")  # train.norm_kernel (models/triton_norm.norm_kernel_for)
 ROPE_KERNELS = ("auto", "triton", "torch")  # train.rope_kernel (models/triton_rope.rope_kernel_for)
-# the step's timed phases (trainer/metrics.PhaseTimer names; weight_refresh only with a rollout model of its own)
-STEP_PHASES = ("rollout", "reward", "old_logp", "ref_logp", "update", "optimizer", "weight_refresh")
+# the step's timed phases (trainer/metrics.PhaseTimer names; weight_refresh only with a rollout model of its own on the
+# training storage, weight_transfer only under mode=disaggregated: `RunConfig.weights_phase`)
+STEP_PHASES = ("rollout", "reward", "old_logp", "ref_logp", "update", "optimizer", "weight_refresh", "weight_transfer")
 
 
 @dataclass(kw_only=True)
@@ -858,6 +859,18 @@ class RunConfig:
             raise ValueError(f"verify.max_response_len ({self.verify.max_response_len}) exceeds "
                              f"rollout.max_response_len ({self.rollout.max_response_len})")
 
+    @property
+    def weights_phase(self) -> str | None:
+        """The phase that brings the rollout's weights up to date after the optimizer steps, as
+        `trainer.runtime.build_engine` picks the engine: SGLang or rollout replicas on the training storage
+        (weight_refresh), the rollout ranks of mode=disaggregated (weight_transfer), or None (the actor's modules)."""
+        if self.rollout.engine == "sglang":
+            return "weight_refresh"
+        if self.parallel.rollout_ranks:
+            return "weight_transfer"
+        differ = bool(self.rollout.tp) and self.rollout.tp != self.parallel.tp
+        return "weight_refresh" if differ or self.rollout.bound_model else None
+
     def check_training(self) -> None:
         """Checks that only training needs (verify/smoke runs use other batch shapes)."""
         g, n, dp = self.rollout.group_size, self.workload.rollout_batch, self.parallel.dp
@@ -874,6 +887,9 @@ class RunConfig:
         if t.profile_phases and not t.profile_step:
             raise ValueError("train.profile_phases chooses the phases train.profile_step profiles; set "
                              "train.profile_step=K too")
+        for phase in {"weight_refresh", "weight_transfer"} & set(t.profile_phases) - {self.weights_phase}:
+            raise ValueError(f"train.profile_phases names {phase}, a phase this run does not have (the rollout's "
+                             f"weights phase here: {self.weights_phase or 'none, it decodes on the actor'}); drop it")
         if "ref_logp" in t.profile_phases and not t.uses_reference:
             raise ValueError(f"train.profile_phases names ref_logp, but this run scores no reference (train.reference="
                              f"{t.reference}, train.kl_coef={t.kl_coef:g}); drop it or set train.reference=always")

@@ -193,6 +193,13 @@ def test_a_profile_that_would_never_run_is_refused():
         load_run_config(["train.steps=2", "train.profile_step=2", "train.profile_phases=[ref_logp]"]).check_training()
     load_run_config(["train.steps=2", "train.profile_step=2", "train.profile_phases=[ref_logp]",
                      "train.reference=always"]).check_training()
+    prof = ["train.steps=2", "train.profile_step=2"]
+    with pytest.raises(ValueError, match=r"^train\.profile_phases names weight_refresh, a phase this run does not "
+                                         r"have \(the rollout's weights phase here: none, it decodes on the actor\)"):
+        load_run_config([*prof, "train.profile_phases=[weight_refresh]"]).check_training()
+    assert load_run_config([]).weights_phase is None
+    assert load_run_config(["rollout.bound_model=true"]).weights_phase == "weight_refresh"
+    load_run_config([*prof, "train.profile_phases=[weight_refresh]", "rollout.bound_model=true"]).check_training()
 
 
 def test_rendered_task_longer_than_the_rollout_limits_is_refused_before_any_model():

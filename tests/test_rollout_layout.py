@@ -82,6 +82,8 @@ def test_rollplex_at_another_rollout_tp_matches_serial_with_uneven_replicas(tiny
     assert uneven_serial[0]["records"][-1]["kl"] > 0.01  # the updates moved the policy
     win = run[0]["records"][0]["rollout"]
     assert win["items_in_window"] > 0 and win["items_in_window"] + win["items_after"] == 2 * 8  # actor + reference
+    cfg = _cfg("rollplex", "parallel.tp=2", "rollout.tp=1", *UNEVEN, hf=tiny_hf)
+    assert cfg.weights_phase == "weight_refresh" and run[0]["records"][-1]["phase_times"]["weight_refresh"] > 0
 
 
 def test_packed_window_items_at_another_rollout_tp_match_serial(tiny_hf, uneven_serial):
@@ -142,6 +144,7 @@ def test_disaggregated_matches_serial_colocation(request, tiny_hf, world, layout
         _records_close(a["records"], b["records"])
     assert all(s["rollout"]["weight_loads"] == 1 + 3 and s["rollout"]["rollouts"] == 3 for s in served)
     assert train[0]["records"][-1]["phase_times"]["weight_transfer"] > 0
+    assert _cfg("serial", *layout, *DISAGG, hf=tiny_hf).weights_phase == "weight_transfer"  # what profiling checks
     if train[0]["last"] is not None:
         err, name = _param_err(train[0], ref[0])
         assert err <= TOL, (name, err)
