@@ -26,7 +26,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 
 from rollplex_megatron.config import ModelConfig
 from rollplex_megatron.envs.vision import CLIP_MEAN, CLIP_STD, sample_frame_indices, smart_resize, video_patches
-from rollplex_megatron.models.qwen25vl.hf import atomic_write_text
+from rollplex_megatron.models.qwen25vl.hf import atomic_write_text, read_json
 from rollplex_megatron.prefix.batch import Prompt
 
 try:  # video files only (pinned in constraints.txt); frame lists, images and the package itself need no PyAV
@@ -76,23 +76,15 @@ def read_video_config(path: str) -> tuple[str, dict]:
     """
     nested = os.path.join(path, "processor_config.json")
     if os.path.isfile(nested):
-        cfg = _read_json(nested)
+        cfg = read_json(nested)
         if "video_processor" in cfg:
             return nested, cfg["video_processor"]
     for name in ("video_preprocessor_config.json", "preprocessor_config.json"):
         file = os.path.join(path, name)
         if os.path.isfile(file):
-            return file, _read_json(file)
+            return file, read_json(file)
     raise FileNotFoundError(f"{path} has no video_preprocessor_config.json or preprocessor_config.json "
                             f"(the Qwen2.5-VL processor configs shipped with the checkpoint)")
-
-
-def _read_json(file: str) -> dict:
-    try:
-        with open(file, encoding="utf-8") as f:
-            return json.load(f)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{file} is not valid JSON ({e.msg} at line {e.lineno})") from None
 
 
 def video_settings(file: str, cfg: dict, min_pixels: int | None, max_pixels: int | None) -> PixelSettings:
@@ -150,7 +142,7 @@ def chat_template(tokenizer, path: str) -> str:
         return tokenizer.chat_template
     file = os.path.join(path, "chat_template.json")
     if os.path.isfile(file):
-        return _read_json(file)["chat_template"]
+        return read_json(file)["chat_template"]
     raise FileNotFoundError(f"{path} has no chat template (chat_template.jinja, tokenizer_config.json's "
                             f"chat_template, or chat_template.json)")
 
