@@ -4,16 +4,19 @@
 # The JSON is kept in runs/bench/ (ignored, so it stays on a warm machine between calls) and copied
 # to $OUT. A later call on the same machine merges its modes into it (bench accepts a merge only from
 # the same host, GPU UUIDs and commit), so a suite can be split over calls of the 10-minute limit.
+# BENCH_NAME=NAME keeps the JSON as runs/bench/bench_NAME.json instead, for a run of the suite under other
+# overrides (a different workload) that must not merge into the suite's own JSON.
 set -euo pipefail
 source benchmarks/gpu_env.sh
 suite=$1 modes=$2
 shift 2
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 mkdir -p runs/bench
-json=runs/bench/bench_$suite.json
+name=${BENCH_NAME:-$suite}
+json=runs/bench/bench_$name.json
 merge=()
 [ -f "$json" ] && merge=(--merge "$json")
-nvidia-smi --query-gpu=name,uuid,memory.used,memory.total --format=csv > "$out/bench_${suite}_nvidia_smi.csv" || true
+nvidia-smi --query-gpu=name,uuid,memory.used,memory.total --format=csv > "$out/bench_${name}_nvidia_smi.csv" || true
 status=0
 python3 -m rollplex_megatron bench "$suite" --modes "$modes" --out "$json" "${merge[@]}" "$@" > /tmp/bench.log 2>&1 || status=$?
 grep -v -i warn /tmp/bench.log | tail -40
