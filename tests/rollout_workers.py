@@ -293,3 +293,38 @@ def engine_bad_input(cfg, hf_dir, what: str, model=None):
             return
         reqs[k] = dataclasses.replace(reqs[k], prompt=bad)
     EmbeddedEngine(model, cfg.model, max_prompt, 64, budget).generate(reqs, SamplingParams())
+
+
+def kv_budget_edge(cfg, hf_dir) -> dict:
+    """The start-up check (`check_kv_budget`) against the engine's own refusal (`_waves`) at the bound it
+    computes and one byte under it, for one group of the rendered task's prompt: per budget, whether each
+    accepted, and the check's message."""
+    import dataclasses
+
+    from rollplex_megatron.data import build_source
+    from rollplex_megatron.rollout.embedded import EmbeddedEngine, check_kv_budget, kv_group_bytes
+    from rollplex_megatron.rollout.engine import RolloutRequest
+
+    model = _setup(cfg, hf_dir)
+    source = build_source(cfg)
+    g = cfg.rollout.group_size
+    need = kv_group_bytes(cfg, source, g)
+    row = source.rows(0, 0, 1, 1)[0]
+    assert row.prompt.input_ids.numel() == source.longest_prompt[0]
+    req = RolloutRequest(row.prompt, g, source.max_new_tokens, source.stop_token_ids, seed=row.seed)
+    out = {"need": need}
+    for name, nbytes in (("at", need), ("under", need - 1)):
+        c = dataclasses.replace(cfg, memory=dataclasses.replace(cfg.memory, kv_cache_gib=nbytes / 2**30))
+        got = {}
+        try:
+            EmbeddedEngine.for_run(model, c)._waves([req])
+            got["engine"] = None
+        except ValueError as e:
+            got["engine"] = str(e)
+        try:
+            check_kv_budget(c, source, {"rollout.group_size": g})
+            got["check"] = None
+        except ValueError as e:
+            got["check"] = str(e)
+        out[name] = got
+    return out

@@ -2,6 +2,7 @@
 `train.init_hf`, and bad input, each failing before any model is built with a message naming the row
 or setting."""
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -265,6 +266,33 @@ def test_prompt_length_and_truncation(tmp_path, example_dir):
     assert torch.equal(row.prompt.input_ids, full.input_ids[full.input_ids.numel() - row.prompt.input_ids.numel():])
     with pytest.raises(ValueError, match="would cut an image or video"):
         DatasetSource(_cfg(example_dir, "rollout.max_prompt_len=12", "data.truncation=left"))
+
+
+def test_kv_budget_names_the_longest_row_and_the_largest_group(example_dir):
+    """memory.kv_cache_gib's start-up check reads the dataset's longest prompt (after truncation) and the
+    larger of the training group and val.n, and names the row, the settings and the fix."""
+    from rollplex_megatron.rollout.embedded import check_kv_budget, kv_group_bytes
+
+    src = DatasetSource(_cfg(example_dir))
+    tokens, what = src.longest_prompt
+    row = max(src.lengths, key=src.lengths.get)
+    assert tokens == src.lengths[row] and what == f"the longest prompt, {row}"
+    cut = DatasetSource(_cfg(example_dir, f"rollout.max_prompt_len={tokens - 3}", "data.truncation=left"))
+    assert cut.longest_prompt[0] == tokens - 3  # the engine sees the truncated prompt
+    cfg = _cfg(example_dir, "rollout.group_size=2", "val.n=6")
+    need = kv_group_bytes(cfg, src, 6)
+    assert need > kv_group_bytes(cfg, src, 2) > 0
+    cfg.memory.kv_cache_gib = need / 2**30
+    check_kv_budget(cfg, src, {"rollout.group_size": 2, "val.n": 6})  # exactly enough
+    cfg.memory.kv_cache_gib = (need - 1) / 2**30
+    check_kv_budget(cfg, src, {"rollout.group_size": 2})  # the training group alone fits
+    with pytest.raises(ValueError, match=rf"^memory\.kv_cache_gib=\S+ is too small: one group of the longest "
+                                         rf"prompt, {re.escape(row)} \({tokens} tokens\) with val\.n=6 responses of "
+                                         rf"up to rollout\.max_response_len=4 tokens .*lower val\.n / "
+                                         rf"rollout\.max_response_len$"):
+        check_kv_budget(cfg, src, {"rollout.group_size": 2, "val.n": 6})
+    cfg.rollout.engine = "sglang"  # SGLang sizes its own pool
+    check_kv_budget(cfg, src, {"rollout.group_size": 2, "val.n": 6})
 
 
 def test_empty_dataset_and_missing_settings(tmp_path, example_dir):

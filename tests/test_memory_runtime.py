@@ -159,6 +159,20 @@ def test_budget_error_names_the_class_and_fires_before_models_are_built(tmp_path
     assert not any(runs.iterdir())  # the refused start removed the run directory it had created and locked
 
 
+def test_kv_budget_too_small_fails_before_models_are_built(tmp_path):
+    """A KV budget that cannot hold one group is refused by `train` at start-up (it used to fail in the first
+    rollout, after the models were built), and the refused start leaves no run directory."""
+    runs = tmp_path / "runs"
+    p = subprocess.run([sys.executable, "-m", "rollplex_megatron", "train", "memory.kv_cache_gib=0.00001",
+                        "train.steps=1", f"run_dir={runs}"], capture_output=True, text=True, timeout=300)
+    assert p.returncode != 0, p.stdout[-2000:]
+    line = p.stderr.strip().splitlines()[-1]
+    assert re.search(r"memory\.kv_cache_gib=1e-05 is too small: one group of the rendered task's prompt "
+                     r"\(\d+ tokens\) with rollout\.group_size=\d+ responses of up to "
+                     r"task\.max_answer_tokens=\d+", line), line
+    assert not any(runs.iterdir())
+
+
 def test_auto_plan_releases_only_what_the_budget_needs():
     """memory.plan=auto on 3B plans: nothing released when everything fits; under a tighter budget a
     set that fits and is minimal (keeping any one of its classes goes over the budget); an error when

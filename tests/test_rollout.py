@@ -249,6 +249,21 @@ def test_engine_bad_input(tiny_hf):
         assert re.search(match, errors[what]), (what, errors[what][-2000:])
 
 
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)])
+def test_kv_budget_check_at_start_is_the_engines_bound(tiny_hf, tp, pp):
+    """`check_kv_budget` (before any model) accepts one group of the longest prompt exactly where the engine's
+    first step would, and refuses one byte under it, naming the setting: the same bytes at TP (KV heads split)
+    and PP (a stage's layers)."""
+    outs = run_local(W.kv_budget_edge, tp * pp, _cfg(tp, pp), str(tiny_hf))
+    for o in outs:
+        assert o["at"] == {"engine": None, "check": None}, o
+        assert o["under"]["engine"] and "memory.kv_cache_gib" in o["under"]["engine"], o
+        assert re.search(r"^memory\.kv_cache_gib=\S+ is too small: one group of the rendered task's prompt \(\d+ "
+                         r"tokens\) with rollout\.group_size=\d+ responses .*raise memory\.kv_cache_gib",
+                         o["under"]["check"]), o
+    assert len({o["need"] for o in outs}) == 1
+
+
 def test_issuer_errors_surface_and_the_thread_stops():
     """An item failing on the issuer thread is raised on the decode thread at the next step; the
     thread is joined and the GIL switch interval restored. `abort` (a failed rollout) stops it too."""

@@ -212,6 +212,8 @@ class DatasetSource:
         if training:
             self.rewards.check_fns_used({r.data_source for r in self.train + self.val},
                                         ", ".join(map(str, [*d.train_files, *d.val_files])))
+        where = max(self.lengths, key=self.lengths.get)  # memory.kv_cache_gib's start-up check
+        self.longest_prompt = (self.lengths[where], f"the longest prompt, {where}")
         self.seed, self.shuffle, self.data_seed = cfg.seed, d.shuffle, d.seed
         self.stop_token_ids = self.proc.stop_token_ids
         self.max_new_tokens = cfg.rollout.max_response_len

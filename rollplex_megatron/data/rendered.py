@@ -24,6 +24,7 @@ class RenderedTask:
             raise ValueError(f"task.max_answer_tokens ({self.max_new_tokens}) exceeds rollout.max_response_len "
                              f"({r.max_response_len}); raise rollout.max_response_len or lower task.max_answer_tokens")
         n = self.env.prompt(self.env.episode(0)).input_ids.numel()  # every episode's prompt has this length
+        self.longest_prompt = (n, "the rendered task's prompt")  # memory.kv_cache_gib's start-up check
         if n > r.max_prompt_len:
             raise ValueError(f"the rendered task's prompt is {n} tokens (task.image_size, task.frames), over "
                              f"rollout.max_prompt_len={r.max_prompt_len}; raise it or render a smaller task")

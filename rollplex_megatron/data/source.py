@@ -41,6 +41,7 @@ class DataSource(Protocol):
 
     stop_token_ids: tuple[int, ...]  # a response ends after one of these
     max_new_tokens: int  # longest response
+    longest_prompt: tuple[int, str]  # the longest prompt's tokens (after truncation) and what it is, for errors
     chance_reward: float | None  # reward of a random valid answer (reported next to the curve), if known
     chance_accuracy: float | None
 

@@ -382,6 +382,35 @@ class EmbeddedEngine:
         return waves + [cur] if cur else waves
 
 
+def kv_group_bytes(cfg, source, samples: int) -> int:
+    """The KV cache one group of the source's longest prompt (`source.longest_prompt`) and `samples` responses
+    of `source.max_new_tokens` occupies on a rank of the engine the run builds: `_waves`'s bound. A replica
+    at `rollout.tp` and a rollout rank hold whole layers; the training layout a pipeline stage of them."""
+    par, tp = cfg.parallel, cfg.rollout.tp or cfg.parallel.tp
+    own = par.rollout_ranks or tp != par.tp or cfg.rollout.bound_model
+    layers = cfg.model.num_layers // (1 if own else par.pp)
+    elt = 4 if cfg.dtype == "float32" else 2
+    return DecodeCache.nbytes(cfg.model, tp, layers, source.longest_prompt[0] - 1, samples, source.max_new_tokens,
+                              elt)
+
+
+def check_kv_budget(cfg, source, samples: dict[str, int]) -> None:
+    """One group of the source's longest prompt with the largest of `samples` (setting -> responses a group)
+    must fit `memory.kv_cache_gib`, which the engine checks for each request in the first step: checked here
+    when the source is built, before any model (the embedded engine only; SGLang sizes its own pool)."""
+    if cfg.rollout.engine != "embedded":
+        return
+    setting, n = max(samples.items(), key=lambda kv: kv[1])
+    need = kv_group_bytes(cfg, source, n)
+    if need > int(cfg.memory.kv_cache_gib * 2**30):
+        length = "task.max_answer_tokens" if source.name == "rendered" else "rollout.max_response_len"
+        tokens, what = source.longest_prompt
+        raise ValueError(f"memory.kv_cache_gib={cfg.memory.kv_cache_gib:g} is too small: one group of {what} "
+                         f"({tokens} tokens) with {setting}={n} responses of up to {length}="
+                         f"{source.max_new_tokens} tokens needs {need / 2**30:.3g} GiB of KV cache; raise "
+                         f"memory.kv_cache_gib or lower {setting} / {length}")
+
+
 def _decode_attention(choice: str, dtype, dev, head_dim: int) -> str:
     """The decode attention path: `choice`, or for auto the first of triton, flash, math that can run."""
     can = {"triton": triton_decode_available(dtype, dev, head_dim) or (choice == "triton" and TRITON_INTERPRET),

@@ -28,7 +28,7 @@ from rollplex_megatron.prefix import batch as B
 from rollplex_megatron.prefix import execution as X
 from rollplex_megatron.prefix.batch import Group, validate_groups
 from rollplex_megatron.rl.grpo import GRPOLoss, group_advantages, logprob_kernel_for, loss_weights
-from rollplex_megatron.rollout.embedded import EmbeddedEngine
+from rollplex_megatron.rollout.embedded import EmbeddedEngine, check_kv_budget
 from rollplex_megatron.rollout.engine import RolloutRequest
 from rollplex_megatron.rollout.sglang.engine import SGLangEngine, import_sglang
 from rollplex_megatron.rollout.disaggregated import RemoteRollout
@@ -228,6 +228,8 @@ class Runtime:
                       cfg.parallel.rollout_ranks)
         self.layouts = layouts()
         self.source = build_source(cfg)  # bad data settings fail before building models
+        samples = {"rollout.group_size": cfg.rollout.group_size, **({"val.n": cfg.val.n} if cfg.data.val_files else {})}
+        check_kv_budget(cfg, self.source, samples)  # one group of the longest prompt fits the rollout's KV cache
         self.plan = memory_plan(cfg, self.source)  # over memory.budget_gib: fails here, before any model
         actor = build_policy(cfg)
         self.ref = None  # train.reference: none where the loss does not read it (kl_coef 0 under auto)

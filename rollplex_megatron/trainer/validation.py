@@ -13,6 +13,7 @@ from megatron.core import parallel_state as ps
 from rollplex_megatron.config import RunConfig
 from rollplex_megatron.data.dataset import DatasetSource
 from rollplex_megatron.dist import init_parallel
+from rollplex_megatron.rollout.embedded import check_kv_budget
 from rollplex_megatron.rollout.engine import RolloutRequest
 from rollplex_megatron.rollout.sampling import SamplingParams
 from rollplex_megatron.runtime import device
@@ -65,6 +66,7 @@ class EvalRuntime:
         self.cfg = cfg
         init_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.seed, cfg.parallel.backend)
         self.source = DatasetSource(cfg, training=False)
+        check_kv_budget(cfg, self.source, {"val.n": cfg.val.n})
         model = build_policy(cfg)
         model.eval()
         self.engine = build_engine(model, cfg)
