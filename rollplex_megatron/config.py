@@ -5,7 +5,7 @@ YAML cannot add unknown keys (structured configs are closed). Cross-field checks
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -24,6 +24,19 @@ def at_least(section, path: str, names: tuple[str, ...], low: float, strict: boo
         value = getattr(section, name)
         if value < low or (strict and value == low):
             raise ValueError(f"{path}.{name} must be {'>' if strict else '>='} {low}, got {value}{note}")
+
+
+def unused_unless(section, path: str, names: tuple[str, ...], on: bool, switch: str) -> None:
+    """A one-line error naming the first of `names` (fields of `section` at `path`) set away from its default
+    while the feature they tune is off (`on` false; `switch` says how to turn it on): the run would ignore it."""
+    if on:
+        return
+    for f in fields(section):
+        value = getattr(section, f.name)
+        if f.name in names and value != (f.default_factory() if f.default is MISSING else f.default):
+            shown = str(value).lower() if isinstance(value, bool) else value  # as the override is written
+            raise ValueError(f"{path}.{f.name}={shown} has no effect without {switch}; set it or drop the "
+                             f"{path}.{f.name} override")
 
 
 @dataclass(kw_only=True)
@@ -354,6 +367,8 @@ class RolloutConfig:
             raise ValueError(f"rollout.length_dist must be '' (off) or lognormal, got {self.length_dist!r}")
         if self.length_mean < 1 or self.length_sigma < 0:
             raise ValueError("rollout.length_mean must be >= 1 and rollout.length_sigma >= 0")
+        unused_unless(self, "rollout", ("length_mean", "length_sigma"), bool(self.length_dist),
+                      "rollout.length_dist=lognormal")
         if self.group_size < 1:
             raise ValueError(f"rollout.group_size must be >= 1, got {self.group_size}")
         if self.max_response_len < 1:
@@ -526,6 +541,8 @@ class MemoryConfig:
             raise ValueError(f"memory.kv_cache_gib must be > 0, got {self.kv_cache_gib}")
         if self.budget_gib < 0:
             raise ValueError(f"memory.budget_gib must be >= 0 (0: no budget), got {self.budget_gib}")
+        # memory.plan=keep releases nothing, so nothing can come back early
+        unused_unless(self, "memory", ("prefetch_ahead",), self.plan != "keep", "memory.plan=phase or auto")
 
 
 @dataclass(kw_only=True)
@@ -687,6 +704,7 @@ class TrainConfig:
             raise ValueError(f"train.profile_phases: unknown phase(s) {bad}; the phases are {list(STEP_PHASES)}")
         if self.max_resample_rounds < 0:
             raise ValueError(f"train.max_resample_rounds must be >= 0, got {self.max_resample_rounds}")
+        unused_unless(self, "train", ("max_resample_rounds",), self.dynamic_sampling, "train.dynamic_sampling=true")
         at_least(self, "train", ("save_every", "val_every"), 0, note=" (0: off)")
         if self.loss_agg_mode not in LOSS_AGG_MODES:
             raise ValueError(f"train.loss_agg_mode must be one of {LOSS_AGG_MODES}, got {self.loss_agg_mode!r}")

@@ -53,6 +53,14 @@ from rollplex_megatron.recipes import load_run_config
     (["verify.text_tokens=-5"], r"^verify.text_tokens must be >= 1, got -5$"),
     (["verify.video_grid=[2,0,4]"], r"^verify.video_grid must be three positive ints \(t, h, w\), got \[2, 0, 4\]$"),
     (["train.clip_low=1.5"], r"^train.clip_low must be < 1 \(the ratio's lower bound is 1 - clip_low\), got 1.5$"),
+    # settings of a switched-off feature: the run would ignore them
+    (["rollout.length_mean=512"], r"^rollout.length_mean=512 has no effect without rollout.length_dist=lognormal; "
+                                  r"set it or drop the rollout.length_mean override$"),
+    (["rollout.length_sigma=0.3"], r"^rollout.length_sigma=0.3 has no effect without rollout.length_dist=lognormal"),
+    (["train.max_resample_rounds=5"],
+     r"^train.max_resample_rounds=5 has no effect without train.dynamic_sampling=true; set it or drop"),
+    (["memory.plan=keep", "memory.prefetch_ahead=true"],
+     r"^memory.prefetch_ahead=true has no effect without memory.plan=phase or auto; set it or drop"),
 ])
 def test_config_errors_name_the_setting(overrides, match):
     with pytest.raises(ValueError, match=match):
@@ -213,6 +221,22 @@ def test_rendered_task_longer_than_the_rollout_limits_is_refused_before_any_mode
                                          r"rollout\.max_prompt_len=18"):
         build_source(load_run_config(["rollout.max_prompt_len=18"]))
     build_source(load_run_config(["rollout.max_prompt_len=19", "rollout.max_response_len=4"]))  # exactly fits
+
+
+@pytest.mark.parametrize("override,match", [
+    ("reward.fn=pkg.mod:score", r"^reward\.fn=pkg\.mod:score has no effect without data\.train_files \(the rendered "
+                                r"task scores its answers itself, with task\.format_reward\); set it or drop"),
+    ("+reward.fns={multiple_choice: exact_match}", r"^reward\.fns=\{'multiple_choice': 'exact_match'\} has no effect"),
+    ("reward.format_reward=0.5", r"^reward\.format_reward=0\.5 has no effect without data\.train_files"),
+])
+def test_reward_settings_on_the_rendered_task_are_refused(override, match):
+    """The rendered task scores with its own reward: a reward.* setting there would be ignored, so the source refuses
+    it before any model (the dataset source reads them: test_dataset)."""
+    from rollplex_megatron.data import build_source
+
+    with pytest.raises(ValueError, match=match):
+        build_source(load_run_config([override]))
+    build_source(load_run_config(["task.format_reward=0.5"]))  # the rendered task's own setting
 
 
 def test_validation_files_without_a_validation_period_are_refused():

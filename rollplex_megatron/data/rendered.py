@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from rollplex_megatron.config import RunConfig
+from rollplex_megatron.config import RunConfig, unused_unless
 from rollplex_megatron.data.source import Row, Score
 from rollplex_megatron.envs.motion import MotionEnv
 
@@ -16,6 +16,9 @@ class RenderedTask:
 
     def __init__(self, cfg: RunConfig):
         self.env = MotionEnv(cfg.task, cfg.model)  # a bad task/model pairing fails here
+        # the rendered task scores with its own reward (task.format_reward): reward.* would be ignored
+        unused_unless(cfg.reward, "reward", ("fn", "fns", "format_reward"), False,
+                      "data.train_files (the rendered task scores its answers itself, with task.format_reward)")
         self.seed = cfg.seed
         self.stop_token_ids = self.env.stop_token_ids
         self.max_new_tokens = cfg.task.max_answer_tokens
