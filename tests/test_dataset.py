@@ -146,6 +146,23 @@ def _string_messages(rows, tmp):
     rows[3]["prompt"] = ["which colour?"]
 
 
+def _typo_role(rows, tmp):
+    rows[2]["prompt"] = [{"role": "usr", "content": "<image> which colour?"}]
+
+
+def _no_role(rows, tmp):
+    rows[1]["prompt"] = [{"content": "<image> which colour?"}]
+
+
+def _empty_prompt(rows, tmp):
+    rows[0]["prompt"] = [{"role": "system", "content": ""}, {"role": "user", "content": []}]
+    rows[0]["images"] = []
+
+
+def _null_content(rows, tmp):
+    rows[5]["prompt"] = [{"role": "user", "content": None}]
+
+
 @pytest.mark.parametrize("edit,match", [
     (_missing_image, r"bad\.jsonl line 4: .*nowhere\.png"),
     (_bad_video, r"bad\.jsonl line 3: .*broken\.mp4"),
@@ -158,6 +175,11 @@ def _string_messages(rows, tmp):
     (_string_images, r"bad\.jsonl line 3: column 'images' is a str, want a list such as \['img\.png'\]"),
     (_json_reward_model, r"bad\.jsonl line 2: column 'reward_model' is a str, want a dict"),
     (_string_messages, r"bad\.jsonl line 4: 'prompt' must hold chat messages"),
+    (_typo_role, r"^\S*bad\.jsonl line 3: 'prompt' message 0 has role 'usr'; the roles are \('system', 'user', "
+                 r"'assistant', 'tool'\)$"),
+    (_no_role, r"bad\.jsonl line 2: 'prompt' message 0 has role None"),
+    (_empty_prompt, r"bad\.jsonl line 1: every message of 'prompt' is empty; a prompt needs text, an image or a video"),
+    (_null_content, r"bad\.jsonl line 6: 'prompt' message 0's content must be a string or a list, got NoneType"),
 ])
 def test_bad_rows_fail_naming_the_row(tmp_path, example_dir, edit, match):
     with pytest.raises((ValueError, FileNotFoundError), match=match):

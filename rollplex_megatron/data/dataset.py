@@ -36,6 +36,9 @@ STRUCT_COLUMNS = ("reward_model", "extra_info")  # dict columns whose keys vary 
 URL_SCHEMES = ("http://", "https://", "s3://", "gs://", "hf://")  # not read: rows name local files
 
 
+ROLES = ("system", "user", "assistant", "tool")  # the roles of the Qwen2.5-VL chat template
+
+
 def _without_none(value):
     """A parquet struct value without the keys its row does not have (pyarrow fills them with None)."""
     return {k: v for k, v in value.items() if v is not None} if isinstance(value, dict) else value
@@ -143,6 +146,14 @@ def _record(row: dict, where: str, keys: tuple[str, str, str], base: Path) -> Re
         raise ValueError(f"{where}: {prompt_key!r} must be a non-empty list of chat messages")
     if not all(isinstance(m, dict) and "content" in m for m in messages):
         raise ValueError(f"{where}: {prompt_key!r} must hold chat messages {{'role': ..., 'content': ...}}")
+    for k, m in enumerate(messages):  # the chat template renders any role: a typo would become a turn of its own
+        if m.get("role") not in ROLES:
+            raise ValueError(f"{where}: {prompt_key!r} message {k} has role {m.get('role')!r}; the roles are {ROLES}")
+        if not isinstance(m["content"], (str, list)):
+            raise ValueError(f"{where}: {prompt_key!r} message {k}'s content must be a string or a list, got "
+                             f"{type(m['content']).__name__}")
+    if not any(m["content"] for m in messages):
+        raise ValueError(f"{where}: every message of {prompt_key!r} is empty; a prompt needs text, an image or a video")
     rm = _column(row, "reward_model", dict, where, "{'ground_truth': ..., 'style': 'rule'}")
     if "ground_truth" not in rm:
         raise ValueError(f"{where}: no reward_model.ground_truth")
