@@ -308,7 +308,7 @@ def kv_budget_edge(cfg, hf_dir) -> dict:
     model = _setup(cfg, hf_dir)
     source = build_source(cfg)
     g = cfg.rollout.group_size
-    need = kv_group_bytes(cfg, source, g)
+    need = kv_group_bytes(cfg, source, g, whole_layers=False)
     row = source.rows(0, 0, 1, 1)[0]
     assert row.prompt.input_ids.numel() == source.longest_prompt[0]
     req = RolloutRequest(row.prompt, g, source.max_new_tokens, source.stop_token_ids, seed=row.seed)
@@ -322,7 +322,7 @@ def kv_budget_edge(cfg, hf_dir) -> dict:
         except ValueError as e:
             got["engine"] = str(e)
         try:
-            check_kv_budget(c, source, {"rollout.group_size": g})
+            check_kv_budget(c, source, {"rollout.group_size": g}, whole_layers=False)
             got["check"] = None
         except ValueError as e:
             got["check"] = str(e)

@@ -302,19 +302,19 @@ def test_kv_budget_names_the_longest_row_and_the_largest_group(example_dir):
     cut = DatasetSource(_cfg(example_dir, f"rollout.max_prompt_len={tokens - 3}", "data.truncation=left"))
     assert cut.longest_prompt[0] == tokens - 3  # the engine sees the truncated prompt
     cfg = _cfg(example_dir, "rollout.group_size=2", "val.n=6")
-    need = kv_group_bytes(cfg, src, 6)
-    assert need > kv_group_bytes(cfg, src, 2) > 0
+    need = kv_group_bytes(cfg, src, 6, False)
+    assert need > kv_group_bytes(cfg, src, 2, False) > 0
     cfg.memory.kv_cache_gib = need / 2**30
-    check_kv_budget(cfg, src, {"rollout.group_size": 2, "val.n": 6})  # exactly enough
+    check_kv_budget(cfg, src, {"rollout.group_size": 2, "val.n": 6}, False)  # exactly enough
     cfg.memory.kv_cache_gib = (need - 1) / 2**30
-    check_kv_budget(cfg, src, {"rollout.group_size": 2})  # the training group alone fits
+    check_kv_budget(cfg, src, {"rollout.group_size": 2}, False)  # the training group alone fits
     with pytest.raises(ValueError, match=rf"^memory\.kv_cache_gib=\S+ is too small: one group of the longest "
                                          rf"prompt, {re.escape(row)} \({tokens} tokens\) with val\.n=6 responses of "
                                          rf"up to rollout\.max_response_len=4 tokens .*lower val\.n / "
                                          rf"rollout\.max_response_len$"):
-        check_kv_budget(cfg, src, {"rollout.group_size": 2, "val.n": 6})
+        check_kv_budget(cfg, src, {"rollout.group_size": 2, "val.n": 6}, False)
     cfg.rollout.engine = "sglang"  # SGLang sizes its own pool
-    check_kv_budget(cfg, src, {"rollout.group_size": 2, "val.n": 6})
+    check_kv_budget(cfg, src, {"rollout.group_size": 2, "val.n": 6}, False)
 
 
 def test_empty_dataset_and_missing_settings(tmp_path, example_dir):

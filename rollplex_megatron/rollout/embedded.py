@@ -382,26 +382,27 @@ class EmbeddedEngine:
         return waves + [cur] if cur else waves
 
 
-def kv_group_bytes(cfg, source, samples: int) -> int:
+def kv_group_bytes(cfg, source, samples: int, whole_layers: bool) -> int:
     """The KV cache one group of the source's longest prompt (`source.longest_prompt`) and `samples` responses
-    of `source.max_new_tokens` occupies on a rank of the engine the run builds: `_waves`'s bound. A replica
-    at `rollout.tp` and a rollout rank hold whole layers; the training layout a pipeline stage of them."""
-    par, tp = cfg.parallel, cfg.rollout.tp or cfg.parallel.tp
-    own = par.rollout_ranks or tp != par.tp or cfg.rollout.bound_model
-    layers = cfg.model.num_layers // (1 if own else par.pp)
+    of `source.max_new_tokens` occupies on a rank of the engine: `_waves`'s bound. `whole_layers`: a rollout
+    model of its own (replicas at `rollout.tp`, the rollout ranks) holds every layer; the actor's modules a
+    pipeline stage of them."""
+    tp = (cfg.rollout.tp or cfg.parallel.tp) if whole_layers else cfg.parallel.tp
+    layers = cfg.model.num_layers // (1 if whole_layers else cfg.parallel.pp)
     elt = 4 if cfg.dtype == "float32" else 2
     return DecodeCache.nbytes(cfg.model, tp, layers, source.longest_prompt[0] - 1, samples, source.max_new_tokens,
                               elt)
 
 
-def check_kv_budget(cfg, source, samples: dict[str, int]) -> None:
+def check_kv_budget(cfg, source, samples: dict[str, int], whole_layers: bool) -> None:
     """One group of the source's longest prompt with the largest of `samples` (setting -> responses a group)
     must fit `memory.kv_cache_gib`, which the engine checks for each request in the first step: checked here
-    when the source is built, before any model (the embedded engine only; SGLang sizes its own pool)."""
+    when the source is built, before any model (the embedded engine only; SGLang sizes its own pool).
+    `whole_layers` as in `kv_group_bytes`."""
     if cfg.rollout.engine != "embedded":
         return
     setting, n = max(samples.items(), key=lambda kv: kv[1])
-    need = kv_group_bytes(cfg, source, n)
+    need = kv_group_bytes(cfg, source, n, whole_layers)
     if need > int(cfg.memory.kv_cache_gib * 2**30):
         length = "task.max_answer_tokens" if source.name == "rendered" else "rollout.max_response_len"
         tokens, what = source.longest_prompt

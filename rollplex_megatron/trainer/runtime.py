@@ -229,7 +229,9 @@ class Runtime:
         self.layouts = layouts()
         self.source = build_source(cfg)  # bad data settings fail before building models
         samples = {"rollout.group_size": cfg.rollout.group_size, **({"val.n": cfg.val.n} if cfg.data.val_files else {})}
-        check_kv_budget(cfg, self.source, samples)  # one group of the longest prompt fits the rollout's KV cache
+        # one group of the longest prompt fits the rollout's KV cache; a rollout model of its own (a weights phase)
+        # holds every layer
+        check_kv_budget(cfg, self.source, samples, cfg.weights_phase is not None)
         self.plan = memory_plan(cfg, self.source)  # over memory.budget_gib: fails here, before any model
         actor = build_policy(cfg)
         self.ref = None  # train.reference: none where the loss does not read it (kl_coef 0 under auto)

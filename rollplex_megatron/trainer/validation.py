@@ -66,7 +66,7 @@ class EvalRuntime:
         self.cfg = cfg
         init_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.seed, cfg.parallel.backend)
         self.source = DatasetSource(cfg, training=False)
-        check_kv_budget(cfg, self.source, {"val.n": cfg.val.n})
+        check_kv_budget(cfg, self.source, {"val.n": cfg.val.n}, whole_layers=False)  # build_engine: the model's own
         model = build_policy(cfg)
         model.eval()
         self.engine = build_engine(model, cfg)
