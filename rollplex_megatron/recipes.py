@@ -108,14 +108,15 @@ def check_closed(node, schema: type, path: str = "") -> None:
             check_closed(value, sub, f"{name}.")
 
 
-def load_run_config(overrides: list[str] | None = None) -> RunConfig:
+def load_run_config(overrides: list[str] | None = None, hf_setting: str = "train.init_hf") -> RunConfig:
     """A validated RunConfig (cross-field checks run here, before any heavy work). With
-    `train.init_hf=DIR` the model's shape and special tokens are DIR's config.json (`model_from_hf`)."""
+    `train.init_hf=DIR` the model's shape and special tokens are DIR's config.json (`model_from_hf`);
+    `hf_setting` is how the user gave DIR (a command's `--hf-dir`), for the errors."""
     cfg = compose_config(overrides)
     check_closed(cfg, RunConfig)
     run = absolute_data_paths(OmegaConf.to_object(cfg))
     if run.train.init_hf:
-        run = model_from_hf(run, list(overrides or []))
+        run = model_from_hf(run, list(overrides or []), hf_setting)
     check_registered(run)
     return run
 
@@ -196,16 +197,18 @@ def run_eval_config(cfg: RunConfig, overrides: list[str], saved_yaml: str) -> tu
 RUN_MODEL_FIELDS = ("name", "freeze_vision")
 
 
-def model_from_hf(cfg: RunConfig, overrides: list[str]) -> RunConfig:
+def model_from_hf(cfg: RunConfig, overrides: list[str], setting: str = "train.init_hf") -> RunConfig:
     """`cfg` with `train.init_hf` made absolute and `model` read from its config.json. The root recipe's
     default preset gives way; a `model=` preset or `model.*` value chosen on the command line that
-    disagrees with the checkpoint is an error naming the field."""
+    disagrees with the checkpoint is an error naming the field. `setting`: how the user named the directory
+    (`train.init_hf`, or an option such as `--hf-dir`)."""
     path = str(Path(cfg.train.init_hf).resolve())  # recorded absolute: exports and resumes elsewhere find it
+    given = f"{setting} {cfg.train.init_hf}" if setting.startswith("-") else f"{setting}={cfg.train.init_hf}"
     if Path(path).is_file():
-        raise ValueError(f"train.init_hf={cfg.train.init_hf} is a file; name the Hugging Face Qwen2.5-VL directory "
+        raise ValueError(f"{given} is a file; name the Hugging Face Qwen2.5-VL directory "
                          f"that holds it (config.json, safetensors, processor files)")
     if not Path(path).is_dir():
-        raise ValueError(f"train.init_hf={cfg.train.init_hf}: {path} does not exist; name a Hugging Face "
+        raise ValueError(f"{given}: {path} does not exist; name a Hugging Face "
                          f"Qwen2.5-VL directory (config.json, safetensors, processor files)")
     hf = HFCheckpoint(path).model_config()
     hf = dataclasses.replace(hf, freeze_vision=cfg.model.freeze_vision)  # a run setting (RUN_MODEL_FIELDS)
@@ -215,7 +218,7 @@ def model_from_hf(cfg: RunConfig, overrides: list[str]) -> RunConfig:
         if bad:
             field_name, mine, theirs = bad[0]
             raise ValueError(f"{field_name}={mine!r} (from {', '.join(chosen)}) disagrees with {path}/config.json "
-                             f"({theirs!r}); train.init_hf sets the model: drop the model override")
+                             f"({theirs!r}); {setting} sets the model: drop the model override")
     out = dataclasses.replace(cfg, model=hf, train=dataclasses.replace(cfg.train, init_hf=path))
     check_model_parallel(out.model, out.parallel)
     return out

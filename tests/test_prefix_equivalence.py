@@ -7,6 +7,7 @@ several groups packed per micro-batch, through megatron's no-pipelining and 1F1B
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -101,6 +102,10 @@ def test_verify_equivalence_hf_dir_takes_the_checkpoints_model(tiny_hf, capsys):
     err = capsys.readouterr().err
     assert "(from model=qwen2_5_vl_3b) disagrees with" in err and "--hf-dir sets the model" in err, err
     assert err.count("\n") == 1
+    missing = Path(tiny_hf) / "nowhere"
+    assert main(["verify-equivalence", "--hf-dir", str(missing)]) == 1  # named as the user gave it
+    err = capsys.readouterr().err
+    assert f"--hf-dir {missing}: " in err and "does not exist" in err and "train.init_hf" not in err, err
 
 
 def test_bf16_gradient_rule_is_against_fp32(shared_jobs):

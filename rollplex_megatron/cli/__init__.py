@@ -132,10 +132,7 @@ def _cmd_verify_equivalence(argv: list[str]) -> int:
     a, overrides = ap.parse_known_args(argv)
     if a.hf_dir is not None:  # the model is the checkpoint's (as train.init_hf): a model= that disagrees is refused
         overrides = [*overrides, f"train.init_hf={a.hf_dir}"]
-    try:
-        cfg = load_run_config(overrides)
-    except ValueError as e:
-        raise ValueError(str(e).replace("train.init_hf sets the model", "--hf-dir sets the model")) from None
+    cfg = load_run_config(overrides, hf_setting="--hf-dir")
     cfg.check_verify()
     check_launch(cfg.parallel)  # under torchrun: megatron would take dp from the launch, not from the config
     res = launch_on_ranks(run_rank, cfg.parallel.world_size, cfg, a.hf_dir)[0]
