@@ -172,6 +172,9 @@ def test_command_arguments_are_checked_before_any_work(tmp_path, tiny_hf, capsys
         (["train", "--modes", "serial,rollplex,serial", "train.steps=1", f"train.out={tmp_path / 'o'}"],
          "--modes: serial given twice"),
         (["train", "train.steps=1", f"run_dir={existing}"], "eval.json is a file; run_dir is the folder new runs"),
+        (["plan-memory", "plan.response_tokens=512"], "plan.response_tokens=512 is over rollout.max_response_len=256, "
+                                                      "which a run of this config would refuse; raise"),
+        (["plan-memory", "plan.prefix_tokens=9000"], "plan.prefix_tokens=9000 is over rollout.max_prompt_len=8192"),
     ]
     for argv, want in cases:
         assert main(argv) == 1, argv

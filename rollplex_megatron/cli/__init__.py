@@ -194,6 +194,11 @@ def _cmd_plan_memory(argv: list[str]) -> int:
             and (RECIPES_DIR / "plan_preset" / f"{model}.yaml").is_file():
         overrides = [f"+plan_preset={model}"] + overrides  # the model's reference setting; overrides win
     cfg = load_run_config(overrides)
+    for key, limit in (("prefix_tokens", "max_prompt_len"), ("response_tokens", "max_response_len")):
+        if getattr(cfg.plan, key) > getattr(cfg.rollout, limit):  # a shape the run itself would refuse
+            raise ValueError(f"plan.{key}={getattr(cfg.plan, key)} is over rollout.{limit}="
+                             f"{getattr(cfg.rollout, limit)}, which a run of this config would refuse; raise "
+                             f"rollout.{limit} or lower plan.{key}")
     res = plan_memory(cfg)
     w = res["workload"]
     print(f"model {res['model']} on {res['gpus']} GPUs (TP={res['tp']} PP={res['pp']} DP={res['dp']}); per DP rank "
