@@ -171,6 +171,19 @@ def resumed_config(cfg: RunConfig, overrides: list[str], saved_yaml: str) -> Run
 RUN_EVAL_SETTINGS = ("data.", "reward.", "val.", "rollout.max_response_len", "rollout.max_prompt_len",
                      "rollout.top_p", "rollout.top_k", "seed")
 RUN_EVAL_OWN = ("data.train_files", "data.val_files", "data.source")
+# Settings eval/generate never read (training's, or the rollout's that val.* replaces): a command line naming one
+# is refused, with the setting that does what it meant where there is one
+EVAL_UNREAD = {"optim": "", "task": " (the rows come from data.val_files)",
+               "rollout.temperature": "; use val.temperature", "rollout.group_size": "; use val.n",
+               "rollout.length_dist": "", "rollout.length_mean": "", "rollout.length_sigma": ""}
+
+
+def check_eval_overrides(overrides: list[str]) -> None:
+    """A one-line error for the first override of a setting eval/generate would ignore (`EVAL_UNREAD`)."""
+    for key in (o.lstrip("+~").split("=", 1)[0] for o in overrides if "=" in o):  # in the command line's order
+        hit = next((k for k in EVAL_UNREAD if key == k or key.startswith(f"{k}.")), None)
+        if hit:
+            raise ValueError(f"{key}: eval and generate do not read it{EVAL_UNREAD[hit]}; drop the override")
 
 
 def run_eval_config(cfg: RunConfig, overrides: list[str], saved_yaml: str) -> tuple[RunConfig, dict]:

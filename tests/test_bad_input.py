@@ -172,6 +172,13 @@ def test_command_arguments_are_checked_before_any_work(tmp_path, tiny_hf, capsys
         (["train", "--modes", "serial,rollplex,serial", "train.steps=1", f"train.out={tmp_path / 'o'}"],
          "--modes: serial given twice"),
         (["train", "train.steps=1", f"run_dir={existing}"], "eval.json is a file; run_dir is the folder new runs"),
+        (["eval", "--hf-dir", tiny_hf, rows, "rollout.temperature=0.7"], "rollout.temperature: eval and generate do "
+                                                                          "not read it; use val.temperature; drop"),
+        (["generate", "--hf-dir", tiny_hf, rows, "rollout.group_size=4"], "rollout.group_size: eval and generate do "
+                                                                           "not read it; use val.n; drop"),
+        (["eval", "--hf-dir", tiny_hf, rows, "optim.lr=1e-3"], "optim.lr: eval and generate do not read it; drop"),
+        (["eval", "--hf-dir", tiny_hf, rows, "task=motion"], "task: eval and generate do not read it (the rows come "
+                                                              "from data.val_files); drop"),
         (["plan-memory", "plan.response_tokens=512"], "plan.response_tokens=512 is over rollout.max_response_len=256, "
                                                       "which a run of this config would refuse; raise"),
         (["plan-memory", "plan.prefix_tokens=9000"], "plan.prefix_tokens=9000 is over rollout.max_prompt_len=8192"),

@@ -56,7 +56,7 @@ from rollplex_megatron.data.dataset import DatasetSource
 from rollplex_megatron.data.example import make_example
 from rollplex_megatron.dist import LocalRunError, check_launch, launch_on_ranks, leave_torchrun
 from rollplex_megatron.memory.planner import check_budget, plan_memory
-from rollplex_megatron.recipes import RECIPES_DIR, load_run_config, run_eval_config, to_yaml
+from rollplex_megatron.recipes import RECIPES_DIR, check_eval_overrides, load_run_config, run_eval_config, to_yaml
 from rollplex_megatron.runtime import environment_record
 from rollplex_megatron.trainer.validation import eval_rank, generate_rank
 from rollplex_megatron.verify.equivalence import run_rank
@@ -290,6 +290,7 @@ def _eval_config(a, overrides: list[str], tmp: str):
     if model:  # before an export: the model is the checkpoint's
         where = f"--run {a.run}" if a.run else f"--hf-dir {a.hf_dir}"
         raise ValueError(f"{model[0]}: the model is the checkpoint's ({where}); drop the model override")
+    check_eval_overrides(overrides)
     files = [o.split("=", 1)[1] for o in overrides if o.startswith("data.val_files=")]
     if not files:
         raise ValueError("give the rows to answer: data.val_files=[FILE, ...] (parquet or jsonl, verl's format)")
