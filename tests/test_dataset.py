@@ -317,6 +317,15 @@ def test_kv_budget_names_the_longest_row_and_the_largest_group(example_dir):
     check_kv_budget(cfg, src, {"rollout.group_size": 2, "val.n": 6}, False)
 
 
+def test_rendered_task_settings_with_data_files_are_refused(example_dir):
+    with pytest.raises(ValueError, match=r"^task\.frames: a setting of the rendered task, which a run on "
+                                         r"data\.train_files does not read \(its rows are the prompts\); drop"):
+        _cfg(example_dir, "task.frames=4")
+    with pytest.raises(ValueError, match=r"^task: a setting of the rendered task"):
+        _cfg(example_dir, "task=motion")
+    load_run_config(["task.frames=4"])  # the rendered task reads it
+
+
 def test_empty_dataset_and_missing_settings(tmp_path, example_dir):
     (tmp_path / "empty.jsonl").write_text("")
     with pytest.raises(ValueError, match=r"data.train_files: .*empty\.jsonl hold no rows"):
