@@ -1,0 +1,121 @@
+"""Probe (GPU): can one decode-window item be captured as a CUDA graph, and what would replaying it cost?
+
+The item is one group's reference prefix stage at 3B (random weights, bf16): the vision tower on a video of
+`--grid` patches plus the LLM prefix forward that records each layer's K/V (`PrefixContext(mode="record")`),
+as the window runs it (the prompt's ids and pixels on the device, its grid on the host). Measured, eager: the
+host time until the call returns, the GPU time (CUDA events) and the kernel count (torch.profiler). Then it
+tries `torch.cuda.graph` capture of the same call (after a side-stream warm-up, as torch's docs ask) and, if
+that works, times a replay and compares the replayed K/V with an eager run's (they must be equal: same
+kernels, same inputs). A capture that fails records the exception and the traceback's tail: what in the item
+cannot be captured (a host read of a device value, an allocation of data-dependent size). One JSON to --out.
+
+    python -m torch.distributed.run --nproc_per_node 1 benchmarks/window_item_graph_probe.py --out probe.json
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+import traceback
+
+import torch
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="qwen2_5_vl_3b")
+    ap.add_argument("--grid", default="4,32,32", help="video grid t,h,w (4,32,32: the video_long suite's 8 frames)")
+    ap.add_argument("--text-tokens", type=int, default=15)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--out", default="")
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("window_item_graph_probe: needs a CUDA device (it captures CUDA graphs)", file=sys.stderr)
+        return 2
+
+    sys.path.insert(0, "benchmarks")
+    from decode_vs_hf import cuda_kernels, prompts, random_model
+    from torch.profiler import ProfilerActivity, profile
+
+    from rollplex_megatron.attention.kv_store import KVStore
+    from rollplex_megatron.attention.prefix import PrefixContext
+    from rollplex_megatron.prefix.execution import unwrap
+    from rollplex_megatron.runtime import environment_record
+
+    cfg, model, _ = random_model(a.preset)
+    m, dev = unwrap(model), torch.device("cuda")
+    p = prompts(cfg, 1, tuple(int(x) for x in a.grid.split(",")), a.text_tokens)[0]
+    p = dataclasses.replace(p, input_ids=p.input_ids.to(dev),
+                            pixel_values_videos=p.pixel_values_videos.to(dev, torch.bfloat16))  # grid: host
+
+    def item(store: KVStore):
+        with torch.no_grad():
+            return m.prefix_stage([p], PrefixContext(mode="record", store=store, group=0, keep_graph=False), None)
+
+    for _ in range(3):
+        item(KVStore())
+    torch.cuda.synchronize()
+    host, gpu = [], []
+    for _ in range(a.reps):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        t0 = time.perf_counter()
+        item(KVStore())
+        host.append(time.perf_counter() - t0)
+        e1.record()
+        torch.cuda.synchronize()
+        gpu.append(e0.elapsed_time(e1) / 1e3)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        item(KVStore())
+        torch.cuda.synchronize()
+    kernels = cuda_kernels(prof)
+    res = {"command": "python " + " ".join(sys.argv), "preset": a.preset, "grid": a.grid,
+           "prefix_tokens": int(p.input_ids.numel()) - 1,
+           "eager": {"host_s_median": sorted(host)[len(host) // 2], "gpu_s_median": sorted(gpu)[len(gpu) // 2],
+                     "kernels": sum(e.count for e in kernels),
+                     "kernel_s": sum(e.self_device_time_total for e in kernels) / 1e6}}
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                item(KVStore())
+        torch.cuda.current_stream().wait_stream(side)
+        graph, captured = torch.cuda.CUDAGraph(), KVStore()
+        t0 = time.perf_counter()
+        with torch.cuda.graph(graph):
+            item(captured)
+        res["capture_s"] = time.perf_counter() - t0
+        eager = KVStore()
+        item(eager)
+        torch.cuda.synchronize()
+        host, gpu = [], []
+        for _ in range(a.reps):
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            t0 = time.perf_counter()
+            graph.replay()
+            host.append(time.perf_counter() - t0)
+            e1.record()
+            torch.cuda.synchronize()
+            gpu.append(e0.elapsed_time(e1) / 1e3)
+        diff = max(float((captured.leaves[k][i].float() - eager.leaves[k][i].float()).abs().max())
+                   for k in eager.leaves for i in (0, 1))
+        res["graph"] = {"host_s_median": sorted(host)[len(host) // 2], "gpu_s_median": sorted(gpu)[len(gpu) // 2],
+                        "kv_max_abs_diff_vs_eager": diff, "layers_recorded": len(captured.leaves)}
+    except Exception as e:  # noqa: BLE001 - what cannot be captured is the probe's finding
+        res["capture_error"] = f"{type(e).__name__}: {e}"[:2000]
+        res["traceback_tail"] = traceback.format_exc()[-4000:]
+    res["environment"] = environment_record()
+    text = json.dumps(res, indent=1)
+    print(text)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
