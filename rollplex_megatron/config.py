@@ -5,7 +5,8 @@ YAML cannot add unknown keys (structured configs are closed). Cross-field checks
 """
 from __future__ import annotations
 
-from dataclasses import MISSING, dataclass, field, fields
+import math
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -24,6 +25,18 @@ def at_least(section, path: str, names: tuple[str, ...], low: float, strict: boo
         value = getattr(section, name)
         if value < low or (strict and value == low):
             raise ValueError(f"{path}.{name} must be {'>' if strict else '>='} {low}, got {value}{note}")
+
+
+def check_finite(section, path: str = "") -> None:
+    """A one-line error naming the first float setting (of `section` and the config dataclasses in it) that is
+    nan or infinite: no setting means either, and each would run to a NaN loss or an endless wait."""
+    for f in fields(section):
+        value, name = getattr(section, f.name), f"{path}{f.name}"
+        if is_dataclass(value):
+            check_finite(value, f"{name}.")
+        for v in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(v, float) and not math.isfinite(v):
+                raise ValueError(f"{name} must be a finite number, got {value}")
 
 
 def unused_unless(section, path: str, names: tuple[str, ...], on: bool, switch: str) -> None:
@@ -61,6 +74,7 @@ class VisionConfig:
     def __post_init__(self) -> None:
         at_least(self, "model.vision", ("depth", "hidden_size", "ffn_hidden_size", "num_heads", "patch_size",
                                         "temporal_patch_size", "spatial_merge_size", "window_size", "in_channels"), 1)
+        at_least(self, "model.vision", ("rms_norm_eps", "rope_theta"), 0, strict=True)
         if self.hidden_size % self.num_heads:
             raise ValueError(
                 f"model.vision.hidden_size ({self.hidden_size}) must be divisible by "
@@ -108,6 +122,7 @@ class ModelConfig:
     def __post_init__(self) -> None:
         at_least(self, "model", ("vocab_size", "hidden_size", "ffn_hidden_size", "num_layers", "num_attention_heads",
                                  "num_query_groups", "max_position_embeddings"), 1)
+        at_least(self, "model", ("rms_norm_eps", "rope_theta"), 0, strict=True)
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"model.hidden_size ({self.hidden_size}) must be divisible by "
@@ -119,9 +134,9 @@ class ModelConfig:
                 f"model.num_query_groups ({self.num_query_groups})"
             )
         half = self.hidden_size // self.num_attention_heads // 2
-        if sum(self.mrope_section) != half or len(self.mrope_section) != 3:
+        if sum(self.mrope_section) != half or len(self.mrope_section) != 3 or min(self.mrope_section) < 0:
             raise ValueError(
-                f"model.mrope_section {list(self.mrope_section)} must have 3 entries summing to "
+                f"model.mrope_section {list(self.mrope_section)} must have 3 entries >= 0 summing to "
                 f"head_dim/2 = {half}"
             )
         if self.vision.out_hidden_size != self.hidden_size:
@@ -133,6 +148,9 @@ class ModelConfig:
                self.vision_end_token_id]
         if any(not 0 <= i < self.vocab_size for i in ids):
             raise ValueError(f"special token ids {ids} must lie inside model.vocab_size ({self.vocab_size})")
+        if len(set(ids)) < len(ids):  # a token that is two of them would be read as both
+            raise ValueError(f"model.image_token_id, video_token_id, vision_start_token_id and vision_end_token_id "
+                             f"must differ, got {ids}")
 
     @property
     def vision_token_ids(self) -> tuple[int, int, int, int]:
@@ -852,6 +870,7 @@ class RunConfig:
     run_dir: str = "runs"  # where runs write their outputs
 
     def __post_init__(self) -> None:
+        check_finite(self)
         if self.seed < 0:
             raise ValueError(f"seed must be >= 0 (numpy and the samplers take unsigned seeds), got {self.seed}")
         if self.dtype not in ("float32", "bfloat16"):
