@@ -18,7 +18,8 @@ from rollplex_megatron.recipes import load_run_config
     (["model=qwen2_5_vl_7b", "parallel.tp=8"],
      r"model.num_attention_heads \(28\) is not divisible by parallel.tp \(8\)"),
     (["model=qwen2_5_vl_7b", "parallel.pp=3"], r"model.num_layers \(28\) is not divisible by parallel.pp \(3\)"),
-    (["model.mrope_section=[2,3,4]"], r"model.mrope_section \[2, 3, 4\] must have 3 entries >= 0 summing to head_dim/2 = 8"),
+    (["model.mrope_section=[2,3,4]"],
+     r"model.mrope_section \[2, 3, 4\] must have 3 entries >= 0 summing to head_dim/2 = 8"),
     (["model.mrope_section=[10,-1,-1]"], r"model.mrope_section \[10, -1, -1\] must have 3 entries >= 0 summing to"),
     (["model.rope_theta=0"], r"^model.rope_theta must be > 0, got 0.0$"),
     (["model.rms_norm_eps=-1"], r"^model.rms_norm_eps must be > 0, got -1.0$"),
@@ -166,6 +167,11 @@ def test_command_arguments_are_checked_before_any_work(tmp_path, tiny_hf, capsys
     existing, run_like = tmp_path / "eval.json", tmp_path / "run"
     existing.write_text("{}")
     (run_like / "checkpoints").mkdir(parents=True)
+    single, compared = tmp_path / "single", tmp_path / "compared"  # a run of one mode; a --modes comparison
+    single.mkdir()
+    (single / "config.yaml").write_text("seed: 1\n")
+    (compared / "rollplex").mkdir(parents=True)
+    (compared / "rollplex" / "metrics.jsonl").write_text("")
     rows = "data.val_files=[rows.parquet]"
     cases = [
         (["eval", "--hf-dir", tiny_hf, "--step", "3", rows], "--step 3 selects a checkpoint of a training run: use "
@@ -187,6 +193,12 @@ def test_command_arguments_are_checked_before_any_work(tmp_path, tiny_hf, capsys
         (["train", "--modes", "serial,rollplex,serial", "train.steps=1", f"train.out={tmp_path / 'o'}"],
          "--modes: serial given twice"),
         (["train", "train.steps=1", f"run_dir={existing}"], "eval.json is a file; run_dir is the folder new runs"),
+        (["train", "--modes", "serial", "train.steps=1", f"train.out={single}"],
+         f"train.out={single} holds a run of one mode (config.yaml at its top); --modes trains each mode into "
+         f"train.out/<mode>: choose a new train.out, or resume that run without --modes"),
+        (["train", "train.steps=1", f"train.out={compared}"],
+         f"train.out={compared} holds a --modes comparison (rollplex/); a run of one mode writes its files at the "
+         f"top of train.out"),
         (["eval", "--hf-dir", tiny_hf, rows, "rollout.temperature=0.7"], "rollout.temperature: eval and generate do "
                                                                           "not read it; use val.temperature; drop"),
         (["generate", "--hf-dir", tiny_hf, rows, "rollout.group_size=4"], "rollout.group_size: eval and generate do "
@@ -203,6 +215,8 @@ def test_command_arguments_are_checked_before_any_work(tmp_path, tiny_hf, capsys
         err = capsys.readouterr().err
         assert want in err and err.startswith("error: ") and err.count("\n") == 1, (argv, err)
     assert existing.read_text() == "{}" and not (tmp_path / "ex").exists() and not (tmp_path / "o").exists()
+    assert sorted(p.name for p in single.iterdir()) == ["config.yaml"] and sorted(
+        p.name for p in compared.iterdir()) == ["rollplex"]  # nothing written into either
 
 
 def test_nccl_without_cuda_devices_is_refused_before_any_process(tmp_path, monkeypatch, capsys):

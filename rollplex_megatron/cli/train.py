@@ -108,6 +108,19 @@ def _saved_config(root: Path, modes: list[str] | None) -> str | None:
     return None
 
 
+def _check_kind(root: Path, modes: list[str] | None) -> None:
+    """A run of one mode keeps its files at the top of train.out, a --modes comparison one folder per mode: a
+    command of the other kind would mix its files in and replace the summary and report of the run there."""
+    top = next((f for f in R.RUN_FILES if (root / f).exists()), None)
+    if modes and top:
+        raise ValueError(f"train.out={root} holds a run of one mode ({top} at its top); --modes trains each mode "
+                         f"into train.out/<mode>: choose a new train.out, or resume that run without --modes")
+    inner = next((m for m in MODES if any((root / m / f).exists() for f in R.RUN_FILES)), None)
+    if not modes and inner:
+        raise ValueError(f"train.out={root} holds a --modes comparison ({inner}/); a run of one mode writes its "
+                         f"files at the top of train.out: choose a new train.out, or resume it with --modes")
+
+
 def _config(overrides: list[str], modes: list[str] | None) -> RunConfig:
     """The run's config with every check that needs no process (bad input fails here)."""
     cfg = load_run_config(overrides)  # train.init_hf: the model is the checkpoint's (recipes.model_from_hf)
@@ -124,6 +137,8 @@ def _config(overrides: list[str], modes: list[str] | None) -> RunConfig:
     twice = sorted({m for m in modes or [] if modes.count(m) > 1})
     if twice:
         raise ValueError(f"--modes: {', '.join(twice)} given twice; each mode trains once, into train.out/<mode>")
+    if cfg.train.out:
+        _check_kind(Path(cfg.train.out), modes)
     if modes and "disaggregated" in modes:
         raise ValueError("--modes: disaggregated runs on parallel.rollout_ranks more processes than the other modes; "
                          "train it in a launch of its own (mode=disaggregated parallel.rollout_ranks=N)")
