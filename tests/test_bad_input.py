@@ -183,6 +183,14 @@ def test_command_arguments_are_checked_before_any_work(tmp_path, tiny_hf, capsys
         (["eval", "--hf-dir", tiny_hf, rows, "--out", str(tmp_path / "no" / "x.json")], "does not exist; create it"),
         (["generate", "--hf-dir", tiny_hf, rows, "--rows", "0"], "--rows must be >= 1, got 0"),
         (["make-example", str(tmp_path / "ex"), "--train-rows", "0"], "--train-rows and --val-rows must be >= 1"),
+        (["make-example", str(tmp_path / "ex"), "--seed", "-5"], "--seed must be >= 0 (numpy takes unsigned seeds), "
+                                                                   "got -5"),
+        (["make-example", str(tmp_path / "ex"), "train.steps=5"], "train.steps=5: make-example reads model overrides "
+                                                                   "only"),
+        (["convert", "mcore-to-hf", "--mcore-dir", str(tmp_path), "--out", str(tmp_path / "o"), "--max-shard-gib",
+          "0"], "--max-shard-gib must be a positive number of GiB, got 0.0"),
+        (["convert", "train-to-hf", "--run", str(tmp_path), "--out", str(tmp_path / "o"), "--max-shard-gib", "nan"],
+         "--max-shard-gib must be a positive number of GiB, got nan"),
         (["convert", "train-to-hf", "--run", str(tmp_path / "norun"), "--out", str(tmp_path / "o")],
          "norun: no such run directory"),
         (["print-config", f"train.init_hf={tmp_path / 'nomodel'}"], "nomodel does not exist; name a Hugging Face"),

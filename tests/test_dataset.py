@@ -444,3 +444,17 @@ def test_per_source_reward_functions_from_the_command_line(tmp_path, example_dir
     tok = src.proc.tokenizer
     assert src.score(row, torch.tensor(tok.convert_tokens_to_ids([row.meta.ground_truth, "red"]))).reward == 1.0
     assert src.score(row, torch.tensor(tok.convert_tokens_to_ids(["red", row.meta.ground_truth]))).reward == 0.0
+
+
+def test_make_example_failing_midway_leaves_nothing(tmp_path, monkeypatch):
+    """make-example builds under a temporary name and renames when complete: a failure after the model was written
+    leaves neither DIR nor the temporary folder, so the same command can run again."""
+    import rollplex_megatron.data.example as ex
+
+    def broken(path, rows):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(ex, "write_rows", broken)
+    with pytest.raises(OSError, match="disk full"):
+        ex.make_example(tmp_path / "ex", load_run_config([]).model, train_rows=2, val_rows=2)
+    assert list(tmp_path.iterdir()) == []

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import tempfile
 from pathlib import Path
@@ -114,6 +115,9 @@ def _cmd_convert(argv: list[str]) -> int:
     t2h.add_argument("--out", required=True, help="new HF directory")
     t2h.add_argument("--max-shard-gib", type=float, default=4.0)
     a = ap.parse_args(argv)
+    shard = getattr(a, "max_shard_gib", 1.0)
+    if not (math.isfinite(shard) and shard > 0):
+        raise ValueError(f"--max-shard-gib must be a positive number of GiB, got {shard}")
     if a.direction == "hf-to-mcore":
         out = convert.hf_to_mcore(a.hf_dir, a.out, a.tp, a.pp)
     elif a.direction == "train-to-hf":
@@ -252,6 +256,10 @@ def _cmd_make_example(argv: list[str]) -> int:
     a, overrides = ap.parse_known_args(argv)
     if a.train_rows < 1 or a.val_rows < 1:
         raise ValueError(f"--train-rows and --val-rows must be >= 1, got {a.train_rows} and {a.val_rows}")
+    other = [o for o in overrides if not o.lstrip("+~").startswith("model")]
+    if other:  # only the model's shape shapes the example
+        raise ValueError(f"{other[0]}: make-example reads model overrides only (model=PRESET, model.*); give the "
+                         f"others to train")
     out = make_example(a.out, load_run_config(overrides).model, a.train_rows, a.val_rows, a.seed, a.videos)
     train, val = (next(out.glob(f"{name}.*")) for name in ("train", "val"))  # .parquet, or .jsonl without pyarrow
     print(f"train with: python -m rollplex_megatron train train.init_hf={out / 'model'} data.train_files=[{train}] "

@@ -11,6 +11,8 @@ image size and wording, so prompts are ragged (the tests use that form).
 from __future__ import annotations
 
 import io
+import shutil
+import tempfile
 from pathlib import Path
 
 import json
@@ -100,8 +102,10 @@ def write_rows(path: Path, rows: list[dict]) -> Path:
 
 
 def _save(path: Path, image: dict) -> str:
+    """The image written to `path`; its name relative to the rows file's folder (rows resolve relative names
+    there), so the folder can be moved or renamed."""
     path.write_bytes(image["bytes"])
-    return str(path)
+    return f"{path.parent.name}/{path.name}"
 
 
 def make_example(out: str | Path, model: ModelConfig, train_rows: int = 512, val_rows: int = 64,
@@ -111,8 +115,18 @@ def make_example(out: str | Path, model: ModelConfig, train_rows: int = 512, val
     out = Path(out)
     if out.exists():
         raise FileExistsError(f"{out} exists; make-example writes a new directory (choose another path)")
-    (out / "model").mkdir(parents=True)
-    write_model(out / "model", model, seed)
-    write_rows(out / "train.parquet", example_rows(train_rows, seed + 1, videos, ragged, image_px, square_px))
-    write_rows(out / "val.parquet", example_rows(val_rows, seed + 2, videos, ragged, image_px, square_px))
+    if seed < 0:
+        raise ValueError(f"--seed must be >= 0 (numpy takes unsigned seeds), got {seed}")
+    # built under a temporary name beside DIR and renamed when complete: a failure leaves no half-written DIR
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        (tmp / "model").mkdir()
+        write_model(tmp / "model", model, seed)
+        write_rows(tmp / "train.parquet", example_rows(train_rows, seed + 1, videos, ragged, image_px, square_px))
+        write_rows(tmp / "val.parquet", example_rows(val_rows, seed + 2, videos, ragged, image_px, square_px))
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return out
