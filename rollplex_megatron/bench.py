@@ -211,7 +211,15 @@ def run_mode(suite: str, overrides: list[str], mode_over: list[str], out: Path, 
         extra.append(f"train.profile_phases=[{profile_phases}]")
     cmd = [sys.executable, "-m", "rollplex_megatron", "train", f"+bench={suite}", *overrides, *mode_over, *extra,
            f"train.out={out}", "train.save_final=false", "train.progress=false"]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env={**os.environ, **env})
+    # from the caller's folder, as `train` would run (relative paths in the overrides mean the same), with this
+    # checkout first on the path
+    path = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                           env={**os.environ, "PYTHONPATH": path, **env})
+    except subprocess.TimeoutExpired:
+        raise BenchModeError(f"bench: {' '.join(mode_over)} ran past --timeout {timeout:g} s and was stopped; raise "
+                             f"--timeout or run fewer steps (train.steps)") from None
     if p.returncode != 0:
         tail = [ln for ln in p.stderr.splitlines() if ln.strip() and "warn" not in ln.lower()][-8:]
         raise BenchModeError(f"bench: {' '.join(mode_over)} failed (exit {p.returncode}): " + " | ".join(tail))

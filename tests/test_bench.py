@@ -1,5 +1,6 @@
 """The `bench` driver on the tiny suite: every mode in its own process, one JSON, BENCHMARKS.md from it."""
 import json
+import os
 import subprocess
 import sys
 
@@ -250,3 +251,21 @@ def test_a_mode_variant_can_set_its_process_environment(monkeypatch, tmp_path):
     assert bench.cuda_env_line(d) == ("CUDA environment: CUDA_DEVICE_MAX_CONNECTIONS=1 (rollplex:conn1); "
                                       "none set (rollplex).")
     assert "not recorded" in bench.cuda_env_line({"modes": {"serial": {}}})
+
+
+def test_a_mode_runs_from_the_callers_folder_and_a_timeout_is_one_line(tmp_path, monkeypatch):
+    """A mode's process starts in the caller's folder (a relative path in the overrides means what it means to
+    `train`), with this checkout first on PYTHONPATH; a mode past --timeout is a one-line BenchModeError naming it."""
+    seen = {}
+
+    def fake_run(cmd, **kw):
+        seen.update(kw, cmd=cmd)
+        raise subprocess.TimeoutExpired(cmd, kw["timeout"])
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(bench.subprocess, "run", fake_run)
+    with pytest.raises(bench.BenchModeError, match=r"^bench: mode\.name=rollplex ran past --timeout 7 s and was "
+                                                   r"stopped; raise --timeout or run fewer steps \(train\.steps\)$"):
+        bench.run_mode("tiny", ["train.init_hf=ex/model"], ["mode.name=rollplex"], tmp_path / "o", 7.0)
+    assert seen.get("cwd") in (None, str(tmp_path)) and "train.init_hf=ex/model" in seen["cmd"]
+    assert seen["env"]["PYTHONPATH"].split(os.pathsep)[0] == str(bench.ROOT)
