@@ -326,14 +326,15 @@ def test_window_policy_command_writes_the_table(tmp_path, capsys):
     assert main(["window-policy", "--from", str(root / src), "--out", str(out)]) == 0
     assert json.loads(out.read_text())["rows"] == json.loads(POLICY_PATH.read_text())["rows"]
     assert capsys.readouterr().out.startswith(f"wrote {out}\n")  # not the shipped table: said without the note
-    assert main(["window-policy", "--from", str(tmp_path / "none.json"), "--out", str(out)]) == 2
-    assert "does not exist" in capsys.readouterr().err
     (tmp_path / "bad.json").write_text("{")
     (tmp_path / "other.json").write_text('{"rows": [{"case": "x"}]}')
     for argv, want in [(["--from", str(tmp_path / "bad.json")], "bad.json is not JSON"),
                        (["--from", str(tmp_path / "other.json")], "other.json is not a decode-window benchmark JSON"),
                        (["--from", str(root / src), "--margin", "1.5"], "--margin is the share"),
-                       (["--from", str(root / src), "--out", str(tmp_path / "no" / "p.json")], "folder")]:
+                       (["--from", str(root / src), "--out", str(tmp_path / "no" / "p.json")], "folder"),
+                       (["--from", str(tmp_path / "none.json"), "--out", str(out)], "none.json does not exist"),
+                       (["--from", str(tmp_path)], f"--from {tmp_path} is a folder"),
+                       (["--from", str(root / src), "--out", str(tmp_path)], f"--out {tmp_path} is a folder")]:
         before = POLICY_PATH.read_bytes()
         assert main(["window-policy", *argv]) == 1, argv
         err = capsys.readouterr().err

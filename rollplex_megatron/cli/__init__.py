@@ -379,8 +379,8 @@ def _cmd_window_policy(argv: list[str]) -> int:
     a = ap.parse_args(argv)
     src = Path(a.src)
     if not src.is_file():
-        print(f"window-policy: {src} does not exist; pass the decode-window benchmark's JSON", file=sys.stderr)
-        return 2
+        raise ValueError(f"window-policy: --from {src} " + ("is a folder" if src.is_dir() else "does not exist")
+                         + "; pass the decode-window benchmark's JSON (benchmarks/decode_window.py's output)")
     if not 0 <= a.margin < 1:
         raise ValueError(f"window-policy: --margin is the share by which a mechanism must beat interleave, in [0, 1); "
                          f"got {a.margin:g}")
@@ -395,6 +395,8 @@ def _cmd_window_policy(argv: list[str]) -> int:
     out = Path(a.out)
     if not out.parent.is_dir():
         raise ValueError(f"window-policy: --out {out}: folder {out.parent} does not exist")
+    if out.is_dir():
+        raise ValueError(f"window-policy: --out {out} is a folder; name the table's file (e.g. {out}/policy.json)")
     atomic_write_text(out, json.dumps(table, indent=1) + "\n")
     shipped = out.resolve() == POLICY_PATH.resolve()
     print(f"wrote {out}" + (" (the table shipped with the package: mode.window=auto reads it)" if shipped else ""))
