@@ -201,6 +201,7 @@ def test_command_arguments_are_checked_before_any_work(tmp_path, tiny_hf, capsys
         (["train", "--modes", "serial,rollplex,serial", "train.steps=1", f"train.out={tmp_path / 'o'}"],
          "--modes: serial given twice"),
         (["train", "train.steps=1", f"run_dir={existing}"], "eval.json is a file; run_dir is the folder new runs"),
+        (["smoke", f"run_dir={existing}"], "eval.json is a file; run_dir is the folder the smoke summary is written"),
         (["train", "--modes", "serial", "train.steps=1", f"train.out={single}"],
          f"train.out={single} holds a run of one mode (config.yaml at its top); --modes trains each mode into "
          f"train.out/<mode>: choose a new train.out, or resume that run without --modes"),

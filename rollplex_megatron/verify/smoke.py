@@ -110,6 +110,9 @@ def main(argv: list[str]) -> int:
     if cfg.parallel.dp != 1:
         raise ValueError("smoke runs tp*pp processes; set parallel.dp=1")
     check_launch(cfg.parallel)  # under torchrun: as many processes as tp*pp
+    if Path(cfg.run_dir).exists() and not Path(cfg.run_dir).is_dir():  # before the work, not when writing
+        raise ValueError(f"run_dir={cfg.run_dir} is a file; run_dir is the folder the smoke summary is written "
+                         f"under: choose a folder")
     print(to_yaml(cfg), flush=True)
     world = cfg.parallel.world_size
     if world == 1 and not under_torchrun():
