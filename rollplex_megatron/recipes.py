@@ -179,6 +179,7 @@ RUN_EVAL_OWN = ("data.train_files", "data.val_files", "data.source")
 # Settings eval/generate never read (training's, or the rollout's that val.* replaces): a command line naming one
 # is refused, with the setting that does what it meant where there is one
 EVAL_UNREAD = {"optim": "", "task": " (the rows come from data.val_files)",
+               "data.train_files": " (the rows come from data.val_files)",
                "rollout.temperature": "; use val.temperature", "rollout.group_size": "; use val.n",
                "rollout.length_dist": "", "rollout.length_mean": "", "rollout.length_sigma": ""}
 

@@ -213,6 +213,9 @@ def test_command_arguments_are_checked_before_any_work(tmp_path, tiny_hf, capsys
         (["generate", "--hf-dir", tiny_hf, rows, "rollout.group_size=4"], "rollout.group_size: eval and generate do "
                                                                            "not read it; use val.n; drop"),
         (["eval", "--hf-dir", tiny_hf, rows, "optim.lr=1e-3"], "optim.lr: eval and generate do not read it; drop"),
+        (["eval", "--hf-dir", tiny_hf, rows, "data.train_files=[a.parquet]"], "data.train_files: eval and generate do "
+                                                                               "not read it (the rows come from"),
+        (["eval", "--hf-dir", tiny_hf, "data.val_files=[]"], "give the rows to answer: data.val_files=[FILE, ...]"),
         (["eval", "--hf-dir", tiny_hf, rows, "task=motion"], "task: eval and generate do not read it (the rows come "
                                                               "from data.val_files); drop"),
         (["plan-memory", "plan.response_tokens=512"], "plan.response_tokens=512 is over rollout.max_response_len=256, "

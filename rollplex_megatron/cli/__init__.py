@@ -300,7 +300,7 @@ def _eval_config(a, overrides: list[str], tmp: str):
         raise ValueError(f"{model[0]}: the model is the checkpoint's ({where}); drop the model override")
     check_eval_overrides(overrides)
     files = [o.split("=", 1)[1] for o in overrides if o.startswith("data.val_files=")]
-    if not files:
+    if not files or files[-1].strip() in ("[]", ""):
         raise ValueError("give the rows to answer: data.val_files=[FILE, ...] (parquet or jsonl, verl's format)")
     hf = a.hf_dir or str(convert.train_to_hf(a.run, f"{tmp}/export", a.step))
     cfg = load_run_config([*overrides, f"train.init_hf={hf}", f"data.train_files={files[-1]}"])  # rows are checked
