@@ -279,10 +279,14 @@ def test_rendered_task_longer_than_the_rollout_limits_is_refused_before_any_mode
                                 r"task scores its answers itself, with task\.format_reward\); set it or drop"),
     ("+reward.fns={multiple_choice: exact_match}", r"^reward\.fns=\{'multiple_choice': 'exact_match'\} has no effect"),
     ("reward.format_reward=0.5", r"^reward\.format_reward=0\.5 has no effect without data\.train_files"),
+    ("data.truncation=left", r"^data\.truncation=left has no effect without data\.train_files \(the rendered task "
+                             r"draws its own prompts, from seed and task\.\*\)"),
+    ("data.shuffle=false", r"^data\.shuffle=false has no effect without data\.train_files"),
+    ("data.max_pixels=3136", r"^data\.max_pixels=3136 has no effect without data\.train_files"),
 ])
-def test_reward_settings_on_the_rendered_task_are_refused(override, match):
-    """The rendered task scores with its own reward: a reward.* setting there would be ignored, so the source refuses
-    it before any model (the dataset source reads them: test_dataset)."""
+def test_reward_and_data_settings_on_the_rendered_task_are_refused(override, match):
+    """The rendered task scores with its own reward and draws its own prompts: a reward.* or data.* reading setting
+    there would be ignored, so the source refuses it before any model (the dataset source reads them: test_dataset)."""
     from rollplex_megatron.data import build_source
 
     with pytest.raises(ValueError, match=match):

@@ -19,6 +19,11 @@ class RenderedTask:
         # the rendered task scores with its own reward (task.format_reward): reward.* would be ignored
         unused_unless(cfg.reward, "reward", ("fn", "fns", "format_reward"), False,
                       "data.train_files (the rendered task scores its answers itself, with task.format_reward)")
+        # and draws its own prompts: how a dataset's rows are read would be ignored too
+        unused_unless(cfg.data, "data", ("processor", "prompt_key", "image_key", "video_key", "min_pixels",
+                                         "max_pixels", "video_fps", "max_frames", "min_frames", "shuffle", "seed",
+                                         "truncation", "prefetch"), False,
+                      "data.train_files (the rendered task draws its own prompts, from seed and task.*)")
         self.seed = cfg.seed
         self.stop_token_ids = self.env.stop_token_ids
         self.max_new_tokens = cfg.task.max_answer_tokens
