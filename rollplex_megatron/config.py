@@ -520,6 +520,9 @@ class ModeConfig:
             raise ValueError(f"mode.window_green_sms must be >= 1, got {self.window_green_sms}")
         if self.window_items_per_step < 1:
             raise ValueError(f"mode.window_items_per_step must be >= 1, got {self.window_items_per_step}")
+        # auto may pick tail or green from its table, so their settings count there too
+        unused_unless(self, "mode", ("window_tail_fraction",), self.window in ("tail", "auto"), "mode.window=tail")
+        unused_unless(self, "mode", ("window_green_sms",), self.window in ("green", "auto"), "mode.window=green")
 
 
 @dataclass(kw_only=True)
@@ -871,6 +874,8 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         check_finite(self)
+        unused_unless(self.val, "val", ("temperature", "n", "max_rows", "before_train"), bool(self.data.val_files),
+                      "data.val_files (the rows validation answers)")
         if self.seed < 0:
             raise ValueError(f"seed must be >= 0 (numpy and the samplers take unsigned seeds), got {self.seed}")
         if self.dtype not in ("float32", "bfloat16"):

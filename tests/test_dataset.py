@@ -301,7 +301,8 @@ def test_kv_budget_names_the_longest_row_and_the_largest_group(example_dir):
     assert tokens == src.lengths[row] and what == f"the longest prompt, {row}"
     cut = DatasetSource(_cfg(example_dir, f"rollout.max_prompt_len={tokens - 3}", "data.truncation=left"))
     assert cut.longest_prompt[0] == tokens - 3  # the engine sees the truncated prompt
-    cfg = _cfg(example_dir, "rollout.group_size=2", "val.n=6")
+    cfg = _cfg(example_dir, "rollout.group_size=2", "val.n=6", f"data.val_files=[{example_dir / 'val.parquet'}]",
+               "train.val_every=1")
     need = kv_group_bytes(cfg, src, 6, False)
     assert need > kv_group_bytes(cfg, src, 2, False) > 0
     cfg.memory.kv_cache_gib = need / 2**30

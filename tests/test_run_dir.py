@@ -578,7 +578,8 @@ def test_an_evaluation_of_a_run_takes_its_reading_and_scoring_settings():
 
     saved = load_run_config(["+reward.fns={multiple_choice: 'pkg.mod:first_letter'}", "reward.format_reward=0.5",
                              "rollout.max_response_len=4", "val.n=4", "data.max_pixels=3136", "optim.lr=1e-4",
-                             "data.train_files=[run_rows.parquet]", "rollout.group_size=4"])
+                             "data.train_files=[run_rows.parquet]", "rollout.group_size=4",
+                             "data.val_files=[run_val.parquet]", "train.val_every=1"])
     over = ["data.val_files=[val.parquet]", "data.train_files=[val.parquet]", "val.n=2"]  # as eval composes it
     got, taken = run_eval_config(load_run_config(over), over, to_yaml(saved))
     assert (got.reward.fns, got.reward.format_reward, got.rollout.max_response_len) == (
@@ -589,7 +590,7 @@ def test_an_evaluation_of_a_run_takes_its_reading_and_scoring_settings():
     assert (got.optim.lr, got.rollout.group_size) == (root.optim.lr, root.rollout.group_size)
     assert taken == {"reward.fns.multiple_choice": "pkg.mod:first_letter", "reward.format_reward": 0.5,
                      "rollout.max_response_len": 4, "data.max_pixels": 3136}
-    mine = ["data.train_files=[val.parquet]", "reward.fns={}", "reward.fn=exact_match"]
+    mine = ["data.val_files=[val.parquet]", "data.train_files=[val.parquet]", "reward.fns={}", "reward.fn=exact_match"]
     got, _ = run_eval_config(load_run_config(mine), mine, to_yaml(saved))
     assert (got.reward.fns, got.reward.fn, got.reward.format_reward) == ({}, "exact_match", 0.5)
 
