@@ -225,6 +225,9 @@ def test_command_arguments_are_checked_before_any_work(tmp_path, tiny_hf, capsys
                                                               "from data.val_files); drop"),
         (["plan-memory", "plan.response_tokens=512"], "plan.response_tokens=512 is over rollout.max_response_len=256, "
                                                       "which a run of this config would refuse; raise"),
+        (["plan-memory", "memory.plan=keep"], "memory.plan=keep: plan-memory plans serial (memory.plan=keep) against "
+                                              "rollplex (memory.plan=phase) side by side"),
+        (["plan-memory", "mode=prefix_shared"], "mode=prefix_shared: plan-memory plans serial"),
         (["plan-memory", "plan.prefix_tokens=9000"], "plan.prefix_tokens=9000 is over rollout.max_prompt_len=8192"),
     ]
     for argv, want in cases:

@@ -198,6 +198,12 @@ def _cmd_plan_memory(argv: list[str]) -> int:
             and (RECIPES_DIR / "plan_preset" / f"{model}.yaml").is_file():
         overrides = [f"+plan_preset={model}"] + overrides  # the model's reference setting; overrides win
     cfg = load_run_config(overrides)
+    keys = {o.lstrip("+~").split("=", 1)[0]: o for o in overrides if "=" in o}
+    fixed = next((keys[k] for k in ("memory.plan", "mode", "mode.name") if k in keys), None)
+    if fixed and not (fixed.split("=", 1)[0] != "memory.plan" and cfg.mode.name == "disaggregated"):
+        raise ValueError(f"{fixed}: plan-memory plans serial (memory.plan=keep) against rollplex (memory.plan=phase) "
+                         f"side by side, and mode=disaggregated's ranks; a run's own plan is its memory_plan.json "
+                         f"(train), so drop the override")
     for key, limit in (("prefix_tokens", "max_prompt_len"), ("response_tokens", "max_response_len")):
         if getattr(cfg.plan, key) > getattr(cfg.rollout, limit):  # a shape the run itself would refuse
             raise ValueError(f"plan.{key}={getattr(cfg.plan, key)} is over rollout.{limit}="
