@@ -563,6 +563,10 @@ def main(argv: list[str]) -> int:
     if prev is not None and prev["settings"] != settings:
         raise ValueError(f"--merge {a.merge}: the settings differ from this run's (same suite and overrides needed)")
     modes = dict(prev["modes"]) if prev else {}
+    again = [label for label, _ in specs if label in modes]
+    if again:  # a merge adds modes; replacing a measured one would drop it without a trace
+        raise ValueError(f"--merge {a.merge} already holds {', '.join(again)}; drop it from --modes, or write a new "
+                         f"JSON with --out")
     desc = (RECIPES_DIR / "bench" / f"{a.suite}.yaml").read_text().splitlines()
     command = " ".join(["python -m rollplex_megatron bench", *argv])
     result = {"suite": a.suite, "description": " ".join(ln.lstrip("# ") for ln in desc[1:] if ln.startswith("#")),

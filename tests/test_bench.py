@@ -108,6 +108,8 @@ def test_bench_arguments_are_checked_before_any_mode_runs(tiny_bench, tmp_path, 
              (["bench", "tiny", "--warmup", "1", "--merge", str(tmp_path / "list.json")], "is not a suite JSON"),
              (["bench", "tiny", "--warmup", "2", "train.steps=5", "--merge", str(tiny_bench), "--out",
                str(tiny_bench)], "its modes kept --warmup 1 steps apart, this run 2"),
+             (["bench", "tiny", "--warmup", "1", "--modes", "serial", "train.steps=4", "--merge", str(tiny_bench),
+               "--out", str(tiny_bench)], "already holds serial; drop it from --modes, or write a new JSON with --out"),
              (["bench", "tiny", "--warmup", "1", "--md", str(tmp_path / "no" / "x.md"), "--out",
                str(tmp_path / "x.json")], "x.md: folder"),
              (["bench", "--render", "tiny"], "bench --render only regenerates BENCHMARKS.md")]
