@@ -177,6 +177,7 @@ def test_command_arguments_are_checked_before_any_work(tmp_path, tiny_hf, capsys
     (single / "config.yaml").write_text("seed: 1\n")
     (compared / "rollplex").mkdir(parents=True)
     (compared / "rollplex" / "metrics.jsonl").write_text("")
+    (compared / "rollplex" / "checkpoints").mkdir()
     rows = "data.val_files=[rows.parquet]"
     cases = [
         (["eval", "--hf-dir", tiny_hf, "--step", "3", rows], "--step 3 selects a checkpoint of a training run: use "
@@ -225,6 +226,9 @@ def test_command_arguments_are_checked_before_any_work(tmp_path, tiny_hf, capsys
                                                               "from data.val_files); drop"),
         (["plan-memory", "plan.response_tokens=512"], "plan.response_tokens=512 is over rollout.max_response_len=256, "
                                                       "which a run of this config would refuse; raise"),
+        (["convert", "train-to-hf", "--run", str(compared), "--out", str(tmp_path / "o")],
+         f"{compared} is a --modes comparison; name one of its runs: --run {compared / 'rollplex'}"),
+        (["eval", "--run", str(compared), rows], "is a --modes comparison; name one of its runs"),
         (["plan-memory", "memory.plan=keep"], "memory.plan=keep: plan-memory plans serial (memory.plan=keep) against "
                                               "rollplex (memory.plan=phase) side by side"),
         (["plan-memory", "mode=prefix_shared"], "mode=prefix_shared: plan-memory plans serial"),

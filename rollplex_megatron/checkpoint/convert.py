@@ -142,6 +142,11 @@ def _same_model(a: ModelConfig, b: ModelConfig) -> bool:
 def _train_checkpoint(run: Path, step: int | None) -> Path:
     if not run.is_dir():
         raise H.CheckpointError(f"{run}: no such run directory; name a training run's train.out directory")
+    modes = [] if (run / T.CHECKPOINTS).is_dir() else sorted(p.name for p in run.iterdir()
+                                                              if (p / T.CHECKPOINTS).is_dir())
+    if modes:  # a --modes comparison: one run per mode folder
+        raise H.CheckpointError(f"{run} is a --modes comparison; name one of its runs: "
+                                + ", ".join(f"--run {run / m}" for m in modes))
     if step is None:
         ck = T.latest_checkpoint(run) if (run / T.CHECKPOINTS).is_dir() else None
         if ck is None:
