@@ -178,6 +178,9 @@ def test_command_arguments_are_checked_before_any_work(tmp_path, tiny_hf, capsys
     (compared / "rollplex").mkdir(parents=True)
     (compared / "rollplex" / "metrics.jsonl").write_text("")
     (compared / "rollplex" / "checkpoints").mkdir()
+    run_with_checkpoints = tmp_path / "done"
+    (run_with_checkpoints / "checkpoints").mkdir(parents=True)
+    (run_with_checkpoints / "config.yaml").write_text("seed: 1\n")
     rows = "data.val_files=[rows.parquet]"
     cases = [
         (["eval", "--hf-dir", tiny_hf, "--step", "3", rows], "--step 3 selects a checkpoint of a training run: use "
@@ -211,6 +214,9 @@ def test_command_arguments_are_checked_before_any_work(tmp_path, tiny_hf, capsys
         (["train", "--modes", "serial", "train.steps=1", f"train.out={single}"],
          f"train.out={single} holds a run of one mode (config.yaml at its top); --modes trains each mode into "
          f"train.out/<mode>: choose a new train.out, or resume that run without --modes"),
+        (["train", "train.steps=1", f"train.out={run_with_checkpoints / 'checkpoints' / 'x'}"],
+         f"lies inside the run {run_with_checkpoints}; choose a folder outside it"),
+        (["train", "train.steps=1", f"train.out={tiny_hf}"], "is a Hugging Face model folder; choose a new folder"),
         (["train", "train.steps=1", f"train.out={compared}"],
          f"train.out={compared} holds a --modes comparison (rollplex/); a run of one mode writes its files at the "
          f"top of train.out"),

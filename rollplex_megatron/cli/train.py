@@ -111,6 +111,14 @@ def _saved_config(root: Path, modes: list[str] | None) -> str | None:
 def _check_kind(root: Path, modes: list[str] | None) -> None:
     """A run of one mode keeps its files at the top of train.out, a --modes comparison one folder per mode: a
     command of the other kind would mix its files in and replace the summary and report of the run there."""
+    root = root.resolve()
+    inside = next((p for p in root.parents if (p / "config.yaml").is_file() and (p / train_state.CHECKPOINTS).is_dir()),
+                  None)
+    if inside is not None:  # its files would mix with that run's (an export or a resume there reads them)
+        raise ValueError(f"train.out={root} lies inside the run {inside}; choose a folder outside it")
+    if (root / "config.json").is_file() and any(root.glob("*.safetensors")):
+        raise ValueError(f"train.out={root} is a Hugging Face model folder; choose a new folder for the run (give "
+                         f"the model as train.init_hf={root})")
     top = next((f for f in R.RUN_FILES if (root / f).exists()), None)
     if modes and top:
         raise ValueError(f"train.out={root} holds a run of one mode ({top} at its top); --modes trains each mode "
