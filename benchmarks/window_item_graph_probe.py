@@ -16,11 +16,29 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import statistics
 import sys
 import time
 import traceback
 
 import torch
+
+
+def timed(fn, reps: int) -> dict:
+    """Medians over `reps` calls of `fn`: host seconds until it returns, and GPU seconds between CUDA events
+    around it (the device synchronised after each call)."""
+    torch.cuda.synchronize()
+    host, gpu = [], []
+    for _ in range(reps):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        t0 = time.perf_counter()
+        fn()
+        host.append(time.perf_counter() - t0)
+        e1.record()
+        torch.cuda.synchronize()
+        gpu.append(e0.elapsed_time(e1) / 1e3)
+    return {"host_s_median": statistics.median(host), "gpu_s_median": statistics.median(gpu)}
 
 
 def main() -> int:
@@ -56,25 +74,14 @@ def main() -> int:
 
     for _ in range(3):
         item(KVStore())
-    torch.cuda.synchronize()
-    host, gpu = [], []
-    for _ in range(a.reps):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        t0 = time.perf_counter()
-        item(KVStore())
-        host.append(time.perf_counter() - t0)
-        e1.record()
-        torch.cuda.synchronize()
-        gpu.append(e0.elapsed_time(e1) / 1e3)
+    eager_times = timed(lambda: item(KVStore()), a.reps)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         item(KVStore())
         torch.cuda.synchronize()
     kernels = cuda_kernels(prof)
     res = {"command": "python " + " ".join(sys.argv), "preset": a.preset, "grid": a.grid,
            "prefix_tokens": int(p.input_ids.numel()) - 1,
-           "eager": {"host_s_median": sorted(host)[len(host) // 2], "gpu_s_median": sorted(gpu)[len(gpu) // 2],
-                     "kernels": sum(e.count for e in kernels),
+           "eager": {**eager_times, "kernels": sum(e.count for e in kernels),
                      "kernel_s": sum(e.self_device_time_total for e in kernels) / 1e6}}
     try:
         side = torch.cuda.Stream()
@@ -90,21 +97,10 @@ def main() -> int:
         res["capture_s"] = time.perf_counter() - t0
         eager = KVStore()
         item(eager)
-        torch.cuda.synchronize()
-        host, gpu = [], []
-        for _ in range(a.reps):
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            t0 = time.perf_counter()
-            graph.replay()
-            host.append(time.perf_counter() - t0)
-            e1.record()
-            torch.cuda.synchronize()
-            gpu.append(e0.elapsed_time(e1) / 1e3)
+        replay_times = timed(graph.replay, a.reps)
         diff = max(float((captured.leaves[k][i].float() - eager.leaves[k][i].float()).abs().max())
                    for k in eager.leaves for i in (0, 1))
-        res["graph"] = {"host_s_median": sorted(host)[len(host) // 2], "gpu_s_median": sorted(gpu)[len(gpu) // 2],
-                        "kv_max_abs_diff_vs_eager": diff, "layers_recorded": len(captured.leaves)}
+        res["graph"] = {**replay_times, "kv_max_abs_diff_vs_eager": diff, "layers_recorded": len(captured.leaves)}
     except Exception as e:  # noqa: BLE001 - what cannot be captured is the probe's finding
         res["capture_error"] = f"{type(e).__name__}: {e}"[:2000]
         res["traceback_tail"] = traceback.format_exc()[-4000:]
