@@ -65,8 +65,9 @@ def main() -> int:
     cfg, model, _ = random_model(a.preset)
     m, dev = unwrap(model), torch.device("cuda")
     p = prompts(cfg, 1, tuple(int(x) for x in a.grid.split(",")), a.text_tokens)[0]
-    p = dataclasses.replace(p, input_ids=p.input_ids.to(dev),
-                            pixel_values_videos=p.pixel_values_videos.to(dev, torch.bfloat16))  # grid: host
+    # as the window holds a prompt: pixels on the device; ids and grid on the host (the stage moves the ids
+    # over itself and reads only host values: the placeholder check, the vision tower's window plan)
+    p = dataclasses.replace(p, pixel_values_videos=p.pixel_values_videos.to(dev, torch.bfloat16))
 
     def item(store: KVStore):
         with torch.no_grad():
@@ -79,10 +80,22 @@ def main() -> int:
         item(KVStore())
         torch.cuda.synchronize()
     kernels = cuda_kernels(prof)
+    syncs = []  # where the eager item makes the host wait for the device (each one breaks a capture)
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        import warnings
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            item(KVStore())
+        syncs = sorted({f"{w.filename}:{w.lineno}: {str(w.message)[:200]}" for w in caught
+                        if "synchroniz" in str(w.message)})
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
     res = {"command": "python " + " ".join(sys.argv), "preset": a.preset, "grid": a.grid,
            "prefix_tokens": int(p.input_ids.numel()) - 1,
            "eager": {**eager_times, "kernels": sum(e.count for e in kernels),
-                     "kernel_s": sum(e.self_device_time_total for e in kernels) / 1e6}}
+                     "kernel_s": sum(e.self_device_time_total for e in kernels) / 1e6},
+           "host_syncs": syncs}
     try:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
