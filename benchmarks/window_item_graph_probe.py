@@ -1,13 +1,15 @@
-"""Probe (GPU): can one decode-window item be captured as a CUDA graph, and what would replaying it cost?
+"""Probe (GPU): a decode-window item as a CUDA graph: does it capture, what does a replay cost, is it exact?
 
 The item is one group's reference prefix stage at 3B (random weights, bf16): the vision tower on a video of
 `--grid` patches plus the LLM prefix forward that records each layer's K/V (`PrefixContext(mode="record")`),
 as the window runs it (the prompt's ids and pixels on the device, its grid on the host). Measured, eager: the
-host time until the call returns, the GPU time (CUDA events) and the kernel count (torch.profiler). Then it
-tries `torch.cuda.graph` capture of the same call (after a side-stream warm-up, as torch's docs ask) and, if
-that works, times a replay and compares the replayed K/V with an eager run's (they must be equal: same
-kernels, same inputs). A capture that fails records the exception and the traceback's tail: what in the item
-cannot be captured (a host read of a device value, an allocation of data-dependent size). One JSON to --out.
+host time until the call returns, the GPU time (CUDA events), the kernel count (torch.profiler) and where the
+item makes the host wait for the device (torch's sync debug mode: each such place breaks a capture). Then the
+window's graphed items (`prefix/graphs.py`, mode.window_graphs): the first item of a bucket runs eagerly and is
+captured; a replay's host and GPU time; and the K/V of replays against eager forwards, which must be equal (same
+kernels, same shapes): the captured prompt, another prompt of the bucket, and a pack of two groups captured on
+one pair of prompts and replayed on another. A capture that fails records the exception and the traceback's
+tail. One JSON to --out.
 
     python -m torch.distributed.run --nproc_per_node 1 benchmarks/window_item_graph_probe.py --out probe.json
 """
@@ -60,14 +62,17 @@ def main() -> int:
     from rollplex_megatron.attention.kv_store import KVStore
     from rollplex_megatron.attention.prefix import PrefixContext
     from rollplex_megatron.prefix.execution import unwrap
+    from rollplex_megatron.prefix.graphs import PrefixGraphs
+    from rollplex_megatron.trainer.modes import rollplex as X
     from rollplex_megatron.runtime import environment_record
 
     cfg, model, _ = random_model(a.preset)
     m, dev = unwrap(model), torch.device("cuda")
-    p = prompts(cfg, 1, tuple(int(x) for x in a.grid.split(",")), a.text_tokens)[0]
+    ps_ = prompts(cfg, 3, tuple(int(x) for x in a.grid.split(",")), a.text_tokens)
     # as the window holds a prompt: pixels on the device; ids and grid on the host (the stage moves the ids
     # over itself and reads only host values: the placeholder check, the vision tower's window plan)
-    p = dataclasses.replace(p, pixel_values_videos=p.pixel_values_videos.to(dev, torch.bfloat16))
+    ps_ = [dataclasses.replace(p, pixel_values_videos=p.pixel_values_videos.to(dev, torch.bfloat16)) for p in ps_]
+    p = ps_[0]
 
     def item(store: KVStore):
         with torch.no_grad():
@@ -96,24 +101,22 @@ def main() -> int:
            "eager": {**eager_times, "kernels": sum(e.count for e in kernels),
                      "kernel_s": sum(e.self_device_time_total for e in kernels) / 1e6},
            "host_syncs": syncs}
-    try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                item(KVStore())
-        torch.cuda.current_stream().wait_stream(side)
-        graph, captured = torch.cuda.CUDAGraph(), KVStore()
-        t0 = time.perf_counter()
-        with torch.cuda.graph(graph):
-            item(captured)
-        res["capture_s"] = time.perf_counter() - t0
-        eager = KVStore()
-        item(eager)
-        replay_times = timed(graph.replay, a.reps)
-        diff = max(float((captured.leaves[k][i].float() - eager.leaves[k][i].float()).abs().max())
-                   for k in eager.leaves for i in (0, 1))
-        res["graph"] = {**replay_times, "kv_max_abs_diff_vs_eager": diff, "layers_recorded": len(captured.leaves)}
+    try:  # the window's graphed items (prefix/graphs.py): capture, replay time, K/V against eager
+        graphs = PrefixGraphs()
+        for pack in ([0], [1], [0, 1]):  # one group (bucket A), another group of it, a pack of two (bucket B)
+            graphs.record(m, [ps_[i] for i in pack], KVStore(), pack)  # first of its bucket: eager, then captured
+        res["capture"] = graphs.take_stats()
+        res["graph"] = {**timed(lambda: graphs.record(m, [ps_[0]], KVStore(), [0]), a.reps),
+                        "kv_max_abs_diff_vs_eager": {}}
+        for name, pack, order in (("same_prompt", [0], [0]), ("other_prompt_same_bucket", [0], [2]),
+                                  ("pack_of_two_swapped", [0, 1], [2, 0])):
+            replayed, eager = KVStore(), KVStore()
+            graphs.record(m, [ps_[i] for i in order], replayed, pack)
+            X.reference_prefix_item(m, [ps_[i] for i in order], eager, pack, pack_tokens=1 << 30)
+            res["graph"]["kv_max_abs_diff_vs_eager"][name] = max(
+                float((replayed.leaves[k][i].float() - eager.leaves[k][i].float()).abs().max())
+                for k in eager.leaves for i in (0, 1))
+        res["graph"]["stats"] = graphs.take_stats()
     except Exception as e:  # noqa: BLE001 - what cannot be captured is the probe's finding
         res["capture_error"] = f"{type(e).__name__}: {e}"[:2000]
         res["traceback_tail"] = traceback.format_exc()[-4000:]

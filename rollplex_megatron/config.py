@@ -503,6 +503,10 @@ class ModeConfig:
     window_items_per_step: int = 1  # queued prefix work items run after each decode step
     window_tail_fraction: float = 0.25  # tail: side work starts when active samples <= this fraction
     window_green_sms: int = 32  # green: SMs of the side work's green-context partition
+    # mode rollplex: run the decode window's reference prefix items as CUDA graphs, one per bucket (prefix length
+    # and vision grids of each prompt of the item), captured the first time a bucket is seen and kept while the
+    # reference's weights stay at the same addresses (prefix/graphs.py; CUDA, one-rank layout, embedded items)
+    window_graphs: bool = False
     # Shared-prefix attention of the scoring and update phases: split (no mask: each response token's group
     # prefix and its own response as two varlen attention calls merged by their log-sum-exp, `attention/split.py`;
     # flash kernels on CUDA), sdpa (an explicit [T, Kp+T] mask), flex, or auto (split where its flash kernels run:
@@ -523,6 +527,8 @@ class ModeConfig:
         # auto may pick tail or green from its table, so their settings count there too
         unused_unless(self, "mode", ("window_tail_fraction",), self.window in ("tail", "auto"), "mode.window=tail")
         unused_unless(self, "mode", ("window_green_sms",), self.window in ("green", "auto"), "mode.window=green")
+        unused_unless(self, "mode", ("window_graphs",), self.name == "rollplex", "mode.name=rollplex (the mode "
+                      "with a decode window)")
 
 
 @dataclass(kw_only=True)

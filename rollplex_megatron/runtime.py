@@ -6,6 +6,8 @@ import datetime
 import os
 import platform
 import subprocess
+import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 import megatron.core
@@ -38,6 +40,42 @@ def sync() -> None:
     """Wait for the device (a no-op on CPU): phase timings and host reads need it."""
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+def tensors_key(module) -> tuple:
+    """A module's parameters and buffers by address, dtype and shape: a CUDA graph captured over the module
+    stays valid only while this is unchanged (a reloaded or re-resided weight gets a new address)."""
+    return tuple((t.data_ptr(), t.dtype, tuple(t.shape)) for t in (*module.parameters(), *module.buffers()))
+
+
+_CAPTURE = threading.local()  # .constants: the host tensors the CUDA graph being captured on this thread copies
+
+
+def host_constant(t: torch.Tensor, dev) -> torch.Tensor:
+    """`t` (a host tensor planned from host values: an index, a rotary table) on `dev`. Outside a CUDA graph
+    capture this is `t.to(dev)`. Inside one (`capture_constants`) the copy is recorded from a pinned host copy
+    that the capture keeps alive, so every replay reads the same constant (a pageable copy cannot be captured)."""
+    if not (torch.device(dev).type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        return t.to(dev)
+    keep = getattr(_CAPTURE, "constants", None)
+    if keep is None:
+        raise RuntimeError("host_constant: a host-to-device copy inside a CUDA graph capture needs "
+                           "runtime.capture_constants() around the capture (it keeps the pinned source alive)")
+    pinned = t.pin_memory()
+    keep.append(pinned)
+    return pinned.to(dev, non_blocking=True)
+
+
+@contextmanager
+def capture_constants():
+    """Around a CUDA graph capture on this thread: yields the list of pinned host tensors the captured copies of
+    `host_constant` read; the caller keeps it as long as it keeps the graph."""
+    keep: list[torch.Tensor] = []
+    _CAPTURE.constants = keep
+    try:
+        yield keep
+    finally:
+        _CAPTURE.constants = None
 
 
 def wrap_ddp(model):

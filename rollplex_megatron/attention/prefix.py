@@ -23,6 +23,7 @@ from rollplex_megatron.attention.core import sdpa_attention
 from rollplex_megatron.attention.decode import flash_varlen_available
 from rollplex_megatron.attention.kv_store import KVStore
 from rollplex_megatron.attention.split import split_attention, split_index
+from rollplex_megatron.runtime import host_constant
 
 
 @dataclass
@@ -150,7 +151,7 @@ def pack_index(lens, device) -> list[torch.Tensor]:
     """Token indices [n, L] of the consecutive segments `lens`, one tensor per distinct length L, on `device`."""
     lens_t = torch.as_tensor(lens, dtype=torch.long)
     starts = lens_t.cumsum(0) - lens_t
-    return [(starts[lens_t == n][:, None] + torch.arange(n)[None, :]).to(device)
+    return [host_constant(starts[lens_t == n][:, None] + torch.arange(n)[None, :], device)
             for n in torch.unique(lens_t).tolist()]
 
 

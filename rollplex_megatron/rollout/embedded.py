@@ -56,7 +56,7 @@ from rollplex_megatron.rollout.engine import DecodeHooks, RolloutOutput, Rollout
 from rollplex_megatron.rollout.sampling import SamplingParams, row_uniforms, sample_tokens
 from rollplex_megatron.rollout.triton_norm import fused_rms_norms
 from rollplex_megatron.rollout.triton_sampling import fused_sample, fused_sample_available
-from rollplex_megatron.runtime import device
+from rollplex_megatron.runtime import device, tensors_key
 
 
 class DecodeCache:
@@ -336,8 +336,7 @@ class EmbeddedEngine:
     def _weights_key(self) -> tuple:
         """The tensors a captured step reads besides the state (parameters and buffers), by address: graphs
         are kept only while they are the same tensors (a rebuilt or reloaded model gets new graphs)."""
-        m = unwrap(self.model)
-        return tuple((t.data_ptr(), t.dtype, tuple(t.shape)) for t in (*m.parameters(), *m.buffers()))
+        return tensors_key(unwrap(self.model))
 
     def _validate(self, requests: list[RolloutRequest]) -> None:
         vocab = self.cfg.vocab_size

@@ -28,7 +28,7 @@ from rollplex_megatron.attention.prefix import PrefixContext, SegmentContext
 from rollplex_megatron.config import ModelConfig
 from rollplex_megatron.models.qwen25vl import positions as P
 from rollplex_megatron.models.triton_rope import rope_tables
-from rollplex_megatron.runtime import device
+from rollplex_megatron.runtime import device, host_constant
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -200,13 +200,13 @@ class VisionTower(MegatronModule):
         # attention within contiguous segments in window order; no [N, N] mask is built.
         full = SegmentContext(cu=plan.cu_full, device=x.device)
         window = SegmentContext(cu=plan.cu_window, device=x.device)
-        rot = plan.rotary_N.to(x.device)
+        rot = host_constant(plan.rotary_N, x.device)
         if self.rope_kernel == "triton":  # one cos/sin table for all blocks, applied by the contexts' kernel
             full.rotary = window.rotary = rope_tables(rot, x.dtype)
             rot = None
-        x = self.blocks(x[plan.order_N.to(x.device)][:, None], full, window, rot)
+        x = self.blocks(x[host_constant(plan.order_N, x.device)][:, None], full, window, rot)
         merged = self.merger(x[:, 0])
-        return merged[plan.inverse_U.to(merged.device)]
+        return merged[host_constant(plan.inverse_U, merged.device)]
 
 
 class Qwen25VLModel(MegatronModule):
@@ -329,6 +329,10 @@ class Qwen25VLModel(MegatronModule):
         stage: [sum(P-1),1,H] (the PrefixModel contract of prefix/execution.py)."""
         return _placeholder_check_then_prefix(self, prompts, ctx, input_tensor)
 
+    def prefix_inputs(self, prompts, dev) -> dict:
+        """`forward_prefix`'s inputs for prompts packed (module function `prefix_inputs`)."""
+        return prefix_inputs(self, prompts, dev)
+
     def forward_prefix(self, input_ids, position_ids, attention_context, input_tensor=None,
                        pixel_values=None, image_grid_thw=None, pixel_values_videos=None,
                        video_grid_thw=None, check: bool = True) -> torch.Tensor:
@@ -364,24 +368,32 @@ VISION_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_g
 
 
 def _placeholder_check_then_prefix(m, prompts, ctx, input_tensor):
-    """The prefix stage of one or several prompts, packed (Qwen25VLModel.prefix_stage's body): ids and
-    M-RoPE positions of each prompt[:-1] in order, its images and videos concatenated in the same order (the
-    embedding fills placeholders in token order), positions restarting at each prompt."""
-    dev = device()
-    # pixels go to the device; grids stay on the host (the vision tower plans its windows there), and
-    # the placeholder check reads the host prompt: the stage issues without reading the device back
-    parts = [{k: getattr(p, k) for k in VISION_KEYS} for p in prompts]
+    """The prefix stage of one or several prompts, packed (Qwen25VLModel.prefix_stage's body): the placeholder
+    check on the host prompts, then `forward_prefix` on `prefix_inputs`."""
     if m.pre_process:
-        for p, vis in zip(prompts, parts):
-            check_placeholders(m.cfg, p.input_ids[None, :-1], **vis)
+        for p in prompts:
+            check_placeholders(m.cfg, p.input_ids[None, :-1], **{k: getattr(p, k) for k in VISION_KEYS})
+    return m.forward_prefix(attention_context=ctx, input_tensor=input_tensor, check=False,
+                            **prefix_inputs(m, prompts, device()))
+
+
+def prefix_inputs(m, prompts, dev) -> dict:
+    """`forward_prefix`'s inputs for one or several prompts packed: ids and M-RoPE positions of each
+    prompt[:-1] in order, its images and videos concatenated in the same order (the embedding fills placeholders
+    in token order), positions restarting at each prompt. Ids, positions and pixels on the device; grids stay on
+    the host (the vision tower plans its windows there), so the stage issues without reading the device back,
+    and a CUDA graph of it (`prefix/graphs.py`) replays on new inputs copied into these tensors. `dev` None:
+    ids and positions on the host, pixels where the prompts hold them (what a replay copies in)."""
     vis = {}
     for k in VISION_KEYS:
-        ts = [v[k] for v in parts if v[k] is not None]
+        ts = [getattr(p, k) for p in prompts if getattr(p, k) is not None]
         t = None if not ts else ts[0] if len(ts) == 1 else torch.cat(ts)
-        vis[k] = t.to(dev) if t is not None and k.startswith("pixel") else t
+        vis[k] = t.to(dev) if t is not None and dev is not None and k.startswith("pixel") else t
     ids = torch.cat([p.input_ids[:-1] for p in prompts])[None]
-    pos = torch.cat([P.prompt_positions(m.cfg, p)[:, :, :-1] for p in prompts], dim=-1).to(dev)
-    return m.forward_prefix(ids.to(dev), pos, ctx, input_tensor=input_tensor, check=False, **vis)
+    pos = torch.cat([P.prompt_positions(m.cfg, p)[:, :, :-1] for p in prompts], dim=-1)
+    if dev is None:
+        return {"input_ids": ids, "position_ids": pos, **vis}
+    return {"input_ids": ids.to(dev), "position_ids": pos.to(dev), **vis}
 
 
 def check_placeholders(cfg: ModelConfig, input_ids, pixel_values, image_grid_thw, pixel_values_videos,

@@ -23,15 +23,23 @@ from rollplex_megatron.attention.kv_store import KVStore
 from rollplex_megatron.memory.classes import PlanInputs, TensorClass
 from rollplex_megatron.prefix import execution as X
 from rollplex_megatron.prefix.batch import Group
+from rollplex_megatron.prefix.graphs import PrefixGraphs
 from rollplex_megatron.rollout.window import DecodeWindow
 from rollplex_megatron.rollout.window.jobs import PrefixJob
 from rollplex_megatron.trainer.modes.base import (Mode, Prepared, response_stage_activations, scoring_workspaces,
                                                   sum_stats)
 
 
-def reference_prefix_item(ref, prompts: list, store: KVStore, groups: list[int], pack_tokens: int = 0) -> None:
+def reference_prefix_item(ref, prompts: list, store: KVStore, groups: list[int], pack_tokens: int = 0,
+                          graphs: PrefixGraphs | None = None) -> None:
     """Decode-window work item: the reference prefix stage of one group, or of a pack of groups as one
-    forward (`workload.prefix_pack_tokens`) (K/V only)."""
+    forward (`workload.prefix_pack_tokens`) (K/V only); with `graphs` (mode.window_graphs) each pack is a replay
+    of its bucket's CUDA graph."""
+    if graphs is not None:
+        lens = [p.input_ids.numel() - 1 for p in prompts]
+        for pack in X.prefix_packs(lens, pack_tokens):
+            graphs.record(X.unwrap(ref), [prompts[i] for i in pack], store, [groups[i] for i in pack])
+        return
     with torch.no_grad():
         X.prefix_forward(ref, [Group(p, [], torch.zeros(0)) for p in prompts], store, keep_graph=False,
                          group_ids=groups, pack_tokens=pack_tokens)
@@ -86,7 +94,7 @@ class Rollplex(Mode):
                 for pack in X.prefix_packs(lens, rt.actor_pack_tokens if here else 0, starts)]
             reference = [] if rt.ref is None else [(_pack_name("reference_prefix", r, pack),
                           partial(reference_prefix_item, rt.ref, [reqs[i].prompt for i in pack], ref_kv, pack,
-                                  rt.pack_tokens),
+                                  rt.pack_tokens, rt.prefix_graphs if here else None),
                           PrefixJob("reference", reqs[pack[0]].prompt, ref_kv, pack[0]) if len(pack) == 1 else None)
                          for pack in X.prefix_packs(lens, rt.pack_tokens if here else 0, starts)]
             # actor and reference items alternate, in the same order on every rank (TP collectives inside them)
@@ -109,6 +117,8 @@ class Rollplex(Mode):
             ref_kv.adopt(stores[r][1], i, gi)
             states += [dataclasses.replace(st, group=gi) for st in round_states[r] if st.group == i]
         stats.update(sum_stats([w.stats() for w in windows]))
+        if rt.prefix_graphs is not None:
+            stats.update(rt.prefix_graphs.take_stats())
         if rt.cfg.train.dynamic_sampling:  # global counts, as `_select`'s beside them
             kept = set(picks)
             lost = [st.length for r, rs in enumerate(round_states) for st in rs if (r, st.group) not in kept]

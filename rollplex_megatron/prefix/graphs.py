@@ -1,0 +1,155 @@
+"""CUDA graphs of the reference prefix stage as the decode window runs it (`mode.window_graphs`).
+
+Issued eagerly, one reference prefix item (a group's prefix, vision tower included) is about 4000 kernel launches
+from a host thread: at 3B and 1040 prefix tokens the host needs 0.16-0.19 s for 0.055 s of GPU work
+(`benchmarks/results/window_item_graph_probe_*.json`), so beside decode the item runs at the host's pace and its
+issuing takes the GIL from the decode thread. Here each bucket of items is captured once and replayed: a replay
+is a few copies into the graph's input tensors, one graph launch and a copy of the K/V out.
+
+A bucket is what a capture bakes in besides its inputs' values: per prompt of the pack, its prefix length and
+its vision grids (the vision tower's window plan, the packed attention's segments and the merge order are
+planned on the host from them; `runtime.host_constant` records those copies into the graph). Token ids, M-RoPE
+positions and pixels are the graph's inputs, copied in before each replay. A replay runs the same kernels on the
+same shapes as the eager forward, so its K/V equal the eager forward's (the GPU test compares them exactly).
+
+Graphs read the weights by address: they are kept while the model's parameters and buffers stay where they were
+captured (`runtime.tensors_key`); a reference offloaded and brought back (memory.plan=phase) lands elsewhere, so
+its next rollout captures again (counted in `prefix_graphs_captured`). The first item of a bucket runs eagerly
+(its result is the item's, and it is the warm-up capture needs), then the bucket is captured. Captures
+synchronise the device (torch.cuda.graph does), so they are counted and timed apart. Graph memory (one pool for
+every bucket of a run) stays on the device while the graphs are kept; `prefix_graph_pool_gib` reports it.
+Only a single-rank model layout is captured (no TP or PP collectives in the item); elsewhere items run eagerly,
+and a capture that fails falls back to eager for the rest of the run, with the reason in `prefix_graph_error`.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from megatron.core import parallel_state as ps
+
+from rollplex_megatron.attention.kv_store import KVStore
+from rollplex_megatron.attention.prefix import PrefixContext
+from rollplex_megatron.runtime import capture_constants, tensors_key
+
+
+def _grids(grid) -> tuple:
+    return () if grid is None else tuple(tuple(int(x) for x in row) for row in grid.reshape(-1, 3).tolist())
+
+
+def bucket_key(prompts) -> tuple:
+    """Per prompt of a pack: (prefix length, image grids, video grids), what a captured prefix forward bakes in."""
+    return tuple((p.input_ids.numel() - 1, _grids(p.image_grid_thw), _grids(p.video_grid_thw)) for p in prompts)
+
+
+def _context(store: KVStore, groups: list[int], lens: list[int]) -> PrefixContext:
+    """The record context of one pack (no graph kept: reference K/V only), as `prefix_forward` builds it."""
+    several = len(groups) > 1
+    return PrefixContext(mode="record", store=store, group=groups[0], keep_graph=False,
+                         groups=tuple(groups) if several else (), lens=tuple(lens) if several else ())
+
+
+@dataclass
+class _Captured:
+    graph: torch.cuda.CUDAGraph
+    inputs: dict  # the graph's input tensors (ids, positions, pixels on the device; grids on the host)
+    store: KVStore  # the graph's K/V outputs, under the pack's local ids 0..n-1
+    constants: list  # pinned host tensors its host-to-device copies read
+
+
+@dataclass
+class PrefixGraphs:
+    """One run's captured reference prefix items, by bucket (see the module docstring)."""
+
+    graphs: dict = field(default_factory=dict)
+    stats: dict = field(default_factory=lambda: {"prefix_graphs_captured": 0, "prefix_graph_replays": 0,
+                                                 "prefix_graph_eager": 0, "prefix_graph_capture_s": 0.0})
+    error: str = ""
+    _pool: object = None
+    _weights: tuple = ()
+    _pool_bytes: int = 0
+
+    def usable(self, m) -> str:
+        """Why `m`'s prefix items cannot be captured here ('' when they can)."""
+        if self.error:
+            return self.error
+        if not torch.cuda.is_available():
+            return "no CUDA device"
+        if ps.get_tensor_model_parallel_world_size() > 1 or ps.get_pipeline_model_parallel_world_size() > 1:
+            return "the model is split over ranks (TP or PP): its items hold collectives"
+        if not hasattr(m, "prefix_inputs"):
+            return f"{type(m).__name__} has no prefix_inputs (the graph's inputs)"
+        return ""
+
+    def record(self, m, prompts: list, store: KVStore, groups: list[int]) -> None:
+        """The reference prefix stage of one pack of `prompts` (no grad) into `store` under `groups`: a replay of
+        its bucket's graph, or an eager forward (then captured) where the bucket is new or the weights moved."""
+        if self.usable(m):
+            self.stats["prefix_graph_eager"] += 1
+            self._eager(m, prompts, store, groups)
+            return
+        weights = tensors_key(m)
+        if weights != self._weights:  # the graphs read the old addresses: drop them (their pool goes with them)
+            self.graphs.clear()
+            self._pool, self._weights, self._pool_bytes = None, weights, 0
+        key = bucket_key(prompts)
+        c = self.graphs.get(key)
+        if c is None:
+            self._eager(m, prompts, store, groups)
+            self._capture(m, prompts, key)
+            return
+        self._fill(c, m, prompts)
+        c.graph.replay()
+        for (layer, j), (k, v) in c.store.leaves.items():
+            store.record(layer, groups[j], k.clone(), v.clone(), keep_graph=False)
+        self.stats["prefix_graph_replays"] += 1
+
+    @staticmethod
+    def _fill(c: _Captured, m, prompts) -> None:
+        """Copy the prompts' ids, positions and pixels into the graph's input tensors (host ones through pinned
+        staging, so the copy does not wait for the stream)."""
+        for name, t in m.prefix_inputs(prompts, None).items():
+            if isinstance(t, torch.Tensor) and c.inputs[name].is_cuda:
+                c.inputs[name].copy_(t if t.is_cuda else t.pin_memory(), non_blocking=True)
+
+    def _eager(self, m, prompts, store, groups) -> None:
+        lens = [p.input_ids.numel() - 1 for p in prompts]
+        with torch.no_grad():
+            m.prefix_stage(prompts, _context(store, groups, lens), None)
+
+    def _capture(self, m, prompts, key) -> None:
+        t0 = time.perf_counter()
+        before = torch.cuda.memory_reserved()
+        dev = torch.cuda.current_device()
+        # the graph's own input tensors (a copy even of pixels already on the device: replays overwrite them)
+        inputs = {k: t.to(dev, copy=True) if isinstance(t, torch.Tensor) and k != "image_grid_thw"
+                  and k != "video_grid_thw" else t for k, t in m.prefix_inputs(prompts, None).items()}
+        lens = [n for n, _, _ in key]
+        out = KVStore()
+        graph = torch.cuda.CUDAGraph()
+        self._pool = self._pool or torch.cuda.graph_pool_handle()
+        try:
+            with capture_constants() as constants, torch.no_grad(), \
+                    torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                m.forward_prefix(attention_context=_context(out, list(range(len(lens))), lens), check=False,
+                                 **inputs)
+        except Exception as e:  # the rest of the run's items run eagerly, and say why
+            self.graphs.clear()
+            self._pool = None
+            self.error = f"capture failed: {type(e).__name__}: {e}"[:500]
+            torch.cuda.current_stream().synchronize()
+            return
+        self.graphs[key] = _Captured(graph, inputs, out, constants)
+        self._pool_bytes += torch.cuda.memory_reserved() - before
+        self.stats["prefix_graphs_captured"] += 1
+        self.stats["prefix_graph_capture_s"] += time.perf_counter() - t0
+
+    def take_stats(self) -> dict:
+        """The counters since the last call (a step's), the graph memory reserved by the captures still kept
+        (GiB: the change of reserved memory around each) and, if captures stopped, why."""
+        out = {**self.stats, "prefix_graph_pool_gib": self._pool_bytes / 2**30 if self.graphs else 0.0}
+        if self.error:
+            out["prefix_graph_error"] = self.error
+        self.stats = {k: type(v)() for k, v in self.stats.items()}
+        return out

@@ -1,0 +1,47 @@
+"""The decode window's graphed reference prefix items (mode.window_graphs, prefix/graphs.py) on CPU: what a bucket
+is, the eager fallback where nothing can be captured, and the setting's refusals. The captures and replays
+themselves are tested on GPU (`test_gpu_prefix_graphs.py`)."""
+import random
+
+import pytest
+import torch
+
+from rollplex_megatron.dist import run_local
+from rollplex_megatron.prefix.batch import Prompt
+from rollplex_megatron.prefix.graphs import bucket_key
+from rollplex_megatron.recipes import load_run_config
+from rollplex_megatron.runtime import host_constant
+from tests import graph_workers as W
+
+
+def _p(n, video=None, image=None):
+    return Prompt(torch.zeros(n + 1, dtype=torch.long), video_grid_thw=None if video is None else torch.tensor(video),
+                  image_grid_thw=None if image is None else torch.tensor(image))
+
+
+def test_bucket_is_each_prompts_prefix_length_and_grids():
+    a = bucket_key([_p(9, video=[[2, 8, 12]])])
+    assert a == ((9, (), ((2, 8, 12),)),)
+    assert bucket_key([_p(9, video=[[2, 8, 12]])]) == a  # other ids and pixels: the same graph
+    for other in ([_p(10, video=[[2, 8, 12]])], [_p(9, video=[[2, 12, 8]])], [_p(9, image=[[2, 8, 12]])],
+                  [_p(9, video=[[2, 8, 12]]), _p(9, video=[[2, 8, 12]])]):
+        assert bucket_key(other) != a, other
+
+
+def test_without_cuda_items_run_eagerly_and_say_why():
+    res = run_local(W.eager_without_cuda, 1, random.randrange(1 << 30))[0]
+    assert res["diff"] == 0.0 and res["groups"] == [1, 3], res
+    assert res["reason"] == "no CUDA device", res
+    assert (res["stats"]["prefix_graph_eager"], res["stats"]["prefix_graphs_captured"]) == (1, 0), res
+
+
+def test_host_constant_off_capture_is_a_plain_copy():
+    t = torch.arange(6).reshape(2, 3)
+    assert torch.equal(host_constant(t, "cpu"), t)
+
+
+@pytest.mark.parametrize("mode", ["serial", "prefix_shared"])
+def test_window_graphs_outside_rollplex_is_refused(mode):
+    with pytest.raises(ValueError, match=r"mode.window_graphs=true has no effect without mode.name=rollplex"):
+        load_run_config([f"mode={mode}", "mode.window_graphs=true"])
+    assert load_run_config(["mode=rollplex", "mode.window_graphs=true"]).mode.window_graphs
