@@ -17,6 +17,8 @@ output: `rollout/window/policy.build_policy`, the table `python -m rollplex_mega
 times with the CUDA-graph captures in them (each rollout captures its own graphs); the figures
 without the capture time are kept as *_excl_capture but not judged: a capture's time depends on
 the side work running beside it.
+`--graphs`: each item is a replay of its CUDA graph (mode.window_graphs), captured in the warm-up; the run's
+capture and replay counts are in `prefix_graphs`.
 Cases: uniform lengths (every sample `--new-tokens`) at several batch sizes, and a long-tail case
 (per-group lengths from a lognormal, so the active batch shrinks). The targets of the issue are
 hidden >= 0.30 with decode_slowdown <= 0.10; `winners` lists the rows that meet both (kept as a
@@ -49,6 +51,8 @@ def main() -> int:
     ap.add_argument("--mechanisms", default="interleave,after,stream,tail,green:32,green:64")
     ap.add_argument("--repeats", type=int, default=2, help="runs per measurement (the fastest counts)")
     ap.add_argument("--profile-item", action="store_true", help="only profile one reference prefix item")
+    ap.add_argument("--graphs", action="store_true",
+                    help="items as CUDA graph replays (mode.window_graphs: prefix/graphs.py), captured at warm-up")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
 
@@ -62,7 +66,11 @@ def main() -> int:
     from rollplex_megatron.rollout.sampling import SamplingParams
     from rollplex_megatron.rollout.window import DecodeWindow
     from rollplex_megatron.runtime import environment_record
-    from rollplex_megatron.trainer.modes.rollplex import reference_prefix_item as _reference_prefix
+    from rollplex_megatron.prefix.graphs import PrefixGraphs
+    from rollplex_megatron.trainer.modes.rollplex import reference_prefix_item
+
+    prefix_graphs = PrefixGraphs() if a.graphs else None
+    _reference_prefix = partial(reference_prefix_item, graphs=prefix_graphs)
 
     gpu = torch.cuda.is_available()
     dtype = "bfloat16" if gpu else "float32"
@@ -147,7 +155,8 @@ def main() -> int:
         rows.append(row)
         print(json.dumps({"case": name, "decode_alone_s": base, "items_alone_s": t_items}), flush=True)
     res = {"command": "python " + " ".join(sys.argv), "rows": rows, "winners": winners,
-           "targets": {"hidden_min": 0.30, "decode_slowdown_max": 0.10},
+           "targets": {"hidden_min": 0.30, "decode_slowdown_max": 0.10}, "window_graphs": a.graphs,
+           "prefix_graphs": prefix_graphs.take_stats() if prefix_graphs is not None else None,
            "environment": environment_record()}
     from rollplex_megatron.rollout.window.policy import build_policy
 
