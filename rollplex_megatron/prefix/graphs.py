@@ -69,6 +69,7 @@ class PrefixGraphs:
     _pool: object = None
     _weights: tuple = ()
     _pool_bytes: int = 0
+    _stream: object = None  # the stream captures run on (see `_capture`)
 
     def usable(self, m) -> str:
         """Why `m`'s prefix items cannot be captured here ('' when they can)."""
@@ -129,9 +130,19 @@ class PrefixGraphs:
         out = KVStore()
         graph = torch.cuda.CUDAGraph()
         self._pool = self._pool or torch.cuda.graph_pool_handle()
+        # captures run on a stream of their own, warmed up there first: cuBLAS keeps a workspace per stream, and
+        # a graph captured on torch's shared default capture stream would bake in the workspace of every other
+        # graph captured there (the engine's decode steps); two graphs sharing a workspace must never run at once,
+        # and the window replays these beside decode (on the H100 that hung the device)
+        self._stream = self._stream or torch.cuda.Stream()
+        self._stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._stream), torch.no_grad():
+            m.forward_prefix(attention_context=_context(KVStore(), list(range(len(lens))), lens), check=False,
+                             **inputs)
+        torch.cuda.current_stream().wait_stream(self._stream)
         try:
             with capture_constants() as constants, torch.no_grad(), \
-                    torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                    torch.cuda.graph(graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
                 m.forward_prefix(attention_context=_context(out, list(range(len(lens))), lens), check=False,
                                  **inputs)
         except Exception as e:  # the rest of the run's items run eagerly, and say why

@@ -235,10 +235,10 @@ class DecodeWindow(DecodeHooks):
             self._started.wait()
         self.abort()
         self._raise_issuer_error()
+        if self._side is not None:  # items left run after those issued on the side stream, not beside them (a
+            torch.cuda.current_stream().wait_stream(self._side)  # graphed item's replays share its input tensors)
         while self.queue:
             self._run(self.queue.popleft(), False, False)
-        if self._side is not None:
-            torch.cuda.current_stream().wait_stream(self._side)
 
     def stats(self) -> dict:
         """Items and host seconds spent inside and after the decode window; on CUDA also each part's GPU span
