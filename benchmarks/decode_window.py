@@ -158,7 +158,8 @@ def main() -> int:
         rows.append(row)
         print(json.dumps({"case": name, "decode_alone_s": base, "items_alone_s": t_items}), flush=True)
     res = {"command": "python " + " ".join(sys.argv), "rows": rows, "winners": winners,
-           "targets": {"hidden_min": 0.30, "decode_slowdown_max": 0.10}, "window_graphs": a.graphs, "keep_decode_state": a.keep_decode,
+           "targets": {"hidden_min": 0.30, "decode_slowdown_max": 0.10}, "window_graphs": a.graphs,
+           "keep_decode_state": a.keep_decode,
            "prefix_graphs": prefix_graphs.take_stats() if prefix_graphs is not None else None,
            "environment": environment_record()}
     from rollplex_megatron.rollout.window.policy import build_policy
