@@ -16,7 +16,8 @@ models' RoPE as one kernel per q and k), `<mode>:keepdecode` (rollout.keep_decod
 cache, slot state and CUDA graphs kept between rollouts), `<mode>:split` / `<mode>:sdpa`
 (mode.attention_backend=split: the training attention without a mask, two varlen calls merged by their log-sum-exp,
 what `auto` runs on CUDA; sdpa: the masked path), or a rollplex variant
-`rollplex:<window>` (interleave, after, stream, tail, green, auto); variants combine with `+`
+`rollplex:<window>` (interleave, after, stream, tail, green, auto), `rollplex:graphs` (mode.window_graphs=true: the
+window's reference prefix items as CUDA graph replays); variants combine with `+`
 (`rollplex:tokens8192+pack16640`). Every figure is a median
 of the steady steps (after `--warmup`); the warm-up steps are kept apart with the phases that hold their excess.
 `--profile` runs one more step per mode under torch.profiler and saves its top ops per phase beside
@@ -134,13 +135,16 @@ def _variant(name: str, variant: str, label: str) -> tuple[str, str]:
         return "train.rope_kernel", "train.rope_kernel=triton"
     if variant == "keepdecode":  # any mode: the decode cache, slot state and graphs kept between rollouts
         return "rollout.keep_decode_state", "rollout.keep_decode_state=true"
+    if variant == "graphs" and name == "rollplex":  # the decode window's reference prefix items as CUDA graphs
+        return "mode.window_graphs", "mode.window_graphs=true"
     if variant in ("split", "sdpa"):  # any mode: the training attention without a mask (attention/split.py) or
         return "mode.attention_backend", f"mode.attention_backend={variant}"  # with it (the masked SDPA path)
     if name != "rollplex" or variant not in WINDOWS:
         raise ValueError(f"--modes: {label!r}: a variant is rollplex:<{'|'.join(WINDOWS)}>, <mode>:bound, "
                          f"<mode>:tokens<N> or <mode>:pack<N> (N > 0), <mode>:keep, <mode>:memauto, <mode>:copy2, "
                          f"<mode>:conn1, <mode>:ahead, "
-                         f"<mode>:torchnorm, <mode>:fusedrope, <mode>:keepdecode, <mode>:split or <mode>:sdpa; "
+                         f"<mode>:torchnorm, <mode>:fusedrope, <mode>:keepdecode, <mode>:split, <mode>:sdpa or "
+                         f"rollplex:graphs; "
                          "several join with '+'")
     return "mode.window", f"mode.window={variant}"
 

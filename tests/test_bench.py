@@ -147,11 +147,14 @@ def test_modes_and_lengths_parse():
                                                                                "workload.prefix_pack_tokens=20000"])]
     assert bench.parse_modes("serial:keepdecode") == [("serial:keepdecode", ["mode.name=serial",
                                                                             "rollout.keep_decode_state=true"])]
+    assert bench.parse_modes("rollplex:keepdecode+graphs") == [("rollplex:keepdecode+graphs", [
+        "mode.name=rollplex", "rollout.keep_decode_state=true", "mode.window_graphs=true"])]
     assert bench.parse_modes("prefix_shared:tokens8192+pack16640+keep") == [
         ("prefix_shared:tokens8192+pack16640+keep", ["mode.name=prefix_shared", "workload.micro_batch_tokens=8192",
                                                      "workload.prefix_pack_tokens=16640", "memory.plan=keep"])]
     for bad in ("serial:stream", "serial:auto", "rollplex:tokens", "rollplex:tokens0", "rollplex:tokens-4",
-                "rollplex:tokens8k", "rollplex:pack", "rollplex:pack0", "rollplex:tokens8+", "serial:pack8+stream"):
+                "rollplex:tokens8k", "rollplex:pack", "rollplex:pack0", "rollplex:tokens8+", "serial:pack8+stream",
+                "serial:graphs"):
         with pytest.raises(ValueError, match="variant"):
             bench.parse_modes(bad)
     with pytest.raises(ValueError, match="two variants set workload.micro_batch_tokens"):
