@@ -17,7 +17,8 @@ captured (`runtime.tensors_key`); a reference offloaded and brought back (memory
 its next rollout captures again (counted in `prefix_graphs_captured`). The first item of a bucket runs eagerly
 (its result is the item's, and it is the warm-up capture needs), then the bucket is captured. Captures
 synchronise the device (torch.cuda.graph does), so they are counted and timed apart. Graph memory (one pool for
-every bucket of a run) stays on the device while the graphs are kept; `prefix_graph_pool_gib` reports it.
+every bucket of a run) stays on the device while the graphs are kept; `prefix_graph_pool_gib` reports it (the
+static inputs and the pinned constants besides it are small: ids, positions, pixels, index tables).
 Only a single-rank model layout is captured (no TP or PP collectives in the item); elsewhere items run eagerly,
 and a capture that fails falls back to eager for the rest of the run, with the reason in `prefix_graph_error`.
 """
@@ -48,6 +49,13 @@ def _context(store: KVStore, groups: list[int], lens: list[int]) -> PrefixContex
     several = len(groups) > 1
     return PrefixContext(mode="record", store=store, group=groups[0], keep_graph=False,
                          groups=tuple(groups) if several else (), lens=tuple(lens) if several else ())
+
+
+def _pool_bytes(pool) -> int:
+    """Device memory held by the segments of the graphs' private pool (the allocator's snapshot; captures are
+    rare, so its cost does not matter)."""
+    return sum(seg["total_size"] for seg in torch.cuda.memory_snapshot()
+               if tuple(seg.get("segment_pool_id", ())) == tuple(pool))
 
 
 @dataclass
@@ -121,7 +129,6 @@ class PrefixGraphs:
 
     def _capture(self, m, prompts, key) -> None:
         t0 = time.perf_counter()
-        before = torch.cuda.memory_reserved()
         dev = torch.cuda.current_device()
         # the graph's own input tensors (a copy even of pixels already on the device: replays overwrite them)
         inputs = {k: t.to(dev, copy=True) if isinstance(t, torch.Tensor) and k != "image_grid_thw"
@@ -152,13 +159,13 @@ class PrefixGraphs:
             torch.cuda.current_stream().synchronize()
             return
         self.graphs[key] = _Captured(graph, inputs, out, constants)
-        self._pool_bytes += torch.cuda.memory_reserved() - before
+        self._pool_bytes = _pool_bytes(self._pool)
         self.stats["prefix_graphs_captured"] += 1
         self.stats["prefix_graph_capture_s"] += time.perf_counter() - t0
 
     def take_stats(self) -> dict:
-        """The counters since the last call (a step's), the graph memory reserved by the captures still kept
-        (GiB: the change of reserved memory around each) and, if captures stopped, why."""
+        """The counters since the last call (a step's), the device memory of the kept graphs' pool (GiB) and, if
+        captures stopped, why."""
         out = {**self.stats, "prefix_graph_pool_gib": self._pool_bytes / 2**30 if self.graphs else 0.0}
         if self.error:
             out["prefix_graph_error"] = self.error
