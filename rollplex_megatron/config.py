@@ -505,7 +505,9 @@ class ModeConfig:
     window_green_sms: int = 32  # green: SMs of the side work's green-context partition
     # mode rollplex: run the decode window's reference prefix items as CUDA graphs, one per bucket (prefix length
     # and vision grids of each prompt of the item), captured the first time a bucket is seen and kept while the
-    # reference's weights stay at the same addresses (prefix/graphs.py; CUDA, one-rank layout, embedded items)
+    # reference's weights stay at the same addresses (prefix/graphs.py; CUDA, one-rank layout, items run by the
+    # trainer's process). The graphs' memory pool stays on the device between steps and is not in memory.plan's
+    # phases: each step reports it (`prefix_graph_pool_gib`)
     window_graphs: bool = False
     # Shared-prefix attention of the scoring and update phases: split (no mask: each response token's group
     # prefix and its own response as two varlen attention calls merged by their log-sum-exp, `attention/split.py`;
@@ -893,6 +895,9 @@ class RunConfig:
                              "parallel.pp=1 and no parallel.rollout_ranks (disaggregated has weights of its own)")
         if self.rollout.engine == "sglang":
             check_sglang_layout(self)
+            if self.mode.window_graphs:
+                raise ValueError("mode.window_graphs=true: rollout.engine=sglang runs the decode window's items in its "
+                                 "scheduler, as jobs, where nothing is captured; drop the override")
         m = self.model.vision.spatial_merge_size
         for key, owner in (("image_grid", self.smoke), ("video_grid", self.smoke),
                            ("image_grid", self.verify), ("video_grid", self.verify)):

@@ -45,3 +45,9 @@ def test_window_graphs_outside_rollplex_is_refused(mode):
     with pytest.raises(ValueError, match=r"mode.window_graphs=true has no effect without mode.name=rollplex"):
         load_run_config([f"mode={mode}", "mode.window_graphs=true"])
     assert load_run_config(["mode=rollplex", "mode.window_graphs=true"]).mode.window_graphs
+
+
+def test_window_graphs_with_sglang_is_refused():
+    with pytest.raises(ValueError, match=r"^mode.window_graphs=true: rollout.engine=sglang runs the decode window"):
+        load_run_config(["rollout.engine=sglang", "rollout.sglang.model_path=/ckpt/qwen", "mode.window_graphs=true"])
+    assert not load_run_config(["rollout.engine=sglang", "rollout.sglang.model_path=/ckpt/qwen"]).mode.window_graphs

@@ -262,9 +262,6 @@ class Runtime:
         # the actor's graph-bearing prefix packs, lowered by the plan until one recomputed pack fits (auto: as set)
         self.actor_pack_tokens = self.plan.get("actor_pack_tokens", cfg.workload.prefix_pack_tokens)
         self.engine = build_engine(self.ddp, cfg, self.layouts, self.ref, self.actor_pack_tokens)
-        if cfg.mode.window_graphs and self.engine.window_items_elsewhere:
-            raise ValueError(f"mode.window_graphs=true: rollout.engine={cfg.rollout.engine} runs the decode window's "
-                             "items in its own process, as jobs; drop the override")
         self.prefix_graphs = PrefixGraphs() if cfg.mode.window_graphs else None  # the window's reference items
         if isinstance(self.engine, RolloutReplicas):  # what the rollout model owns on this rank (views: nothing)
             self.plan["rollout_layout"] = {"rollout_tp": self.layouts.rollout_tp, "replicas": self.engine.replicas,
