@@ -85,7 +85,8 @@ def mode_runs(tiny_hf, tiny_hf_tied, example_dir):
     for mode in ("prefix_shared", "rollplex"):
         calls["data", mode] = (W.run_steps, (_data_cfg(mode, example_dir), 2))
         calls["ppo", mode] = (W.run_steps, (_cfg(mode, *PPO, hf=tiny_hf), 2))
-    calls["packed", "rollplex"] = (W.run_steps, (_cfg("rollplex", PACKED, hf=tiny_hf), 3))
+    # with the window's items through PrefixGraphs (on CPU its eager fallback: the wiring of mode.window_graphs)
+    calls["packed", "rollplex"] = (W.run_steps, (_cfg("rollplex", PACKED, "mode.window_graphs=true", hf=tiny_hf), 3))
     for mode in ("serial", "rollplex"):  # the training attention without a mask (attention/split.py)
         calls["split", mode] = (W.run_steps, (_cfg(mode, SPLIT, hf=tiny_hf), 3))
     calls["data_split", "rollplex"] = (W.run_steps, (_data_cfg("rollplex", example_dir, SPLIT), 2))
@@ -147,8 +148,9 @@ def test_split_attention_on_dataset_rows(mode_runs, data_serial_run):
 
 
 def test_rollplex_with_packed_prefixes_matches_serial(mode_runs, serial_run):
-    """The rollout's prefill (the actor prefix stage), the window's reference prefixes and the update's prefix
-    backward, each over one pack of the step's groups: serial's rollouts and update over three steps (measured:
+    """The rollout's prefill (the actor prefix stage), the window's reference prefixes (through mode.window_graphs'
+    path, eager on CPU) and the update's prefix backward, each over one pack of the step's groups: serial's
+    rollouts and update over three steps (measured:
     weights 1.6e-6 apart). Ragged image+video prompts in packs are held to full sequences in
     test_prefix_packing.py; they are not used here because the example rows' first step has no reward, and
     Adam turns the rounding-level gradient (3.7e-8, where one group per forward gives exactly 0) into a step."""
@@ -159,6 +161,9 @@ def test_rollplex_with_packed_prefixes_matches_serial(mode_runs, serial_run):
     assert err <= TOL, (name, err)
     ro = run["records"][0]["rollout"]
     assert ro["items_in_window"] + ro.get("items_after", 0) == 1  # the reference prefixes: one item
+    # mode.window_graphs: the item went through PrefixGraphs, eagerly without CUDA, and each step says so
+    assert [r["rollout"]["prefix_graph_eager"] for r in run["records"]] == [1, 1, 1], ro
+    assert ro["prefix_graphs_captured"] == 0 and ro["prefix_graph_pool_gib"] == 0.0, ro
 
 
 @pytest.fixture(scope="module")
