@@ -51,3 +51,14 @@ def test_window_graphs_with_sglang_is_refused():
     with pytest.raises(ValueError, match=r"^mode.window_graphs=true: rollout.engine=sglang runs the decode window"):
         load_run_config(["rollout.engine=sglang", "rollout.sglang.model_path=/ckpt/qwen", "mode.window_graphs=true"])
     assert not load_run_config(["rollout.engine=sglang", "rollout.sglang.model_path=/ckpt/qwen"]).mode.window_graphs
+
+
+def test_window_graphs_need_the_reference_resident_where_graphs_are_captured():
+    from rollplex_megatron.trainer.runtime import check_window_graphs
+
+    on = load_run_config(["mode=rollplex", "mode.window_graphs=true"])
+    with pytest.raises(ValueError, match=r"^mode.window_graphs=true: memory.plan=phase releases the reference's "):
+        check_window_graphs(on, ["optimizer_states", "reference_weights"], cuda=True)
+    check_window_graphs(on, ["optimizer_states", "main_weights"], cuda=True)  # the reference stays: its graphs too
+    check_window_graphs(on, ["reference_weights"], cuda=False)  # nothing is captured without CUDA
+    check_window_graphs(load_run_config(["mode=rollplex"]), ["reference_weights"], cuda=True)  # the setting off

@@ -219,6 +219,16 @@ def build_engine(model, cfg: RunConfig, at: ParallelLayouts | None = None, refer
     return EmbeddedEngine.for_run(model, cfg, actor_pack_tokens)
 
 
+def check_window_graphs(cfg: RunConfig, released, cuda: bool) -> None:
+    """mode.window_graphs where graphs are captured (CUDA) needs the reference resident between steps: a plan that
+    releases its weights brings them back at other addresses each step, so every step would capture its items'
+    graphs again, inside the decode window (each capture synchronises the device)."""
+    if cfg.mode.window_graphs and cuda and "reference_weights" in released:
+        raise ValueError(f"mode.window_graphs=true: memory.plan={cfg.memory.plan} releases the reference's weights "
+                         "between steps, so its window items would be captured again every step; use memory.plan=keep,"
+                         " or auto with room for the reference, or drop the override")
+
+
 class Runtime:
     """What every mode uses: actor (DDP), reference, optimizer, rollout engine, data source, loss."""
 
@@ -234,6 +244,7 @@ class Runtime:
         # holds every layer
         check_kv_budget(cfg, self.source, samples, cfg.weights_phase is not None)
         self.plan = memory_plan(cfg, self.source)  # over memory.budget_gib: fails here, before any model
+        check_window_graphs(cfg, self.plan["released"], torch.cuda.is_available())
         actor = build_policy(cfg)
         self.ref = None  # train.reference: none where the loss does not read it (kl_coef 0 under auto)
         if cfg.train.uses_reference:
