@@ -14,7 +14,9 @@ same shapes as the eager forward, so its K/V equal the eager forward's (the GPU 
 
 Graphs read the weights by address: they are kept while the model's parameters and buffers stay where they were
 captured (`runtime.tensors_key`); a reference offloaded and brought back (memory.plan=phase) lands elsewhere, so
-its next rollout captures again (counted in `prefix_graphs_captured`). The first item of a bucket runs eagerly
+its next rollout would capture again (the trainer refuses that plan with this setting on CUDA,
+`trainer.runtime.check_window_graphs`; weights moved for another reason are still caught here and counted in
+`prefix_graphs_captured`). The first item of a bucket runs eagerly
 (its result is the item's, and it is the warm-up capture needs), then the bucket is captured. Captures
 synchronise the device (torch.cuda.graph does), so they are counted and timed apart. Graph memory (one pool for
 every bucket of a run) stays on the device while the graphs are kept; `prefix_graph_pool_gib` reports it (the
