@@ -734,6 +734,8 @@ class TrainConfig:
         if self.max_resample_rounds < 0:
             raise ValueError(f"train.max_resample_rounds must be >= 0, got {self.max_resample_rounds}")
         unused_unless(self, "train", ("max_resample_rounds",), self.dynamic_sampling, "train.dynamic_sampling=true")
+        unused_unless(self, "train", ("kl_estimator",), self.uses_reference,
+                      "a reference (train.kl_coef > 0, or train.reference=always for the logged kl)")
         at_least(self, "train", ("save_every", "val_every"), 0, note=" (0: off)")
         if self.loss_agg_mode not in LOSS_AGG_MODES:
             raise ValueError(f"train.loss_agg_mode must be one of {LOSS_AGG_MODES}, got {self.loss_agg_mode!r}")
