@@ -895,6 +895,8 @@ class RunConfig:
         if self.rollout.bound_model and (self.parallel.pp > 1 or self.parallel.rollout_ranks):
             raise ValueError("rollout.bound_model=true binds a rollout model to the training storage: it needs "
                              "parallel.pp=1 and no parallel.rollout_ranks (disaggregated has weights of its own)")
+        unused_unless(self.rollout.sglang, "rollout.sglang", tuple(f.name for f in fields(SGLangConfig)),
+                      self.rollout.engine == "sglang", "rollout.engine=sglang")
         if self.rollout.engine == "sglang":
             check_sglang_layout(self)
             if self.mode.window_graphs:

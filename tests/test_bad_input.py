@@ -75,6 +75,7 @@ from rollplex_megatron.recipes import load_run_config
     (["rollout.length_sigma=0.3"], r"^rollout.length_sigma=0.3 has no effect without rollout.length_dist=lognormal"),
     (["train.max_resample_rounds=5"],
      r"^train.max_resample_rounds=5 has no effect without train.dynamic_sampling=true; set it or drop"),
+    (["rollout.sglang.window_depth=8"], r"^rollout.sglang.window_depth=8 has no effect without rollout.engine=sglang"),
     (["train.kl_estimator=k3"], r"^train.kl_estimator=k3 has no effect without a reference \(train.kl_coef > 0"),
     (["val.n=4"], r"^val.n=4 has no effect without data.val_files \(the rows validation answers\); set it or drop"),
     (["val.before_train=false"], r"^val.before_train=false has no effect without data.val_files"),
