@@ -839,6 +839,9 @@ class RewardConfig:
     def __post_init__(self) -> None:
         if self.format_reward < 0:
             raise ValueError(f"reward.format_reward must be >= 0, got {self.format_reward}")
+        if self.fn and self.fns:
+            raise ValueError(f"reward.fn={self.fn} applies to every row, so reward.fns ({', '.join(sorted(self.fns))}) "
+                             "would never be read; give one of them")
 
 
 @dataclass(kw_only=True)

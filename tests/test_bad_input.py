@@ -76,6 +76,8 @@ from rollplex_megatron.recipes import load_run_config
     (["train.max_resample_rounds=5"],
      r"^train.max_resample_rounds=5 has no effect without train.dynamic_sampling=true; set it or drop"),
     (["rollout.sglang.window_depth=8"], r"^rollout.sglang.window_depth=8 has no effect without rollout.engine=sglang"),
+    (["reward.fn=exact_match", "+reward.fns={gsm: math_boxed}"],
+     r"^reward.fn=exact_match applies to every row, so reward.fns \(gsm\) would never be read; give one of them$"),
     (["train.kl_estimator=k3"], r"^train.kl_estimator=k3 has no effect without a reference \(train.kl_coef > 0"),
     (["val.n=4"], r"^val.n=4 has no effect without data.val_files \(the rows validation answers\); set it or drop"),
     (["val.before_train=false"], r"^val.before_train=false has no effect without data.val_files"),
