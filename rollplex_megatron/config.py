@@ -817,6 +817,10 @@ class DataConfig:
                              f">= 0 (0: the processor's) with min <= max")
         if not self.video_fps > 0 or self.max_frames < 1 or not 1 <= self.min_frames <= self.max_frames:
             raise ValueError("data.video_fps must be > 0 and 1 <= data.min_frames <= data.max_frames")
+        for key in ("train_files", "val_files"):
+            blank = [i for i, name in enumerate(getattr(self, key)) if not str(name).strip()]
+            if blank:
+                raise ValueError(f"data.{key}[{blank[0]}] is empty; name a parquet / jsonl file (or drop the entry)")
         if self.val_files and not self.train_files:
             raise ValueError("data.val_files are evaluated next to data.train_files; give data.train_files too")
         if self.source == "rendered" and (self.train_files or self.val_files):
