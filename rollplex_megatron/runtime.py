@@ -52,10 +52,11 @@ _CAPTURE = threading.local()  # .constants: the host tensors the CUDA graph bein
 
 
 def host_constant(t: torch.Tensor, dev) -> torch.Tensor:
-    """`t` (a host tensor planned from host values: an index, a rotary table) on `dev`. Outside a CUDA graph
-    capture this is `t.to(dev)`. Inside one (`capture_constants`) the copy is recorded from a pinned host copy
-    that the capture keeps alive, so every replay reads the same constant (a pageable copy cannot be captured)."""
-    if not (torch.device(dev).type == "cuda" and torch.cuda.is_current_stream_capturing()):
+    """`t` (a host tensor planned from host values: an index, a rotary table) on `dev` (None: where it is).
+    Outside a CUDA graph capture this is `t.to(dev)`. Inside one (`capture_constants`) the copy is recorded from a
+    pinned host copy that the capture keeps alive, so every replay reads the same constant (a pageable copy cannot
+    be captured)."""
+    if dev is None or not (torch.device(dev).type == "cuda" and torch.cuda.is_current_stream_capturing()):
         return t.to(dev)
     keep = getattr(_CAPTURE, "constants", None)
     if keep is None:

@@ -37,7 +37,7 @@ def test_without_cuda_items_run_eagerly_and_say_why():
 
 def test_host_constant_off_capture_is_a_plain_copy():
     t = torch.arange(6).reshape(2, 3)
-    assert torch.equal(host_constant(t, "cpu"), t)
+    assert torch.equal(host_constant(t, "cpu"), t) and host_constant(t, None) is t  # None: where it is
 
 
 @pytest.mark.parametrize("mode", ["serial", "prefix_shared"])
