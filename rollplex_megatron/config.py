@@ -904,6 +904,11 @@ class RunConfig:
                              "parallel.pp=1 and no parallel.rollout_ranks (disaggregated has weights of its own)")
         unused_unless(self.rollout.sglang, "rollout.sglang", tuple(f.name for f in fields(SGLangConfig)),
                       self.rollout.engine == "sglang", "rollout.engine=sglang")
+        r, p = self.rollout, self.parallel
+        bound = (bool(r.tp) and r.tp != p.tp) or r.bound_model  # a rollout model bound to the training storage
+        unused_unless(r, "rollout", ("split_gemm",), bound and r.engine == "embedded" and not p.rollout_ranks,
+                      "a rollout model bound to the training storage (rollout.tp != parallel.tp, or "
+                      "rollout.bound_model=true; the embedded engine, no parallel.rollout_ranks)")
         if self.rollout.engine == "sglang":
             check_sglang_layout(self)
             if self.mode.window_graphs:

@@ -80,6 +80,8 @@ from rollplex_megatron.recipes import load_run_config
      r"^reward.fn=exact_match applies to every row, so reward.fns \(gsm\) would never be read; give one of them$"),
     (["data.train_files=['']"], r"^data.train_files\[0\] is empty; name a parquet / jsonl file \(or drop the entry\)$"),
     (["data.train_files=[a.jsonl]", "data.val_files=[b.jsonl, ' ']"], r"^data.val_files\[1\] is empty"),
+    (["rollout.split_gemm=all"], r"^rollout.split_gemm=all has no effect without a rollout model bound to the "),
+    (["parallel.tp=2", "rollout.tp=2", "rollout.split_gemm=off"], r"^rollout.split_gemm=off has no effect without"),
     (["train.kl_estimator=k3"], r"^train.kl_estimator=k3 has no effect without a reference \(train.kl_coef > 0"),
     (["val.n=4"], r"^val.n=4 has no effect without data.val_files \(the rows validation answers\); set it or drop"),
     (["val.before_train=false"], r"^val.before_train=false has no effect without data.val_files"),
