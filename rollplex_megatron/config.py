@@ -202,8 +202,10 @@ class ParallelConfig:
         return self.train_world_size + self.rollout_ranks
 
 
-def check_model_parallel(model: ModelConfig, parallel: ParallelConfig) -> None:
-    """Fail early, naming the setting, when the model does not split over this layout."""
+def check_model_parallel(model: ModelConfig, parallel: ParallelConfig,
+                         names: tuple[str, str] = ("parallel.tp", "parallel.pp")) -> None:
+    """Fail early, naming the setting (`names`: how the caller's user gave TP and PP), when the model does not
+    split over this layout."""
     tp, pp = parallel.tp, parallel.pp
     checks = [
         (model.num_attention_heads, "model.num_attention_heads"),
@@ -215,12 +217,12 @@ def check_model_parallel(model: ModelConfig, parallel: ParallelConfig) -> None:
     for value, name in checks:
         if value % tp:
             raise ValueError(
-                f"{name} ({value}) is not divisible by parallel.tp ({tp}); choose a tensor-parallel "
+                f"{name} ({value}) is not divisible by {names[0]} ({tp}); choose a tensor-parallel "
                 f"size that divides it"
             )
     if model.num_layers % pp:
         raise ValueError(
-            f"model.num_layers ({model.num_layers}) is not divisible by parallel.pp ({pp}); choose a "
+            f"model.num_layers ({model.num_layers}) is not divisible by {names[1]} ({pp}); choose a "
             f"pipeline size that divides it"
         )
 

@@ -90,6 +90,17 @@ def test_round_trip_check_detects_a_wrong_layout(tiny_hf):
     assert not torch.equal(wrong, ck.get(rule.hf[0]))
 
 
+def test_hf_to_mcore_layout_errors_name_the_flags(tiny_hf, tmp_path):
+    """convert hf-to-mcore's layout comes from --tp/--pp, so its errors name those, before anything is written."""
+    with pytest.raises(ValueError, match=r"^model.num_attention_heads \(4\) is not divisible by --tp \(3\)"):
+        convert.hf_to_mcore(tiny_hf, tmp_path / "mc", 3, 1)
+    with pytest.raises(ValueError, match=r"^model.num_layers \(4\) is not divisible by --pp \(3\)"):
+        convert.hf_to_mcore(tiny_hf, tmp_path / "mc", 1, 3)
+    with pytest.raises(ValueError, match=r"^convert hf-to-mcore --pp must be >= 1, got 0$"):
+        convert.hf_to_mcore(tiny_hf, tmp_path / "mc", 1, 0)
+    assert os.listdir(tmp_path) == []
+
+
 def test_conversion_leaves_nothing_on_failure(tiny_hf, tmp_path, monkeypatch):
     def boom(*a, **k):
         raise RuntimeError("disk full")

@@ -38,7 +38,7 @@ def test_verify_hf_exits_1_on_mismatch(tiny_hf, monkeypatch, capsys):
 
 def test_verify_hf_bad_tp_fails_before_launch(tiny_hf):
     r = _run("verify-hf", "--hf-dir", tiny_hf, "--tp", "4")
-    assert r.returncode != 0 and "not divisible by parallel.tp (4)" in r.stderr
+    assert r.returncode != 0 and "model.num_query_groups (2) is not divisible by --tp (4)" in r.stderr
 
 
 def test_smoke_runs_and_writes_summary(tmp_path):

@@ -49,9 +49,12 @@ def _build_atomically(out: Path, fill) -> Path:
 
 def hf_to_mcore(hf_dir: str, out_dir: str, tp: int, pp: int) -> Path:
     """Convert an HF directory into per-rank megatron shards for (tp, pp)."""
+    for flag, n in (("--tp", tp), ("--pp", pp)):
+        if n < 1:
+            raise ValueError(f"convert hf-to-mcore {flag} must be >= 1, got {n}")
     ckpt = H.HFCheckpoint(hf_dir)
     cfg = ckpt.model_config()
-    check_model_parallel(cfg, ParallelConfig(tp=tp, pp=pp))
+    check_model_parallel(cfg, ParallelConfig(tp=tp, pp=pp), ("--tp", "--pp"))
     H.validate_checkpoint(ckpt, cfg)
 
     def fill(tmp: Path) -> None:

@@ -86,7 +86,9 @@ def _cmd_verify_hf(argv: list[str]) -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     a = ap.parse_args(argv)
     ckpt = HFCheckpoint(a.hf_dir)  # bad directory or config: fail here, before any process starts
-    check_model_parallel(ckpt.model_config(), ParallelConfig(tp=a.tp))
+    if a.tp < 1:
+        raise ValueError(f"verify-hf --tp must be >= 1, got {a.tp}")
+    check_model_parallel(ckpt.model_config(), ParallelConfig(tp=a.tp), ("--tp", "parallel.pp"))
     res = launch_on_ranks(verify_rank, a.tp, a.hf_dir, a.tp, a.seed)[0]
     if dist.is_initialized() and dist.get_rank() != 0:
         return 0 if res["ok"] else 1
