@@ -101,6 +101,15 @@ def test_hf_to_mcore_layout_errors_name_the_flags(tiny_hf, tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def test_mcore_to_hf_names_a_missing_or_foreign_folder(tmp_path):
+    with pytest.raises(convert.H.CheckpointError, match=r"nope: no such folder \(a megatron checkpoint is the"):
+        convert.mcore_to_hf(tmp_path / "nope", tmp_path / "hf")
+    (tmp_path / "other").mkdir()
+    with pytest.raises(convert.H.CheckpointError, match=r"other: no rollplex_mcore.json; not a rollplex megatron"):
+        convert.mcore_to_hf(tmp_path / "other", tmp_path / "hf")
+    assert sorted(os.listdir(tmp_path)) == ["other"]
+
+
 def test_conversion_leaves_nothing_on_failure(tiny_hf, tmp_path, monkeypatch):
     def boom(*a, **k):
         raise RuntimeError("disk full")

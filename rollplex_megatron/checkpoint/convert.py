@@ -72,6 +72,9 @@ def hf_to_mcore(hf_dir: str, out_dir: str, tp: int, pp: int) -> Path:
 def read_meta(mcore_dir: str | os.PathLike) -> dict:
     """The metadata of a megatron checkpoint directory, checked."""
     path = Path(mcore_dir) / META
+    if not Path(mcore_dir).is_dir():
+        raise H.CheckpointError(f"{mcore_dir}: no such folder (a megatron checkpoint is the folder `convert "
+                                f"hf-to-mcore --out` wrote)")
     if not path.is_file():
         raise H.CheckpointError(f"{mcore_dir}: no {META}; not a rollplex megatron checkpoint")
     meta = H.read_json(path)
