@@ -931,6 +931,12 @@ class RunConfig:
                              f"rollout.max_response_len ({self.rollout.max_response_len})")
 
     @property
+    def param_bytes(self) -> int:
+        """Bytes per element of the run's compute dtype (`dtype`: bfloat16 2, float32 4): model weights, K/V and
+        activations as the planner and the engine's KV budget count them."""
+        return 2 if self.dtype == "bfloat16" else 4
+
+    @property
     def weights_phase(self) -> str | None:
         """The phase that brings the rollout's weights up to date after the optimizer steps, as
         `trainer.runtime.build_engine` picks the engine: SGLang or rollout replicas on the training storage

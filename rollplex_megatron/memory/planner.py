@@ -240,7 +240,7 @@ def micro_batch_responses(cfg: RunConfig, response_tokens: int) -> int:
 def _weights(cfg: RunConfig) -> dict[str, int]:
     m, par = cfg.model, cfg.parallel
     n = params_per_gpu(m, par.tp, par.pp)
-    e = 2 if cfg.dtype == "bfloat16" else 4
+    e = cfg.param_bytes
     shard = par.dp if cfg.plan.distributed_optimizer else 1
     out = {"actor_weights": e * n, "main_weights": 4 * n // shard if e == 2 else 0, "grads": 4 * n,
            "optimizer_states": 8 * n // shard, "reference_weights": e * n}
@@ -258,7 +258,7 @@ def shared_rollout_bytes(cfg: RunConfig) -> int:
     """Bytes the rollout model owns on the fullest rank when `rollout.tp` differs from the training TP:
     its rebuilt tensors (local permutations, gathers), less what `rollout.split_gemm` serves from views,
     for the (training TP rank, rollout TP rank) pairs the run's layouts put on its ranks."""
-    t, r, e = cfg.parallel.tp, cfg.rollout.tp or cfg.parallel.tp, 2 if cfg.dtype == "bfloat16" else 4
+    t, r, e = cfg.parallel.tp, cfg.rollout.tp or cfg.parallel.tp, cfg.param_bytes
     if r == t:
         return 0
     pairs = sorted(set(rank_pairs(t, r, cfg.parallel.world_size)))
@@ -286,7 +286,7 @@ def plan(cfg: RunConfig, mode: str, residency: str, engine: str, s: Shape | None
     """
     s = s or workload_shape(cfg)
     m, par, sp, norm, rope = cfg.model, cfg.parallel, cfg.plan.sequence_parallel, norm_kernel(cfg), rope_kernel(cfg)
-    e = 2 if cfg.dtype == "bfloat16" else 4
+    e = cfg.param_bytes
     ref = cfg.train.uses_reference
     allp = phases(mode) if ref else tuple(p for p in phases(mode) if p != "ref_logp")
     w = _weights(cfg)
@@ -445,7 +445,7 @@ def rollout_rank_plan(cfg: RunConfig, s: Shape | None = None) -> dict:
     replica's largest cache wave and one decode step's workspace."""
     s = s or workload_shape(cfg)
     m, par = cfg.model, cfg.parallel
-    e, r = 2 if cfg.dtype == "bfloat16" else 4, cfg.rollout.tp or par.tp
+    e, r = cfg.param_bytes, cfg.rollout.tp or par.tp
     replicas = max(1, par.rollout_ranks // r)
     per_replica = replace(s, prompts=max(1, -(-s.prompts * par.dp // replicas)))
     classes = {"rollout_weights": e * params_per_gpu(m, r, 1),

@@ -48,7 +48,7 @@ class WeightTransfer:
                  rollout_tp_rank: int = 0):
         t, r = layouts.tp, layouts.rollout_tp
         self.t, self.senders = t, layouts.senders
-        elem = 2 if cfg.dtype == "bfloat16" else 4
+        elem = cfg.param_bytes
         self.plan = plan_pairs(cfg.model, t, r, [(0, rollout_tp_rank)], "megatron", elem)[0]
         self.train = dict(train_model.named_parameters()) if train_model is not None else None
         self.roll = dict(rollout_model.named_parameters()) if rollout_model is not None else None

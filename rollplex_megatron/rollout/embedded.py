@@ -388,7 +388,7 @@ def kv_group_bytes(cfg, source, samples: int, whole_layers: bool) -> int:
     pipeline stage of them."""
     tp = (cfg.rollout.tp or cfg.parallel.tp) if whole_layers else cfg.parallel.tp
     layers = cfg.model.num_layers // (1 if whole_layers else cfg.parallel.pp)
-    elt = 4 if cfg.dtype == "float32" else 2
+    elt = cfg.param_bytes
     return DecodeCache.nbytes(cfg.model, tp, layers, source.longest_prompt[0] - 1, samples, source.max_new_tokens,
                               elt)
 
