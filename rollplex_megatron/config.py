@@ -808,6 +808,14 @@ class DataConfig:
     truncation: str = "error"  # prompt over rollout.max_prompt_len: error (name the row) | left (drop oldest text)
     prefetch: str = "auto"  # next step's prompts built in a background thread: auto (on with CUDA) | on | off
 
+    @property
+    def resolved_source(self) -> str:
+        """The source the run reads: `source`, where auto is dataset when `train_files` are given, else rendered
+        (`data.source_name` checks the name against the registered sources)."""
+        if self.source != "auto":
+            return self.source
+        return "dataset" if self.train_files else "rendered"
+
     def __post_init__(self) -> None:
         if self.truncation not in DATA_TRUNCATION:
             raise ValueError(f"data.truncation must be one of {DATA_TRUNCATION}, got {self.truncation!r}")

@@ -117,7 +117,7 @@ def load_run_config(overrides: list[str] | None = None, hf_setting: str = "train
     run = absolute_data_paths(OmegaConf.to_object(cfg))
     if run.train.init_hf:
         run = model_from_hf(run, list(overrides or []), hf_setting)
-    if run.data.source == "dataset" or (run.data.source == "auto" and run.data.train_files):
+    if run.data.resolved_source == "dataset":
         task = next((k for k in named_keys(list(overrides or [])) if k == "task" or k.startswith("task.")), None)
         if task:  # the rendered task's settings, which a dataset run never reads
             raise ValueError(f"{task}: a setting of the rendered task, which a run on data.train_files does not "

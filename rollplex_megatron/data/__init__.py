@@ -20,9 +20,7 @@ def check_source(name: str) -> None:
 def source_name(cfg: RunConfig) -> str:
     """The source the run uses: `data.source`, where `auto` means dataset when `data.train_files` are given."""
     check_source(cfg.data.source)
-    if cfg.data.source != "auto":
-        return cfg.data.source
-    return "dataset" if cfg.data.train_files else "rendered"
+    return cfg.data.resolved_source
 
 
 def build_source(cfg: RunConfig) -> DataSource:
