@@ -181,7 +181,8 @@ RUN_EVAL_OWN = ("data.train_files", "data.val_files", "data.source")
 EVAL_UNREAD = {"optim": "", "task": " (the rows come from data.val_files)",
                "data.train_files": " (the rows come from data.val_files)",
                "rollout.temperature": "; use val.temperature", "rollout.group_size": "; use val.n",
-               "rollout.length_dist": "", "rollout.length_mean": "", "rollout.length_sigma": ""}
+               "rollout.length_dist": "", "rollout.length_mean": "", "rollout.length_sigma": "",
+               "val.before_train": " (they evaluate once, the checkpoint given)"}
 
 
 def check_eval_overrides(overrides: list[str]) -> None:

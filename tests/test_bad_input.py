@@ -236,6 +236,10 @@ def test_command_arguments_are_checked_before_any_work(tmp_path, tiny_hf, capsys
         (["eval", "--hf-dir", tiny_hf, rows, "data.train_files=[a.parquet]"], "data.train_files: eval and generate do "
                                                                                "not read it (the rows come from"),
         (["eval", "--hf-dir", tiny_hf, "data.val_files=[]"], "give the rows to answer: data.val_files=[FILE, ...]"),
+        (["eval", "--hf-dir", tiny_hf, rows, "val.before_train=false"], "val.before_train: eval and generate do not "
+                                                                         "read it (they evaluate once, the checkpoint"),
+        (["generate", "--hf-dir", tiny_hf, rows, "val.max_rows=2"], "val.max_rows=2: generate answers the first --rows "
+                                                                     "K rows (val.max_rows is eval's limit); drop"),
         (["eval", "--hf-dir", tiny_hf, rows, "task=motion"], "task: eval and generate do not read it (the rows come "
                                                               "from data.val_files); drop"),
         (["plan-memory", "plan.response_tokens=512"], "plan.response_tokens=512 is over rollout.max_response_len=256, "

@@ -356,6 +356,10 @@ def _cmd_generate(argv: list[str]) -> int:
     a, overrides = ap.parse_known_args(argv)
     if a.rows < 1:
         raise ValueError(f"--rows must be >= 1, got {a.rows}")
+    limit = next((o for o in overrides if o.lstrip("+~").split("=", 1)[0] == "val.max_rows"), None)
+    if limit is not None:
+        raise ValueError(f"{limit}: generate answers the first --rows K rows (val.max_rows is eval's limit); drop "
+                         "the override")
     with tempfile.TemporaryDirectory() as tmp:
         cfg, _ = _eval_config(a, overrides, tmp)
         rows = launch_on_ranks(generate_rank, cfg.parallel.world_size, cfg, a.rows)[0]
