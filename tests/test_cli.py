@@ -50,6 +50,22 @@ def test_smoke_runs_and_writes_summary(tmp_path):
     assert summary["environment"]["transformer_engine"] is False
 
 
+def test_smoke_starts_from_the_checkpoint_given(tiny_hf):
+    """smoke train.init_hf=DIR runs the checkpoint's weights, not random ones of its shape: the same batches give
+    another loss than the random weights the same seed builds (the loading left out, the two are equal)."""
+    import dataclasses
+
+    from rollplex_megatron.dist import run_local
+    from rollplex_megatron.recipes import load_run_config
+    from rollplex_megatron.verify.smoke import _summarise, run_rank
+
+    cfg = load_run_config(["smoke.steps=1", "smoke.warmup=0", f"train.init_hf={tiny_hf}"])
+    loaded = run_local(run_rank, 1, cfg)
+    rnd = run_local(run_rank, 1, dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, init_hf="")))
+    assert loaded[0]["seq_len"] == rnd[0]["seq_len"] and abs(loaded[0]["loss"] - rnd[0]["loss"]) > 1e-3, (loaded, rnd)
+    assert _summarise(cfg, loaded)["weights"] == tiny_hf
+
+
 def test_print_config_shows_resolved_values():
     r = _run("print-config", "model=qwen2_5_vl_32b")
     assert r.returncode == 0 and "hidden_size: 5120" in r.stdout

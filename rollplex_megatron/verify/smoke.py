@@ -23,6 +23,7 @@ from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from rollplex_megatron.config import RunConfig
 from rollplex_megatron.dist import check_launch, destroy_parallel, init_parallel, launch_on_ranks, under_torchrun
 from rollplex_megatron.models.qwen25vl import build_model
+from rollplex_megatron.models.qwen25vl.hf import HFCheckpoint, load_hf_into_model
 from rollplex_megatron.recipes import load_run_config, to_yaml
 from rollplex_megatron.runtime import device, environment_record
 from rollplex_megatron.verify.parity import position_ids_for, synthetic_inputs
@@ -71,6 +72,9 @@ def run_rank(cfg: RunConfig) -> dict:
     init_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.seed, cfg.parallel.backend)
     t0 = time.perf_counter()
     model = build_model(cfg.model, cfg.dtype, cfg.megatron)
+    if cfg.train.init_hf:  # the checkpoint's weights, not only its shape (as training starts from them)
+        load_hf_into_model(model, HFCheckpoint(cfg.train.init_hf), cfg.model, ps.get_tensor_model_parallel_rank(),
+                           cfg.parallel.tp, ps.get_pipeline_model_parallel_rank(), cfg.parallel.pp)
     build_s = time.perf_counter() - t0
     s = cfg.smoke
     batches = [_batch(cfg, cfg.seed + i) for i in range(s.micro_batches)]
@@ -143,7 +147,8 @@ def _summarise(cfg: RunConfig, ranks: list[dict]) -> dict:
     last = [r for r in ranks if r["loss"] is not None]
     return {
         "command": "python -m rollplex_megatron smoke", "model": cfg.model.name,
-        "tp": cfg.parallel.tp, "pp": cfg.parallel.pp, "dtype": cfg.dtype, "smoke": vars(cfg.smoke),
+        "weights": cfg.train.init_hf or "random", "tp": cfg.parallel.tp, "pp": cfg.parallel.pp, "dtype": cfg.dtype,
+        "smoke": vars(cfg.smoke),
         "seq_len": ranks[0]["seq_len"], "loss": last[0]["loss"] if last else None,
         "fwd_bwd_median_s": max(r["fwd_bwd_median_s"] for r in ranks),
         "peak_mem_bytes_max": max(r["peak_mem_bytes"] for r in ranks),
