@@ -508,9 +508,12 @@ class ModeConfig:
     # mode rollplex: run the decode window's reference prefix items as CUDA graphs, one per bucket (prefix length
     # and vision grids of each prompt of the item), captured the first time a bucket is seen and kept while the
     # reference's weights stay at the same addresses (prefix/graphs.py; CUDA, one-rank layout, items run by the
-    # trainer's process). The graphs' memory pool stays on the device between steps and is not in memory.plan's
-    # phases: each step reports it (`prefix_graph_pool_gib`)
+    # trainer's process). The graphs' memory pool stays on the device between steps: the planner counts it in
+    # every phase (`reference_prefix_graphs`), each step reports what it holds (`prefix_graph_pool_gib`)
     window_graphs: bool = False
+    # mode.window_graphs: buckets captured at most; an item of another bucket runs eagerly (prompts of many lengths
+    # would otherwise capture, and hold the K/V outputs of, a graph each)
+    window_graph_buckets: int = 4
     # Shared-prefix attention of the scoring and update phases: split (no mask: each response token's group
     # prefix and its own response as two varlen attention calls merged by their log-sum-exp, `attention/split.py`;
     # flash kernels on CUDA), sdpa (an explicit [T, Kp+T] mask), flex, or auto (split where its flash kernels run:
@@ -533,6 +536,9 @@ class ModeConfig:
         unused_unless(self, "mode", ("window_green_sms",), self.window in ("green", "auto"), "mode.window=green")
         unused_unless(self, "mode", ("window_graphs",), self.name == "rollplex", "mode.name=rollplex (the mode "
                       "with a decode window)")
+        if self.window_graph_buckets < 1:
+            raise ValueError(f"mode.window_graph_buckets must be >= 1, got {self.window_graph_buckets}")
+        unused_unless(self, "mode", ("window_graph_buckets",), self.window_graphs, "mode.window_graphs=true")
 
 
 @dataclass(kw_only=True)

@@ -86,3 +86,25 @@ def eager_without_cuda(seed: int) -> dict:
     reference_prefix_item(model, prompts, want, [3, 1], pack_tokens=1 << 20)
     return {"diff": _diff(got, want), "groups": sorted({gr for _, gr in got.leaves}), "reason": graphs.usable(model),
             "stats": graphs.take_stats()}
+
+
+def bucket_cap(seed: int, max_buckets: int) -> dict:
+    """CPU: PrefixGraphs as if it could capture (its `usable` and `_capture` stood in for), one bucket already
+    held: with `max_buckets` 1 a new bucket runs eagerly and nothing is captured; with 2 it is captured."""
+    from rollplex_megatron.runtime import tensors_key
+
+    init_parallel(1, 1, seed, "gloo")
+    cfg = load_run_config(["model=tiny"]).model
+    torch.manual_seed(seed)
+    model = build_model(cfg, "float32").eval()
+    g = torch.Generator().manual_seed(seed)
+    prompt = _prompt(cfg, g, (2, 8, 12), 9, False, "cpu", torch.float32)
+    graphs, captured = PrefixGraphs(max_buckets), []
+    graphs.usable = lambda m: ""
+    graphs._capture = lambda m, prompts, key: captured.append(key)
+    graphs._weights = tensors_key(model)
+    graphs.graphs[("another bucket",)] = None
+    got, want = KVStore(), KVStore()
+    reference_prefix_item(model, [prompt], got, [2], graphs=graphs)
+    reference_prefix_item(model, [prompt], want, [2])
+    return {"diff": _diff(got, want), "captured": len(captured), "stats": graphs.take_stats()}

@@ -173,6 +173,28 @@ def test_kept_decode_state_is_resident_in_every_phase():
         assert grown == pytest.approx(0 if phase == "rollout" else extra, abs=1e-9), phase
 
 
+def test_window_graph_pool_is_resident_in_every_phase():
+    """mode.window_graphs: the captured reference items' pool stays all step, so every phase grows by it; each
+    bucket allowed adds one pack's K/V outputs (layers x K and V x query groups x head_dim, bf16, per prefix
+    token), and packs of several groups hold that many prefixes."""
+    base = ["dtype=bfloat16", "workload.rollout_batch=32", "rollout.group_size=4", "plan.prefix_tokens=100",
+            "plan.response_tokens=10", "plan.vision_patches=64", "train.reference=always"]
+    summary = lambda *o: M.summarize(M.rollplex_plan(load_run_config(base + list(o))), "rollplex")  # noqa: E731
+    off, on = summary(), summary("mode.window_graphs=true")
+    assert "reference_prefix_graphs" not in off["classes"]
+    pool = on["classes"]["reference_prefix_graphs"]["gib"]
+    assert pool > 0 and set(on["classes"]["reference_prefix_graphs"]["resident"]) == set(on["by_phase_gib"])
+    for phase, cls in on["by_phase_gib"].items():
+        assert sum(cls.values()) - sum(off["by_phase_gib"][phase].values()) == pytest.approx(pool, abs=1e-9), phase
+    m = load_run_config(base).model
+    kv_token = m.num_layers * 2 * m.num_query_groups * m.head_dim * 2
+    one, two = (summary("mode.window_graphs=true", f"mode.window_graph_buckets={b}")["classes"][
+        "reference_prefix_graphs"]["gib"] for b in (1, 2))
+    assert (two - one) * 2**30 == pytest.approx(100 * kv_token)  # a bucket: one group's prefix K/V
+    packed = summary("mode.window_graphs=true", "workload.prefix_pack_tokens=400")  # 4 prefixes of 100 a pack
+    assert packed["classes"]["reference_prefix_graphs"]["gib"] == pytest.approx(4 * pool)
+
+
 @pytest.mark.parametrize("mode", ["serial", "prefix_shared", "rollplex"])
 def test_prefetch_ahead_takes_what_fits_the_phase_before(mode):
     """`ahead_phases` at 3B on video_long's batching under the phase plan: with room for everything, each released

@@ -62,3 +62,17 @@ def test_window_graphs_need_the_reference_resident_where_graphs_are_captured():
     check_window_graphs(on, ["optimizer_states", "main_weights"], cuda=True)  # the reference stays: its graphs too
     check_window_graphs(on, ["reference_weights"], cuda=False)  # nothing is captured without CUDA
     check_window_graphs(load_run_config(["mode=rollplex"]), ["reference_weights"], cuda=True)  # the setting off
+
+
+@pytest.mark.parametrize("max_buckets,captured,eager", [(1, 0, 1), (2, 1, 0)])
+def test_buckets_past_the_cap_run_eagerly(max_buckets, captured, eager):
+    res = run_local(W.bucket_cap, 1, random.randrange(1 << 30), max_buckets)[0]
+    assert res["diff"] == 0.0 and res["captured"] == captured, res
+    assert res["stats"]["prefix_graph_eager"] == eager, res
+
+
+def test_window_graph_buckets_needs_window_graphs():
+    with pytest.raises(ValueError, match=r"^mode.window_graph_buckets=2 has no effect without mode.window_graphs"):
+        load_run_config(["mode.window_graph_buckets=2"])
+    with pytest.raises(ValueError, match=r"^mode.window_graph_buckets must be >= 1, got 0$"):
+        load_run_config(["mode.window_graphs=true", "mode.window_graph_buckets=0"])

@@ -193,6 +193,21 @@ def prefix_graph_bytes(cfg: ModelConfig, tp: int, pp: int, sp: bool, tokens: int
     return llm + final_norm + vis
 
 
+def window_graph_bytes(cfg: RunConfig, s: Shape) -> int:
+    """The pool of mode.window_graphs' captured reference items (prefix/graphs.py): each kept bucket's K/V outputs
+    (a pack of `pack_groups` prefixes), and the transients of one no-grad prefix forward over a pack, bounded by
+    one decoder layer's and one vision block's saved tensors per token and patch (a forward without grad frees each
+    layer's before the next; the buckets share the pool, so one forward's worth)."""
+    m, par, e = cfg.model, cfg.parallel, cfg.param_bytes
+    norm, rope, sp = norm_kernel(cfg), rope_kernel(cfg), cfg.plan.sequence_parallel
+    pack = pack_groups(cfg, s)
+    outputs = cfg.mode.window_graph_buckets * pack * s.P * kv_bytes_per_token(m, par.tp, m.num_layers // par.pp, e)
+    transient = pack * (s.P * layer_activation_bytes(m, par.tp, sp, norm, rope)
+                        + s.patches * (block_activation_bytes(m, par.tp, norm, rope) + vision_base_bytes(m, par.tp,
+                                                                                                       norm)))
+    return outputs + transient
+
+
 def logits_bytes(cfg: ModelConfig, tp: int, tokens: int) -> int:
     """Loss workspace at the end of a forward: bf16 logits, their fp32 copy and the max-shifted fp32
     logits of megatron's vocab-parallel cross entropy (10 bytes per token and vocabulary entry)."""
@@ -350,6 +365,10 @@ def plan(cfg: RunConfig, mode: str, residency: str, engine: str, s: Shape | None
                         rounds=1 + cfg.train.max_resample_rounds if cfg.train.dynamic_sampling else 1,
                         pack_groups=pack_groups(cfg, s))
     out += get_mode(mode).memory_classes(inputs)
+    if cfg.mode.window_graphs and mode == "rollplex":  # the captured reference items' pool (prefix/graphs.py)
+        out.append(TensorClass("reference_prefix_graphs", window_graph_bytes(cfg, s), allp, "keep",
+                               f"mode.window_graphs: the K/V outputs of up to {cfg.mode.window_graph_buckets} captured "
+                               "buckets and one no-grad prefix forward's transients, resident all step"))
     adam = 0 if cfg.plan.fused_adam else w["optimizer_states"] // 2
     out.append(TensorClass("optimizer_workspace", adam, ("optimizer",), "free",
                            "torch Adam (foreach) holds sqrt(exp_avg_sq) for every parameter; fused Adam: 0"))
@@ -476,6 +495,8 @@ FIXES = {  # what shrinks each class, in the config's terms
     "reference_weights": "a larger parallel.tp/pp",
     "rollout_kv": "a smaller memory.kv_cache_gib (more waves), fewer prompts per DP rank or a larger parallel.tp",
     "actor_prefix_graph": "fewer prompts per DP rank",
+    "reference_prefix_graphs": "a smaller mode.window_graph_buckets or workload.prefix_pack_tokens, or "
+                               "mode.window_graphs=false",
     "actor_prefix_kv": "fewer prompts per DP rank or shorter prompts",
     "update_activations": "fewer workload.responses_per_micro_batch (or a smaller workload.micro_batch_tokens "
                           "when set), a smaller workload.prefix_pack_tokens (a recomputed pack's graph), "

@@ -7,8 +7,10 @@ issuing takes the GIL from the decode thread. Here each bucket of items is captu
 is a few copies into the graph's input tensors, one graph launch and a copy of the K/V out.
 
 A bucket is what a capture bakes in besides its inputs' values: per prompt of the pack, its prefix length and
-its vision grids (the vision tower's window plan, the packed attention's segments and the merge order are
-planned on the host from them; `runtime.host_constant` records those copies into the graph). Token ids, M-RoPE
+its vision grids (the vision tower's window plan, the packed attention's segments and the merge order are planned
+on the host from them; `runtime.host_constant` records those copies into the graph). At most
+`mode.window_graph_buckets` are captured; items of other buckets run eagerly, since prompts of many lengths would
+capture, and keep the outputs of, a graph each. Token ids, M-RoPE
 positions and pixels are the graph's inputs, copied in before each replay. A replay runs the same kernels on the
 same shapes as the eager forward, so its K/V equal the eager forward's (the GPU test compares them exactly).
 
@@ -72,6 +74,7 @@ class _Captured:
 class PrefixGraphs:
     """One run's captured reference prefix items, by bucket (see the module docstring)."""
 
+    max_buckets: int = 4  # mode.window_graph_buckets: an item of a bucket past these runs eagerly
     graphs: dict = field(default_factory=dict)
     stats: dict = field(default_factory=lambda: {"prefix_graphs_captured": 0, "prefix_graph_replays": 0,
                                                  "prefix_graph_eager": 0, "prefix_graph_capture_s": 0.0})
@@ -108,7 +111,10 @@ class PrefixGraphs:
         c = self.graphs.get(key)
         if c is None:
             self._eager(m, prompts, store, groups)
-            self._capture(m, prompts, key)
+            if len(self.graphs) < self.max_buckets:
+                self._capture(m, prompts, key)
+            else:
+                self.stats["prefix_graph_eager"] += 1
             return
         self._fill(c, m, prompts)
         c.graph.replay()

@@ -273,7 +273,8 @@ class Runtime:
         # the actor's graph-bearing prefix packs, lowered by the plan until one recomputed pack fits (auto: as set)
         self.actor_pack_tokens = self.plan.get("actor_pack_tokens", cfg.workload.prefix_pack_tokens)
         self.engine = build_engine(self.ddp, cfg, self.layouts, self.ref, self.actor_pack_tokens)
-        self.prefix_graphs = PrefixGraphs() if cfg.mode.window_graphs else None  # the window's reference items
+        # the window's reference items as CUDA graphs (the planner counts their pool: reference_prefix_graphs)
+        self.prefix_graphs = PrefixGraphs(cfg.mode.window_graph_buckets) if cfg.mode.window_graphs else None
         if isinstance(self.engine, RolloutReplicas):  # what the rollout model owns on this rank (views: nothing)
             self.plan["rollout_layout"] = {"rollout_tp": self.layouts.rollout_tp, "replicas": self.engine.replicas,
                                            "allocated_bytes": self.engine.allocated_bytes(),
