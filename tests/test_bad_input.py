@@ -251,6 +251,10 @@ def test_command_arguments_are_checked_before_any_work(tmp_path, tiny_hf, capsys
                                               "rollplex (memory.plan=phase) side by side"),
         (["plan-memory", "mode=prefix_shared"], "mode=prefix_shared: plan-memory plans serial"),
         (["plan-memory", "plan.prefix_tokens=9000"], "plan.prefix_tokens=9000 is over rollout.max_prompt_len=8192"),
+        (["plan-memory", "plan.vision_patches=4097"], "plan.vision_patches=4097 is not a multiple of 4 (the merger"),
+        (["plan-memory", "plan.prefix_tokens=1000"], "plan.prefix_tokens=1000 cannot hold the 1024 vision tokens of "
+                                                     "plan.vision_patches=4096 and their start and end tokens; raise "
+                                                     "plan.prefix_tokens to at least 1026"),
     ]
     for argv, want in cases:
         assert main(argv) == 1, argv

@@ -211,6 +211,15 @@ def _cmd_plan_memory(argv: list[str]) -> int:
             raise ValueError(f"plan.{key}={getattr(cfg.plan, key)} is over rollout.{limit}="
                              f"{getattr(cfg.rollout, limit)}, which a run of this config would refuse; raise "
                              f"rollout.{limit} or lower plan.{key}")
+    merge2, p = cfg.model.vision.spatial_merge_size ** 2, cfg.plan
+    if p.vision_patches % merge2:
+        raise ValueError(f"plan.vision_patches={p.vision_patches} is not a multiple of {merge2} (the merger joins "
+                         f"model.vision.spatial_merge_size^2 patches into one token); give a multiple")
+    if p.vision_patches // merge2 + 2 > p.prefix_tokens:
+        need = p.vision_patches // merge2 + 2
+        raise ValueError(f"plan.prefix_tokens={p.prefix_tokens} cannot hold the {need - 2} vision tokens of "
+                         f"plan.vision_patches={p.vision_patches} and their start and end tokens; raise "
+                         f"plan.prefix_tokens to at least {need} or lower plan.vision_patches")
     res = plan_memory(cfg)
     w = res["workload"]
     print(f"model {res['model']} on {res['gpus']} GPUs (TP={res['tp']} PP={res['pp']} DP={res['dp']}); per DP rank "
