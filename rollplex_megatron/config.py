@@ -918,6 +918,10 @@ class RunConfig:
         if self.rollout.bound_model and (self.parallel.pp > 1 or self.parallel.rollout_ranks):
             raise ValueError("rollout.bound_model=true binds a rollout model to the training storage: it needs "
                              "parallel.pp=1 and no parallel.rollout_ranks (disaggregated has weights of its own)")
+        o = self.optim  # the schedule's settings of a part that is off (the verl engine builds OptimConfig itself)
+        unused_unless(o, "optim", ("lr_warmup_init",), o.lr_warmup_steps > 0, "optim.lr_warmup_steps > 0")
+        unused_unless(o, "optim", ("min_lr", "lr_decay_steps"), o.lr_decay_style != "constant",
+                      "a decaying optim.lr_decay_style (linear, cosine or inverse-square-root)")
         unused_unless(self.rollout.sglang, "rollout.sglang", tuple(f.name for f in fields(SGLangConfig)),
                       self.rollout.engine == "sglang", "rollout.engine=sglang")
         r, p = self.rollout, self.parallel
