@@ -918,6 +918,10 @@ class RunConfig:
         if self.rollout.bound_model and (self.parallel.pp > 1 or self.parallel.rollout_ranks):
             raise ValueError("rollout.bound_model=true binds a rollout model to the training storage: it needs "
                              "parallel.pp=1 and no parallel.rollout_ranks (disaggregated has weights of its own)")
+        if self.mode.window_graphs and (self.parallel.tp > 1 or self.parallel.pp > 1):
+            raise ValueError(f"mode.window_graphs=true captures the reference's window items on one rank; at "
+                             f"parallel.tp={self.parallel.tp} parallel.pp={self.parallel.pp} they hold collectives and "
+                             "nothing would be captured: drop the override")
         o = self.optim  # the schedule's settings of a part that is off (the verl engine builds OptimConfig itself)
         unused_unless(o, "optim", ("lr_warmup_init",), o.lr_warmup_steps > 0, "optim.lr_warmup_steps > 0")
         unused_unless(o, "optim", ("min_lr", "lr_decay_steps"), o.lr_decay_style != "constant",

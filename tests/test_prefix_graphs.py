@@ -76,3 +76,10 @@ def test_window_graph_buckets_needs_window_graphs():
         load_run_config(["mode.window_graph_buckets=2"])
     with pytest.raises(ValueError, match=r"^mode.window_graph_buckets must be >= 1, got 0$"):
         load_run_config(["mode.window_graphs=true", "mode.window_graph_buckets=0"])
+
+
+@pytest.mark.parametrize("layout", [["parallel.tp=2"], ["parallel.pp=2"]])
+def test_window_graphs_across_ranks_is_refused(layout):
+    with pytest.raises(ValueError, match=r"^mode.window_graphs=true captures the reference's window items on one "):
+        load_run_config(["mode.window_graphs=true", *layout])
+    load_run_config(layout)  # the layout alone is fine

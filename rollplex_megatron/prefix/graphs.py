@@ -23,8 +23,9 @@ its next rollout would capture again (the trainer refuses that plan with this se
 synchronise the device (torch.cuda.graph does), so they are counted and timed apart. Graph memory (one pool for
 every bucket of a run) stays on the device while the graphs are kept; `prefix_graph_pool_gib` reports it (the
 static inputs and the pinned constants besides it are small: ids, positions, pixels, index tables).
-Only a single-rank model layout is captured (no TP or PP collectives in the item); elsewhere items run eagerly,
-and a capture that fails falls back to eager for the rest of the run, with the reason in `prefix_graph_error`.
+Only a single-rank model layout on CUDA is captured (no TP or PP collectives in the item; the config refuses the
+setting at TP or PP > 1); without CUDA the items take the plain path, and a capture that fails sends the rest of
+the run's items there too, with the reason in `prefix_graph_error`.
 """
 from __future__ import annotations
 
@@ -85,7 +86,8 @@ class PrefixGraphs:
     _stream: object = None  # the stream captures run on (see `_capture`)
 
     def usable(self, m) -> str:
-        """Why `m`'s prefix items cannot be captured here ('' when they can)."""
+        """Why `m`'s prefix items cannot be captured here ('' when they can); where they cannot, the items run on
+        the plain path (`trainer.modes.rollplex.reference_prefix_item`, which handles pipeline stages)."""
         if self.error:
             return self.error
         if not torch.cuda.is_available():
@@ -99,10 +101,9 @@ class PrefixGraphs:
     def record(self, m, prompts: list, store: KVStore, groups: list[int]) -> None:
         """The reference prefix stage of one pack of `prompts` (no grad) into `store` under `groups`: a replay of
         its bucket's graph, or an eager forward (then captured) where the bucket is new or the weights moved."""
-        if self.usable(m):
-            self.stats["prefix_graph_eager"] += 1
-            self._eager(m, prompts, store, groups)
-            return
+        reason = self.usable(m)
+        if reason:  # the caller runs such items on the plain path (`reference_prefix_item`)
+            raise RuntimeError(f"PrefixGraphs.record: {reason}")
         weights = tensors_key(m)
         if weights != self._weights:  # the graphs read the old addresses: drop them (their pool goes with them)
             self.graphs.clear()

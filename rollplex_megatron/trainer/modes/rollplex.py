@@ -37,9 +37,12 @@ def reference_prefix_item(ref, prompts: list, store: KVStore, groups: list[int],
     of its bucket's CUDA graph."""
     if graphs is not None:
         lens = [p.input_ids.numel() - 1 for p in prompts]
-        for pack in X.prefix_packs(lens, pack_tokens):
-            graphs.record(X.unwrap(ref), [prompts[i] for i in pack], store, [groups[i] for i in pack])
-        return
+        packs = X.prefix_packs(lens, pack_tokens)
+        if not graphs.usable(X.unwrap(ref)):
+            for pack in packs:
+                graphs.record(X.unwrap(ref), [prompts[i] for i in pack], store, [groups[i] for i in pack])
+            return
+        graphs.stats["prefix_graph_eager"] += len(packs)  # nothing to capture here (no CUDA): the plain path
     with torch.no_grad():
         X.prefix_forward(ref, [Group(p, [], torch.zeros(0)) for p in prompts], store, keep_graph=False,
                          group_ids=groups, pack_tokens=pack_tokens)
