@@ -247,6 +247,22 @@ def phase_flops(mode: str, rec: dict, recompute: bool) -> dict:
     return out
 
 
+PREFIX_GRAPH_COUNTERS = ("prefix_graphs_captured", "prefix_graph_replays", "prefix_graph_eager",
+                         "prefix_graph_capture_s", "prefix_graph_pool_gib")
+
+
+def prefix_graph_summary(rollouts: list[dict]) -> dict | None:
+    """mode.window_graphs' per-step counters of the steady steps' rollout stats, as medians (None when the
+    setting was off), and the reason captures stopped if a step gave one."""
+    if not any("prefix_graph_replays" in r for r in rollouts):
+        return None
+    out = {k: _median([r.get(k, 0) for r in rollouts]) for k in PREFIX_GRAPH_COUNTERS}
+    errors = [r["prefix_graph_error"] for r in rollouts if r.get("prefix_graph_error")]
+    if errors:
+        out["error"] = errors[-1]
+    return out
+
+
 def summarize_mode(label: str, records: list[dict], warmup: int, recompute: bool) -> dict:
     """Step times, the steady medians, the warm-up steps apart, per-phase times, memory, tokens/s,
     achieved TFLOP/s and the decode window's record of one mode."""
@@ -267,6 +283,7 @@ def summarize_mode(label: str, records: list[dict], warmup: int, recompute: bool
         top = max(excess, key=excess.get)
         warm.append({"step": r["step"], "step_time_s": r["step_time_s"], "excess_s": r["step_time_s"] - med,
                      "phase_excess_s": excess, "largest_in": top, "capture_s": r["rollout"].get("capture_s"),
+                     "prefix_graph_capture_s": r["rollout"].get("prefix_graph_capture_s"),
                      "offload_bytes": r.get("offload_bytes")})
     ro = [r["rollout"] for r in steady]
     window = None
@@ -282,6 +299,9 @@ def summarize_mode(label: str, records: list[dict], warmup: int, recompute: bool
                   # the share of the side work that ran inside the decode window (not the share of it
                   # hidden behind decode: compare rollout_excess_s with side_work_in_window_s for that)
                   "in_window_share": inside / (inside + after) if inside + after > 0 else None}
+        graphs = prefix_graph_summary(ro)
+        if graphs is not None:
+            window["prefix_graphs"] = graphs
     return {
         "label": label, "step_times_s": [r["step_time_s"] for r in records], "warmup_steps": warm,
         "steady": {"steps": [r["step"] for r in steady], "median_s": med,

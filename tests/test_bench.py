@@ -274,3 +274,16 @@ def test_a_mode_runs_from_the_callers_folder_and_a_timeout_is_one_line(tmp_path,
         bench.run_mode("tiny", ["train.init_hf=ex/model"], ["mode.name=rollplex"], tmp_path / "o", 7.0)
     assert seen.get("cwd") in (None, str(tmp_path)) and "train.init_hf=ex/model" in seen["cmd"]
     assert seen["env"]["PYTHONPATH"].split(os.pathsep)[0] == str(bench.ROOT)
+
+
+def test_prefix_graph_counters_are_summarised_when_on():
+    """mode.window_graphs' per-step counters reach the mode's window record as medians of the steady steps (the
+    capture of step 1 stays with the warm-up steps); without the setting there is no such record."""
+    assert bench.prefix_graph_summary([{"items_in_window": 4}, {"items_in_window": 4}]) is None
+    steps = [{"prefix_graphs_captured": 0, "prefix_graph_replays": r, "prefix_graph_eager": 0,
+              "prefix_graph_capture_s": 0.0, "prefix_graph_pool_gib": 0.5} for r in (16, 15, 16)]
+    got = bench.prefix_graph_summary(steps)
+    assert got == {"prefix_graphs_captured": 0, "prefix_graph_replays": 16, "prefix_graph_eager": 0,
+                   "prefix_graph_capture_s": 0.0, "prefix_graph_pool_gib": 0.5}
+    steps[1]["prefix_graph_error"] = "capture failed: RuntimeError: x"
+    assert bench.prefix_graph_summary(steps)["error"] == "capture failed: RuntimeError: x"
