@@ -12,20 +12,22 @@ from rollplex_megatron.recipes import load_run_config
 from rollplex_megatron.trainer.modes.rollplex import reference_prefix_item
 
 
-def _prompt(cfg, g, grid, text_tokens, image: bool, dev="cuda", dtype=torch.bfloat16):
-    """A random prompt with one video (or image) of `grid` and `text_tokens` text tokens; pixels on `dev`."""
+def _prompt(cfg, g, grid, text_tokens, image: bool, dev="cuda", dtype=torch.bfloat16, lead: int = 2,
+            seconds: float = 1.0):
+    """A random prompt with one video (or image) of `grid` after `lead` of its `text_tokens` text tokens (a video
+    `seconds` per grid step); pixels on `dev`."""
     v = cfg.vision
     n_patch, n_tok = grid[0] * grid[1] * grid[2], grid[0] * grid[1] * grid[2] // v.spatial_merge_size ** 2
     width = v.in_channels * v.temporal_patch_size * v.patch_size ** 2
     tok = cfg.image_token_id if image else cfg.video_token_id
     text = torch.randint(0, cfg.image_token_id, (text_tokens,), generator=g)
-    ids = torch.cat([text[:2], torch.tensor([cfg.vision_start_token_id]), torch.full((n_tok,), tok),
-                     torch.tensor([cfg.vision_end_token_id]), text[2:]])
+    ids = torch.cat([text[:lead], torch.tensor([cfg.vision_start_token_id]), torch.full((n_tok,), tok),
+                     torch.tensor([cfg.vision_end_token_id]), text[lead:]])
     pix = (torch.randn(n_patch, width, generator=g) * 3).to(dev, dtype)
     grid_t = torch.tensor([list(grid)])
     if image:
         return Prompt(ids, pixel_values=pix, image_grid_thw=grid_t)
-    return Prompt(ids, pixel_values_videos=pix, video_grid_thw=grid_t, second_per_grid_ts=torch.tensor([1.0]))
+    return Prompt(ids, pixel_values_videos=pix, video_grid_thw=grid_t, second_per_grid_ts=torch.tensor([seconds]))
 
 
 def _diff(a: KVStore, b: KVStore) -> float:
@@ -43,13 +45,16 @@ def graphs_vs_eager(seed: int, stale_inputs: bool = False) -> dict:
     g = torch.Generator().manual_seed(seed)
     a1, a2, a3 = (_prompt(cfg, g, (2, 8, 12), 9, False) for _ in range(3))  # bucket A: same length and grid
     b1 = _prompt(cfg, g, (1, 12, 8), 5, True)  # an image of another grid: bucket B
+    # bucket A again, the video elsewhere in the text and at another pace: its positions differ, not its key
+    a4 = _prompt(cfg, g, (2, 8, 12), 9, False, lead=6, seconds=2.0)
     graphs = PrefixGraphs()
     if stale_inputs:
         PrefixGraphs._fill = staticmethod(lambda c, m, prompts: None)
     out = {"diff": {}}
     # first of each bucket: eager then captured; then replays on other prompts, alone and as packs
-    cases = [("capture_a", [a1], [0]), ("replay_a", [a2], [3]), ("capture_b", [b1], [1]), ("replay_a_again", [a3], [2]),
-             ("capture_pack", [a1, b1], [0, 1]), ("replay_pack", [a3, b1], [4, 5])]
+    cases = [("capture_a", [a1], [0]), ("replay_a", [a2], [3]), ("capture_b", [b1], [1]),
+             ("replay_a_again", [a3], [2]), ("replay_a_other_layout", [a4], [6]), ("capture_pack", [a1, b1], [0, 1]),
+             ("replay_pack", [a3, b1], [4, 5])]
     for name, prompts, groups in cases:
         got, want = KVStore(), KVStore()
         reference_prefix_item(model, prompts, got, groups, pack_tokens=1 << 20, graphs=graphs)

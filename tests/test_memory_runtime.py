@@ -212,6 +212,13 @@ def test_auto_plan_releases_only_what_the_budget_needs():
         check_minimal(cfg, got, budget)
     keep = memory_plan(load_run_config(bench + ["memory.plan=keep"]), src)
     assert keep["peak_gib"] > 134  # the prefix graphs of 16 video prompts do not fit beside the rest
+    # mode.window_graphs: the reference is never released (its graphs read its weights where they were captured),
+    # and the graphs' pool is planned: at 78 GiB, where the reference went above, nothing fits
+    graphs = bench + ["mode.window_graphs=true", "memory.plan=auto"]
+    got = memory_plan(load_run_config(graphs + ["memory.budget_gib=134"]), src)
+    assert got["released"] == ["actor_prefix_graph"] and "reference_prefix_graphs" in got["classes"], got["released"]
+    with pytest.raises(ValueError, match=r"everything releasable released; the reference kept for mode.window_graphs"):
+        memory_plan(load_run_config(graphs + ["memory.budget_gib=78"]), src)
 
 
 def _shape(summary):

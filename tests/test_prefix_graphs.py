@@ -44,19 +44,26 @@ def test_host_constant_off_capture_is_a_plain_copy():
 def test_window_graphs_outside_rollplex_is_refused(mode):
     with pytest.raises(ValueError, match=r"mode.window_graphs=true has no effect without mode.name=rollplex"):
         load_run_config([f"mode={mode}", "mode.window_graphs=true"])
-    assert load_run_config(["mode=rollplex", "mode.window_graphs=true"]).mode.window_graphs
+    assert load_run_config(["mode=rollplex", "mode.window_graphs=true", "train.reference=always"]).mode.window_graphs
+
+
+def test_window_graphs_without_a_reference_is_refused():
+    with pytest.raises(ValueError, match=r"^mode.window_graphs=true has no effect without a reference"):
+        load_run_config(["mode=rollplex", "mode.window_graphs=true"])  # kl_coef 0: no reference, no items
+    assert load_run_config(["mode.window_graphs=true", "train.kl_coef=0.01"]).train.uses_reference
 
 
 def test_window_graphs_with_sglang_is_refused():
     with pytest.raises(ValueError, match=r"^mode.window_graphs=true: rollout.engine=sglang runs the decode window"):
-        load_run_config(["rollout.engine=sglang", "rollout.sglang.model_path=/ckpt/qwen", "mode.window_graphs=true"])
+        load_run_config(["rollout.engine=sglang", "rollout.sglang.model_path=/ckpt/qwen", "mode.window_graphs=true",
+                         "train.reference=always"])
     assert not load_run_config(["rollout.engine=sglang", "rollout.sglang.model_path=/ckpt/qwen"]).mode.window_graphs
 
 
 def test_window_graphs_need_the_reference_resident_where_graphs_are_captured():
     from rollplex_megatron.trainer.runtime import check_window_graphs
 
-    on = load_run_config(["mode=rollplex", "mode.window_graphs=true"])
+    on = load_run_config(["mode=rollplex", "mode.window_graphs=true", "train.reference=always"])
     with pytest.raises(ValueError, match=r"^mode.window_graphs=true: memory.plan=phase releases the reference's "):
         check_window_graphs(on, ["optimizer_states", "reference_weights"], cuda=True)
     check_window_graphs(on, ["optimizer_states", "main_weights"], cuda=True)  # the reference stays: its graphs too
@@ -81,5 +88,5 @@ def test_window_graph_buckets_needs_window_graphs():
 @pytest.mark.parametrize("layout", [["parallel.tp=2"], ["parallel.pp=2"]])
 def test_window_graphs_across_ranks_is_refused(layout):
     with pytest.raises(ValueError, match=r"^mode.window_graphs=true captures the reference's window items on one "):
-        load_run_config(["mode.window_graphs=true", *layout])
+        load_run_config(["mode.window_graphs=true", "train.reference=always", *layout])
     load_run_config(layout)  # the layout alone is fine

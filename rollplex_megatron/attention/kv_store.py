@@ -33,8 +33,9 @@ class KVStore:
         if keep_graph or trainable:
             self.leaves[(layer, group)] = (key.detach().float().requires_grad_(),
                                            value.detach().float().requires_grad_())
-        else:
-            self.leaves[(layer, group)] = (key.detach(), value.detach())
+        else:  # compact: megatron's V (and K without rotary) are views of the fused QKV projection, which a
+            # view would keep alive for every layer, (Nq + 2 Ng) / (2 Ng) times the K/V (5x at 3B)
+            self.leaves[(layer, group)] = (key.detach().contiguous(), value.detach().contiguous())
 
     def kv(self, layer: int, group: int, dtype: torch.dtype):
         """The prefix K/V of (layer, group) in `dtype` (differentiable back to the leaves)."""

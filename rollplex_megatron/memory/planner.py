@@ -408,7 +408,8 @@ def runtime_plan(cfg: RunConfig, s: Shape, ahead: dict | None = None) -> list[Te
 
 def auto_release(cfg: RunConfig, s: Shape, budget_gib: float) -> frozenset:
     """`memory.plan=auto`: the classes to release so the run's peak fits `budget_gib` (none when
-    everything fits). Releases classes in RELEASE_ORDER until the peak fits, then keeps again, from the
+    everything fits). Releases classes in RELEASE_ORDER (the reference's weights not under mode.window_graphs, whose
+    graphs read them where they were captured) until the peak fits, then keeps again, from the
     last released backwards, every class whose keeping still fits: the set is minimal (keeping any one of
     its classes goes over the budget), and of the releasable classes it prefers the cheap ones. Raises,
     naming the class and the fix, when even all released do not fit."""
@@ -418,14 +419,18 @@ def auto_release(cfg: RunConfig, s: Shape, budget_gib: float) -> frozenset:
         return summarize(plan(rc, mode, frozenset(chosen), "embedded", s), mode)["peak_gib"] <= budget_gib
 
     chosen: list[str] = []
-    for name in (None, *releasable(cfg)):
+    # mode.window_graphs: the reference stays (its graphs read its weights where they were captured)
+    candidates = [n for n in releasable(cfg) if n != "reference_weights" or not cfg.mode.window_graphs]
+    for name in (None, *candidates):
         if name is not None:
             chosen.append(name)
         if fits(chosen):
             break
     else:
         summary = summarize(plan(rc, mode, frozenset(chosen), "embedded", s), mode)
-        check_budget(summary, budget_gib, f"{mode} (memory.plan=auto, everything releasable released)", runtime=True)
+        kept = "; the reference kept for mode.window_graphs" if cfg.mode.window_graphs else ""
+        check_budget(summary, budget_gib, f"{mode} (memory.plan=auto, everything releasable released{kept})",
+                     runtime=True)
     for name in reversed(chosen[:-1]):  # e.g. rollplex: the prefix graphs alone, the optimizer states kept
         if fits([c for c in chosen if c != name]):
             chosen.remove(name)

@@ -106,6 +106,8 @@ class PrefixGraphs:
             raise RuntimeError(f"PrefixGraphs.record: {reason}")
         weights = tensors_key(m)
         if weights != self._weights:  # the graphs read the old addresses: drop them (their pool goes with them)
+            if self.graphs:  # after their replays in flight (their pinned constants are freed with them)
+                torch.cuda.current_stream().synchronize()
             self.graphs.clear()
             self._pool, self._weights, self._pool_bytes = None, weights, 0
         key = bucket_key(prompts)
@@ -151,21 +153,21 @@ class PrefixGraphs:
         # graph captured there (the engine's decode steps); two graphs sharing a workspace must never run at once,
         # and the window replays these beside decode (on the H100 that hung the device)
         self._stream = self._stream or torch.cuda.Stream()
-        self._stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self._stream), torch.no_grad():
-            m.forward_prefix(attention_context=_context(KVStore(), list(range(len(lens))), lens), check=False,
-                             **inputs)
-        torch.cuda.current_stream().wait_stream(self._stream)
         try:
+            self._stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self._stream), torch.no_grad():
+                m.forward_prefix(attention_context=_context(KVStore(), list(range(len(lens))), lens), check=False,
+                                 **inputs)
+            torch.cuda.current_stream().wait_stream(self._stream)
             with capture_constants() as constants, torch.no_grad(), \
                     torch.cuda.graph(graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
                 m.forward_prefix(attention_context=_context(out, list(range(len(lens))), lens), check=False,
                                  **inputs)
-        except Exception as e:  # the rest of the run's items run eagerly, and say why
+        except Exception as e:  # the rest of the run's items take the plain path, and say why
+            torch.cuda.current_stream().synchronize()  # the kept graphs' replays in flight end before they go
             self.graphs.clear()
             self._pool = None
             self.error = f"capture failed: {type(e).__name__}: {e}"[:500]
-            torch.cuda.current_stream().synchronize()
             return
         self.graphs[key] = _Captured(graph, inputs, out, constants)
         self._pool_bytes = _pool_bytes(self._pool)
