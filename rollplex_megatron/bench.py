@@ -17,8 +17,8 @@ cache, slot state and CUDA graphs kept between rollouts), `<mode>:split` / `<mod
 (mode.attention_backend=split: the training attention without a mask, two varlen calls merged by their log-sum-exp,
 what `auto` runs on CUDA; sdpa: the masked path), or a rollplex variant
 `rollplex:<window>` (interleave, after, stream, tail, green, auto), `rollplex:graphs` (mode.window_graphs=true: the
-window's reference prefix items as CUDA graph replays; on CUDA with `:keep` or `:memauto` where the reference stays,
-since a plan that releases it is refused); variants combine with `+`
+window's reference prefix items as CUDA graph replays; on CUDA with `:keep` or `:memauto`, since
+the phase plan releases the reference and is refused); variants combine with `+`
 (`rollplex:tokens8192+pack16640`). Every figure is a median
 of the steady steps (after `--warmup`); the warm-up steps are kept apart with the phases that hold their excess.
 `--profile` runs one more step per mode under torch.profiler and saves its top ops per phase beside
