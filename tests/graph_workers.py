@@ -89,8 +89,13 @@ def eager_without_cuda(seed: int) -> dict:
     graphs, got, want = PrefixGraphs(), KVStore(), KVStore()
     reference_prefix_item(model, prompts, got, [3, 1], pack_tokens=1 << 20, graphs=graphs)
     reference_prefix_item(model, prompts, want, [3, 1], pack_tokens=1 << 20)
+    # the stored K and V hold no more memory than themselves (megatron's V is a view of the fused QKV projection:
+    # a view would keep the projection alive); a pack's groups may share one tensor
+    leaves = [t for kv in want.leaves.values() for t in kv]
+    held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in leaves}
+    spare = sum(held.values()) - sum(t.numel() * t.element_size() for t in leaves)
     return {"diff": _diff(got, want), "groups": sorted({gr for _, gr in got.leaves}), "reason": graphs.usable(model),
-            "stats": graphs.take_stats()}
+            "stats": graphs.take_stats(), "spare_bytes": spare}
 
 
 def bucket_cap(seed: int, max_buckets: int) -> dict:

@@ -32,6 +32,7 @@ def test_without_cuda_items_run_eagerly_and_say_why():
     res = run_local(W.eager_without_cuda, 1, random.randrange(1 << 30))[0]
     assert res["diff"] == 0.0 and res["groups"] == [1, 3], res
     assert res["reason"] == "no CUDA device", res
+    assert res["spare_bytes"] == 0, res  # the reference K/V are stored compact
     assert (res["stats"]["prefix_graph_eager"], res["stats"]["prefix_graphs_captured"]) == (1, 0), res
 
 
