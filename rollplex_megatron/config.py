@@ -918,10 +918,8 @@ class RunConfig:
         if self.rollout.bound_model and (self.parallel.pp > 1 or self.parallel.rollout_ranks):
             raise ValueError("rollout.bound_model=true binds a rollout model to the training storage: it needs "
                              "parallel.pp=1 and no parallel.rollout_ranks (disaggregated has weights of its own)")
-        if self.mode.window_graphs and not self.train.uses_reference:
-            raise ValueError("mode.window_graphs=true has no effect without a reference (train.kl_coef > 0, or "
-                             "train.reference=always): there are no reference prefix items; set it or drop the "
-                             "mode.window_graphs override")
+        unused_unless(self.mode, "mode", ("window_graphs",), self.train.uses_reference,
+                      "a reference (train.kl_coef > 0, or train.reference=always): there are no reference prefix items")
         if self.mode.window_graphs and (self.parallel.tp > 1 or self.parallel.pp > 1):
             raise ValueError(f"mode.window_graphs=true captures the reference's window items on one rank; at "
                              f"parallel.tp={self.parallel.tp} parallel.pp={self.parallel.pp} they hold collectives and "

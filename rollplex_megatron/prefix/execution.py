@@ -117,6 +117,14 @@ def p2p_communicator(model) -> P2PCommunicator:
     return P2PCommunicator(pp_group=ps.get_pipeline_model_parallel_group(), config=get_model_config(model))
 
 
+def record_context(store: KVStore, group_ids: list[int], lens: list[int], keep_graph: bool,
+                   trainable: bool = False) -> PrefixContext:
+    """The record context of one pack of prefixes (one group, or several packed in order with their lengths)."""
+    several = len(group_ids) > 1
+    return PrefixContext(mode="record", store=store, group=group_ids[0], keep_graph=keep_graph, trainable=trainable,
+                         groups=tuple(group_ids) if several else (), lens=tuple(lens) if several else ())
+
+
 def prefix_forward(model, groups: list[Group], store: KVStore, keep_graph: bool,
                    group_ids: list[int] | None = None, recompute: bool = False,
                    pack_tokens: int = 0, pack_starts: frozenset[int] = frozenset()) -> list[PrefixState]:
@@ -140,9 +148,7 @@ def prefix_forward(model, groups: list[Group], store: KVStore, keep_graph: bool,
     for pack in prefix_packs(lens, pack_tokens, frozenset(j for j, i in enumerate(ids) if i in pack_starts)):
         n = sum(lens[i] for i in pack)
         recv = None if first else p2p.recv_forward((n, 1, m.config.hidden_size), first)
-        ctx = PrefixContext(mode="record", store=store, group=ids[pack[0]], keep_graph=keep_graph, trainable=recompute,
-                            groups=tuple(ids[i] for i in pack) if len(pack) > 1 else (),
-                            lens=tuple(lens[i] for i in pack) if len(pack) > 1 else ())
+        ctx = record_context(store, [ids[i] for i in pack], [lens[i] for i in pack], keep_graph, recompute)
         with torch.set_grad_enabled(keep_graph), span("prefix_forward"):
             out = m.prefix_stage([groups[i].prompt for i in pack], ctx, recv)
         if not last:

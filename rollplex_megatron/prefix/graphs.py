@@ -36,7 +36,7 @@ import torch
 from megatron.core import parallel_state as ps
 
 from rollplex_megatron.attention.kv_store import KVStore
-from rollplex_megatron.attention.prefix import PrefixContext
+from rollplex_megatron.prefix.execution import record_context
 from rollplex_megatron.runtime import capture_constants, tensors_key
 
 
@@ -47,13 +47,6 @@ def _grids(grid) -> tuple:
 def bucket_key(prompts) -> tuple:
     """Per prompt of a pack: (prefix length, image grids, video grids), what a captured prefix forward bakes in."""
     return tuple((p.input_ids.numel() - 1, _grids(p.image_grid_thw), _grids(p.video_grid_thw)) for p in prompts)
-
-
-def _context(store: KVStore, groups: list[int], lens: list[int]) -> PrefixContext:
-    """The record context of one pack (no graph kept: reference K/V only), as `prefix_forward` builds it."""
-    several = len(groups) > 1
-    return PrefixContext(mode="record", store=store, group=groups[0], keep_graph=False,
-                         groups=tuple(groups) if several else (), lens=tuple(lens) if several else ())
 
 
 def _pool_bytes(pool) -> int:
@@ -84,6 +77,10 @@ class PrefixGraphs:
     _weights: tuple = ()
     _pool_bytes: int = 0
     _stream: object = None  # the stream captures run on (see `_capture`)
+
+    def ran_plain(self, packs: int) -> None:
+        """Count items that took the plain path because nothing can be captured here (`usable`)."""
+        self.stats["prefix_graph_eager"] += packs
 
     def usable(self, m) -> str:
         """Why `m`'s prefix items cannot be captured here ('' when they can); where they cannot, the items run on
@@ -136,7 +133,7 @@ class PrefixGraphs:
     def _eager(self, m, prompts, store, groups) -> None:
         lens = [p.input_ids.numel() - 1 for p in prompts]
         with torch.no_grad():
-            m.prefix_stage(prompts, _context(store, groups, lens), None)
+            m.prefix_stage(prompts, record_context(store, groups, lens, keep_graph=False), None)
 
     def _capture(self, m, prompts, key) -> None:
         t0 = time.perf_counter()
@@ -145,6 +142,7 @@ class PrefixGraphs:
         inputs = {k: t.to(dev, copy=True) if isinstance(t, torch.Tensor) and k != "image_grid_thw"
                   and k != "video_grid_thw" else t for k, t in m.prefix_inputs(prompts, None).items()}
         lens = [n for n, _, _ in key]
+        local = list(range(len(lens)))  # the pack's groups in the graph's own store
         out = KVStore()
         graph = torch.cuda.CUDAGraph()
         self._pool = self._pool or torch.cuda.graph_pool_handle()
@@ -156,13 +154,11 @@ class PrefixGraphs:
         try:
             self._stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self._stream), torch.no_grad():
-                m.forward_prefix(attention_context=_context(KVStore(), list(range(len(lens))), lens), check=False,
-                                 **inputs)
+                m.forward_prefix(attention_context=record_context(KVStore(), local, lens, False), check=False, **inputs)
             torch.cuda.current_stream().wait_stream(self._stream)
             with capture_constants() as constants, torch.no_grad(), \
                     torch.cuda.graph(graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
-                m.forward_prefix(attention_context=_context(out, list(range(len(lens))), lens), check=False,
-                                 **inputs)
+                m.forward_prefix(attention_context=record_context(out, local, lens, False), check=False, **inputs)
         except Exception as e:  # the rest of the run's items take the plain path, and say why
             torch.cuda.current_stream().synchronize()  # the kept graphs' replays in flight end before they go
             self.graphs.clear()

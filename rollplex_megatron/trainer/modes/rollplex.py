@@ -42,7 +42,7 @@ def reference_prefix_item(ref, prompts: list, store: KVStore, groups: list[int],
             for pack in packs:
                 graphs.record(X.unwrap(ref), [prompts[i] for i in pack], store, [groups[i] for i in pack])
             return
-        graphs.stats["prefix_graph_eager"] += len(packs)  # nothing to capture here (no CUDA): the plain path
+        graphs.ran_plain(len(packs))  # nothing to capture here (no CUDA, or a capture failed): the plain path
     with torch.no_grad():
         X.prefix_forward(ref, [Group(p, [], torch.zeros(0)) for p in prompts], store, keep_graph=False,
                          group_ids=groups, pack_tokens=pack_tokens)
