@@ -32,7 +32,9 @@ def rank_file(tp_rank: int, pp_rank: int) -> str:
     return f"tp{tp_rank:02d}_pp{pp_rank:03d}.pt"
 
 
-def _build_atomically(out: Path, fill) -> Path:
+def build_atomically(out: Path, fill) -> Path:
+    """`out`, a new directory, written by `fill(tmp)` under a temporary name beside it and renamed when complete: a
+    failure leaves nothing (an existing `out` is never touched)."""
     if out.exists():
         raise FileExistsError(f"{out} already exists; choose another output directory or remove it")
     tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
@@ -66,7 +68,7 @@ def hf_to_mcore(hf_dir: str, out_dir: str, tp: int, pp: int) -> Path:
                 "model": dataclasses.asdict(cfg), "hf_config": ckpt.raw_config}
         H.atomic_write_text(tmp / META, json.dumps(meta, indent=2))
 
-    return _build_atomically(Path(out_dir), fill)
+    return build_atomically(Path(out_dir), fill)
 
 
 def read_meta(mcore_dir: str | os.PathLike) -> dict:
@@ -106,7 +108,7 @@ def mcore_to_hf(mcore_dir: str, out_dir: str, max_shard_bytes: int = 4 << 30) ->
         H.write_safetensors(H.export_hf_tensors(states, cfg, tp, pp, naming), tmp, max_shard_bytes)
         H.atomic_write_text(tmp / "config.json", json.dumps(meta["hf_config"], indent=2))
 
-    return _build_atomically(Path(out_dir), fill)
+    return build_atomically(Path(out_dir), fill)
 
 
 # What transformers' processors and tokenizers save next to the weights.
@@ -228,4 +230,4 @@ def train_to_hf(run_dir: str | os.PathLike, out_dir: str | os.PathLike, step: in
             {"run": str(run.resolve()), "checkpoint": ck.name, "step": meta["step"], "source": "actor",
              "train_layout": {k: meta[k] for k in ("tp", "pp", "dp")}, "processor_files": copied}, indent=2))
 
-    return _build_atomically(Path(out_dir), fill)
+    return build_atomically(Path(out_dir), fill)

@@ -11,8 +11,6 @@ image size and wording, so prompts are ragged (the tests use that form).
 from __future__ import annotations
 
 import io
-import shutil
-import tempfile
 from pathlib import Path
 
 import json
@@ -22,7 +20,7 @@ import torch
 from PIL import Image
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-from rollplex_megatron.checkpoint.convert import hf_config_from_model
+from rollplex_megatron.checkpoint.convert import build_atomically, hf_config_from_model
 from rollplex_megatron.config import ModelConfig
 from rollplex_megatron.data.example_files import write_tiny_processor
 
@@ -117,16 +115,10 @@ def make_example(out: str | Path, model: ModelConfig, train_rows: int = 512, val
         raise FileExistsError(f"{out} exists; make-example writes a new directory (choose another path)")
     if seed < 0:
         raise ValueError(f"--seed must be >= 0 (numpy takes unsigned seeds), got {seed}")
-    # built under a temporary name beside DIR and renamed when complete: a failure leaves no half-written DIR
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    def fill(tmp: Path) -> None:  # a failure leaves no half-written DIR
         (tmp / "model").mkdir()
         write_model(tmp / "model", model, seed)
         write_rows(tmp / "train.parquet", example_rows(train_rows, seed + 1, videos, ragged, image_px, square_px))
         write_rows(tmp / "val.parquet", example_rows(val_rows, seed + 2, videos, ragged, image_px, square_px))
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+
+    return build_atomically(out, fill)
