@@ -930,9 +930,9 @@ class RunConfig:
                       "a decaying optim.lr_decay_style (linear, cosine or inverse-square-root)")
         unused_unless(self.rollout.sglang, "rollout.sglang", tuple(f.name for f in fields(SGLangConfig)),
                       self.rollout.engine == "sglang", "rollout.engine=sglang")
-        r, p = self.rollout, self.parallel
-        bound = (bool(r.tp) and r.tp != p.tp) or r.bound_model  # a rollout model bound to the training storage
-        unused_unless(r, "rollout", ("split_gemm",), bound and r.engine == "embedded" and not p.rollout_ranks,
+        # the embedded engine's rollout model bound to the training storage is what `weight_refresh` refreshes
+        bound = self.weights_phase == "weight_refresh" and self.rollout.engine == "embedded"
+        unused_unless(self.rollout, "rollout", ("split_gemm",), bound,
                       "a rollout model bound to the training storage (rollout.tp != parallel.tp, or "
                       "rollout.bound_model=true; the embedded engine, no parallel.rollout_ranks)")
         if self.rollout.engine == "sglang":
