@@ -144,9 +144,14 @@ def absolute_data_paths(cfg: RunConfig) -> RunConfig:
 SUBTREE_GROUPS = ("mode", "model", "parallel", "task", "workload", "memory")
 
 
+def override_key(override: str) -> str:
+    """The dotted key a command-line override names: `+a.b=1`, `~a.b` and `a.b=1` all name `a.b`."""
+    return override.lstrip("+~").split("=", 1)[0]
+
+
 def named_keys(overrides: list[str]) -> set[str]:
     """The dotted keys a command line's `key=value` overrides name (`+` / `~` forms included)."""
-    return {o.lstrip("+~").split("=", 1)[0] for o in overrides if "=" in o}
+    return {override_key(o) for o in overrides if "=" in o}
 
 
 def _settings(cfg) -> dict:
@@ -187,7 +192,7 @@ EVAL_UNREAD = {"optim": "", "task": " (the rows come from data.val_files)",
 
 def check_eval_overrides(overrides: list[str]) -> None:
     """A one-line error for the first override of a setting eval/generate would ignore (`EVAL_UNREAD`)."""
-    for key in (o.lstrip("+~").split("=", 1)[0] for o in overrides if "=" in o):  # in the command line's order
+    for key in (override_key(o) for o in overrides if "=" in o):  # in the command line's order
         hit = next((k for k in EVAL_UNREAD if key == k or key.startswith(f"{k}.")), None)
         if hit:
             raise ValueError(f"{key}: eval and generate do not read it{EVAL_UNREAD[hit]}; drop the override")
@@ -232,7 +237,7 @@ def model_from_hf(cfg: RunConfig, overrides: list[str], setting: str = "train.in
                          f"Qwen2.5-VL directory (config.json, safetensors, processor files)")
     hf = HFCheckpoint(path).model_config()
     hf = dataclasses.replace(hf, freeze_vision=cfg.model.freeze_vision)  # a run setting (RUN_MODEL_FIELDS)
-    chosen = [o.lstrip("+~") for o in overrides if o.lstrip("+~").split("=")[0].split(".")[0] == "model"]
+    chosen = [o.lstrip("+~") for o in overrides if override_key(o).split(".")[0] == "model"]
     if any(o.split("=")[0] != "model.freeze_vision" for o in chosen):
         bad = _differences(cfg.model, hf, "model.")
         if bad:

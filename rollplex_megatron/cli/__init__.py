@@ -57,7 +57,8 @@ from rollplex_megatron.data.dataset import DatasetSource
 from rollplex_megatron.data.example import make_example
 from rollplex_megatron.dist import LocalRunError, check_launch, launch_on_ranks, leave_torchrun
 from rollplex_megatron.memory.planner import check_budget, plan_memory
-from rollplex_megatron.recipes import RECIPES_DIR, check_eval_overrides, load_run_config, run_eval_config, to_yaml
+from rollplex_megatron.recipes import (RECIPES_DIR, check_eval_overrides, load_run_config, override_key,
+                                       run_eval_config, to_yaml)
 from rollplex_megatron.runtime import environment_record
 from rollplex_megatron.trainer.validation import eval_rank, generate_rank
 from rollplex_megatron.verify.equivalence import run_rank
@@ -196,11 +197,11 @@ def _cmd_plan_memory(argv: list[str]) -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     a, overrides = ap.parse_known_args(argv)
     model = next((o.split("=", 1)[1] for o in overrides if o.startswith("model=")), None)
-    if model and not any(o.lstrip("+").startswith("plan_preset=") for o in overrides) \
+    if model and not any(override_key(o) == "plan_preset" for o in overrides) \
             and (RECIPES_DIR / "plan_preset" / f"{model}.yaml").is_file():
         overrides = [f"+plan_preset={model}"] + overrides  # the model's reference setting; overrides win
     cfg = load_run_config(overrides)
-    keys = {o.lstrip("+~").split("=", 1)[0]: o for o in overrides if "=" in o}
+    keys = {override_key(o): o for o in overrides if "=" in o}
     fixed = next((keys[k] for k in ("memory.plan", "mode", "mode.name") if k in keys), None)
     if fixed and not (fixed.split("=", 1)[0] != "memory.plan" and cfg.mode.name == "disaggregated"):
         raise ValueError(f"{fixed}: plan-memory plans serial (memory.plan=keep) against rollplex (memory.plan=phase) "
@@ -273,7 +274,7 @@ def _cmd_make_example(argv: list[str]) -> int:
     a, overrides = ap.parse_known_args(argv)
     if a.train_rows < 1 or a.val_rows < 1:
         raise ValueError(f"--train-rows and --val-rows must be >= 1, got {a.train_rows} and {a.val_rows}")
-    other = [o for o in overrides if not o.lstrip("+~").startswith("model")]
+    other = [o for o in overrides if override_key(o).split(".")[0] != "model"]
     if other:  # only the model's shape shapes the example
         raise ValueError(f"{other[0]}: make-example reads model overrides only (model=PRESET, model.*); give the "
                          f"others to train")
@@ -311,7 +312,7 @@ def _eval_config(a, overrides: list[str], tmp: str):
     `--run`, the run's reading, answering and scoring settings (`RUN_EVAL_SETTINGS`) where the command line does
     not name them. Also returns those taken from the run that differ from the root recipe's."""
     _check_checkpoint_args(a)
-    model = [o for o in overrides if o.lstrip("+~").split("=")[0].split(".")[0] == "model"]
+    model = [o for o in overrides if override_key(o).split(".")[0] == "model"]
     if model:  # before an export: the model is the checkpoint's
         where = f"--run {a.run}" if a.run else f"--hf-dir {a.hf_dir}"
         raise ValueError(f"{model[0]}: the model is the checkpoint's ({where}); drop the model override")
@@ -365,7 +366,7 @@ def _cmd_generate(argv: list[str]) -> int:
     a, overrides = ap.parse_known_args(argv)
     if a.rows < 1:
         raise ValueError(f"--rows must be >= 1, got {a.rows}")
-    limit = next((o for o in overrides if o.lstrip("+~").split("=", 1)[0] == "val.max_rows"), None)
+    limit = next((o for o in overrides if override_key(o) == "val.max_rows"), None)
     if limit is not None:
         raise ValueError(f"{limit}: generate answers the first --rows K rows (val.max_rows is eval's limit); drop "
                          "the override")
