@@ -166,11 +166,13 @@ def main() -> int:
            "environment": environment_record()}
     from rollplex_megatron.rollout.window.policy import build_policy
 
-    res["policy"] = build_policy(res, a.out or "decode_window.py")
+    # the policy judges each mechanism against interleave; a run of other mechanisms alone keeps its rows
+    res["policy"] = build_policy(res, a.out or "decode_window.py") if "interleave" in a.mechanisms.split(",") else None
     if a.out:
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1)
-    print(json.dumps({"winners": winners, "policy": [(r["case"], r["mechanism"]) for r in res["policy"]["rows"]]}))
+    chosen = [(r["case"], r["mechanism"]) for r in res["policy"]["rows"]] if res["policy"] else "no interleave run"
+    print(json.dumps({"winners": winners, "policy": chosen}))
     return 0
 
 
