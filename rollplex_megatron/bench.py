@@ -365,15 +365,21 @@ def parts_line(label: str, m: dict, phase: str) -> str | None:
     return f"- {label}, {phase} {m['phase_median_s'][phase]:.2f} s: " + "; ".join(cells)
 
 
-def _settings(label: str) -> frozenset:
+WINDOW_ONLY = ("graphs",)  # variants that change only the window's side items, not the decode without them
+
+
+def _settings(label: str, window: bool = True) -> frozenset:
     """A mode label's variants other than a window mechanism (`rollplex:tokens8192+pack16640+stream` ->
-    {tokens8192, pack16640})."""
-    return frozenset(p for p in label.partition(":")[2].split("+") if p and p not in WINDOWS)
+    {tokens8192, pack16640}); with `window=False` also without those that change only the side items
+    (`WINDOW_ONLY`): the settings of the same decode without them, a prefix_shared mode's."""
+    drop = WINDOWS if window else WINDOWS + WINDOW_ONLY
+    return frozenset(p for p in label.partition(":")[2].split("+") if p and p not in drop)
 
 
 def window_cost(modes: dict) -> None:
     """Each rollplex variant's rollout time over that of the prefix_shared mode with the same other variants
-    (same decode without side work): what the window's side work and the actor prefill's K/V leaves added
+    (same decode without side work; a `WINDOW_ONLY` variant such as graphs is matched by the mode without it):
+    what the window's side work and the actor prefill's K/V leaves added
     to the rollout phase (`rollout_excess_s`, against `rollout_excess_vs`), and the bound that sets: the
     ratio over that prefix_shared mode had the rollout cost no more than its (`free_window_ratio`: the median
     step less the excess; a free window can reach no further, all else as measured).
@@ -393,8 +399,8 @@ def window_cost(modes: dict) -> None:
                 side = w["side_work_in_window_gpu_s"] + (w.get("side_work_after_gpu_s") or 0.0)
                 alone_side.setdefault(_settings(k), side)
     for k, m in modes.items():
-        base = next((b for b in modes if b.partition(":")[0] == "prefix_shared" and _settings(b) == _settings(k)),
-                    None)
+        base = next((b for b in modes if b.partition(":")[0] == "prefix_shared"
+                     and _settings(b) == _settings(k, window=False)), None)
         if m.get("window") and base is not None:
             alone = modes[base]["phase_median_s"]["rollout"]
             excess = m["phase_median_s"]["rollout"] - alone

@@ -228,6 +228,25 @@ def test_window_ratio_and_its_bound_come_from_the_side_works_gpu_time_alone():
     assert "window_ratio" not in modes["rollplex:pack9+stream"]["window"]  # no run had its side work alone
 
 
+def test_graphed_items_are_compared_with_the_decode_without_them_and_their_own_side_work():
+    """rollplex:graphs changes only the side items: its rollout is compared with the prefix_shared mode without
+    it (prefix_shared has no graphs variant), and S is the graphed items' time alone (rollplex:graphs+after), not
+    the eager items'."""
+    def mode(rollout, step, mech=None, inside=0.0, after=0.0):
+        w = None if mech is None else {"mechanism": mech, "side_work_in_window_gpu_s": inside,
+                                       "side_work_after_gpu_s": after}
+        return {"phase_median_s": {"rollout": rollout}, "window": w, "steady": {"median_s": step}}
+
+    modes = {"prefix_shared:keepdecode": mode(6.0, 14.0),
+             "rollplex:keepdecode+after": mode(7.0, 13.0, "after", 0.0, 1.0),
+             "rollplex:keepdecode+graphs+after": mode(6.6, 12.6, "after", 0.0, 0.6),
+             "rollplex:keepdecode+graphs+stream": mode(6.2, 12.2, "stream", 0.9, 0.0)}
+    bench.window_cost(modes)
+    w = modes["rollplex:keepdecode+graphs+stream"]["window"]
+    assert w["rollout_excess_vs"] == "prefix_shared:keepdecode" and w["rollout_excess_s"] == pytest.approx(0.2)
+    assert w["window_ratio"] == pytest.approx(6.6 / 6.2)  # S = 0.6 (graphed, alone), not 1.0 (eager)
+
+
 def test_a_mode_variant_can_set_its_process_environment(monkeypatch, tmp_path):
     """`<mode>:conn1` reaches the mode's process as CUDA_DEVICE_MAX_CONNECTIONS=1 (read when CUDA starts), not as a
     config override; the other modes get the launcher's environment; the rendered table says what each ran under."""
