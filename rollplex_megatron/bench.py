@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 from rollplex_megatron.models.qwen25vl.hf import atomic_write_text
-from rollplex_megatron.recipes import RECIPES_DIR, load_run_config, to_yaml
+from rollplex_megatron.recipes import RECIPES_DIR, load_run_config, override_key, to_yaml
 from rollplex_megatron.report import read_metrics
 from rollplex_megatron.runtime import environment_record
 
@@ -425,7 +425,20 @@ def ratios(modes: dict) -> dict:
         out.update({f"{b}/rollplex": med[b] / med["rollplex"] for b in fast if b != "rollplex"})
     out.update({f"{k}/{k[:-len(':bound')]}": med[k] / med[k[:-len(":bound")]] for k in med
                 if k.endswith(":bound") and k[:-len(":bound")] in med})  # what the shared path costs
+    for k in med:  # what memory.plan=auto costs against keep, the other variants the same
+        name, _, variant = k.partition(":")
+        keep = f"{name}:" + "+".join("keep" if p == "memauto" else p for p in variant.split("+"))
+        if "memauto" in variant.split("+") and keep in med:
+            out[f"{k}/{keep}"] = med[k] / med[keep]
     return out
+
+
+def suite_overrides(d: dict) -> list[str]:
+    """The `key=value` settings a suite JSON's run changed from the suite's recipe (`overrides`; older JSONs:
+    read from the command line)."""
+    if "overrides" in d:
+        return d["overrides"]
+    return [t for t in d["command"].split() if "=" in t and not t.startswith("-")]
 
 
 def cuda_env_line(d: dict) -> str:
@@ -453,7 +466,11 @@ def render_markdown(results: Path) -> str:
         lines += [f"## {d['suite']}", "", d.get("description", ""), "",
                   f"`{path.name}`: {env['device']} x{d['machine']['device_count']}, commit {env['commit']}, "
                   f"{env['date']}, torch {env['torch']}, megatron-core {env['megatron_core']}, CUDA {env['cuda']}.",
-                  f"Command: `{d['command']}`", "", cuda_env_line(d), ""]
+                  f"Command: `{d['command']}`", ""]
+        changed = [o for o in suite_overrides(d) if override_key(o) != "train.steps"]
+        if changed:  # the description above is the recipe's; say what this run changed
+            lines += [f"Run with the suite changed: {', '.join(f'`{o}`' for o in changed)}.", ""]
+        lines += [cuda_env_line(d), ""]
         if d["machine"].get("cpu"):
             launch = [f"{label} {m['host_launch_us']:.1f}" for label, m in d["modes"].items()
                       if m.get("host_launch_us") is not None]
@@ -478,7 +495,7 @@ def render_markdown(results: Path) -> str:
                          + " | ".join(f"{m['phase_median_s'].get(p, 0):.2f}" for p in phases)
                          + f" | {m['peak_mem_gib']:.1f} | {m['decode_tokens_per_s']:.0f} | {win} |")
         lines += ["", "Ratios (median step of the first over the second): "
-                  + ", ".join(f"{k} {v:.2f}x" for k, v in d["ratios"].items()), "",
+                  + ", ".join(f"{k} {v:.2f}x" for k, v in {**d["ratios"], **ratios(d["modes"])}.items()), "",
                   "Achieved TFLOP/s (analytic FLOPs of every GPU / phase time; one update a step only): "
                   + "; ".join(f"{label}: " + ", ".join(f"{p} {v:.3g}" for p, v in m["achieved_tflops"].items()
                                                        if v is not None) for label, m in d["modes"].items()), ""]
@@ -601,7 +618,7 @@ def main(argv: list[str]) -> int:
     desc = (RECIPES_DIR / "bench" / f"{a.suite}.yaml").read_text().splitlines()
     command = " ".join(["python -m rollplex_megatron bench", *argv])
     result = {"suite": a.suite, "description": " ".join(ln.lstrip("# ") for ln in desc[1:] if ln.startswith("#")),
-              "command": command, "commands": (prev or {}).get("commands", []) + [command],
+              "command": command, "commands": (prev or {}).get("commands", []) + [command], "overrides": overrides,
               "environment": env, "machine": here, "warmup": a.warmup, "settings": settings,
               "modes": modes, "ratios": {}, "notes": (prev or {}).get("notes", "")}
     # the project's BENCHMARKS.md is generated from benchmarks/results only; a JSON elsewhere gets a page of its own

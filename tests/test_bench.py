@@ -72,6 +72,7 @@ def test_bench_json_schema_and_markdown(tiny_bench):
     md = tiny_bench.with_suffix(".md").read_text()  # outside benchmarks/results: a page of its own, named after it
     assert not (tiny_bench.parent / "BENCHMARKS.md").exists()
     assert "## tiny" in md and "| serial |" in md and "serial/rollplex" in md
+    assert d["overrides"] == ["train.steps=4"] and "Run with the suite changed" not in md  # steps: every run's
     assert "- rollplex, update " in md and "backward by difference" in md and "not in a part" in md
 
 
@@ -180,6 +181,21 @@ def test_markdown_says_which_suites_fit_no_device(tmp_path):
     assert "## Does not fit: 7B" in md and "| serial | torch | 134 | 169.9 | 195.7 | needs 169.9 GiB" in md
     assert "| rollplex |" not in md and "3B" not in md
     assert "rollplex (torch norm) needs 195.7 GiB under keep, 80.0 GiB under auto (releases nothing)" in md
+
+
+def test_auto_plan_is_compared_with_keep_and_a_changed_suite_is_named():
+    """`X+memauto / X+keep` for every pair of the same other variants (what memory.plan=auto costs), and the
+    settings a run changed from the suite's recipe, from the JSON or, in older JSONs, its command line."""
+    med = {"rollplex:tokens8+keep": 2.0, "rollplex:tokens8+memauto": 2.02, "rollplex:memauto": 3.0,
+           "prefix_shared:keep": 4.0, "prefix_shared:memauto": 4.4}
+    r = bench.ratios({k: {"steady": {"median_s": v}} for k, v in med.items()})
+    assert r["rollplex:tokens8+memauto/rollplex:tokens8+keep"] == pytest.approx(1.01)
+    assert r["prefix_shared:memauto/prefix_shared:keep"] == pytest.approx(1.1)
+    assert not any(k.startswith("rollplex:memauto/") for k in r)  # no rollplex:keep ran
+    old = {"command": "python -m rollplex_megatron bench video_long --modes rollplex --warmup 1 train.steps=4 "
+                      "model.num_layers=24"}
+    assert bench.suite_overrides(old) == ["train.steps=4", "model.num_layers=24"]
+    assert bench.suite_overrides({**old, "overrides": ["workload.rollout_batch=24"]}) == ["workload.rollout_batch=24"]
 
 
 def test_window_cost_compares_with_the_prefix_shared_run_of_the_same_settings():
