@@ -930,6 +930,13 @@ class RunConfig:
                       "a decaying optim.lr_decay_style (linear, cosine or inverse-square-root)")
         unused_unless(self.rollout.sglang, "rollout.sglang", tuple(f.name for f in fields(SGLangConfig)),
                       self.rollout.engine == "sglang", "rollout.engine=sglang")
+        m = self.memory  # the margin is read only where a budget comes from the device's free memory (runtime.py)
+        reads_margin = m.budget_gib == 0 and (m.plan == "auto" or m.prefetch_ahead
+                                              or (m.plan == "phase" and self.workload.prefix_pack_tokens > 0))
+        unused_unless(m, "memory", ("auto_margin_gib",), reads_margin,
+                      "memory.budget_gib=0 and one of memory.plan=auto, memory.prefetch_ahead=true or "
+                      "workload.prefix_pack_tokens under memory.plan=phase (the budget is then the device's free "
+                      "memory less the margin)")
         # the embedded engine's rollout model bound to the training storage is what `weight_refresh` refreshes
         bound = self.weights_phase == "weight_refresh" and self.rollout.engine == "embedded"
         unused_unless(self.rollout, "rollout", ("split_gemm",), bound,

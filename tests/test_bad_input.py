@@ -93,10 +93,23 @@ from rollplex_megatron.recipes import load_run_config
      r"^mode.window_green_sms=16 has no effect without mode.window=green"),
     (["memory.plan=keep", "memory.prefetch_ahead=true"],
      r"^memory.prefetch_ahead=true has no effect without memory.plan=phase or auto; set it or drop"),
+    (["memory.auto_margin_gib=8"], r"^memory.auto_margin_gib=8.0 has no effect without memory.budget_gib=0 and one of "
+                                   r"memory.plan=auto"),  # the default plan=phase without prefix packs
+    (["memory.plan=keep", "memory.auto_margin_gib=8"], r"^memory.auto_margin_gib=8.0 has no effect"),
+    (["memory.plan=auto", "memory.budget_gib=60", "memory.auto_margin_gib=8"],
+     r"^memory.auto_margin_gib=8.0 has no effect"),  # a budget given: the margin is not read
 ])
 def test_config_errors_name_the_setting(overrides, match):
     with pytest.raises(ValueError, match=match):
         load_run_config(overrides)
+
+
+@pytest.mark.parametrize("overrides", [
+    ["memory.plan=auto"], ["memory.prefetch_ahead=true"], ["workload.prefix_pack_tokens=4096"],
+])
+def test_the_auto_margin_is_taken_wherever_a_budget_comes_from_the_free_memory(overrides):
+    """Each path that reads memory.auto_margin_gib (runtime.auto_budget_gib's callers) accepts it."""
+    assert load_run_config([*overrides, "memory.auto_margin_gib=8"]).memory.auto_margin_gib == 8.0
 
 
 @pytest.mark.parametrize("overrides,match", [
