@@ -322,6 +322,8 @@ def summarize_mode(label: str, records: list[dict], warmup: int, recompute: bool
                                                                     "prefill_s", "decode_s")},
         "window": window,
         "rollout_layout": steady[-1].get("rollout_layout"),  # a rollout model of its own: bytes it owns, replicas
+        # memory.plan and the classes it released (auto: the set chosen for this run's budget)
+        "memory": {"plan": steady[-1].get("memory_plan"), "released": steady[-1].get("memory_released")},
     }
 
 
@@ -499,6 +501,11 @@ def render_markdown(results: Path) -> str:
                   "Achieved TFLOP/s (analytic FLOPs of every GPU / phase time; one update a step only): "
                   + "; ".join(f"{label}: " + ", ".join(f"{p} {v:.3g}" for p, v in m["achieved_tflops"].items()
                                                        if v is not None) for label, m in d["modes"].items()), ""]
+        plans = [f"{label}: {m['memory']['plan']}, "
+                 + (", ".join(m["memory"]["released"]) if m["memory"]["released"] else "nothing") + " released"
+                 for label, m in d["modes"].items() if (m.get("memory") or {}).get("plan")]
+        if plans:  # JSONs from before the record have none
+            lines += ["Memory plan (memory.plan, the classes it released): " + "; ".join(plans), ""]
         warm = [f"{label} step {w['step']} {w['excess_s']:+.2f} s (largest in {w['largest_in']}, "
                 f"{w['phase_excess_s'][w['largest_in']]:+.2f} s)" for label, m in d["modes"].items()
                 for w in m["warmup_steps"]]

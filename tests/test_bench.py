@@ -73,6 +73,9 @@ def test_bench_json_schema_and_markdown(tiny_bench):
     assert not (tiny_bench.parent / "BENCHMARKS.md").exists()
     assert "## tiny" in md and "| serial |" in md and "serial/rollplex" in md
     assert d["overrides"] == ["train.steps=4"] and "Run with the suite changed" not in md  # steps: every run's
+    for label, m in d["modes"].items():  # the plan each mode ran under, and what it released (phase: every class)
+        assert m["memory"]["plan"] == "phase" and m["memory"]["released"], (label, m["memory"])
+    assert f"rollplex: phase, {', '.join(d['modes']['rollplex']['memory']['released'])} released" in md
     assert "- rollplex, update " in md and "backward by difference" in md and "not in a part" in md
 
 
