@@ -118,3 +118,28 @@ def bucket_cap(seed: int, max_buckets: int) -> dict:
     reference_prefix_item(model, [prompt], got, [2], graphs=graphs)
     reference_prefix_item(model, [prompt], want, [2])
     return {"diff": _diff(got, want), "captured": len(captured), "stats": graphs.take_stats()}
+
+
+def capture_fails_mid_item(seed: int) -> dict:
+    """CPU: PrefixGraphs as if it could capture, whose first capture fails: the item's later pack takes the plain
+    path (it must not ask `record` to replay after the failure); the item's K/V against the plain item's."""
+    from rollplex_megatron.runtime import tensors_key
+
+    init_parallel(1, 1, seed, "gloo")
+    cfg = load_run_config(["model=tiny"]).model
+    torch.manual_seed(seed)
+    model = build_model(cfg, "float32").eval()
+    g = torch.Generator().manual_seed(seed)
+    prompts = [_prompt(cfg, g, (2, 8, 12), 9, False, "cpu", torch.float32) for _ in range(2)]
+    pack = prompts[0].input_ids.numel() - 1  # one prompt a pack: two packs in the item
+    graphs = PrefixGraphs()
+    graphs.usable = lambda m: graphs.error
+
+    def fail(m, prompts, key):
+        graphs.error = "capture failed: RuntimeError: stood in"
+    graphs._capture = fail
+    graphs._weights = tensors_key(model)
+    got, want = KVStore(), KVStore()
+    reference_prefix_item(model, prompts, got, [4, 7], pack_tokens=pack, graphs=graphs)
+    reference_prefix_item(model, prompts, want, [4, 7], pack_tokens=pack)
+    return {"diff": _diff(got, want), "stats": graphs.take_stats(), "error": graphs.error}

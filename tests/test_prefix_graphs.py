@@ -79,6 +79,12 @@ def test_buckets_past_the_cap_run_eagerly(max_buckets, captured, eager):
     assert res["stats"]["prefix_graph_eager"] == eager, res
 
 
+def test_a_capture_that_fails_sends_the_items_later_packs_to_the_plain_path():
+    res = run_local(W.capture_fails_mid_item, 1, random.randrange(1 << 30))[0]
+    assert res["diff"] == 0.0 and res["error"].startswith("capture failed"), res
+    assert res["stats"]["prefix_graph_eager"] == 1 and res["stats"]["prefix_graph_replays"] == 0, res
+
+
 def test_window_graph_buckets_needs_window_graphs():
     with pytest.raises(ValueError, match=r"^mode.window_graph_buckets=2 has no effect without mode.window_graphs"):
         load_run_config(["mode.window_graph_buckets=2"])

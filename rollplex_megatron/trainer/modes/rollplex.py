@@ -35,17 +35,21 @@ def reference_prefix_item(ref, prompts: list, store: KVStore, groups: list[int],
     """Decode-window work item: the reference prefix stage of one group, or of a pack of groups as one
     forward (`workload.prefix_pack_tokens`) (K/V only); with `graphs` (mode.window_graphs) each pack is a replay
     of its bucket's CUDA graph."""
+    rest = list(range(len(prompts)))  # the prompts left for the plain path
     if graphs is not None:
-        lens = [p.input_ids.numel() - 1 for p in prompts]
-        packs = X.prefix_packs(lens, pack_tokens)
-        if not graphs.usable(X.unwrap(ref)):
-            for pack in packs:
-                graphs.record(X.unwrap(ref), [prompts[i] for i in pack], store, [groups[i] for i in pack])
+        m = X.unwrap(ref)
+        packs = X.prefix_packs([p.input_ids.numel() - 1 for p in prompts], pack_tokens)
+        for n, pack in enumerate(packs):
+            if graphs.usable(m):  # no CUDA, or a capture failed (also one of this item's): the plain path
+                graphs.ran_plain(len(packs) - n)
+                rest = [i for later in packs[n:] for i in later]
+                break
+            graphs.record(m, [prompts[i] for i in pack], store, [groups[i] for i in pack])
+        else:
             return
-        graphs.ran_plain(len(packs))  # nothing to capture here (no CUDA, or a capture failed): the plain path
     with torch.no_grad():
-        X.prefix_forward(ref, [Group(p, [], torch.zeros(0)) for p in prompts], store, keep_graph=False,
-                         group_ids=groups, pack_tokens=pack_tokens)
+        X.prefix_forward(ref, [Group(prompts[i], [], torch.zeros(0)) for i in rest], store, keep_graph=False,
+                         group_ids=[groups[i] for i in rest], pack_tokens=pack_tokens)
 
 
 def actor_prefix_item(actor, prompts: list, store: KVStore, groups: list[int], recompute: bool, states: list,
