@@ -930,10 +930,7 @@ class RunConfig:
                       "a decaying optim.lr_decay_style (linear, cosine or inverse-square-root)")
         unused_unless(self.rollout.sglang, "rollout.sglang", tuple(f.name for f in fields(SGLangConfig)),
                       self.rollout.engine == "sglang", "rollout.engine=sglang")
-        m = self.memory  # the margin is read only where a budget comes from the device's free memory (runtime.py)
-        reads_margin = m.budget_gib == 0 and (m.plan == "auto" or m.prefetch_ahead
-                                              or (m.plan == "phase" and self.workload.prefix_pack_tokens > 0))
-        unused_unless(m, "memory", ("auto_margin_gib",), reads_margin,
+        unused_unless(self.memory, "memory", ("auto_margin_gib",), self.budget_from_free_memory,
                       "memory.budget_gib=0 and one of memory.plan=auto, memory.prefetch_ahead=true or "
                       "workload.prefix_pack_tokens under memory.plan=phase (the budget is then the device's free "
                       "memory less the margin)")
@@ -966,6 +963,16 @@ class RunConfig:
         """Bytes per element of the run's compute dtype (`dtype`: bfloat16 2, float32 4): model weights, K/V and
         activations as the planner and the engine's KV budget count them."""
         return 2 if self.dtype == "bfloat16" else 4
+
+    @property
+    def budget_from_free_memory(self) -> bool:
+        """Whether the run takes a memory budget from the device's free memory less `memory.auto_margin_gib`
+        (`trainer.runtime.auto_budget_gib`): no `memory.budget_gib`, and `memory.plan=auto`,
+        `memory.prefetch_ahead`, or prefix packs whose recomputed graphs `memory.plan=phase` checks against the
+        device. The only reader of the margin, so the setting is refused where this is false."""
+        m = self.memory
+        return m.budget_gib == 0 and (m.plan == "auto" or m.prefetch_ahead
+                                      or (m.plan == "phase" and self.workload.prefix_pack_tokens > 0))
 
     @property
     def weights_phase(self) -> str | None:

@@ -221,6 +221,27 @@ def test_auto_plan_releases_only_what_the_budget_needs():
         memory_plan(load_run_config(graphs + ["memory.budget_gib=78"]), src)
 
 
+@pytest.mark.parametrize("plan", ["keep", "phase", "auto"])
+@pytest.mark.parametrize("ahead", [False, True])
+@pytest.mark.parametrize("pack", [0, 4096])
+def test_the_plan_reads_the_free_memory_exactly_where_the_config_says(monkeypatch, plan, ahead, pack):
+    """`RunConfig.budget_from_free_memory` (which also decides whether memory.auto_margin_gib is refused as
+    unread) names exactly the runs whose planning asks the device for its free memory: `memory_plan` calls
+    `auto_budget_gib` (recorded here, standing in for the device) when and only when it says so."""
+    from rollplex_megatron.data import build_source
+    from rollplex_megatron.trainer import runtime as R
+
+    if ahead and plan == "keep":
+        return  # refused: nothing is released, so nothing comes early (test_bad_input)
+    cfg = load_run_config(["model=tiny", f"memory.plan={plan}", f"memory.prefetch_ahead={str(ahead).lower()}",
+                           f"workload.prefix_pack_tokens={pack}"])
+    calls = []
+    monkeypatch.setattr(R, "auto_budget_gib", lambda c: calls.append(c) or 1000.0)
+    R.memory_plan(cfg, build_source(cfg))
+    assert bool(calls) == cfg.budget_from_free_memory, (plan, ahead, pack, len(calls))
+    assert cfg.budget_from_free_memory == (plan == "auto" or ahead or (plan == "phase" and pack > 0))
+
+
 def _shape(summary):
     from rollplex_megatron.memory.classes import Shape
 

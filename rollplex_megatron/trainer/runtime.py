@@ -115,7 +115,7 @@ def memory_plan(cfg: RunConfig, source) -> dict:
         return {**summary, "shape": vars(shape), "released": [n for n in releasable(cfg) if n in rel],
                 "auto_budget_gib": budget, "actor_pack_tokens": actor_pack, "ahead": ahead}
     budget = cfg.memory.budget_gib
-    if not budget and pack and "actor_prefix_graph" in released(cfg.memory.plan):
+    if cfg.budget_from_free_memory and "actor_prefix_graph" in released(cfg.memory.plan):
         # a recomputed pack's graph is held at once: checked against the device, not left to run out of memory
         budget = auto_budget_gib(cfg) or 0.0
     actor_pack = actor_pack_tokens(cfg, shape, budget, released(cfg.memory.plan))
@@ -140,7 +140,7 @@ def _ahead(cfg: RunConfig, rc: RunConfig, residency, shape, budget_gib: float | 
     else `auto_budget_gib`'s; none when it is off or there is no budget (CPU without memory.budget_gib)."""
     if not cfg.memory.prefetch_ahead:
         return {}
-    budget_gib = budget_gib or auto_budget_gib(cfg)
+    budget_gib = budget_gib or (auto_budget_gib(cfg) if cfg.budget_from_free_memory else None)
     return ahead_phases(rc, cfg.mode.name, residency, shape, budget_gib) if budget_gib else {}
 
 
