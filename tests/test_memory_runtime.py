@@ -242,6 +242,21 @@ def test_the_plan_reads_the_free_memory_exactly_where_the_config_says(monkeypatc
     assert cfg.budget_from_free_memory == (plan == "auto" or ahead or (plan == "phase" and pack > 0))
 
 
+def test_only_prefix_packs_check_the_phase_plan_against_the_free_memory(monkeypatch):
+    """Under memory.plan=phase the free memory bounds the plan only where a recomputed pack's graph is held at
+    once (prefix packs): `memory.prefetch_ahead` alone reads it to choose what comes early, and does not make a
+    plan over it fail (a device with almost nothing free stands in)."""
+    from rollplex_megatron.data import build_source
+    from rollplex_megatron.trainer import runtime as R
+
+    monkeypatch.setattr(R, "auto_budget_gib", lambda c: 0.001)
+    ahead = load_run_config(["model=tiny", "memory.prefetch_ahead=true"])
+    assert R.memory_plan(ahead, build_source(ahead))["ahead"] == {}  # nothing fits early in 0.001 GiB
+    packs = load_run_config(["model=tiny", "workload.prefix_pack_tokens=4096"])
+    with pytest.raises(ValueError, match="memory.plan=phase"):
+        R.memory_plan(packs, build_source(packs))
+
+
 def _shape(summary):
     from rollplex_megatron.memory.classes import Shape
 

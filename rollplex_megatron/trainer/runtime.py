@@ -115,7 +115,7 @@ def memory_plan(cfg: RunConfig, source) -> dict:
         return {**summary, "shape": vars(shape), "released": [n for n in releasable(cfg) if n in rel],
                 "auto_budget_gib": budget, "actor_pack_tokens": actor_pack, "ahead": ahead}
     budget = cfg.memory.budget_gib
-    if cfg.budget_from_free_memory and "actor_prefix_graph" in released(cfg.memory.plan):
+    if cfg.budget_from_free_memory and pack and "actor_prefix_graph" in released(cfg.memory.plan):
         # a recomputed pack's graph is held at once: checked against the device, not left to run out of memory
         budget = auto_budget_gib(cfg) or 0.0
     actor_pack = actor_pack_tokens(cfg, shape, budget, released(cfg.memory.plan))
