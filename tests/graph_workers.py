@@ -94,12 +94,12 @@ def eager_without_cuda(seed: int) -> dict:
     leaves = [t for kv in want.leaves.values() for t in kv]
     held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in leaves}
     spare = sum(held.values()) - sum(t.numel() * t.element_size() for t in leaves)
-    return {"diff": _diff(got, want), "groups": sorted({gr for _, gr in got.leaves}), "reason": graphs.usable(model),
+    return {"diff": _diff(got, want), "groups": sorted({gr for _, gr in got.leaves}), "reason": graphs.why_plain(model),
             "stats": graphs.take_stats(), "spare_bytes": spare}
 
 
 def bucket_cap(seed: int, max_buckets: int) -> dict:
-    """CPU: PrefixGraphs as if it could capture (its `usable` and `_capture` stood in for), one bucket already
+    """CPU: PrefixGraphs as if it could capture (its `why_plain` and `_capture` stood in for), one bucket already
     held: with `max_buckets` 1 a new bucket runs eagerly and nothing is captured; with 2 it is captured."""
     from rollplex_megatron.runtime import tensors_key
 
@@ -110,7 +110,7 @@ def bucket_cap(seed: int, max_buckets: int) -> dict:
     g = torch.Generator().manual_seed(seed)
     prompt = _prompt(cfg, g, (2, 8, 12), 9, False, "cpu", torch.float32)
     graphs, captured = PrefixGraphs(max_buckets), []
-    graphs.usable = lambda m: ""
+    graphs.why_plain = lambda m: ""
     graphs._capture = lambda m, prompts, key: captured.append(key)
     graphs._weights = tensors_key(model)
     graphs.graphs[("another bucket",)] = None
@@ -133,7 +133,7 @@ def capture_fails_mid_item(seed: int) -> dict:
     prompts = [_prompt(cfg, g, (2, 8, 12), 9, False, "cpu", torch.float32) for _ in range(2)]
     pack = prompts[0].input_ids.numel() - 1  # one prompt a pack: two packs in the item
     graphs = PrefixGraphs()
-    graphs.usable = lambda m: graphs.error
+    graphs.why_plain = lambda m: graphs.error
 
     def fail(m, prompts, key):
         graphs.error = "capture failed: RuntimeError: stood in"

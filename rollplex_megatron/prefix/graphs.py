@@ -79,10 +79,10 @@ class PrefixGraphs:
     _stream: object = None  # the stream captures run on (see `_capture`)
 
     def ran_plain(self, packs: int) -> None:
-        """Count items that took the plain path because nothing can be captured here (`usable`)."""
+        """Count items that took the plain path because nothing can be captured here (`why_plain`)."""
         self.stats["prefix_graph_eager"] += packs
 
-    def usable(self, m) -> str:
+    def why_plain(self, m) -> str:
         """Why `m`'s prefix items cannot be captured here ('' when they can); where they cannot, the items run on
         the plain path (`trainer.modes.rollplex.reference_prefix_item`, which handles pipeline stages)."""
         if self.error:
@@ -98,7 +98,7 @@ class PrefixGraphs:
     def record(self, m, prompts: list, store: KVStore, groups: list[int]) -> None:
         """The reference prefix stage of one pack of `prompts` (no grad) into `store` under `groups`: a replay of
         its bucket's graph, or an eager forward (then captured) where the bucket is new or the weights moved."""
-        reason = self.usable(m)
+        reason = self.why_plain(m)
         if reason:  # the caller runs such items on the plain path (`reference_prefix_item`)
             raise RuntimeError(f"PrefixGraphs.record: {reason}")
         weights = tensors_key(m)

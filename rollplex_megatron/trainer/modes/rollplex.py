@@ -40,7 +40,7 @@ def reference_prefix_item(ref, prompts: list, store: KVStore, groups: list[int],
         m = X.unwrap(ref)
         packs = X.prefix_packs([p.input_ids.numel() - 1 for p in prompts], pack_tokens)
         for n, pack in enumerate(packs):
-            if graphs.usable(m):  # no CUDA, or a capture failed (also one of this item's): the plain path
+            if graphs.why_plain(m):  # no CUDA, or a capture failed (also one of this item's): the plain path
                 graphs.ran_plain(len(packs) - n)
                 rest = [i for later in packs[n:] for i in later]
                 break
