@@ -140,7 +140,7 @@ def _ahead(cfg: RunConfig, rc: RunConfig, residency, shape, budget_gib: float | 
     else `auto_budget_gib`'s; none when it is off or there is no budget (CPU without memory.budget_gib)."""
     if not cfg.memory.prefetch_ahead:
         return {}
-    budget_gib = budget_gib or (auto_budget_gib(cfg) if cfg.budget_from_free_memory else None)
+    budget_gib = budget_gib or auto_budget_gib(cfg)  # no memory.budget_gib (budget_from_free_memory)
     return ahead_phases(rc, cfg.mode.name, residency, shape, budget_gib) if budget_gib else {}
 
 
