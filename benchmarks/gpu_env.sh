@@ -11,7 +11,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /
 # of the GEMMs it overlaps. `bench` records it per mode; `<mode>:conn1` runs a mode under 1 for comparison.
 export PYTHONPATH=/tmp/site:$PWD
 # gpu_tests TESTFILE NAME: a GPU test file's verdicts, also kept as $out/NAME (a failure is read there, not fatal),
-# and beside it $out/NAME.json: the command, each test's verdict and the environment (device, versions, commit, date)
+# and beside it $out/NAME less .txt, plus .json: the command, each test's verdict and the environment (device, versions, commit, date)
 gpu_tests() {
   python3 -m pytest -q -rA -p no:cacheprovider "$1" 2>&1 | grep -v -i warn | tee "$out/$2" | tail -25 || true
   python3 - "$1" "$out/$2" <<'PY' || true
@@ -20,6 +20,6 @@ from rollplex_megatron.runtime import environment_record
 test, txt = sys.argv[1:]
 verdicts = re.findall(r"^(PASSED|FAILED|ERROR|SKIPPED) (.+)$", open(txt).read(), re.M)
 json.dump({"command": f"python3 -m pytest -q -rA -p no:cacheprovider {test}", "verdicts": [list(v) for v in verdicts],
-           "environment": environment_record()}, open(txt + ".json", "w"), indent=1)
+           "environment": environment_record()}, open(txt.removesuffix(".txt") + ".json", "w"), indent=1)
 PY
 }
