@@ -2,7 +2,7 @@
 # GPU machine: prefix/response execution vs full sequences on Qwen2.5-VL-3B shapes (4 LLM layers,
 # the full 32-block vision tower or VISION_DEPTH blocks), bf16, one group: prompt 4096 tokens (448x448-patch image -> 1024
 # tokens, 16-frame 448x448 video -> 2048 tokens, 1020 text tokens), G=8 responses of 256 tokens,
-# 2 responses per micro-batch. Checks the DESIGN bf16 tolerances, times both paths (median of the
+# 2 responses per micro-batch. Checks the bf16 tolerances of docs/design.md §3, times both paths (median of the
 # repeats after the first) and records the analytic FLOPs. Writes $OUT/prefix_vs_full_3b_bf16_<backend>[_vision<depth>].json.
 set -euo pipefail
 source benchmarks/gpu_env.sh

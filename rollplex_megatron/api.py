@@ -10,7 +10,7 @@ What it gives a Megatron user with GRPO-style batches (G responses per prompt):
 - `actor_prefix_step`: the prefix stage once per group, the response micro-batches through
   `get_forward_backward_func()`, the prefix backward once per group, then `finalize_model_grads`;
   `reference_prefix_logprobs` is its forward-only variant and `full_sequence_step` the plain path.
-The prefix gradient is exact (DESIGN section 3): gK/gV of every response accumulate on the prefix
+The prefix gradient is exact (docs/design.md §3): gK/gV of every response accumulate on the prefix
 K/V leaves and go once through the prefix graph. The loss contract is megatron's per-token one
 (`calculate_per_token_loss=True`: a micro-batch's loss arrives summed, pre-scaled by the caller).
 """

@@ -6,10 +6,12 @@ YAML cannot add unknown keys (structured configs are closed). Cross-field checks
 from __future__ import annotations
 
 import math
-from dataclasses import MISSING, dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, fields, is_dataclass
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
+
+from rollplex_megatron.schema import Needs, refuse_unused, refuse_unused_at, section, setting
 
 TASK_QUESTIONS = ("motion", "reach")  # the rendered task's questions (envs/motion.py)
 TASK_MAX_OBJECTS = 8  # one colour per object
@@ -39,37 +41,60 @@ def check_finite(section, path: str = "") -> None:
                 raise ValueError(f"{name} must be a finite number, got {value}")
 
 
-def unused_unless(section, path: str, names: tuple[str, ...], on: bool, switch: str) -> None:
-    """A one-line error naming the first of `names` (fields of `section` at `path`) set away from its default
-    while the feature they tune is off (`on` false; `switch` says how to turn it on): the run would ignore it."""
-    if on:
-        return
-    for f in fields(section):
-        value = getattr(section, f.name)
-        if f.name in names and value != (f.default_factory() if f.default is MISSING else f.default):
-            shown = str(value).lower() if isinstance(value, bool) else value  # as the override is written
-            raise ValueError(f"{path}.{f.name}={shown} has no effect without {switch}; set it or drop the "
-                             f"{path}.{f.name} override")
+# The conditions settings apply with (`applies_with`): a setting set away from its default while its condition is
+# false would be ignored, so it is refused (schema.refuse_unused). Stage `section` conditions read the section that
+# holds the setting; `run` ones the whole RunConfig; `source` ones are checked by the rendered task's source.
+LOGNORMAL = Needs("rollout.length_dist=lognormal", lambda rollout: bool(rollout.length_dist))
+# the embedded engine's rollout model bound to the training storage is what `weight_refresh` refreshes
+BOUND_ROLLOUT = Needs("a rollout model bound to the training storage (rollout.tp != parallel.tp, or "
+                      "rollout.bound_model=true; the embedded engine, no parallel.rollout_ranks)",
+                      lambda run: run.weights_phase == "weight_refresh" and run.rollout.engine == "embedded", "run")
+SGLANG = Needs("rollout.engine=sglang", lambda run: run.rollout.engine == "sglang", "run")
+# mode.window=auto may pick tail or green from its table, so their settings count there too
+WINDOW_TAIL = Needs("mode.window=tail", lambda mode: mode.window in ("tail", "auto"))
+WINDOW_GREEN = Needs("mode.window=green", lambda mode: mode.window in ("green", "auto"))
+DECODE_WINDOW = Needs("mode.name=rollplex (the mode with a decode window)", lambda mode: mode.name == "rollplex")
+REFERENCE_ITEMS = Needs("a reference (train.kl_coef > 0, or train.reference=always): there are no reference prefix "
+                        "items", lambda run: run.train.uses_reference, "run")
+WINDOW_GRAPHS = Needs("mode.window_graphs=true", lambda mode: mode.window_graphs)
+# memory.plan=keep releases nothing, so nothing can come back early
+RELEASING_PLAN = Needs("memory.plan=phase or auto", lambda memory: memory.plan != "keep")
+FREE_MEMORY_BUDGET = Needs("memory.budget_gib=0 and one of memory.plan=auto, memory.prefetch_ahead=true or "
+                           "workload.prefix_pack_tokens under memory.plan=phase (the budget is then the device's free "
+                           "memory less the margin)", lambda run: run.budget_from_free_memory, "run")
+DYNAMIC_SAMPLING = Needs("train.dynamic_sampling=true", lambda train: train.dynamic_sampling)
+REFERENCE = Needs("a reference (train.kl_coef > 0, or train.reference=always for the logged kl)",
+                  lambda train: train.uses_reference)
+# the schedule's settings of a part that is off; run-level, as the verl engine builds OptimConfig itself
+LR_WARMUP = Needs("optim.lr_warmup_steps > 0", lambda run: run.optim.lr_warmup_steps > 0, "run")
+LR_DECAY = Needs("a decaying optim.lr_decay_style (linear, cosine or inverse-square-root)",
+                 lambda run: run.optim.lr_decay_style != "constant", "run")
+VAL_FILES = Needs("data.val_files (the rows validation answers)", lambda run: bool(run.data.val_files), "run")
+# the rendered task scores with its own reward and draws its own prompts (data/rendered.py checks these)
+DATASET_REWARD = Needs("data.train_files (the rendered task scores its answers itself, with task.format_reward)",
+                       lambda run: run.data.resolved_source != "rendered", "source")
+DATASET_ROWS = Needs("data.train_files (the rendered task draws its own prompts, from seed and task.*)",
+                     lambda run: run.data.resolved_source != "rendered", "source")
 
 
 @dataclass(kw_only=True)
 class VisionConfig:
     """Qwen2.5-VL vision tower shape."""
 
-    depth: int = 32  # number of vision transformer blocks
-    hidden_size: int = 1280  # vision width
-    ffn_hidden_size: int = 3420  # vision SwiGLU width (padded per TP at build time, exactly)
-    num_heads: int = 16  # vision attention heads (MHA)
-    out_hidden_size: int = 2048  # merger output width; must equal the LLM hidden size
-    patch_size: int = 14  # spatial patch size in pixels
-    temporal_patch_size: int = 2  # frames per temporal patch (Conv3d depth)
-    spatial_merge_size: int = 2  # merger folds merge x merge patches into one LLM token
-    window_size: int = 112  # window attention size in pixels
-    fullatt_block_indexes: list[int] = field(default_factory=lambda: [7, 15, 23, 31])  # full-attn blocks
-    tokens_per_second: int = 2  # temporal M-RoPE scale for videos
-    in_channels: int = 3  # image channels
-    rms_norm_eps: float = 1e-6  # RMSNorm epsilon (vision)
-    rope_theta: float = 10000.0  # vision 2D rotary base
+    depth: int = setting(32, "number of vision transformer blocks")
+    hidden_size: int = setting(1280, "vision width")
+    ffn_hidden_size: int = setting(3420, "vision SwiGLU width (padded per TP at build time, exactly)")
+    num_heads: int = setting(16, "vision attention heads (MHA)")
+    out_hidden_size: int = setting(2048, "merger output width; must equal the LLM hidden size")
+    patch_size: int = setting(14, "spatial patch size in pixels")
+    temporal_patch_size: int = setting(2, "frames per temporal patch (Conv3d depth)")
+    spatial_merge_size: int = setting(2, "merger folds merge x merge patches into one LLM token")
+    window_size: int = setting(112, "window attention size in pixels")
+    fullatt_block_indexes: list[int] = setting([7, 15, 23, 31], "full-attn blocks")
+    tokens_per_second: int = setting(2, "temporal M-RoPE scale for videos")
+    in_channels: int = setting(3, "image channels")
+    rms_norm_eps: float = setting(1e-6, "RMSNorm epsilon (vision)")
+    rope_theta: float = setting(10000.0, "vision 2D rotary base")
 
     def __post_init__(self) -> None:
         at_least(self, "model.vision", ("depth", "hidden_size", "ffn_hidden_size", "num_heads", "patch_size",
@@ -100,24 +125,24 @@ class VisionConfig:
 class ModelConfig:
     """Qwen2.5-VL shape: LLM fields, special tokens and the vision tower."""
 
-    name: str = "qwen2_5_vl_3b"  # preset name
-    vocab_size: int = 151936  # true vocabulary (before TP padding)
-    hidden_size: int = 2048  # LLM width
-    ffn_hidden_size: int = 11008  # LLM SwiGLU width
-    num_layers: int = 36  # LLM decoder layers
-    num_attention_heads: int = 16  # LLM query heads
-    num_query_groups: int = 2  # LLM KV heads (GQA)
-    rms_norm_eps: float = 1e-6  # RMSNorm epsilon (LLM)
-    rope_theta: float = 1000000.0  # M-RoPE base
-    mrope_section: list[int] = field(default_factory=lambda: [16, 24, 24])  # t/h/w rotary split
-    tie_word_embeddings: bool = True  # output layer shares the embedding
-    max_position_embeddings: int = 128000  # longest sequence the presets accept
-    image_token_id: int = 151655  # <|image_pad|>
-    video_token_id: int = 151656  # <|video_pad|>
-    vision_start_token_id: int = 151652  # <|vision_start|>
-    vision_end_token_id: int = 151653  # <|vision_end|>
-    freeze_vision: bool = False  # vision tower gets no gradient (shared with the reference)
-    vision: VisionConfig = field(default_factory=VisionConfig)  # vision tower shape
+    name: str = setting("qwen2_5_vl_3b", "preset name")
+    vocab_size: int = setting(151936, "true vocabulary (before TP padding)")
+    hidden_size: int = setting(2048, "LLM width")
+    ffn_hidden_size: int = setting(11008, "LLM SwiGLU width")
+    num_layers: int = setting(36, "LLM decoder layers")
+    num_attention_heads: int = setting(16, "LLM query heads")
+    num_query_groups: int = setting(2, "LLM KV heads (GQA)")
+    rms_norm_eps: float = setting(1e-6, "RMSNorm epsilon (LLM)")
+    rope_theta: float = setting(1000000.0, "M-RoPE base")
+    mrope_section: list[int] = setting([16, 24, 24], "t/h/w rotary split")
+    tie_word_embeddings: bool = setting(True, "output layer shares the embedding")
+    max_position_embeddings: int = setting(128000, "longest sequence the presets accept")
+    image_token_id: int = setting(151655, "<|image_pad|>")
+    video_token_id: int = setting(151656, "<|video_pad|>")
+    vision_start_token_id: int = setting(151652, "<|vision_start|>")
+    vision_end_token_id: int = setting(151653, "<|vision_end|>")
+    freeze_vision: bool = setting(False, "vision tower gets no gradient (shared with the reference)")
+    vision: VisionConfig = section(VisionConfig, "vision tower shape")
 
     def __post_init__(self) -> None:
         at_least(self, "model", ("vocab_size", "hidden_size", "ffn_hidden_size", "num_layers", "num_attention_heads",
@@ -176,11 +201,12 @@ class ModelConfig:
 class ParallelConfig:
     """Parallel layout: tensor, pipeline and data parallel sizes."""
 
-    tp: int = 1  # tensor-parallel size
-    pp: int = 1  # pipeline-parallel size
-    dp: int = 1  # data-parallel size
-    backend: str = "auto"  # torch.distributed backend: auto (nccl on GPU, gloo on CPU), gloo, nccl
-    rollout_ranks: int = 0  # mode=disaggregated: the last that many ranks decode, with weights of their own
+    tp: int = setting(1, "tensor-parallel size")
+    pp: int = setting(1, "pipeline-parallel size")
+    dp: int = setting(1, "data-parallel size")
+    backend: str = setting("auto", "torch.distributed backend: auto (nccl on GPU, gloo on CPU), gloo, nccl",
+                           resumable=True)
+    rollout_ranks: int = setting(0, "mode=disaggregated: the last that many ranks decode, with weights of their own")
 
     def __post_init__(self) -> None:
         for key in ("tp", "pp", "dp"):
@@ -262,13 +288,13 @@ def check_rollout_layout(model: ModelConfig, parallel: ParallelConfig, rollout_t
 class SmokeConfig:
     """Workload of the `smoke` command: forward+backward on synthetic image+video prompts."""
 
-    batch: int = 2  # prompts per micro-batch
-    micro_batches: int = 1  # micro-batches per step (through megatron's schedule)
-    image_grid: list[int] = field(default_factory=lambda: [1, 8, 12])  # image (t, h, w) in patches
-    video_grid: list[int] = field(default_factory=lambda: [4, 8, 8])  # video (t, h, w) in patches
-    text_tokens: int = 48  # text tokens per prompt besides the vision placeholders
-    steps: int = 3  # timed steps
-    warmup: int = 1  # untimed steps first
+    batch: int = setting(2, "prompts per micro-batch")
+    micro_batches: int = setting(1, "micro-batches per step (through megatron's schedule)")
+    image_grid: list[int] = setting([1, 8, 12], "image (t, h, w) in patches")
+    video_grid: list[int] = setting([4, 8, 8], "video (t, h, w) in patches")
+    text_tokens: int = setting(48, "text tokens per prompt besides the vision placeholders")
+    steps: int = setting(3, "timed steps")
+    warmup: int = setting(1, "untimed steps first")
 
     def __post_init__(self) -> None:
         for key in ("batch", "micro_batches", "text_tokens", "steps"):
@@ -282,16 +308,16 @@ class SmokeConfig:
 
 @dataclass(kw_only=True)
 class SGLangConfig:
-    """rollout.engine=sglang: what `sglang.Engine` gets, and the bridge's limits (README "SGLang")."""
+    """rollout.engine=sglang: what `sglang.Engine` gets, and the bridge's limits (docs/guides/sglang.md)."""
 
-    model_path: str = ""  # the HF checkpoint SGLang reads its config and processor from ("" : train.init_hf)
-    # SGLang's mem_fraction_static: the fraction of the whole GPU SGLang's static memory may reach, counting what
-    # the trainer already holds when SGLang starts (the memory planner does not plan SGLang's part)
-    mem_fraction_static: float = 0.5
-    window_depth: int = 4  # prefix jobs in flight to the scheduler (the bridge's bounded queue)
-    timeout_s: float = 600.0  # longest wait for the scheduler during a step (names the step and item)
-    startup_timeout_s: float = 1800.0  # longest wait for SGLang's scheduler to connect while it loads
-    engine_args: dict = field(default_factory=dict)  # further sglang.Engine (ServerArgs) keywords
+    model_path: str = setting("", 'the HF checkpoint SGLang reads its config and processor from ("" : train.init_hf)')
+    mem_fraction_static: float = setting(0.5, "SGLang's mem_fraction_static: the fraction of the whole GPU SGLang's "
+                                         "static memory may reach, counting what the trainer already holds when SGLang "
+                                         "starts (the memory planner does not plan SGLang's part)")
+    window_depth: int = setting(4, "prefix jobs in flight to the scheduler (the bridge's bounded queue)")
+    timeout_s: float = setting(600.0, "longest wait for the scheduler during a step (names the step and item)")
+    startup_timeout_s: float = setting(1800.0, "longest wait for SGLang's scheduler to connect while it loads")
+    engine_args: dict = setting({}, "further sglang.Engine (ServerArgs) keywords")
 
     def __post_init__(self) -> None:
         if not 0 < self.mem_fraction_static < 1:
@@ -337,44 +363,46 @@ def check_sglang_layout(cfg) -> None:
 class RolloutConfig:
     """Rollout shape and sampling: GRPO group size, length limits, sampling parameters."""
 
-    group_size: int = 4  # G: responses sampled per prompt
-    max_response_len: int = 256  # longest response accepted (tokens)
-    max_prompt_len: int = 8192  # longest prompt the rollout KV cache accepts (tokens)
-    temperature: float = 1.0  # sampling temperature (> 0)
-    top_p: float = 1.0  # nucleus sampling mass in (0, 1]
-    top_k: int = 0  # keep the k most likely tokens (0: all)
-    cuda_graphs: bool = True  # GPU: replay each decode step as a CUDA graph (per batch-size bucket)
-    # the decode cache, per-slot state and CUDA graphs kept between rollouts (rollout/embedded._DecodeState): a
-    # rollout of the same shape refills them and captures nothing; the cache stays allocated in every phase (the
-    # memory planner counts it so). Off until measured on a GPU
-    keep_decode_state: bool = False
-    # triton (CUDA, bf16/fp16: split-K/V kernels that read each group's prefix K/V once) | flash (two varlen flash
-    # calls and a torch merge) | math (fp32 torch) | auto (triton, else flash, else math: the first that can run)
-    decode_attention: str = "auto"
-    # the decode step's draw: triton (one fused pass over the logits: hash, Gumbel-max, log-softmax; temperature
-    # only) | torch (sampling.py's tensors) | auto (triton on CUDA when top_k=0 and top_p=1). Same tokens either way.
-    sampling_kernel: str = "auto"
-    # Benchmarks on random weights (which never stop by themselves): "lognormal" draws each request's
-    # maximum length (mean length_mean, log-std length_sigma, capped at the source's maximum) from a
-    # seeded stream, and stop tokens are ignored, so every response has exactly its drawn length.
-    length_dist: str = ""  # "" (off: the model stops) | lognormal
-    length_mean: int = 256  # mean of the drawn lengths before the cap
-    length_sigma: float = 0.8  # log-space standard deviation (0.8: a long tail, p99 about 5x the median)
-    # The rollout's TP degree (0: parallel.tp). When it differs, the engine decodes on a rollout model bound
-    # to the training storage (weights/share.py), world / tp replicas, no PP; plan-memory and plan-weights
-    # read it too.
-    tp: int = 0
-    # rollout.tp != parallel.tp: linears run as GEMMs over views instead of rebuilt weights: off | local (locally
-    # permuted ones, e.g. the gated fc1 at rollout TP > training TP: +2.4% decode step on the H200) | all (gathered
-    # ones too, with their remote pieces received: +8.0% with every decoder linear split)
-    split_gemm: str = "local"
-    # decode on a rollout model of its own bound to the training storage even at rollout.tp == parallel.tp
-    # (every tensor a view): what the shared path costs where the layouts agree
-    bound_model: bool = False
-    # who decodes: embedded (this project's engine, in the trainer's processes) | sglang (SGLang's Engine, with
-    # the decode window's prefix jobs in its scheduler through the bridge; needs SGLang installed and a GPU)
-    engine: str = "embedded"
-    sglang: SGLangConfig = field(default_factory=SGLangConfig)
+    group_size: int = setting(4, "G: responses sampled per prompt")
+    max_response_len: int = setting(256, "longest response accepted (tokens)")
+    max_prompt_len: int = setting(8192, "longest prompt the rollout KV cache accepts (tokens)")
+    temperature: float = setting(1.0, "sampling temperature (> 0)")
+    top_p: float = setting(1.0, "nucleus sampling mass in (0, 1]")
+    top_k: int = setting(0, "keep the k most likely tokens (0: all)")
+    cuda_graphs: bool = setting(True, "GPU: replay each decode step as a CUDA graph (per batch-size bucket)",
+                                resumable=True)
+    keep_decode_state: bool = setting(False, "the decode cache, per-slot state and CUDA graphs kept between rollouts "
+                                      "(rollout/embedded._DecodeState): a rollout of the same shape refills them and "
+                                      "captures nothing; the cache stays allocated in every phase (the memory planner "
+                                      "counts it so). Off until measured on a GPU", resumable=True)
+    decode_attention: str = setting("auto", "triton (CUDA, bf16/fp16: split-K/V kernels that read each group's prefix "
+                                    "K/V once) | flash (two varlen flash calls and a torch merge) | math (fp32 torch) "
+                                    "| auto (triton, else flash, else math: the first that can run)", resumable=True)
+    sampling_kernel: str = setting("auto", "the decode step's draw: triton (one fused pass over the logits: hash, "
+                                   "Gumbel-max, log-softmax; temperature only) | torch (sampling.py's tensors) | auto "
+                                   "(triton on CUDA when top_k=0 and top_p=1). Same tokens either way.", resumable=True)
+    length_dist: str = setting("", '"" (off: the model stops) | lognormal: for benchmarks on random weights, which '
+                               "never stop by themselves, each request's maximum length is drawn (mean length_mean, "
+                               "log-std length_sigma, capped at the source's maximum) from a seeded stream and stop "
+                               "tokens are ignored, so every response has exactly its drawn length")
+    length_mean: int = setting(256, "mean of the drawn lengths before the cap", applies_with=LOGNORMAL)
+    length_sigma: float = setting(0.8, "log-space standard deviation (0.8: a long tail, p99 about 5x the median)",
+                                  applies_with=LOGNORMAL)
+    tp: int = setting(0, "The rollout's TP degree (0: parallel.tp). When it differs, the engine decodes on a rollout "
+                      "model bound to the training storage (weights/share.py), world / tp replicas, no PP; plan-memory "
+                      "and plan-weights read it too.")
+    split_gemm: str = setting("local", "rollout.tp != parallel.tp: linears run as GEMMs over views instead of rebuilt "
+                              "weights: off | local (locally permuted ones, e.g. the gated fc1 at rollout TP > "
+                              "training TP: +2.4% decode step on the H200) | all (gathered ones too, with their remote "
+                              "pieces received: +8.0% with every decoder linear split)", applies_with=BOUND_ROLLOUT)
+    bound_model: bool = setting(False, "decode on a rollout model of its own bound to the training storage even at "
+                                "rollout.tp == parallel.tp (every tensor a view): what the shared path costs where the "
+                                "layouts agree")
+    engine: str = setting("embedded", "who decodes: embedded (this project's engine, in the trainer's processes) | "
+                          "sglang (SGLang's Engine, with the decode window's prefix jobs in its scheduler through the "
+                          "bridge; needs SGLang installed and a GPU)")
+    sglang: SGLangConfig = section(SGLangConfig, "rollout.engine=sglang: what sglang.Engine gets, and the bridge's "
+                                   "limits", applies_with=SGLANG)
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -387,8 +415,7 @@ class RolloutConfig:
             raise ValueError(f"rollout.length_dist must be '' (off) or lognormal, got {self.length_dist!r}")
         if self.length_mean < 1 or self.length_sigma < 0:
             raise ValueError("rollout.length_mean must be >= 1 and rollout.length_sigma >= 0")
-        unused_unless(self, "rollout", ("length_mean", "length_sigma"), bool(self.length_dist),
-                      "rollout.length_dist=lognormal")
+        refuse_unused(self, "rollout")
         if self.group_size < 1:
             raise ValueError(f"rollout.group_size must be >= 1, got {self.group_size}")
         if self.max_response_len < 1:
@@ -401,24 +428,22 @@ class RolloutConfig:
                              f"got {self.decode_attention!r}")
         if self.sampling_kernel not in ("auto", "triton", "torch"):
             raise ValueError(f"rollout.sampling_kernel must be auto, triton or torch, got {self.sampling_kernel!r}")
-        if self.sampling_kernel == "triton" and (self.top_k or self.top_p < 1.0):
-            raise ValueError("rollout.sampling_kernel=triton draws with temperature only: set rollout.top_k=0 and "
-                             "rollout.top_p=1.0, or use sampling_kernel=auto|torch")
+        check_sampling_kernel(self.sampling_kernel, self.top_k, self.top_p, "rollout.top_k/top_p")
 
 
 @dataclass(kw_only=True)
 class MotionTaskConfig:
     """Task shape and difficulty."""
 
-    question: str = "motion"  # motion (which way did it move?) | reach (which way to go to reach it?)
-    image_size: int = 56  # square frame side in pixels (multiple of 28)
-    frames: int = 4  # video frames (even); 1 renders the image variant
-    num_objects: int = 3  # target plus distractors (<= 8)
-    object_px: int = 8  # square side in pixels
-    step_px: int = 4  # target motion per frame in pixels
-    jitter_px: int = 0  # random distractor motion per frame (harder when > 0)
-    max_answer_tokens: int = 4  # longest response; a response ends at its first direction token
-    format_reward: float = 0.0  # added when the response names any direction (0: correctness only)
+    question: str = setting("motion", "motion (which way did it move?) | reach (which way to go to reach it?)")
+    image_size: int = setting(56, "square frame side in pixels (multiple of 28)")
+    frames: int = setting(4, "video frames (even); 1 renders the image variant")
+    num_objects: int = setting(3, "target plus distractors (<= 8)")
+    object_px: int = setting(8, "square side in pixels")
+    step_px: int = setting(4, "target motion per frame in pixels")
+    jitter_px: int = setting(0, "random distractor motion per frame (harder when > 0)")
+    max_answer_tokens: int = setting(4, "longest response; a response ends at its first direction token")
+    format_reward: float = setting(0.0, "added when the response names any direction (0: correctness only)")
 
     def __post_init__(self) -> None:
         if self.question not in TASK_QUESTIONS:
@@ -457,6 +482,14 @@ def check_sampling(temperature: float, top_p: float, top_k: int, where: str) -> 
         raise ValueError(f"{where}top_k must be >= 0 (0 keeps all tokens), got {top_k}")
 
 
+def check_sampling_kernel(kernel: str, top_k: int, top_p: float, where: str) -> None:
+    """rollout.sampling_kernel=triton draws with temperature only: a top-k or top-p filter (`where` says whose: the
+    config's, or one request's at the engine) is refused, at start-up and per request alike."""
+    if kernel == "triton" and (top_k or top_p < 1.0):
+        raise ValueError(f"rollout.sampling_kernel=triton draws with temperature only, but {where} sets top_k={top_k}, "
+                         f"top_p={top_p}; set top_k=0 and top_p=1.0, or use rollout.sampling_kernel=auto|torch")
+
+
 ATTENTION_BACKENDS = ("auto", "sdpa", "flex", "split")  # mode.attention_backend, verify's, the verl engine's
 LOGPROB_KERNELS = ("auto", "triton", "torch")  # train.logprob_kernel (rl/grpo.logprob_kernel_for)
 NORM_KERNELS = ("auto", "triton", "torch")  # train.norm_kernel (models/triton_norm.norm_kernel_for)
@@ -478,12 +511,13 @@ class WorkloadConfig:
     so the packing does not change the update. DP ranks may get different numbers of micro-batches.
     """
 
-    rollout_batch: int = 64  # responses per step over all data-parallel ranks (prompts x group size)
-    responses_per_micro_batch: int = 8  # packed responses per training micro-batch (micro_batch_tokens=0)
-    micro_batch_tokens: int = 0  # > 0: response tokens per training micro-batch (replaces the count); 0 off
-    # > 0: prefix stages (rollout prefill, scoring and update prefixes, window items) of consecutive groups run
-    # as one forward of up to this many prefix tokens, each group attending to its own prefix; 0: one group each
-    prefix_pack_tokens: int = 0
+    rollout_batch: int = setting(64, "responses per step over all data-parallel ranks (prompts x group size)")
+    responses_per_micro_batch: int = setting(8, "packed responses per training micro-batch (micro_batch_tokens=0)")
+    micro_batch_tokens: int = setting(0, "> 0: response tokens per training micro-batch (replaces the count); 0 off")
+    prefix_pack_tokens: int = setting(0, "> 0: prefix stages (rollout prefill, scoring and update prefixes, window "
+                                      "items) of consecutive groups run as one forward of up to this many prefix "
+                                      "tokens, each group attending to its own prefix; 0: one group each",
+                                      resumable=True)
 
     def __post_init__(self) -> None:
         at_least(self, "workload", ("rollout_batch", "responses_per_micro_batch"), 1)
@@ -497,29 +531,33 @@ class WorkloadConfig:
 
 @dataclass(kw_only=True)
 class ModeConfig:
-    """How the step executes (DESIGN section 2); every mode computes the same update."""
+    """How the step executes (docs/design.md §2); every mode computes the same update."""
 
-    name: str = "rollplex"  # a registered mode (trainer/modes/): serial | prefix_shared | rollplex
-    # decode-window mechanism (rollout/window/): interleave | after | stream | tail | green | auto
-    window: str = "interleave"
-    window_items_per_step: int = 1  # queued prefix work items run after each decode step
-    window_tail_fraction: float = 0.25  # tail: side work starts when active samples <= this fraction
-    window_green_sms: int = 32  # green: SMs of the side work's green-context partition
-    # mode rollplex: run the decode window's reference prefix items as CUDA graphs, one per bucket (prefix length
-    # and vision grids of each prompt of the item), captured the first time a bucket is seen and kept while the
-    # reference's weights stay at the same addresses (prefix/graphs.py; CUDA, one-rank layout, items run by the
-    # trainer's process). The graphs' memory pool stays on the device between steps: the planner counts it in
-    # every phase (`reference_prefix_graphs`), each step reports what it holds (`prefix_graph_pool_gib`)
-    window_graphs: bool = False
-    # mode.window_graphs: buckets captured at most; an item of another bucket runs eagerly (prompts of many lengths
-    # would otherwise capture, and hold the K/V outputs of, a graph each)
-    window_graph_buckets: int = 4
-    # Shared-prefix attention of the scoring and update phases: split (no mask: each response token's group
-    # prefix and its own response as two varlen attention calls merged by their log-sum-exp, `attention/split.py`;
-    # flash kernels on CUDA), sdpa (an explicit [T, Kp+T] mask), flex, or auto (split where its flash kernels run:
-    # CUDA in bf16/fp16; sdpa elsewhere). Flex is not the default: torch 2.11's inductor rejected some
-    # training-step shapes (NoValidChoicesError).
-    attention_backend: str = "auto"
+    name: str = setting("rollplex", "a registered mode (trainer/modes/): serial | prefix_shared | rollplex")
+    window: str = setting("interleave", "decode-window mechanism (rollout/window/): interleave | after | stream | tail "
+                          "| green | auto")
+    window_items_per_step: int = setting(1, "queued prefix work items run after each decode step")
+    window_tail_fraction: float = setting(0.25, "tail: side work starts when active samples <= this fraction",
+                                          applies_with=WINDOW_TAIL)
+    window_green_sms: int = setting(32, "green: SMs of the side work's green-context partition",
+                                    applies_with=WINDOW_GREEN)
+    window_graphs: bool = setting(False, "mode rollplex: run the decode window's reference prefix items as CUDA "
+                                  "graphs, one per bucket (prefix length and vision grids of each prompt of the item), "
+                                  "captured the first time a bucket is seen and kept while the reference's weights "
+                                  "stay at the same addresses (prefix/graphs.py; CUDA, one-rank layout, items run by "
+                                  "the trainer's process). The graphs' memory pool stays on the device between steps: "
+                                  "the planner counts it in every phase (`reference_prefix_graphs`), each step reports "
+                                  "what it holds (`prefix_graph_pool_gib`)",
+                                  applies_with=(DECODE_WINDOW, REFERENCE_ITEMS))
+    window_graph_buckets: int = setting(4, "mode.window_graphs: buckets captured at most; an item of another bucket "
+                                        "runs eagerly (prompts of many lengths would otherwise capture, and hold the "
+                                        "K/V outputs of, a graph each)", applies_with=WINDOW_GRAPHS)
+    attention_backend: str = setting("auto", "Shared-prefix attention of the scoring and update phases: split (no "
+                                     "mask: each response token's group prefix and its own response as two varlen "
+                                     "attention calls merged by their log-sum-exp, `attention/split.py`; flash kernels "
+                                     "on CUDA), sdpa (an explicit [T, Kp+T] mask), flex, or auto (split where its "
+                                     "flash kernels run: CUDA in bf16/fp16; sdpa elsewhere). Flex is not the default: "
+                                     "torch 2.11's inductor rejected some training-step shapes (NoValidChoicesError).")
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -531,40 +569,35 @@ class ModeConfig:
             raise ValueError(f"mode.window_green_sms must be >= 1, got {self.window_green_sms}")
         if self.window_items_per_step < 1:
             raise ValueError(f"mode.window_items_per_step must be >= 1, got {self.window_items_per_step}")
-        # auto may pick tail or green from its table, so their settings count there too
-        unused_unless(self, "mode", ("window_tail_fraction",), self.window in ("tail", "auto"), "mode.window=tail")
-        unused_unless(self, "mode", ("window_green_sms",), self.window in ("green", "auto"), "mode.window=green")
-        unused_unless(self, "mode", ("window_graphs",), self.name == "rollplex", "mode.name=rollplex (the mode "
-                      "with a decode window)")
         if self.window_graph_buckets < 1:
             raise ValueError(f"mode.window_graph_buckets must be >= 1, got {self.window_graph_buckets}")
-        unused_unless(self, "mode", ("window_graph_buckets",), self.window_graphs, "mode.window_graphs=true")
+        refuse_unused(self, "mode")
 
 
 @dataclass(kw_only=True)
 class MemoryConfig:
     """Memory budgets."""
 
-    kv_cache_gib: float = 8.0  # rollout KV cache budget per GPU; more groups than fit wait (queue)
-    budget_gib: float = 0.0  # HBM per GPU the run's plan must fit, checked before models are built; 0: none
-    # Residency plan (memory/manager.py): keep = everything stays on the device (naive colocation);
-    # phase = main weights and Adam states offloaded outside the optimizer step, gradients freed
-    # outside the update, the reference offloaded where unused, the actor prefix recomputed.
-    # auto = release only what the budget needs (memory/planner.py auto_release: a minimal set of
-    # RELEASE_ORDER's classes), nothing when everything fits: the budget is memory.budget_gib, or with 0
-    # the device's free memory at start-up minus memory.auto_margin_gib (on CPU, without a budget, auto
-    # keeps everything)
-    plan: str = "phase"
-    auto_margin_gib: float = 4.0  # memory.plan=auto without a budget: free device memory left unplanned
-    # CUDA streams of the residency copies (memory/manager.py): 1 = offloads and prefetches in one queue;
-    # 2 = one stream per direction, so a prefetch does not wait for the offloads issued before it
-    copy_streams: int = 1
-    # bring a released offload class back one phase early (memory/planner.py ahead_phases): Adam states and
-    # master weights during the update, the reference during the phase before its first use, each only where
-    # that phase's planned bytes with it stay within memory.budget_gib (0: the device's free memory at start-up
-    # minus memory.auto_margin_gib; on CPU without a budget nothing comes early); its copy then runs beside
-    # that phase's work
-    prefetch_ahead: bool = False
+    kv_cache_gib: float = setting(8.0, "rollout KV cache budget per GPU; more groups than fit wait (queue)")
+    budget_gib: float = setting(0.0, "HBM per GPU the run's plan must fit, checked before models are built; 0: none")
+    plan: str = setting("phase", "Residency plan (memory/manager.py): keep = everything stays on the device (naive "
+                        "colocation); phase = main weights and Adam states offloaded outside the optimizer step, "
+                        "gradients freed outside the update, the reference offloaded where unused, the actor prefix "
+                        "recomputed. auto = release only what the budget needs (memory/planner.py auto_release: a "
+                        "minimal set of RELEASE_ORDER's classes), nothing when everything fits: the budget is "
+                        "memory.budget_gib, or with 0 the device's free memory at start-up minus "
+                        "memory.auto_margin_gib (on CPU, without a budget, auto keeps everything)")
+    auto_margin_gib: float = setting(4.0, "memory.plan=auto without a budget: free device memory left unplanned",
+                                     applies_with=FREE_MEMORY_BUDGET)
+    copy_streams: int = setting(1, "CUDA streams of the residency copies (memory/manager.py): 1 = offloads and "
+                                "prefetches in one queue; 2 = one stream per direction, so a prefetch does not wait "
+                                "for the offloads issued before it")
+    prefetch_ahead: bool = setting(False, "bring a released offload class back one phase early (memory/planner.py "
+                                   "ahead_phases): Adam states and master weights during the update, the reference "
+                                   "during the phase before its first use, each only where that phase's planned bytes "
+                                   "with it stay within memory.budget_gib (0: the device's free memory at start-up "
+                                   "minus memory.auto_margin_gib; on CPU without a budget nothing comes early); its "
+                                   "copy then runs beside that phase's work", applies_with=RELEASING_PLAN)
 
     def __post_init__(self) -> None:
         if self.plan not in ("keep", "phase", "auto"):
@@ -578,21 +611,21 @@ class MemoryConfig:
             raise ValueError(f"memory.kv_cache_gib must be > 0, got {self.kv_cache_gib}")
         if self.budget_gib < 0:
             raise ValueError(f"memory.budget_gib must be >= 0 (0: no budget), got {self.budget_gib}")
-        # memory.plan=keep releases nothing, so nothing can come back early
-        unused_unless(self, "memory", ("prefetch_ahead",), self.plan != "keep", "memory.plan=phase or auto")
+        refuse_unused(self, "memory")
 
 
 @dataclass(kw_only=True)
 class PlanConfig:
     """Workload shape of `plan-memory` beyond workload/rollout: sequence lengths and optimizer layout."""
 
-    prefix_tokens: int = 1040  # LLM tokens of one prompt (text + vision tokens)
-    vision_patches: int = 4096  # vision-tower patches of one prompt (vision tokens x merge^2)
-    response_tokens: int = 256  # tokens of one response
-    distributed_optimizer: bool = False  # shard fp32 main weights and Adam states over DP
-    sequence_parallel: bool = True  # activations split over the TP ranks
-    serial_engine: str = "separate"  # serial baseline's engine: separate (own weights, K/V per sample) | embedded
-    fused_adam: bool = False  # Adam without a workspace (TE/apex FusedAdam); false: torch Adam (foreach)
+    prefix_tokens: int = setting(1040, "LLM tokens of one prompt (text + vision tokens)")
+    vision_patches: int = setting(4096, "vision-tower patches of one prompt (vision tokens x merge^2)")
+    response_tokens: int = setting(256, "tokens of one response")
+    distributed_optimizer: bool = setting(False, "shard fp32 main weights and Adam states over DP")
+    sequence_parallel: bool = setting(True, "activations split over the TP ranks")
+    serial_engine: str = setting("separate", "serial baseline's engine: separate (own weights, K/V per sample) | "
+                                 "embedded")
+    fused_adam: bool = setting(False, "Adam without a workspace (TE/apex FusedAdam); false: torch Adam (foreach)")
 
     def __post_init__(self) -> None:
         for key in ("prefix_tokens", "vision_patches", "response_tokens"):
@@ -624,19 +657,19 @@ def flat_settings(d: dict, prefix: str = "", keep_empty: bool = False) -> dict:
 class OptimConfig:
     """megatron-core optimizer (Adam) settings."""
 
-    lr: float = 1e-3  # peak learning rate (after warm-up)
-    weight_decay: float = 0.0  # decoupled weight decay (megatron: not on biases and norms)
-    adam_beta1: float = 0.9  # Adam beta1
-    adam_beta2: float = 0.999  # Adam beta2
-    adam_eps: float = 1e-8  # Adam epsilon
-    clip_grad: float = 1.0  # global gradient-norm clip (0: off)
+    lr: float = setting(1e-3, "peak learning rate (after warm-up)")
+    weight_decay: float = setting(0.0, "decoupled weight decay (megatron: not on biases and norms)")
+    adam_beta1: float = setting(0.9, "Adam beta1")
+    adam_beta2: float = setting(0.999, "Adam beta2")
+    adam_eps: float = setting(1e-8, "Adam epsilon")
+    clip_grad: float = setting(1.0, "global gradient-norm clip (0: off)")
     # megatron-core's OptimizerParamScheduler, stepped once per RL step (the optimizer steps of one step's
     # mini-batches and epochs share its rate, verl's convention) and checkpointed
-    lr_warmup_steps: int = 0  # linear warm-up from lr_warmup_init to lr over this many RL steps
-    lr_warmup_init: float = 0.0  # learning rate at the first step of the warm-up
-    lr_decay_style: str = "constant"  # constant | linear | cosine | inverse-square-root (after warm-up)
-    lr_decay_steps: int = 0  # RL steps to decay over (0: train.steps)
-    min_lr: float = 0.0  # learning rate at the end of the decay
+    lr_warmup_steps: int = setting(0, "linear warm-up from lr_warmup_init to lr over this many RL steps")
+    lr_warmup_init: float = setting(0.0, "learning rate at the first step of the warm-up", applies_with=LR_WARMUP)
+    lr_decay_style: str = setting("constant", "constant | linear | cosine | inverse-square-root (after warm-up)")
+    lr_decay_steps: int = setting(0, "RL steps to decay over (0: train.steps)", applies_with=LR_DECAY)
+    min_lr: float = setting(0.0, "learning rate at the end of the decay", applies_with=LR_DECAY)
 
     def __post_init__(self) -> None:
         if not self.lr > 0:
@@ -660,53 +693,61 @@ class OptimConfig:
 class TrainConfig:
     """The GRPO loop: steps, loss, logging and checkpoints."""
 
-    steps: int = 60  # RL steps (ppo_epochs x ppo_mini_batches optimizer steps each)
-    ppo_mini_batches: int = 1  # optimizer steps per pass over the rollout batch (whole groups each; must divide
-    # the prompts per DP rank); only the first reuses the rollout's prefix, later ones recompute theirs
-    ppo_epochs: int = 1  # passes over the rollout batch; old log-probs stay the rollout policy's
-    dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, sample more prompts to refill
-    max_resample_rounds: int = 3  # dynamic sampling: extra rollout rounds per step at most (then fill, and log it)
-    kl_coef: float = 0.0  # coefficient of the KL to the reference in the loss
-    # the reference model (the initial policy, frozen) and its scoring phase: auto builds it only where the loss
-    # reads it (kl_coef > 0; at 0 the step has no reference phase, no reference weights and no logged kl, as
-    # verl and TRL do); always (the logged kl at kl_coef 0; the benchmark suites, whose workload scores it);
-    # never (refused with kl_coef > 0)
-    reference: str = "auto"
-    kl_estimator: str = "low_var_kl"  # k1 | k2 | k3 | low_var_kl (k3 clamped as verl clamps it); logged as `kl`
-    entropy_coef: float = 0.0  # entropy bonus (token mean of the policy entropy) subtracted from the loss
-    # log-probs and entropy over the vocabulary: torch (fp32 copies of the logits) or triton (one read of the
-    # logits, `rl/triton_logprob.py`; CUDA); auto is triton on CUDA, torch elsewhere
-    logprob_kernel: str = "auto"
-    # the training models' RMSNorms: torch (torch.nn.RMSNorm, the composite beside fp32 weights) or triton
-    # (one kernel forward, one backward, the same roundings: models/triton_norm.py; CUDA); auto is triton on
-    # CUDA, torch elsewhere
-    norm_kernel: str = "auto"
-    # the training models' RoPE: torch (megatron's unfused rotary in every layer) or triton (cos/sin once per
-    # forward, one kernel per q and k in the attention context, megatron's roundings: models/triton_rope.py);
-    # auto is triton on CUDA (its tests pass on the H200: benchmarks/results/gpu_rope_norm_tests_f4a7f49.json),
-    # torch elsewhere
-    rope_kernel: str = "auto"
-    clip_low: float = 0.2  # PPO ratio clip below 1
-    clip_high: float = 0.2  # PPO ratio clip above 1
-    clip_ratio_c: float = 0.0  # dual clip: negative-advantage tokens' loss capped at clip_ratio_c * |A| (0: off; > 1)
-    # token-mean (every response token weighs the same) | seq-mean-token-mean (every response the same) |
-    # seq-mean-token-sum | seq-mean-token-sum-norm (Dr. GRPO: token sums over responses x the generation cap: a
-    # dataset's rollout.max_response_len, a rendered task's task.max_answer_tokens)
-    loss_agg_mode: str = "token-mean"
-    tensorboard: bool = False  # TensorBoard event files (tensorboard/ in the run directory): metrics.jsonl's scalars
-    wandb: bool = False  # wandb in offline mode (wandb/ in the run directory; needs the wandb package)
-    normalize_std: bool = True  # divide group-centred rewards by the group std
-    save_every: int = 0  # checkpoint every k steps (0: only at the end)
-    save_final: bool = True  # checkpoint after the last step (benchmark runs turn it off)
-    resume: bool = False  # continue from the run directory's latest checkpoint
-    out: str = ""  # run directory (empty: a new one under run_dir)
-    init_hf: str = ""  # start actor and reference from this HF checkpoint (its config replaces model)
-    progress: bool = True  # progress bar on rank 0
-    val_every: int = 0  # evaluate data.val_files every k steps and after the last (0: never)
-    profile_step: int = 0  # profile this step (1-based) with torch.profiler: top kernels per phase in
-    # <run dir>/profile_step<K>.json (0: off); the profiled step's times include the profiler's overhead
-    profile_phases: list[str] = field(default_factory=list)  # the phases profile_step profiles (empty: all of
-    # them); at 3B a whole profiled step can outlast the GPU machine's 10-minute call, one phase fits
+    steps: int = setting(60, "RL steps (ppo_epochs x ppo_mini_batches optimizer steps each)", resumable=True)
+    ppo_mini_batches: int = setting(1, "optimizer steps per pass over the rollout batch (whole groups each; must "
+                                    "divide the prompts per DP rank); only the first reuses the rollout's prefix, "
+                                    "later ones recompute theirs")
+    ppo_epochs: int = setting(1, "passes over the rollout batch; old log-probs stay the rollout policy's")
+    dynamic_sampling: bool = setting(False, "DAPO: drop groups whose rewards are all equal, sample more prompts to "
+                                     "refill")
+    max_resample_rounds: int = setting(3, "dynamic sampling: extra rollout rounds per step at most (then fill, and log "
+                                       "it)", applies_with=DYNAMIC_SAMPLING)
+    kl_coef: float = setting(0.0, "coefficient of the KL to the reference in the loss")
+    reference: str = setting("auto", "the reference model (the initial policy, frozen) and its scoring phase: auto "
+                             "builds it only where the loss reads it (kl_coef > 0; at 0 the step has no reference "
+                             "phase, no reference weights and no logged kl, as verl and TRL do); always (the logged kl "
+                             "at kl_coef 0; the benchmark suites, whose workload scores it); never (refused with "
+                             "kl_coef > 0)")
+    kl_estimator: str = setting("low_var_kl", "k1 | k2 | k3 | low_var_kl (k3 clamped as verl clamps it); logged as "
+                                "`kl`", applies_with=REFERENCE)
+    entropy_coef: float = setting(0.0, "entropy bonus (token mean of the policy entropy) subtracted from the loss")
+    logprob_kernel: str = setting("auto", "log-probs and entropy over the vocabulary: torch (fp32 copies of the "
+                                  "logits) or triton (one read of the logits, `rl/triton_logprob.py`; CUDA); auto is "
+                                  "triton on CUDA, torch elsewhere", resumable=True)
+    norm_kernel: str = setting("auto", "the training models' RMSNorms: torch (torch.nn.RMSNorm, the composite beside "
+                               "fp32 weights) or triton (one kernel forward, one backward, the same roundings: "
+                               "models/triton_norm.py; CUDA); auto is triton on CUDA, torch elsewhere", resumable=True)
+    rope_kernel: str = setting("auto", "the training models' RoPE: torch (megatron's unfused rotary in every layer) or "
+                               "triton (cos/sin once per forward, one kernel per q and k in the attention context, "
+                               "megatron's roundings: models/triton_rope.py); auto is triton on CUDA (its tests pass "
+                               "on the H200: benchmarks/results/gpu_rope_norm_tests_f4a7f49.json), torch elsewhere",
+                               resumable=True)
+    clip_low: float = setting(0.2, "PPO ratio clip below 1")
+    clip_high: float = setting(0.2, "PPO ratio clip above 1")
+    clip_ratio_c: float = setting(0.0, "dual clip: negative-advantage tokens' loss capped at clip_ratio_c * |A| (0: "
+                                  "off; > 1)")
+    loss_agg_mode: str = setting("token-mean", "token-mean (every response token weighs the same) | "
+                                 "seq-mean-token-mean (every response the same) | seq-mean-token-sum | "
+                                 "seq-mean-token-sum-norm (Dr. GRPO: token sums over responses x the generation cap: a "
+                                 "dataset's rollout.max_response_len, a rendered task's task.max_answer_tokens)")
+    tensorboard: bool = setting(False, "TensorBoard event files (tensorboard/ in the run directory): metrics.jsonl's "
+                                "scalars", resumable=True)
+    wandb: bool = setting(False, "wandb in offline mode (wandb/ in the run directory; needs the wandb package)",
+                          resumable=True)
+    normalize_std: bool = setting(True, "divide group-centred rewards by the group std")
+    save_every: int = setting(0, "checkpoint every k steps (0: only at the end)", resumable=True)
+    save_final: bool = setting(True, "checkpoint after the last step (benchmark runs turn it off)", resumable=True)
+    resume: bool = setting(False, "continue from the run directory's latest checkpoint", resumable=True)
+    out: str = setting("", "run directory (empty: a new one under run_dir)", resumable=True)
+    init_hf: str = setting("", "start actor and reference from this HF checkpoint (its config replaces model)")
+    progress: bool = setting(True, "progress bar on rank 0", resumable=True)
+    val_every: int = setting(0, "evaluate data.val_files every k steps and after the last (0: never)", resumable=True)
+    profile_step: int = setting(0, "profile this step (1-based) with torch.profiler: top kernels per phase in <run "
+                                "dir>/profile_step<K>.json (0: off); the profiled step's times include the profiler's "
+                                "overhead", resumable=True)
+    profile_phases: list[str] = setting([], "the phases profile_step profiles (empty: all of them); at 3B a whole "
+                                        "profiled step can outlast the GPU machine's 10-minute call, one phase fits",
+                                        resumable=True)
 
     @property
     def uses_reference(self) -> bool:
@@ -741,9 +782,7 @@ class TrainConfig:
             raise ValueError(f"train.profile_phases: unknown phase(s) {bad}; the phases are {list(STEP_PHASES)}")
         if self.max_resample_rounds < 0:
             raise ValueError(f"train.max_resample_rounds must be >= 0, got {self.max_resample_rounds}")
-        unused_unless(self, "train", ("max_resample_rounds",), self.dynamic_sampling, "train.dynamic_sampling=true")
-        unused_unless(self, "train", ("kl_estimator",), self.uses_reference,
-                      "a reference (train.kl_coef > 0, or train.reference=always for the logged kl)")
+        refuse_unused(self, "train")
         at_least(self, "train", ("save_every", "val_every"), 0, note=" (0: off)")
         if self.loss_agg_mode not in LOSS_AGG_MODES:
             raise ValueError(f"train.loss_agg_mode must be one of {LOSS_AGG_MODES}, got {self.loss_agg_mode!r}")
@@ -757,20 +796,20 @@ class TrainConfig:
 class EquivalenceConfig:
     """Random batch of `verify-equivalence`: prefix/response execution vs full sequences."""
 
-    groups_per_rank: int = 2  # prompts per data-parallel rank
-    min_response_len: int = 2  # shortest sampled response
-    max_response_len: int = 12  # longest sampled response (<= rollout.max_response_len)
-    responses_per_micro_batch: int = 3  # packed responses per micro-batch
-    image_grid: list[int] = field(default_factory=lambda: [1, 4, 6])  # image (t, h, w) patches
-    video_grid: list[int] = field(default_factory=lambda: [2, 4, 4])  # video (t, h, w) patches
-    text_tokens: int = 9  # prompt text tokens besides vision placeholders
-    seed: int = 7  # batch seed (fresh random inputs per seed)
-    advantage_mean: float = 0.0  # advantages ~ N(mean, 1); a nonzero mean keeps the loss away from 0
-    # shared-prefix attention: auto (split where its flash kernels run, else sdpa), sdpa, flex, split
-    attention_backend: str = "auto"
-    repeats: int = 1  # run both paths this many times; timings are the median after the first
-    noise_floor: bool = False  # also compare the serial path with itself (1 response per micro-batch)
-    fp32_reference: bool = True  # bf16: also run the serial step in fp32 on the same weights; both paths vs it
+    groups_per_rank: int = setting(2, "prompts per data-parallel rank")
+    min_response_len: int = setting(2, "shortest sampled response")
+    max_response_len: int = setting(12, "longest sampled response (<= rollout.max_response_len)")
+    responses_per_micro_batch: int = setting(3, "packed responses per micro-batch")
+    image_grid: list[int] = setting([1, 4, 6], "image (t, h, w) patches")
+    video_grid: list[int] = setting([2, 4, 4], "video (t, h, w) patches")
+    text_tokens: int = setting(9, "prompt text tokens besides vision placeholders")
+    seed: int = setting(7, "batch seed (fresh random inputs per seed)")
+    advantage_mean: float = setting(0.0, "advantages ~ N(mean, 1); a nonzero mean keeps the loss away from 0")
+    attention_backend: str = setting("auto", "shared-prefix attention: auto (split where its flash kernels run, else "
+                                     "sdpa), sdpa, flex, split")
+    repeats: int = setting(1, "run both paths this many times; timings are the median after the first")
+    noise_floor: bool = setting(False, "also compare the serial path with itself (1 response per micro-batch)")
+    fp32_reference: bool = setting(True, "bf16: also run the serial step in fp32 on the same weights; both paths vs it")
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -797,22 +836,32 @@ class DataConfig:
     with `prompt`, `images`, `videos`, `reward_model`, `data_source`, `extra_info`), else on the
     rendered task of `task`."""
 
-    source: str = "auto"  # auto | rendered (the embodied tasks of `task`, envs/motion.py) | dataset (train_files)
-    train_files: list[str] = field(default_factory=list)  # parquet / jsonl files of training rows
-    val_files: list[str] = field(default_factory=list)  # rows evaluated every train.val_every steps
-    processor: str = ""  # tokenizer + chat template + image/video processor directory (empty: train.init_hf)
-    prompt_key: str = "prompt"  # column of the chat messages
-    image_key: str = "images"  # column of the image list
-    video_key: str = "videos"  # column of the video list
-    min_pixels: int = 0  # per image / video frame after resizing (0: the processor config's)
-    max_pixels: int = 0  # per image / video frame after resizing (0: the processor config's)
-    video_fps: float = 2.0  # frames sampled per second of a video file (frame lists are taken as sampled at this)
-    max_frames: int = 768  # most frames sampled from one video
-    min_frames: int = 4  # fewest frames sampled from one video file
-    shuffle: bool = True  # a new permutation of the rows every epoch (from data.seed and the epoch)
-    seed: int = 1  # the row order's seed (independent of the model's)
-    truncation: str = "error"  # prompt over rollout.max_prompt_len: error (name the row) | left (drop oldest text)
-    prefetch: str = "auto"  # next step's prompts built in a background thread: auto (on with CUDA) | on | off
+    source: str = setting("auto", "auto | rendered (the embodied tasks of `task`, envs/motion.py) | dataset "
+                          "(train_files)")
+    train_files: list[str] = setting([], "parquet / jsonl files of training rows")
+    val_files: list[str] = setting([], "rows evaluated every train.val_every steps", resumable=True)
+    accept_changed_files: bool = setting(False, "resume although train_files changed since the checkpoint "
+                                         "(size/rows/hash)", resumable=True)
+    processor: str = setting("", "tokenizer + chat template + image/video processor directory (empty: train.init_hf)",
+                             applies_with=DATASET_ROWS)
+    prompt_key: str = setting("prompt", "column of the chat messages", applies_with=DATASET_ROWS)
+    image_key: str = setting("images", "column of the image list", applies_with=DATASET_ROWS)
+    video_key: str = setting("videos", "column of the video list", applies_with=DATASET_ROWS)
+    min_pixels: int = setting(0, "per image / video frame after resizing (0: the processor config's)",
+                              applies_with=DATASET_ROWS)
+    max_pixels: int = setting(0, "per image / video frame after resizing (0: the processor config's)",
+                              applies_with=DATASET_ROWS)
+    video_fps: float = setting(2.0, "frames sampled per second of a video file (frame lists are taken as sampled at "
+                               "this)", applies_with=DATASET_ROWS)
+    max_frames: int = setting(768, "most frames sampled from one video", applies_with=DATASET_ROWS)
+    min_frames: int = setting(4, "fewest frames sampled from one video file", applies_with=DATASET_ROWS)
+    shuffle: bool = setting(True, "a new permutation of the rows every epoch (from data.seed and the epoch)",
+                            applies_with=DATASET_ROWS)
+    seed: int = setting(1, "the row order's seed (independent of the model's)", applies_with=DATASET_ROWS)
+    truncation: str = setting("error", "prompt over rollout.max_prompt_len: error (name the row) | left (drop oldest "
+                              "text)", applies_with=DATASET_ROWS)
+    prefetch: str = setting("auto", "next step's prompts built in a background thread: auto (on with CUDA) | on | off",
+                            resumable=True, applies_with=DATASET_ROWS)
 
     @property
     def resolved_source(self) -> str:
@@ -852,9 +901,13 @@ class RewardConfig:
     `package.module:function` with signature (response: str, ground_truth, extra_info: dict) -> float | dict
     (a dict has `score`, optionally `acc` and `answered`). A row whose data_source names a built-in uses it."""
 
-    fn: str = ""  # applies to every row (overrides fns and the built-in lookup)
-    fns: dict[str, str] = field(default_factory=dict)  # data_source -> function
-    format_reward: float = 0.0  # added when a response gives a parsable answer (0: correctness only)
+    fn: str = setting("", "applies to every row (overrides fns and the built-in lookup)", applies_with=DATASET_REWARD)
+    fns: dict[str, str] = setting({}, "data_source -> function", applies_with=DATASET_REWARD)
+    format_reward: float = setting(0.0, "added when a response gives a parsable answer (0: correctness only)",
+                                   applies_with=DATASET_REWARD)
+    timeout_s: float = setting(60.0, "seconds a user function (package.module:function) may take per response "
+                               "before the run stops with an error naming it and the row (0: no limit)",
+                               resumable=True, applies_with=DATASET_REWARD)
 
     def __post_init__(self) -> None:
         if self.format_reward < 0:
@@ -868,10 +921,10 @@ class RewardConfig:
 class ValConfig:
     """Validation runs on `data.val_files` every `train.val_every` steps."""
 
-    temperature: float = 0.0  # 0: greedy decoding
-    n: int = 1  # responses per validation prompt
-    max_rows: int = 0  # evaluate at most this many rows (0: all)
-    before_train: bool = True  # also evaluate the initial policy (as step 0)
+    temperature: float = setting(0.0, "0: greedy decoding")
+    n: int = setting(1, "responses per validation prompt")
+    max_rows: int = setting(0, "evaluate at most this many rows (0: all)")
+    before_train: bool = setting(True, "also evaluate the initial policy (as step 0)")
 
     def __post_init__(self) -> None:
         at_least(self, "val", ("temperature",), 0, note=" (0: greedy)")
@@ -883,32 +936,30 @@ class ValConfig:
 class RunConfig:
     """Top-level config: model, parallel layout, seed and output location."""
 
-    model: ModelConfig = field(default_factory=ModelConfig)  # model shape (recipes/model/*.yaml)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # parallel layout
-    smoke: SmokeConfig = field(default_factory=SmokeConfig)  # `smoke` command workload
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)  # rollout shape
-    verify: EquivalenceConfig = field(default_factory=EquivalenceConfig)  # verify-equivalence batch
-    data: DataConfig = field(default_factory=DataConfig)  # data source of the GRPO loop
-    reward: RewardConfig = field(default_factory=RewardConfig)  # reward functions of dataset rows
-    val: ValConfig = field(default_factory=ValConfig)  # validation runs
-    task: MotionTaskConfig = field(default_factory=MotionTaskConfig)  # the rendered task (recipes/task/*.yaml)
-    workload: WorkloadConfig = field(default_factory=WorkloadConfig)  # step batch shape
-    mode: ModeConfig = field(default_factory=ModeConfig)  # execution mode (recipes/mode/*.yaml)
-    memory: MemoryConfig = field(default_factory=MemoryConfig)  # memory budgets
-    plan: PlanConfig = field(default_factory=PlanConfig)  # plan-memory workload shape
-    optim: OptimConfig = field(default_factory=OptimConfig)  # optimizer
-    train: TrainConfig = field(default_factory=TrainConfig)  # GRPO loop
-    # megatron-core TransformerConfig fields for the LLM decoder, passed through as given (e.g.
-    # `+megatron.recompute_granularity=selective`); fields the project sets from other settings are refused
-    megatron: dict[str, Any] = field(default_factory=dict)
-    seed: int = 1234  # global seed
-    dtype: str = "float32"  # compute dtype: float32 or bfloat16
-    run_dir: str = "runs"  # where runs write their outputs
+    model: ModelConfig = section(ModelConfig, "model shape (recipes/model/*.yaml)")
+    parallel: ParallelConfig = section(ParallelConfig, "parallel layout")
+    smoke: SmokeConfig = section(SmokeConfig, "`smoke` command workload", resumable=True)
+    rollout: RolloutConfig = section(RolloutConfig, "rollout shape")
+    verify: EquivalenceConfig = section(EquivalenceConfig, "verify-equivalence batch", resumable=True)
+    data: DataConfig = section(DataConfig, "data source of the GRPO loop")
+    reward: RewardConfig = section(RewardConfig, "reward functions of dataset rows")
+    val: ValConfig = section(ValConfig, "validation runs", resumable=True, applies_with=VAL_FILES)
+    task: MotionTaskConfig = section(MotionTaskConfig, "the rendered task (recipes/task/*.yaml)")
+    workload: WorkloadConfig = section(WorkloadConfig, "step batch shape")
+    mode: ModeConfig = section(ModeConfig, "execution mode (recipes/mode/*.yaml)", resumable=True)
+    memory: MemoryConfig = section(MemoryConfig, "memory budgets", resumable=True)
+    plan: PlanConfig = section(PlanConfig, "plan-memory workload shape", resumable=True)
+    optim: OptimConfig = section(OptimConfig, "optimizer")
+    train: TrainConfig = section(TrainConfig, "GRPO loop")
+    megatron: dict[str, Any] = setting({}, "megatron-core TransformerConfig fields for the LLM decoder, passed through "
+                                       "as given (e.g. `+megatron.recompute_granularity=selective`); fields the "
+                                       "project sets from other settings are refused")
+    seed: int = setting(1234, "global seed")
+    dtype: str = setting("float32", "compute dtype: float32 or bfloat16")
+    run_dir: str = setting("runs", "where runs write their outputs", resumable=True)
 
     def __post_init__(self) -> None:
         check_finite(self)
-        unused_unless(self.val, "val", ("temperature", "n", "max_rows", "before_train"), bool(self.data.val_files),
-                      "data.val_files (the rows validation answers)")
         if self.seed < 0:
             raise ValueError(f"seed must be >= 0 (numpy and the samplers take unsigned seeds), got {self.seed}")
         if self.dtype not in ("float32", "bfloat16"):
@@ -918,27 +969,11 @@ class RunConfig:
         if self.rollout.bound_model and (self.parallel.pp > 1 or self.parallel.rollout_ranks):
             raise ValueError("rollout.bound_model=true binds a rollout model to the training storage: it needs "
                              "parallel.pp=1 and no parallel.rollout_ranks (disaggregated has weights of its own)")
-        unused_unless(self.mode, "mode", ("window_graphs",), self.train.uses_reference,
-                      "a reference (train.kl_coef > 0, or train.reference=always): there are no reference prefix items")
+        refuse_unused_at(self, "run")  # settings of a feature switched off elsewhere in the config
         if self.mode.window_graphs and (self.parallel.tp > 1 or self.parallel.pp > 1):
             raise ValueError(f"mode.window_graphs=true captures the reference's window items on one rank; at "
                              f"parallel.tp={self.parallel.tp} parallel.pp={self.parallel.pp} they hold collectives and "
                              "nothing would be captured: drop the override")
-        o = self.optim  # the schedule's settings of a part that is off (the verl engine builds OptimConfig itself)
-        unused_unless(o, "optim", ("lr_warmup_init",), o.lr_warmup_steps > 0, "optim.lr_warmup_steps > 0")
-        unused_unless(o, "optim", ("min_lr", "lr_decay_steps"), o.lr_decay_style != "constant",
-                      "a decaying optim.lr_decay_style (linear, cosine or inverse-square-root)")
-        unused_unless(self.rollout.sglang, "rollout.sglang", tuple(f.name for f in fields(SGLangConfig)),
-                      self.rollout.engine == "sglang", "rollout.engine=sglang")
-        unused_unless(self.memory, "memory", ("auto_margin_gib",), self.budget_from_free_memory,
-                      "memory.budget_gib=0 and one of memory.plan=auto, memory.prefetch_ahead=true or "
-                      "workload.prefix_pack_tokens under memory.plan=phase (the budget is then the device's free "
-                      "memory less the margin)")
-        # the embedded engine's rollout model bound to the training storage is what `weight_refresh` refreshes
-        bound = self.weights_phase == "weight_refresh" and self.rollout.engine == "embedded"
-        unused_unless(self.rollout, "rollout", ("split_gemm",), bound,
-                      "a rollout model bound to the training storage (rollout.tp != parallel.tp, or "
-                      "rollout.bound_model=true; the embedded engine, no parallel.rollout_ranks)")
         if self.rollout.engine == "sglang":
             check_sglang_layout(self)
             if self.mode.window_graphs:

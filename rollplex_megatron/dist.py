@@ -377,7 +377,9 @@ def _worker(rank: int, world: int, port: int, fn, args, out_dir: str, env: dict)
     try:
         result = {"ok": True, "value": fn(*args)}
     except BaseException:  # noqa: BLE001 - the parent re-raises with this traceback
-        result = {"ok": False, "error": traceback.format_exc()}
+        # `at`: the launcher reports the rank that failed first (the others' errors are often its consequence,
+        # a collective with a dead peer), not the lowest-numbered one
+        result = {"ok": False, "error": traceback.format_exc(), "at": time.time()}
     torch.save(result, path)
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -393,6 +395,19 @@ class LocalRunError(RuntimeError):
         self.summary = summary
 
 
+def _stop(procs) -> None:
+    """Terminate the processes still alive; a trainer rank treats SIGTERM as "stop after this step", so one
+    that does not exit within seconds is killed."""
+    live = [p for p in procs if p.is_alive()]
+    for p in live:
+        p.terminate()
+    for p in live:
+        p.join(5)
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
 def _join(procs, grace_s: float) -> None:
     """Wait for every process; once one has failed, the rest get `grace_s` to finish (they may be
     blocked in a collective with the dead rank), then are terminated."""
@@ -400,14 +415,8 @@ def _join(procs, grace_s: float) -> None:
     while live:
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
         done = wait([p.sentinel for p in live], timeout)
-        if not done:  # grace period over; a trainer rank treats SIGTERM as "stop after this step",
-            for p in live:  # so one that does not exit within seconds is killed
-                p.terminate()
-            for p in live:
-                p.join(5)
-                if p.is_alive():
-                    p.kill()
-                    p.join()
+        if not done:  # grace period over
+            _stop(live)
             return
         for p in [p for p in live if p.sentinel in done]:
             p.join()
@@ -422,32 +431,40 @@ def run_local(fn, world_size: int, *args, on_start=None, grace_s: float = 30.0, 
     `fn` must be importable (module level). Each process sees RANK/WORLD_SIZE/MASTER_* like
     under torchrun, so `fn` calls `init_parallel(...)` itself. `on_start(pids)` is called once the
     processes run (the launcher records them in the run directory's lock and forwards signals).
-    `defer_sigterm`: the workers start with SIGTERM ignored (the disposition survives the spawn; a
-    signal mask would not), so a SIGTERM that arrives while they import does not kill them; the
-    launcher re-sends it until their handler (`trainer.loop.Preemption`) has taken it.
+    `defer_sigterm`: the workers start with SIGTERM and SIGINT ignored (the disposition survives the
+    spawn; a signal mask would not), so a SIGTERM, or a terminal's Ctrl-C (which reaches every process
+    of the foreground group), that arrives while they import does not kill them; the launcher re-sends
+    SIGTERM until their handler (`trainer.loop.Preemption`) has taken it. A launcher interrupted while
+    it waits (KeyboardInterrupt) stops the workers before it removes the folder they write their
+    results into.
     """
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = _context(fn, defer_sigterm)
         port = free_port()
         procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, out_dir, dict(os.environ)))
                  for r in range(world_size)]
-        old = signal.signal(signal.SIGTERM, signal.SIG_IGN) if defer_sigterm else None
+        deferred = (signal.SIGTERM, signal.SIGINT) if defer_sigterm else ()
+        old = {s: signal.signal(s, signal.SIG_IGN) for s in deferred}
         try:
             for p in procs:
                 p.start()
         finally:
-            if old is not None:
-                signal.signal(signal.SIGTERM, old)
-        if on_start is not None:
-            on_start([p.pid for p in procs])
-        _join(procs, grace_s)
+            for s, handler in old.items():
+                signal.signal(s, handler)
+        try:
+            if on_start is not None:
+                on_start([p.pid for p in procs])
+            _join(procs, grace_s)
+        except BaseException:
+            _stop(procs)  # before the temporary folder goes: a worker writing its result there would fail loudly
+            raise
         found = {}
         for r in range(world_size):
             path = os.path.join(out_dir, f"rank{r}.pt")
             found[r] = torch.load(path, weights_only=False) if os.path.exists(path) else None
         failed = [r for r, res in found.items() if res is not None and not res["ok"]]
         if failed:  # a rank's own error first: the others may only have been stopped after it
-            r = failed[0]
+            r = min(failed, key=lambda r: found[r].get("at", 0.0))
             last = found[r]["error"].strip().splitlines()[-1]
             raise LocalRunError(f"rank {r} failed:\n{found[r]['error']}", f"rank {r}: {last}")
         for r, res in found.items():

@@ -3,13 +3,16 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import re
+import shlex
 import typing
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
-from hydra.errors import ConfigCompositionException
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import ConfigCompositionException, HydraException, OverrideParseException
 from omegaconf import OmegaConf
 
 from rollplex_megatron.config import RunConfig, check_model_parallel, flat_settings, register_configs
@@ -46,6 +49,46 @@ def compose_config(overrides: list[str] | None = None, config_name: str = "confi
             return compose(config_name=config_name, overrides=overrides)
     except ConfigCompositionException as e:
         raise ValueError(_override_error(e)) from None
+    except OverrideParseException as e:  # Hydra's lexer: a space split by the shell, `~`, an emoji, ...
+        raise ValueError(_unparsable(overrides, e)) from None
+
+
+def _parses(parser: OverridesParser, override: str) -> bool:
+    try:
+        parser.parse_override(override)
+    except HydraException:
+        return False
+    return True
+
+
+def _shell_quoted(override: str) -> str:
+    """An override quoted for the shell as a user types it (double quotes where nothing in it is special there)."""
+    return f'"{override}"' if not set(override) & set('"$`\\!') else shlex.quote(override)
+
+
+def _unparsable(overrides: list[str], e: OverrideParseException) -> str:
+    """One line for the first override Hydra cannot parse, with the quoting that reads it (checked to parse): the
+    words without `=` after a setting are most often the rest of its value, split at its spaces by the shell."""
+    parser = OverridesParser.create()
+    bad = next((i for i, o in enumerate(overrides) if not _parses(parser, o)), None)
+    if bad is None:
+        return " ".join(str(e).split())
+    first = bad - 1 if "=" not in overrides[bad] and bad and "=" in overrides[bad - 1] else bad
+    stray = f"{overrides[bad]}: not a setting; settings are key=value (`rollplex print-config` lists every key)"
+    if "=" not in overrides[first]:
+        return stray
+    end = next((k for k in range(first + 1, len(overrides)) if "=" in overrides[k]), len(overrides))
+    given = " ".join(overrides[first:end])
+    key, value = given.split("=", 1)
+    # a list or mapping keeps its own syntax (the shell quotes join it); a plain value is quoted for Hydra
+    fixed = given if value[:1] in "[{" else f"{key}='{value}'" if "'" not in value else f'{key}="{value}"'
+    if value[:1] in "'\"" or not _parses(parser, fixed):  # no quoting of ours reads it
+        return stray if "=" not in overrides[bad] else " ".join(str(e).split())
+    if end - first > 1:
+        return (f"{given}: the shell split this setting at its spaces into {end - first} words; quote it whole: "
+                f"{_shell_quoted(fixed)}")
+    return (f"{given}: Hydra cannot read this value unquoted (it holds a space, `~`, an emoji or another character "
+            f"outside Hydra's plain values); quote it: {_shell_quoted(fixed)}")
 
 
 def _missing_option_error(group: str, name: str) -> str:
@@ -114,7 +157,7 @@ def load_run_config(overrides: list[str] | None = None, hf_setting: str = "train
     `hf_setting` is how the user gave DIR (a command's `--hf-dir`), for the errors."""
     cfg = compose_config(overrides)
     check_closed(cfg, RunConfig)
-    run = absolute_data_paths(OmegaConf.to_object(cfg))
+    run = expand_home(absolute_data_paths(OmegaConf.to_object(cfg)))
     if run.train.init_hf:
         run = model_from_hf(run, list(overrides or []), hf_setting)
     if run.data.resolved_source == "dataset":
@@ -137,6 +180,24 @@ def absolute_data_paths(cfg: RunConfig) -> RunConfig:
     return dataclasses.replace(cfg, data=dataclasses.replace(
         d, train_files=[resolved(f) for f in d.train_files], val_files=[resolved(f) for f in d.val_files],
         processor=resolved(d.processor)))
+
+
+def expand_home(cfg: RunConfig) -> RunConfig:
+    """`cfg` with `~` and `~user` expanded in `train.out`, `run_dir` and `train.init_hf`: Hydra passes them on as
+    written, and the run would make a folder named `~` in the working directory."""
+    def expanded(setting: str, path: str) -> str:
+        if not path.startswith("~"):
+            return path
+        full = os.path.expanduser(path)
+        if full.startswith("~"):  # an unknown user, or no home folder to expand `~` to
+            user = path[1:].split("/", 1)[0]
+            raise ValueError(f"{setting}={path}: {f'no user {user!r} on this machine' if user else 'no home folder'} "
+                             f"to expand {path.split('/', 1)[0]} to; write the folder out in full")
+        return full
+
+    t = cfg.train
+    return dataclasses.replace(cfg, run_dir=expanded("run_dir", cfg.run_dir), train=dataclasses.replace(
+        t, out=expanded("train.out", t.out), init_hf=expanded("train.init_hf", t.init_hf)))
 
 
 # Recipe groups whose options fill one subtree of the config (`mode=serial` sets mode.*); the others write
@@ -172,7 +233,23 @@ def resumed_config(cfg: RunConfig, overrides: list[str], saved_yaml: str) -> Run
     merged = OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.create(saved_yaml))
     for k in sorted(explicit):
         OmegaConf.update(merged, k, new[k], merge=False)
-    return OmegaConf.to_object(merged)
+    out = OmegaConf.to_object(merged)
+    check_code_not_from_run(out, explicit, "train.resume=true")
+    return out
+
+
+def check_code_not_from_run(cfg: RunConfig, named: set[str], command: str) -> None:
+    """A reward function given by dotted path is code to import: it is taken from this command line or its
+    recipe, never from a run directory's saved config (which anyone who shares the directory can edit). A
+    ValueError names the setting and how to give it."""
+    specs = {"reward.fn": cfg.reward.fn, **{f"reward.fns.{k}": v for k, v in cfg.reward.fns.items()}}
+    for key, spec in specs.items():
+        if spec and ":" in str(spec) and key not in named:
+            given = f"+reward.fns={{{key.split('.', 2)[2]}: '{spec}'}}" if key.startswith("reward.fns.") \
+                else f"{key}={spec}"
+            raise ValueError(f"{command}: the run's saved config names {key}={spec!r}, code to import; code named "
+                             f"by a run directory is not imported: give {given} on the command line if you trust "
+                             f"that module")
 
 
 # What an evaluation of a run's checkpoint (`eval --run`, `generate --run`) takes from the run: how it read its
@@ -215,7 +292,9 @@ def run_eval_config(cfg: RunConfig, overrides: list[str], saved_yaml: str) -> tu
     carried = {k: v for k, v in saved.items() if taken(k)}
     for k, v in carried.items():
         OmegaConf.update(merged, k, v, merge=False)
-    return OmegaConf.to_object(merged), {k: v for k, v in carried.items() if v != default.get(k)}
+    out = OmegaConf.to_object(merged)
+    check_code_not_from_run(out, {k for k in _settings(out) if k not in carried}, "--run")
+    return out, {k: v for k, v in carried.items() if v != default.get(k)}
 
 
 # Model fields that are run settings, not the checkpoint's shape: the command line keeps them.

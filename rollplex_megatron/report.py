@@ -22,6 +22,7 @@ from matplotlib.figure import Figure
 
 METRICS_FILE = "metrics.jsonl"
 REQUIRED_KEYS = ("step", "mode", "reward_mean", "step_time_s", "phase_times", "peak_mem_bytes")
+NO_KL = "no reference model: KL not computed"  # the KL panel of runs without one (train.kl_coef=0)
 
 
 def read_metrics(path: str | os.PathLike, kind: str = "step") -> list[dict]:
@@ -160,6 +161,18 @@ def _plot_curve(ax, runs: dict[str, list[dict]], key: str, title: str, alt: str 
     ax.legend(fontsize="x-small")
 
 
+def _plot_kl(ax, runs: dict[str, list[dict]]) -> None:
+    """KL panel: the loss's estimator per run (k1 dotted), or a note where no run had a reference model (records
+    without `kl`: train.kl_coef=0), rather than an empty plot."""
+    if any("kl" in r for records in runs.values() for r in records):
+        _plot_curve(ax, runs, "kl", "KL to the reference (the loss's estimator; k1 dotted)", alt="kl_k1")
+        return
+    ax.set_title("KL to the reference")
+    ax.text(0.5, 0.5, NO_KL, ha="center", va="center", transform=ax.transAxes, color="grey")
+    ax.set_xticks([])
+    ax.set_yticks([])
+
+
 def _plot_val(ax, val_runs: dict[str, list[dict]]) -> None:
     """Validation reward per data source (dashed, markers) over the reward panel."""
     for i, (label, records) in enumerate(val_runs.items()):
@@ -185,7 +198,7 @@ def plot_runs(runs: dict[str, list[dict]], out_png: str, chance: float | None = 
     _plot_rewards(ax_reward, runs, chance)
     _plot_val(ax_reward, {k: v for k, v in (val_runs or {}).items() if v})
     _plot_curve(ax_acc, runs, "accuracy", "Accuracy (right answers over all responses)", alt="answered")
-    _plot_curve(ax_kl, runs, "kl", "KL to the reference (the loss's estimator; k1 dotted)", alt="kl_k1")
+    _plot_kl(ax_kl, runs)
     _plot_phases(ax_phase, runs)
     out_dir = os.path.dirname(os.path.abspath(out_png))
     fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=".report-", suffix=".png")

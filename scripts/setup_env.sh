@@ -25,6 +25,8 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   # and tensordict 0.10 without their declared dependencies.
   .venv/bin/python -m pip install -q -c constraints.txt ray peft accelerate datasets fastapi uvicorn \
     TransferQueue cachetools torchdata codetiming cloudpickle orjson importlib_metadata
+  # the documentation site (docs/, mkdocs.yml), built strictly by scripts/test.sh
+  .venv/bin/python -m pip install -q -c constraints.txt mkdocs mkdocs-material
   .venv/bin/python -m pip install -q -c constraints.txt --no-deps verl tensordict==0.10.0 pyvers==0.1.0
   .venv/bin/python -m pip install -q -c constraints.txt --no-deps -e .
   echo "$want" > "$stamp"

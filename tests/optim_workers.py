@@ -220,3 +220,38 @@ def one_step_hf(cfg, hf_dir: str) -> dict:
     dist.all_gather_object(states, _params(ddp))
     tp = cfg.parallel.tp
     return {"stats": stats, "weights": dict(export_hf_tensors([states], cfg.model, tp, 1, ck.naming))}
+
+
+def disk_full_saves(cfg, run_dir: str) -> dict:
+    """Checkpoint step 1; then save step 2 on a filesystem reported too full before the write (refused up front),
+    and on one that fills up mid-write (torch's zip writer fails as on a real full disk); then save step 2 for
+    real. The snapshot after each failure shows what was left behind."""
+    from rollplex_megatron.checkpoint import train_state as T
+
+    ddp, opt = _setup(cfg)
+    train_step(cfg, ddp, opt)
+    T.save_checkpoint(run_dir, 1, ddp, None, opt, {"step": 1}, "")
+    real_usage, real_save = T.shutil.disk_usage, torch.save
+    out = {}
+
+    def tiny(path):
+        return real_usage(path)._replace(free=1 << 20)
+
+    def fills_up(obj, f, *a, **k):
+        f.write(b"x" * 4096)
+        T.shutil.disk_usage = tiny  # the disk is full from here on
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 4160 vs 4096")
+
+    for case, usage, save in (("before", tiny, real_save), ("midway", real_usage, fills_up)):
+        T.shutil.disk_usage, torch.save = usage, save
+        try:
+            T.save_checkpoint(run_dir, 2, ddp, None, opt, {"step": 2}, "")
+            out[case] = "saved"
+        except T.DiskFullError as e:
+            out[case] = str(e)
+        finally:
+            T.shutil.disk_usage, torch.save = real_usage, real_save
+        out[f"{case}_snapshot"] = _snapshot(run_dir)
+    T.save_checkpoint(run_dir, 2, ddp, None, opt, {"step": 2}, "")
+    out["after_retry"] = _snapshot(run_dir)
+    return out

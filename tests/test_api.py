@@ -1,14 +1,14 @@
 """The public API on a plain megatron-core GPTModel (local spec, RoPE; not this project's model):
 prefix stage + response stage + prefix backward around megatron's schedule equal full sequences (float64 weights
 and activations, fp32 gradient buffers: `api_workers.prefix_vs_full` says why) within
-DESIGN's fp32 tolerance, at TP=2 and at TP=2 x PP=2 with tied embeddings; a wrong response position
+the fp32 tolerance of docs/design.md §3, at TP=2 and at TP=2 x PP=2 with tied embeddings; a wrong response position
 is caught."""
 import pytest
 
 from rollplex_megatron.dist import run_local
 from tests import api_workers as W
 
-TOL = 1e-5  # DESIGN section 3, fp32 on CPU
+TOL = 1e-5  # docs/design.md §3, fp32 on CPU
 
 
 @pytest.mark.parametrize("tp,pp,tied", [(2, 1, False), (2, 2, True)])

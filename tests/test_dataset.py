@@ -163,6 +163,14 @@ def _null_content(rows, tmp):
     rows[5]["prompt"] = [{"role": "user", "content": None}]
 
 
+def _folder_image(rows, tmp):  # it used to read as "does not exist"
+    rows[3]["images"] = [str(tmp)]
+
+
+def _folder_video(rows, tmp):
+    rows[2]["videos"] = [{"video": str(tmp)}]
+
+
 @pytest.mark.parametrize("edit,match", [
     (_missing_image, r"bad\.jsonl line 4: .*nowhere\.png"),
     (_bad_video, r"bad\.jsonl line 3: .*broken\.mp4"),
@@ -180,6 +188,8 @@ def _null_content(rows, tmp):
     (_no_role, r"bad\.jsonl line 2: 'prompt' message 0 has role None"),
     (_empty_prompt, r"bad\.jsonl line 1: every message of 'prompt' is empty; a prompt needs text, an image or a video"),
     (_null_content, r"bad\.jsonl line 6: 'prompt' message 0's content must be a string or a list, got NoneType"),
+    (_folder_image, r"^\S*bad\.jsonl line 4: images\[0\]: image \S+ is a folder, not a file; name an image file"),
+    (_folder_video, r"^\S*bad\.jsonl line 3: videos\[0\]: video \S+ is a folder, not a file; name a video file"),
 ])
 def test_bad_rows_fail_naming_the_row(tmp_path, example_dir, edit, match):
     with pytest.raises((ValueError, FileNotFoundError), match=match):
@@ -374,7 +384,7 @@ def test_jsonl_rows_with_image_paths(tmp_path, example_dir):
 
 
 def test_the_readme_example_file_loads(example_dir):
-    """examples/colour_squares/train.jsonl (the README's 10 lines): relative image paths are read from
+    """examples/colour_squares/train.jsonl (the 10 lines the docs show): relative image paths are read from
     the file's folder, images and two-frame videos both build."""
     path = Path(__file__).resolve().parent.parent / "examples" / "colour_squares" / "train.jsonl"
     src = build_source(load_run_config([f"train.init_hf={example_dir / 'model'}", f"data.train_files=[{path}]",
@@ -431,7 +441,7 @@ def test_train_on_a_dataset_with_validation_runs(tmp_path, example_dir, capsys):
 
 
 def test_per_source_reward_functions_from_the_command_line(tmp_path, example_dir, monkeypatch):
-    """The README's form `+reward.fns={SOURCE: 'package.module:function'}` reaches the registry; a key that names
+    """The docs' form `+reward.fns={SOURCE: 'package.module:function'}` reaches the registry; a key that names
     no row's data_source (a typo, whose rows the built-in would score without a word) is refused at load."""
     (tmp_path / "cli_form_rewards.py").write_text("def first_letter(response, ground_truth, extra_info):\n"
                                             "    return float(response.strip()[:1] == ground_truth)\n")

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA: the flash decode path runs on GPU only", allow_module_level=True)
 
-BF16_TOL = 1e-2  # DESIGN: bf16 outputs within 1e-2 relative
+BF16_TOL = 1e-2  # docs/design.md §3: bf16 outputs within 1e-2 relative
 
 
 def _case(seed, groups, per_group, p_max=300, rm=64, ng=2, rep=8, d=128, dtype=torch.bfloat16):

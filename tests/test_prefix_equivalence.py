@@ -1,4 +1,4 @@
-"""Prefix/response execution equals full-sequence execution (DESIGN section 3, fp32 CPU, 1e-5).
+"""Prefix/response execution equals full-sequence execution (docs/design.md §3, fp32 CPU, 1e-5).
 
 Per-token log-probs, loss and every parameter gradient (DP-reduced) of the actor, and the
 reference variant's log-probs, on a random batch: image+video prompts, variable response lengths,

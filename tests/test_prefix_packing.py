@@ -1,5 +1,5 @@
 """Prefix stages of several groups as one forward (`workload.prefix_pack_tokens`): the same K/V, log-probs,
-loss and gradients as one group per forward (DESIGN section 3, fp32 CPU, 1e-5), through the prefix/response
+loss and gradients as one group per forward (docs/design.md §3, fp32 CPU, 1e-5), through the prefix/response
 execution at TP 1 and 2 and PP 2 and through a rollplex training step."""
 import pytest
 import torch
@@ -158,7 +158,7 @@ def test_the_actor_pack_is_lowered_until_one_recomputed_pack_fits_the_device(mon
 def test_packed_rollplex_with_ppo_mini_batches_equals_serial(tiny_hf):
     """Each mini-batch's prefixes in one pack and two PPO mini-batches a step: the first update's prefix backward
     runs through its pack of the rollout's prefill, the second recomputes its groups' prefixes at the moved weights;
-    two steps equal serial (records and weights at DESIGN's tolerance), and a run without the prefix backward
+    two steps equal serial (records and weights within docs/design.md §3), and a run without the prefix backward
     does not."""
     minis = ["train.ppo_mini_batches=2"]
     serial = run_local(TW.run_steps, 1, trainer_cfg("serial", *minis, hf=tiny_hf), 2)[0]

@@ -1,6 +1,6 @@
 """`train.reference`: a run builds the reference and scores it only where the loss reads it (`auto`: kl_coef > 0),
 or always, or never. Without it the step has no reference phase, window items or weights, and trains exactly as
-the run that scores the reference at kl_coef 0; the modes still agree with serial (DESIGN section 3)."""
+the run that scores the reference at kl_coef 0; the modes still agree with serial (docs/design.md §3)."""
 import pytest
 import torch
 

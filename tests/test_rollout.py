@@ -88,7 +88,7 @@ def _cfg(tp=1, pp=1):
 
 
 def _same(engine, reference, tol=1e-5):
-    """Same tokens and finish reasons; log-probs within DESIGN's norm-relative fp32 tolerance (the two
+    """Same tokens and finish reasons; log-probs within the norm-relative fp32 tolerance of docs/design.md §3 (the two
     executions reduce in different orders: other kernels, other TP splits, other thread counts)."""
     assert len(engine) == len(reference)
     got, want = [], []
@@ -374,7 +374,7 @@ def test_kept_decode_state_mutation_fails(one_rank):
 def test_trainer_with_kept_decode_state_gives_the_same_run():
     """rollout.keep_decode_state through the trainer: three rollplex steps whose engine keeps its decode state
     (reused from step 2 on) give the run without it: the same rollouts every step and the trained weights
-    within DESIGN's fp32 bound."""
+    within the fp32 bound of docs/design.md §3."""
     from tests import trainer_workers as T
     from tests.in_turn import case as one, in_turn
     from tests.test_trainer import TOL, _cfg, _param_err

@@ -1,7 +1,7 @@
 """The rollout at its own TP inside the step (rollout.tp != parallel.tp), on weights shared with training.
 
 Every comparison runs both sides at the same layouts with fresh weights from the tiny checkpoint; fp32 on
-CPU, DESIGN section 3's tolerances.
+CPU, docs/design.md §3's tolerances.
 """
 import shutil
 
@@ -13,7 +13,7 @@ from tests import layout_workers as LW
 from tests import trainer_workers as W
 from tests.test_trainer import TOL, _cfg, _param_err, _records_close
 
-LOGP_TOL = 1e-5  # DESIGN section 3 (fp32): per-token log-probs, norm-relative
+LOGP_TOL = 1e-5  # docs/design.md §3 (fp32): per-token log-probs, norm-relative
 
 
 def _layout_cfg(tiny_hf, *extra):
@@ -29,7 +29,7 @@ def _layout_cfg(tiny_hf, *extra):
                          ids=["tp1-bound", "tp2-to-1", "tp2-to-1-split-all", "tp1-to-2", "tp1-to-2-split-off",
                               "tp2-to-1-dp2"])
 def test_rollout_on_shared_weights_equals_a_full_copy(tiny_hf, world, layout):
-    """Tokens equal and log-probs within DESIGN's bound before each of 3 steps (so after optimizer steps:
+    """Tokens equal and log-probs within docs/design.md §3 before each of 3 steps (so after optimizer steps:
     refresh exercised); view-class tensors own no storage; the planner's rollout bytes are what it owns."""
     res = run_local(LW.shared_vs_full_copy, world, _layout_cfg(tiny_hf, *layout), 3)
     for r in res:

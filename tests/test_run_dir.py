@@ -469,7 +469,7 @@ def test_a_longer_resume_is_refused_where_the_decay_runs_over_train_steps(tmp_pa
                   ["train", *SMALL, "train.steps=2", f"train.out={constant}"])
     assert [p.returncode for p in first] == [0, 0], first[0].stderr[-2000:]
     before = _snapshot(decaying)
-    # the README's form: a resume names only the run and its new length; the rest is the saved run's config
+    # the docs' form: a resume names only the run and its new length; the rest is the saved run's config
     longer, extended = _cmds(["train", "train.steps=3", "train.resume=true", f"train.out={decaying}"],
                              ["train", "train.steps=3", "train.resume=true", f"train.out={constant}",
                               "train.progress=false"])
@@ -566,7 +566,11 @@ def test_a_resume_that_empties_a_mapping_applies_it_and_is_refused(tmp_path):
     assert got.reward.fns == {}
     assert resume_changes(to_yaml(saved), to_yaml(got)) == [
         ("reward.fns.multiple_choice", "pkg.mod:first_letter", None)]
-    bare = resumed_config(load_run_config(over[:2]), over[:2], to_yaml(saved))  # not named: the saved mapping
+    # not named: the saved mapping would be taken, but it names code, which a run directory may not
+    with pytest.raises(ValueError, match=r"train.resume=true: the run's saved config names reward.fns"):
+        resumed_config(load_run_config(over[:2]), over[:2], to_yaml(saved))
+    again = [*over[:2], "+reward.fns={multiple_choice: 'pkg.mod:first_letter'}"]  # named again by the user
+    bare = resumed_config(load_run_config(again), again, to_yaml(saved))
     assert bare.reward.fns == {"multiple_choice": "pkg.mod:first_letter"}
     assert resume_changes(to_yaml(saved), to_yaml(bare)) == []
 
@@ -581,6 +585,11 @@ def test_an_evaluation_of_a_run_takes_its_reading_and_scoring_settings():
                              "data.train_files=[run_rows.parquet]", "rollout.group_size=4",
                              "data.val_files=[run_val.parquet]", "train.val_every=1"])
     over = ["data.val_files=[val.parquet]", "data.train_files=[val.parquet]", "val.n=2"]  # as eval composes it
+    # code the run's config names (a dotted-path reward) is imported only when this command line names it too
+    with pytest.raises(ValueError, match=r"--run: the run's saved config names reward.fns.multiple_choice="
+                                         r"'pkg.mod:first_letter', code to import; .* give \+reward.fns="):
+        run_eval_config(load_run_config(over), over, to_yaml(saved))
+    over.append("+reward.fns={multiple_choice: 'pkg.mod:first_letter'}")
     got, taken = run_eval_config(load_run_config(over), over, to_yaml(saved))
     assert (got.reward.fns, got.reward.format_reward, got.rollout.max_response_len) == (
         {"multiple_choice": "pkg.mod:first_letter"}, 0.5, 4)
@@ -588,8 +597,7 @@ def test_an_evaluation_of_a_run_takes_its_reading_and_scoring_settings():
     assert (got.val.n, got.data.max_pixels, got.data.val_files, got.data.train_files) == (2, 3136, [val], [val])
     root = load_run_config([])
     assert (got.optim.lr, got.rollout.group_size) == (root.optim.lr, root.rollout.group_size)
-    assert taken == {"reward.fns.multiple_choice": "pkg.mod:first_letter", "reward.format_reward": 0.5,
-                     "rollout.max_response_len": 4, "data.max_pixels": 3136}
+    assert taken == {"reward.format_reward": 0.5, "rollout.max_response_len": 4, "data.max_pixels": 3136}
     mine = ["data.val_files=[val.parquet]", "data.train_files=[val.parquet]", "reward.fns={}", "reward.fn=exact_match"]
     got, _ = run_eval_config(load_run_config(mine), mine, to_yaml(saved))
     assert (got.reward.fns, got.reward.fn, got.reward.format_reward) == ({}, "exact_match", 0.5)

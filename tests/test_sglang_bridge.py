@@ -11,7 +11,7 @@ from rollplex_megatron.recipes import load_run_config
 from tests import sglang_workers as W
 from tests.in_turn import case, in_turn
 
-TOL = 1e-5  # DESIGN section 3, fp32 on CPU
+TOL = 1e-5  # docs/design.md §3, fp32 on CPU
 
 
 def _cfg():

@@ -7,7 +7,7 @@ import torch
 from rollplex_megatron.attention import split
 from rollplex_megatron.attention.prefix import PackedLayout, dense_reference
 
-TOL = 1e-5  # DESIGN section 3: fp32 on CPU
+TOL = 1e-5  # docs/design.md §3: fp32 on CPU
 
 
 def _layout(gen, n_groups: int, shuffled: bool, prefix: bool = True):

@@ -7,7 +7,7 @@ from rollplex_megatron.recipes import load_run_config
 from tests import trainer_workers as W
 from tests.in_turn import case, in_turn
 
-TOL = 1e-5  # DESIGN section 3, fp32 on CPU
+TOL = 1e-5  # docs/design.md §3, fp32 on CPU
 # Adam's epsilon is raised from 1e-8 to 1e-6 here: parameters whose gradient is almost zero (the
 # attention key biases) otherwise get full-size steps out of fp32 rounding noise, which differs
 # between execution orders, and a drift of 1e-5 after 3 steps says nothing about the modes.
@@ -19,7 +19,7 @@ BASE = ["model=tiny", "optim.adam_eps=1e-6", "workload.rollout_batch=32", "workl
         "train.kl_coef=0.1", "task.format_reward=0.5", "task.max_answer_tokens=6", "optim.lr=3e-4"]
 STEP1_TOL = 1e-6  # the first step starts from identical weights: the mechanism alone
 # Mean |trainer log-prob - sampler log-prob| per token: the sampler decodes with its own K/V cache
-# (another reduction order), so fp32 rounding of log-probs of size ~6 (DESIGN: never bit-exact).
+# (another reduction order), so fp32 rounding of log-probs of size ~6 (docs/design.md §3: never bit-exact).
 LOGP_TOL = 1e-5
 
 
@@ -36,7 +36,7 @@ def _rel(a, b):
 
 
 def _param_err(run, ref):
-    """Largest per-parameter relative difference of the trained weights (DESIGN: parameters after the
+    """Largest per-parameter relative difference of the trained weights (docs/design.md §3: parameters after the
     steps stay within the bound)."""
     assert any(float((ref["last"][n] - ref["first"][n]).norm()) > 0 for n in ref["last"])  # it trained
     errs = {n: _rel(run["last"][n], ref["last"][n]) for n in ref["last"]}

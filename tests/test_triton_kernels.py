@@ -41,7 +41,7 @@ from rollplex_megatron.rollout.triton_sampling import fused_sample
 
 GPU = torch.cuda.is_available()
 DEV = "cuda" if GPU else "cpu"
-TOL = 1e-2 if GPU else 1e-5  # DESIGN: bf16 on GPU 1e-2 relative, fp32 on CPU 1e-5
+TOL = 1e-2 if GPU else 1e-5  # docs/design.md §3: bf16 on GPU 1e-2 relative, fp32 on CPU 1e-5
 
 
 def _rel(a, b):
@@ -245,7 +245,7 @@ def _bits_apart(a, b):
 
 
 def _agrees(got, want) -> bool:
-    """The bound the fused norm is held to. fp32: 1e-5 relative (DESIGN). bf16 y and gx: equal but for
+    """The bound the fused norm is held to. fp32: 1e-5 relative (docs/design.md §3). bf16 y and gx: equal but for
     the rounding of a reduction in another order, i.e. at most 1 in 1000 elements differ and those by one
     ulp; gw (the weight's dtype) 1e-5 relative in fp32, the bf16 rule in bf16."""
     for a, b in zip(got, want):
@@ -377,7 +377,7 @@ def test_trainer_step_with_the_fused_norm_gives_the_torch_update(tiny_hf):
     assert fused["tokens"] == plain["tokens"]
     (a,), (b,) = fused["records"], plain["records"]
     # on CPU both runs share every op but the norm's (interpreted): the mechanism's bound; on the GPU the
-    # kernel's rsqrt and sums are the device's, beside other kernels: DESIGN's fp32 bound (the H200 at
+    # kernel's rsqrt and sums are the device's, beside other kernels: the fp32 bound of docs/design.md §3 (the H200 at
     # 3a15c52: the gradient norm 8.9e-6 relative apart, close to it)
     bound = TOL if GPU else STEP1_TOL
     for k in ("loss", "grad_norm"):

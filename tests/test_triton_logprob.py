@@ -20,7 +20,7 @@ from tests.test_trainer import _param_err, _records_close
 
 GPU = torch.cuda.is_available()
 DEV = "cuda" if GPU else "cpu"
-TOL = 1e-5  # DESIGN section 3, fp32
+TOL = 1e-5  # docs/design.md §3, fp32
 
 
 def _rel(a, b):
@@ -76,7 +76,7 @@ def _errors(got, want, ref) -> dict:
 
 
 def _check(e: dict) -> None:
-    """Within DESIGN's fp32 bound of the precise values, and as close to the torch path as that path's own
+    """Within docs/design.md §3's fp32 bound of the precise values, and as close to the torch path as that path's own
     rounding allows (a peaked distribution of large logits costs the torch path ~1e-5 on its gradient)."""
     for k, err in e["fused"].items():
         assert err <= TOL, (k, e)

@@ -1,5 +1,5 @@
 """The verl plugin (rollplex_megatron/integrations/verl/): discovery through verl's entry point, and the engine
-against this project's serial full-sequence path on verl's own batches and loss (fp32 CPU, DESIGN 1e-5)."""
+against this project's serial full-sequence path on verl's own batches and loss (fp32 CPU, docs/design.md §3: 1e-5)."""
 import subprocess
 import sys
 
@@ -10,7 +10,7 @@ from rollplex_megatron.dist import run_local
 from tests import verl_workers as W
 
 TOL = 1e-5
-# the decode window's overrides, as the README gives them
+# the decode window's overrides, as docs/guides/verl.md gives them
 WINDOW_OVERRIDES = ["+ray_kwargs.ray_init.runtime_env.env_vars.ROLLPLEX_SGLANG_BRIDGE=dir:/tmp/rollplex-bridge",
                     "actor_rollout_ref.rollout.tensor_model_parallel_size=${actor_rollout_ref.actor.megatron."
                     "tensor_model_parallel_size}"]
@@ -86,7 +86,7 @@ def test_dp2_gradients_equal_one_rank_on_the_whole_batch(tiny_hf, tp1):
 def test_dynamic_batch_size_packs_response_tokens_and_keeps_the_update(tp1):
     """Under verl's dynamic batch size a response-stage micro-batch holds responses up to max_token_len_per_gpu
     response tokens (a longer response alone) instead of a count; the log-probs, the loss and every gradient
-    equal the count packing's (DESIGN's fp32 bound); mutation: a packer that repeats a response."""
+    equal the count packing's (the fp32 bound of docs/design.md §3); mutation: a packer that repeats a response."""
     r = tp1["dynamic"]
     count, dyn = r["count_packing"]["shared"], r["dynamic_packing"]["shared"]
     assert sum(count) == sum(dyn) == sum(r["lens"]) and len(count) != len(dyn), r
@@ -144,8 +144,8 @@ def test_batch_errors_name_the_key_and_sample():
 
 
 def test_recipe_composes_on_verls_config_and_builds_configs_the_engine_accepts():
-    """The furthest seam of a verl run that runs here (see README): the recipe on verl's own Hydra config, turned
-    into verl's config dataclasses as its workers do, accepted by the engine's checks."""
+    """The furthest seam of a verl run that runs here (see docs/guides/verl.md): the recipe on verl's own Hydra
+    config, turned into verl's config dataclasses as its workers do, accepted by the engine's checks."""
     import os
 
     from hydra import compose, initialize_config_dir
@@ -163,7 +163,7 @@ def test_recipe_composes_on_verls_config_and_builds_configs_the_engine_accepts()
     check_engine_config(omega_conf_to_dataclass(c.actor_rollout_ref.ref.megatron))
     with initialize_config_dir(config_dir=os.path.abspath("recipes/verl"), version_base=None):
         w = compose("qwen2_5_vl_rollplex", overrides=["actor_rollout_ref.model.path=/m"] + WINDOW_OVERRIDES)
-    env = w.ray_kwargs.ray_init.runtime_env.env_vars  # the README's window overrides compose on the recipe
+    env = w.ray_kwargs.ray_init.runtime_env.env_vars  # the docs' window overrides compose on the recipe
     assert env.VERL_ENGINE_VENDOR == "rollplex" and env.ROLLPLEX_SGLANG_BRIDGE == "dir:/tmp/rollplex-bridge"
     arr = w.actor_rollout_ref
     assert arr.rollout.tensor_model_parallel_size == arr.actor.megatron.tensor_model_parallel_size

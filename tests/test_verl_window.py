@@ -1,7 +1,7 @@
 """The decode window under verl (rollplex_megatron/integrations/verl/window.py, worker.py, trainer.py): the
 reference prefix stage of each uid runs in SGLang's scheduler (a stand-in here: SGLang cannot be installed, see
 `tests/sglang_workers.py`), found through a rendezvous directory, and the reference phase uses those K/V only
-where the job's prompt is the batch's bit for bit (fp32 CPU, DESIGN 1e-5)."""
+where the job's prompt is the batch's bit for bit (fp32 CPU, docs/design.md §3: 1e-5)."""
 import math
 
 import pytest
@@ -115,7 +115,7 @@ def test_window_poller_hands_each_finished_uid_once_to_its_rank(monkeypatch):
 
 
 def test_window_swaps_verls_worker_before_any_starts(monkeypatch, tmp_path):
-    """On verl's own config (the recipe with the README's window overrides): the trainer's resource set-up puts
+    """On verl's own config (the recipe with docs/guides/verl.md's window overrides): the trainer's resource set-up puts
     the rollplex worker in verl's colocated role; SGLang at another TP than the reference, a layout without a
     colocated reference, and listener addresses are refused there, before any worker starts."""
     import os

@@ -12,6 +12,6 @@ for key in data.train_files data.val_files actor_rollout_ref.model.path; do
   esac
 done
 python3 -c "import verl" 2>/dev/null || {
-  echo "run_qwen2_5_vl_rollplex.sh: verl is not installed in this python3 (README 'Using Rollplex from verl': which release, how)" >&2; exit 2; }
+  echo "run_qwen2_5_vl_rollplex.sh: verl is not installed in this python3 (docs/guides/verl.md: which release, how)" >&2; exit 2; }
 export VERL_ENGINE_VENDOR=rollplex  # the driver's own processes; the recipe sets it for Ray's workers
 exec python3 -m verl.trainer.main_ppo --config-path="$here" --config-name=qwen2_5_vl_rollplex "$@"

@@ -101,7 +101,7 @@ def mcore_to_hf(mcore_dir: str, out_dir: str, max_shard_bytes: int = 4 << 30) ->
             if not (Path(mcore_dir) / rank_file(t, p)).is_file():
                 raise H.CheckpointError(f"{mcore_dir}: missing {rank_file(t, p)} for tp={tp}, pp={pp}")
     # mmap: each rank file is paged in tensor by tensor while exporting, never loaded whole.
-    states = [[H.load_torch_file(Path(mcore_dir) / rank_file(t, p), mmap=True, weights_only=True)
+    states = [[H.load_torch_file(Path(mcore_dir) / rank_file(t, p), mmap=True)
                for t in range(tp)] for p in range(pp)]
 
     def fill(tmp: Path) -> None:
@@ -181,7 +181,7 @@ def _actor_states(ck: Path, meta: dict) -> list[list[dict]]:
         f = ck / T.rank_file_name(rank)
         if not f.is_file():
             raise H.CheckpointError(f"{ck}: missing {f.name} of world size {meta['world_size']}")
-        state = H.load_torch_file(f, map_location="cpu", mmap=True, weights_only=False)
+        state = T.read_rank_state(f, mmap=True)
         # megatron's default rank order tp-cp-ep-dp-pp (cp = ep = 1), for files that predate "ranks"
         r = state.get("ranks") or {"tp": rank % tp, "dp": rank // tp % dp, "pp": rank // (tp * dp)}
         if r["dp"] == 0:

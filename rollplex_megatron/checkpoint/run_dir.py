@@ -3,21 +3,26 @@
 Layout of `<run>/`:
   .lock              held (fcntl) by the launcher while the run trains; holds its pid, host and
                      worker pids, so that a busy directory names its owner
-  config.yaml        the resolved config in force (rewritten on resume: only RESUMABLE settings differ)
+  config.yaml        the resolved config in force (rewritten on resume: only resumable settings differ)
   memory_plan.json   the planner's bytes per phase and class
   metrics.jsonl      one line per step; on resume cut back to the checkpoint's step
   checkpoints/       atomic checkpoints (train_state.py)
   summary.json, report.png   over every step of the run, all resumed segments included
 
-Every check here runs in the launcher before a process starts, so a refused start changes nothing.
+Every check here runs in the launcher before a process starts, so a refused start changes nothing. train.out
+is never a filesystem root, the home folder, this package's checkout or a non-empty folder that holds no run
+(`check_place`, `check_foreign`); a `latest` that is missing or damaged beside a complete checkpoint is answered
+with the command that publishes it (`published_checkpoint`), never with advice to remove the run.
 """
 from __future__ import annotations
 
 import fcntl
 import json
 import os
+import shlex
 import shutil
 import socket
+import sys
 import zipfile
 from pathlib import Path
 
@@ -25,24 +30,16 @@ import yaml
 from omegaconf import OmegaConf
 
 from rollplex_megatron.checkpoint import train_state
+from rollplex_megatron.data import fingerprint
 from rollplex_megatron.models.qwen25vl.hf import atomic_write_text
 from rollplex_megatron.config import RunConfig, flat_settings
+from rollplex_megatron.schema import resumable
 
 LOCK = ".lock"
 METRICS = "metrics.jsonl"
 RUN_FILES = ("config.yaml", METRICS, train_state.CHECKPOINTS)
-
-# Settings that may differ from the checkpoint's on resume: they change how a step executes or
-# what is written, not what it computes (the modes and memory plans give the same update).
-# Everything else (lr, loss, batch, seed, model, task, ...) is refused on resume.
-RESUMABLE = ("train.steps", "train.save_every", "train.save_final", "train.resume", "train.out",
-             "train.progress", "run_dir", "mode.", "memory.", "rollout.cuda_graphs", "rollout.keep_decode_state",
-             "rollout.decode_attention", "rollout.sampling_kernel", "train.logprob_kernel", "train.norm_kernel",
-             "train.rope_kernel", "workload.prefix_pack_tokens", "parallel.backend",
-             "smoke.", "verify.", "plan.",
-             "train.val_every", "val.", "data.val_files", "data.prefetch",  # evaluation, prefetch, trackers,
-             "train.tensorboard", "train.wandb",  # the profiler: what a step computes stays the same
-             "train.profile_step", "train.profile_phases")
+# The folder that holds this package: its repository checkout (or site-packages for an installed one)
+CHECKOUT = Path(__file__).resolve().parents[2]
 
 
 class RunDirError(ValueError):
@@ -171,7 +168,7 @@ def resume_changes(saved_yaml: str, config_yaml: str) -> list[tuple[str, object,
     keys = sorted(set(old) | set(new))
     return [(k, old.get(k), new.get(k)) for k in keys
             if old.get(k) != new.get(k) and not (k not in old and k in defaults and new.get(k) == defaults[k])
-            and not any(k == r or (r.endswith(".") and k.startswith(r)) for r in RESUMABLE)]
+            and not resumable(RunConfig, k)]  # settings flagged resumable in config.py's metadata
 
 
 def _schedule_change(saved_yaml: str, config_yaml: str, at_step: int) -> str:
@@ -188,6 +185,113 @@ def _schedule_change(saved_yaml: str, config_yaml: str, at_step: int) -> str:
             f"optim.lr_decay_steps set (such a run may be extended)")
 
 
+def forbidden_place(path: Path) -> str:
+    """Why `path` may never hold a run (the filesystem root, the home folder, this package's checkout), or ""."""
+    path = Path(path).expanduser().resolve()
+    try:
+        home = Path.home().resolve()
+    except RuntimeError:  # no HOME and no password entry: there is no home folder to protect
+        home = None
+    if path.parent == path:
+        return "a filesystem root"
+    if path == home:
+        return "the home folder"
+    if path == CHECKOUT:
+        return "the folder that holds the rollplex_megatron package (its checkout)"
+    return ""
+
+
+def check_place(out: Path) -> None:
+    """Refuse a train.out that is a filesystem root, the home folder or this package's checkout: a run writes its
+    files and its lock at the top of train.out, and every later run inside that folder would be refused."""
+    why = forbidden_place(out)
+    if why:
+        raise RunDirError(f"train.out={out} is {why}; a run writes config.yaml, checkpoints/ and its lock at the top "
+                          f"of train.out: give the run a folder of its own (e.g. train.out=runs/NAME)")
+
+
+def is_run(path: Path, modes=()) -> bool:
+    """`path` holds a run of this project: a run's files or lock at its top, or a --modes comparison (`modes`: the
+    mode names, one folder each)."""
+    path = Path(path)
+    return any((path / f).exists() for f in (*RUN_FILES, LOCK)) \
+        or any((path / m / f).exists() for m in modes for f in RUN_FILES)
+
+
+def check_foreign(out: Path, modes=()) -> None:
+    """Refuse a train.out that is a non-empty folder holding no run of this project (the run would mix its files
+    with the folder's); a missing or empty folder, or a run's own (to resume), is fine."""
+    out = Path(out)
+    if not out.is_dir() or is_run(out, modes):
+        return
+    names = sorted(p.name for p in out.iterdir())
+    if names:
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        raise RunDirError(f"train.out={out} is a folder that holds other files ({shown}) and no run of this "
+                          f"project; a run needs a folder of its own: choose a new or empty folder")
+
+
+def _whole(step_dir: Path) -> bool:
+    """`step_dir` holds a complete checkpoint: meta.json of its step, and every rank file its world size names,
+    each a readable torch (zip) file."""
+    try:
+        meta = train_state.read_meta(step_dir)
+        world, step = int(meta["world_size"]), int(meta["step"])
+    except (OSError, ValueError, KeyError, TypeError):  # no meta.json, or a damaged one
+        return False
+    files = [step_dir / train_state.rank_file_name(r) for r in range(world)]
+    return world > 0 and step == int(step_dir.name[5:]) and all(f.is_file() and zipfile.is_zipfile(f) for f in files)
+
+
+def complete_steps(run: Path) -> list[Path]:
+    """The `step_N` directories of `run` that hold a complete checkpoint (`_whole`), newest first."""
+    root = Path(run) / train_state.CHECKPOINTS
+    steps = [p for p in root.glob("step_*") if p.name[5:].isascii() and p.name[5:].isdigit()]
+    return sorted((p for p in steps if _whole(p)), key=lambda p: int(p.name[5:]), reverse=True)
+
+
+def publish_command(run: Path, step_dir: Path) -> str:
+    """The shell command that makes `step_dir` the checkpoint a resume of `run` starts from."""
+    return f"echo {step_dir.name} > {shlex.quote(str(Path(run) / train_state.CHECKPOINTS / train_state.LATEST))}"
+
+
+def published_checkpoint(run: Path) -> Path | None:
+    """The checkpoint `checkpoints/latest` names, or None when the run has none. A `latest` that is missing or
+    damaged while a step directory holds a complete checkpoint is a RunDirError naming that checkpoint and the
+    command that publishes it: a directory that holds a checkpoint is never advice to remove."""
+    run = Path(run)
+    if not run.is_dir():
+        return None
+    pointer = run / train_state.CHECKPOINTS / train_state.LATEST
+    try:
+        latest = train_state.latest_checkpoint(run)
+    except FileNotFoundError as e:  # names no complete step: edited, or its step removed
+        latest, damage = None, str(e)
+    else:
+        damage = f"{pointer} is missing" if not pointer.exists() else f"{pointer} is not a file"
+    if latest is not None:
+        return latest
+    whole = complete_steps(run)
+    if whole:
+        meta = train_state.read_meta(whole[0])
+        raise RunDirError(f"train.out={run}: {damage}, but {whole[0].name} holds a complete checkpoint (step "
+                          f"{meta['step']}: meta.json and its {meta['world_size']} rank file(s)); publish it with "
+                          f"`{publish_command(run, whole[0])}`, then start again with train.resume=true")
+    if pointer.exists() or pointer.is_symlink():
+        raise RunDirError(f"train.out={run}: {damage}, and no step directory holds a complete checkpoint (meta.json "
+                          f"and every rank file); restore the checkpoint's files, or choose a new train.out")
+    return None
+
+
+def _earlier(run: Path, latest: Path) -> str:
+    """The way back to the newest complete checkpoint before `latest`, for a message."""
+    older = [p for p in complete_steps(run) if int(p.name[5:]) < int(latest.name[5:])]
+    if not older:
+        return " (no earlier checkpoint is complete)"
+    return (f", or resume from an earlier checkpoint: {older[0].name} is the newest complete one (publish it with "
+            f"`{publish_command(run, older[0])}`)")
+
+
 def check_start(run: Path, resume: bool, steps: int, config_yaml: str, launcher: bool = True) -> int:
     """Before any process starts: the step this run starts at, or RunDirError with the way out. `launcher`: this
     process will take the directory's lock (rank 0); the other torchrun ranks only read, and may find that lock
@@ -200,12 +304,15 @@ def check_start(run: Path, resume: bool, steps: int, config_yaml: str, launcher:
         raise RunDirError(f"{run} is in use by pid {holder.get('pid')} on {holder.get('host')} (lock {run / LOCK}); "
                           f"wait for that run to end or stop it")
     held = [f for f in RUN_FILES if (run / f).exists()]
-    latest = train_state.latest_checkpoint(run) if run.is_dir() else None
+    latest = published_checkpoint(run)  # a complete checkpoint that `latest` does not name: how to publish it
     if latest is None and held:
         unpublished = sorted(p.name for p in (run / train_state.CHECKPOINTS).glob("step_*")
                              if ".tmp-" not in p.name) if (run / train_state.CHECKPOINTS).is_dir() else []
         why = f" ({', '.join(unpublished)} written but never published as latest: the run stopped while saving)" \
             if unpublished else ""
+        if any((run / train_state.CHECKPOINTS / n / train_state.META).is_file() for n in unpublished):
+            raise RunDirError(f"train.out={run} holds a run whose checkpoints are incomplete{why}: a rank file is "
+                              f"missing or damaged; restore the checkpoint's files, or choose a new train.out")
         raise RunDirError(f"train.out={run} holds a run ({', '.join(held)}) that stopped before its first "
                           f"checkpoint{why}, so there is nothing to resume; remove that directory or choose a new "
                           f"train.out")
@@ -223,8 +330,7 @@ def check_start(run: Path, resume: bool, steps: int, config_yaml: str, launcher:
     if missing:
         raise RunDirError(f"train.resume=true but {latest} lacks {', '.join(missing)} of its world size "
                           f"{meta['world_size']} (the checkpoint was damaged after it was written); restore those "
-                          f"files, or resume from an earlier checkpoint by writing its directory name (step_...) "
-                          f"into {run / train_state.CHECKPOINTS / train_state.LATEST}")
+                          f"files{_earlier(run, latest)}")
     if steps <= meta["step"]:
         raise RunDirError(f"train.steps={steps} but {latest.name} is at step {meta['step']}; set train.steps "
                           f"above {meta['step']} to continue the run")
@@ -232,9 +338,7 @@ def check_start(run: Path, resume: bool, steps: int, config_yaml: str, launcher:
                if not zipfile.is_zipfile(latest / (n := train_state.rank_file_name(r)))]
     if damaged:  # torch.save's zip format: a truncated file has no central directory
         raise RunDirError(f"train.resume=true but {latest}/{damaged[0]} is not a readable checkpoint file (truncated "
-                          f"or damaged after it was written); restore it, or resume from an earlier checkpoint by "
-                          f"writing its directory name (step_...) into "
-                          f"{run / train_state.CHECKPOINTS / train_state.LATEST}")
+                          f"or damaged after it was written); restore it{_earlier(run, latest)}")
     changed = resume_changes(meta["config"], config_yaml)
     if changed:
         k, old, new = changed[0]
@@ -245,7 +349,18 @@ def check_start(run: Path, resume: bool, steps: int, config_yaml: str, launcher:
     schedule = _schedule_change(meta["config"], config_yaml, int(meta["step"]))  # after `changed`: a new style is that
     if schedule:
         raise RunDirError(f"train.resume=true: {schedule} in {latest.name}")
+    _check_data(meta, config_yaml, latest)
     return int(meta["step"])
+
+
+def _check_data(meta: dict, config_yaml: str, latest: Path) -> None:
+    """The data files the checkpoint trained on are unchanged (checkpoints before the fingerprint: not checked)."""
+    data = (yaml.safe_load(config_yaml) or {}).get("data") or {}
+    try:
+        fingerprint.check_unchanged(meta.get("data") or {}, list(data.get("train_files") or []),
+                                    bool(data.get("accept_changed_files")), latest.name)
+    except ValueError as e:
+        raise RunDirError(str(e)) from None
 
 
 def remove_if_unused(run: Path) -> bool:
@@ -267,7 +382,15 @@ def clean_interrupted(run: Path, lock: RunLock) -> list[str]:
     assert lock.fd is not None, "clean_interrupted needs the run directory's lock"
     run, removed = Path(run), []
     for p in list((run / train_state.CHECKPOINTS).glob("*.tmp-*")) + list(run.glob(".*.tmp-*")):
-        shutil.rmtree(p) if p.is_dir() else p.unlink()
+        if p.is_symlink():  # never followed: a save makes no links, so this one goes and its target stays
+            target = os.readlink(p)
+            p.unlink()
+            print(f"note: removed the link {p} (named like an interrupted save's leftover; its target {target} is "
+                  f"kept)", file=sys.stderr)
+        elif p.is_dir():
+            shutil.rmtree(p)
+        else:
+            p.unlink()
         removed.append(p.name)
     return removed
 

@@ -3,8 +3,13 @@
 Layout under `<run_dir>/checkpoints/`:
   step_<NNNNNN>/rank<RRRRR>.pt  this rank's actor and reference shard, optimizer state, RNG states,
                                 its (tp, pp, dp) ranks
-  step_<NNNNNN>/meta.json       step, world size, tp/pp/dp and the resolved config (YAML)
+  step_<NNNNNN>/meta.json       step, world size, tp/pp/dp, the resolved config (YAML) and the data
+                                files' fingerprint
   latest                        name of the newest published step directory
+Rank files hold tensors and plain values only (what is not a tensor is JSON: `extra_json`) and are read
+through torch's weights-only unpickler, so a checkpoint cannot name code to run when it is opened; format 1
+files (numpy's RNG state as an ndarray, `extra` as a dict) are read through the same loader with numpy's
+array types allowed.
 Every rank writes into `step_<N>.tmp-<uuid>/` (name chosen by rank 0 and broadcast), each file
 through a temporary file and `os.replace`. Only when every rank reports success does rank 0 rename
 the directory to `step_<N>` and then rewrite `latest`, both atomically. A crash at any earlier point
@@ -16,9 +21,11 @@ Checkpoints are per layout: loading needs the same tp, pp and dp (no resharding)
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
+import shutil
 import uuid
 from pathlib import Path
 
@@ -28,14 +35,30 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-from rollplex_megatron.models.qwen25vl.hf import load_torch_file, read_json
+from rollplex_megatron.models.qwen25vl.hf import CheckpointError, load_torch_file, read_json
 from rollplex_megatron.dist import train_world
 from rollplex_megatron.runtime import device
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 META = "meta.json"
-FORMAT = 1
+FORMAT = 2
+FORMATS = (1, 2)
+# meta.json's keys and their types; `data` (the data files' fingerprint) is absent before format 2.
+META_KEYS = {"format": int, "step": int, "world_size": int, "tp": int, "pp": int, "dp": int, "config": str}
+RANK_KEYS = ("model", "optimizer", "step", "rng")  # `reference` and `ranks` are absent from older files
+# Format 1 saved numpy's RNG state as an ndarray: these rebuild an array and nothing else.
+NUMPY_ARRAY_GLOBALS = (np._core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32)))
+# Room left beyond a rank file's tensor bytes before a save starts (pickled structure, zip records).
+SAVE_HEADROOM = 1.05
+SAVE_HEADROOM_BYTES = 16 << 20
+
+
+class DiskFullError(OSError):
+    """A save ran out of space (or would): names the filesystem, the file and the last complete checkpoint."""
+
+    def __str__(self) -> str:
+        return self.strerror  # the message alone, without "[Errno 28]": it is a user's one-line error
 
 
 def step_dir_name(step: int) -> str:
@@ -64,16 +87,29 @@ def _ranks() -> dict:
 
 
 def rng_states() -> dict:
-    """Python, numpy, torch CPU, CUDA (if present) and megatron tracker RNG states of this process."""
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+    """Python, numpy, torch CPU, CUDA (if present) and megatron tracker RNG states of this process, as
+    tensors and plain values (numpy's key array as an int64 tensor)."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    return {"python": random.getstate(),
+            "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                      "has_gauss": int(has_gauss), "cached_gaussian": float(gauss)},
+            "torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
             "tracker": {k: v.clone() for k, v in get_cuda_rng_tracker().get_states().items()}}
+
+
+def _numpy_state(saved) -> tuple:
+    """numpy's state tuple from `rng_states`' dict (format 2) or the tuple format 1 stored."""
+    if isinstance(saved, dict):
+        keys = saved["keys"].numpy().astype(np.uint32)
+        return saved["kind"], keys, saved["pos"], saved["has_gauss"], saved["cached_gaussian"]
+    return tuple(saved)
 
 
 def set_rng_states(states: dict) -> None:
     """Restore what `rng_states` returned."""
     random.setstate(states["python"])
-    np.random.set_state(states["numpy"])
+    np.random.set_state(_numpy_state(states["numpy"]))
     torch.set_rng_state(states["torch"])
     if states["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(states["cuda"])
@@ -90,11 +126,69 @@ def _fsync_dir(path: Path) -> None:
 
 def _write_atomic(path: Path, write) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex}")
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a failed write (a full disk) leaves no partial file behind
+        raise
+
+
+def _mount_point(path: Path) -> Path:
+    """The mount point of the filesystem that holds `path`."""
+    p = Path(os.path.abspath(path))
+    while not os.path.ismount(p):
+        p = p.parent
+    return p
+
+
+def _tensor_bytes(obj) -> int:
+    """Bytes of every tensor inside nested dicts, lists and tuples."""
+    if torch.is_tensor(obj):
+        return obj.untyped_storage().nbytes() if obj.device.type != "meta" else 0
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
+
+
+def _last_complete(root: Path) -> str:
+    pointer = root / LATEST
+    return pointer.read_text().strip() if pointer.is_file() else "no checkpoint yet"
+
+
+def _disk_full(path: Path, need: int, free: int) -> DiskFullError:
+    root = path.parent.parent
+    return DiskFullError(errno.ENOSPC, f"no space left on {_mount_point(path.parent)} while writing {path} "
+                         f"({free / 2**30:.2f} GiB free, about {need / 2**30:.2f} GiB needed for this rank); the "
+                         f"partial save is removed and the last complete checkpoint stays {_last_complete(root)}; free "
+                         f"space there or set train.out to a run directory on another filesystem")
+
+
+def _save_rank_file(path: Path, state: dict) -> None:
+    """torch.save `state` to `path` atomically; refused before writing when the filesystem has clearly too little
+    room, and a write that runs out of space becomes a DiskFullError naming the filesystem and the file."""
+    need = int(_tensor_bytes(state) * SAVE_HEADROOM) + SAVE_HEADROOM_BYTES
+    free = shutil.disk_usage(path.parent).free
+    if free < need:
+        raise _disk_full(path, need, free)
+    try:
+        _write_atomic(path, lambda f: torch.save(state, f))
+    except (OSError, RuntimeError) as e:
+        # torch's zip writer reports ENOSPC as "RuntimeError: [enforce fail at inline_container.cc] unexpected pos"
+        full = isinstance(e, OSError) and e.errno == errno.ENOSPC
+        free = shutil.disk_usage(path.parent).free
+        if full or free < need - _written_bytes(path):
+            raise _disk_full(path, need, free) from None
+        raise
+
+
+def _written_bytes(path: Path) -> int:
+    return 0 if not path.exists() else path.stat().st_size
 
 
 def _agree(ok: bool, what: str) -> None:
@@ -160,24 +254,39 @@ def _publish(root: Path, tmp: Path, step: int, meta: dict) -> Path:
 
 
 def save_checkpoint(run_dir, step: int, model, reference, optimizer, extra: dict | None = None,
-                    config_yaml: str = "") -> Path:
+                    config_yaml: str = "", data: dict | None = None) -> Path:
     """Collective: write this rank's state and publish `step_<N>` atomically; returns its path."""
     root = Path(run_dir) / CHECKPOINTS
+    extra_json = _extra_json(extra)  # before any file: a value JSON cannot hold is a bug of the caller
     tmp = _shared_tmp_dir(root, step)
     rank = dist.get_rank()
 
     def write_rank():
-        state = {"model": _module(model).state_dict(),
+        state = {"format": FORMAT, "model": _module(model).state_dict(),
                  "reference": None if reference is None else _module(reference).state_dict(),
                  "optimizer": optimizer.state_dict(), "step": int(step), "rng": rng_states(), "ranks": _ranks(),
-                 "extra": dict(extra or {})}
-        _write_atomic(tmp / rank_file_name(rank), lambda f: torch.save(state, f))
+                 "extra_json": extra_json}
+        _save_rank_file(tmp / rank_file_name(rank), state)
 
-    _collective(write_rank, f"writing checkpoint step {step}")
-    meta = {"format": FORMAT, "step": int(step), **_layout(), "config": config_yaml}
-    final = _collective(lambda: _publish(root, tmp, step, meta), f"publishing checkpoint step {step}",
-                        ranks_run=rank == 0)
+    meta = {"format": FORMAT, "step": int(step), **_layout(), "config": config_yaml, "data": dict(data or {})}
+    try:
+        _collective(write_rank, f"writing checkpoint step {step}")
+        final = _collective(lambda: _publish(root, tmp, step, meta), f"publishing checkpoint step {step}",
+                            ranks_run=rank == 0)
+    except BaseException:
+        # Every rank has left the agreement, so none writes into `tmp` any more: rank 0 removes the partial save.
+        if rank == 0 and tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return final if final is not None else root / step_dir_name(step)
+
+
+def _extra_json(extra: dict | None) -> str:
+    """`extra` as JSON text (the rank files hold no pickled Python objects)."""
+    try:
+        return json.dumps(dict(extra or {}), allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"checkpoint extra state must be JSON (numbers, strings, lists, dicts): {e}") from None
 
 
 def latest_checkpoint(run_dir) -> Path | None:
@@ -186,7 +295,11 @@ def latest_checkpoint(run_dir) -> Path | None:
     pointer = root / LATEST
     if not pointer.is_file():
         return None
-    path = root / pointer.read_text().strip()
+    name = pointer.read_bytes().decode("utf-8", "replace").strip()
+    if not (name.startswith("step_") and name[5:].isascii() and name[5:].isdigit()):  # nor a path out of root
+        raise FileNotFoundError(f"{pointer} holds {name[:40]!r}, not a checkpoint's directory name (step_NNNNNN); "
+                                f"the run directory was modified outside training")
+    path = root / name
     if not (path / META).is_file():
         raise FileNotFoundError(f"{pointer} points at {path.name}, which has no {META}; the run directory "
                                 f"was modified outside training")
@@ -194,8 +307,51 @@ def latest_checkpoint(run_dir) -> Path | None:
 
 
 def read_meta(path) -> dict:
-    """meta.json of a published checkpoint directory."""
-    return read_json(Path(path) / META)
+    """meta.json of a published checkpoint directory, its keys and their types checked (CheckpointError
+    naming the file and the key)."""
+    file = Path(path) / META
+    meta = read_json(file)
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{file}: holds a JSON {type(meta).__name__}, not the checkpoint's object of "
+                              f"{', '.join(META_KEYS)}; the file was altered: restore it from a copy")
+    for key, kind in META_KEYS.items():
+        if key not in meta:
+            raise CheckpointError(f"{file}: missing key {key!r} (a checkpoint's meta.json holds "
+                                  f"{', '.join(META_KEYS)}); the file was altered: restore it from a copy, or use "
+                                  f"another step's checkpoint")
+        if not isinstance(meta[key], kind) or isinstance(meta[key], bool):
+            raise CheckpointError(f"{file}: key {key!r} is {meta[key]!r}, not a{'n' if kind is int else ''} "
+                                  f"{kind.__name__}; the file was altered: restore it from a copy")
+    if meta["format"] not in FORMATS:
+        raise CheckpointError(f"{file}: checkpoint format {meta['format']} is not one this version reads "
+                              f"({', '.join(map(str, FORMATS))}); use the version of rollplex-megatron that wrote it")
+    if not isinstance(meta.get("data", {}), dict):
+        raise CheckpointError(f"{file}: key 'data' is not an object; the file was altered: restore it from a copy")
+    return meta
+
+
+def read_rank_state(file, **kwargs) -> dict:
+    """One rank file, through the weights-only loader, with its keys checked; `extra` parsed from JSON
+    (format 2) or taken as stored (format 1, plain values only under that loader)."""
+    state = load_torch_file(file, allowed_globals=NUMPY_ARRAY_GLOBALS, map_location="cpu", **kwargs)
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{file}: holds a {type(state).__name__}, not a rank's state; the file was altered "
+                              f"or is not a training checkpoint")
+    has_extra = "extra_json" in state or "extra" in state  # format 2 / format 1
+    missing = [k for k in RANK_KEYS if k not in state] + ([] if has_extra else ["extra_json"])
+    if missing:
+        raise CheckpointError(f"{file}: missing key {missing[0]!r} of a rank's state; the file was altered or is "
+                              f"not a training checkpoint: restore it from a copy, or use another step's checkpoint")
+    if "extra_json" in state:
+        try:
+            state["extra"] = json.loads(state.pop("extra_json"))
+        except (TypeError, ValueError):
+            raise CheckpointError(f"{file}: its extra state is not valid JSON; the file was altered: restore it "
+                                  f"from a copy") from None
+    if not isinstance(state["extra"], dict):
+        raise CheckpointError(f"{file}: its extra state is a {type(state['extra']).__name__}, not an object; the "
+                              f"file was altered: restore it from a copy")
+    return state
 
 
 def check_layout(meta: dict, path) -> None:
@@ -225,13 +381,13 @@ def load_checkpoint(path, model, reference, optimizer) -> tuple[int, dict]:
     path = Path(path)
     meta = read_meta(path)
     check_layout(meta, path)
-    state = load_torch_file(path / rank_file_name(dist.get_rank()), map_location="cpu", weights_only=False)
+    state = read_rank_state(path / rank_file_name(dist.get_rank()))
     if state.get("ranks", _ranks()) != _ranks():  # same sizes, another rank order: shards of one shape would swap
         raise ValueError(f"{path / rank_file_name(dist.get_rank())} holds the shard of (tp, pp, dp) ranks "
                          f"{state['ranks']}, but this process is {_ranks()}: the launch orders ranks differently "
                          f"from the run that saved it; launch it as that run was launched")
     _module(model).load_state_dict(state["model"])
-    _load_reference(reference, state["reference"], path)
+    _load_reference(reference, state.get("reference"), path)
     optimizer.load_state_dict(state["optimizer"])
     set_rng_states(state["rng"])
     return state["step"], state["extra"]

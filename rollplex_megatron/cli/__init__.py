@@ -22,7 +22,9 @@ Commands
         [--merge JSON] [hydra overrides]
                                       every mode of recipes/bench/SUITE.yaml, one process each; one JSON
                                       per suite (benchmarks/results/) and BENCHMARKS.md generated from them
-  print-config [hydra overrides]      the resolved config
+  print-config [--explain] [hydra overrides]
+                                      the resolved config (--explain: each setting with its help)
+  docs [--check]                      write docs/reference/settings.md and cli.md (--check: exit 1 if stale)
   eval (--hf-dir DIR | --run DIR [--step N]) data.val_files=[FILE] [val.*] [--out JSON]
                                       a checkpoint's per-data_source scores on a validation set
   generate (--hf-dir DIR | --run DIR [--step N]) data.val_files=[FILE] [--rows K] [val.n=N]
@@ -39,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -49,7 +52,9 @@ from omegaconf.errors import OmegaConfBaseException
 
 from rollplex_megatron.bench import main as bench_main
 from rollplex_megatron.checkpoint import convert
+from rollplex_megatron.checkpoint.train_state import DiskFullError
 from rollplex_megatron.models.qwen25vl.hf import HFCheckpoint, atomic_write_text
+from rollplex_megatron.cli import reference
 from rollplex_megatron.cli.train import main as train_main
 from rollplex_megatron.compat import quiet_known_warnings
 from rollplex_megatron.config import ParallelConfig, check_model_parallel
@@ -68,7 +73,7 @@ from rollplex_megatron.weights.plan import plan_weights
 
 # What a user's input can cause: printed as one line. Anything else is a bug and keeps its traceback.
 USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, PermissionError, NotADirectoryError,
-               HydraException, OmegaConfBaseException, LocalRunError)
+               HydraException, OmegaConfBaseException, LocalRunError, DiskFullError)
 
 
 def error_line(e: BaseException) -> str:
@@ -79,9 +84,14 @@ def error_line(e: BaseException) -> str:
     return text or type(e).__name__
 
 
+def _user_path(text: str) -> str:
+    """A path option with `~` and `~user` expanded (the shell leaves `--run=~/x` as written)."""
+    return os.path.expanduser(text)
+
+
 def _cmd_verify_hf(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="rollplex verify-hf", description="megatron vs transformers logits")
-    ap.add_argument("--hf-dir", required=True, help="Hugging Face Qwen2.5-VL directory")
+    ap.add_argument("--hf-dir", required=True, type=_user_path, help="Hugging Face Qwen2.5-VL directory")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (local processes)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the prompt's pixels and text")
     ap.add_argument("--json", action="store_true", help="print one JSON object on the last line")
@@ -104,18 +114,18 @@ def _cmd_convert(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="rollplex convert", description="checkpoint conversion")
     sub = ap.add_subparsers(dest="direction", required=True)
     h2m = sub.add_parser("hf-to-mcore", help="HF directory -> per-rank megatron shards")
-    h2m.add_argument("--hf-dir", required=True)
-    h2m.add_argument("--out", required=True)
+    h2m.add_argument("--hf-dir", required=True, type=_user_path)
+    h2m.add_argument("--out", required=True, type=_user_path)
     h2m.add_argument("--tp", type=int, default=1)
     h2m.add_argument("--pp", type=int, default=1)
     m2h = sub.add_parser("mcore-to-hf", help="per-rank megatron shards -> HF directory")
-    m2h.add_argument("--mcore-dir", required=True)
-    m2h.add_argument("--out", required=True)
+    m2h.add_argument("--mcore-dir", required=True, type=_user_path)
+    m2h.add_argument("--out", required=True, type=_user_path)
     m2h.add_argument("--max-shard-gib", type=float, default=4.0)
     t2h = sub.add_parser("train-to-hf", help="a training run's checkpoint -> HF directory (the actor)")
-    t2h.add_argument("--run", required=True, help="run directory (train.out of the run)")
+    t2h.add_argument("--run", required=True, type=_user_path, help="run directory (train.out of the run)")
     t2h.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
-    t2h.add_argument("--out", required=True, help="new HF directory")
+    t2h.add_argument("--out", required=True, type=_user_path, help="new HF directory")
     t2h.add_argument("--max-shard-gib", type=float, default=4.0)
     a = ap.parse_args(argv)
     shard = getattr(a, "max_shard_gib", 1.0)
@@ -135,7 +145,8 @@ def _cmd_verify_equivalence(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="rollplex verify-equivalence",
                                  description="prefix/response execution vs full sequences on a random batch")
     ap.add_argument("--json", action="store_true", help="print one JSON object on the last line")
-    ap.add_argument("--hf-dir", default=None, help="load weights from this HF checkpoint (default: random init)")
+    ap.add_argument("--hf-dir", default=None, type=_user_path,
+                    help="load weights from this HF checkpoint (default: random init)")
     a, overrides = ap.parse_known_args(argv)
     if a.hf_dir is not None:  # the model is the checkpoint's (as train.init_hf): a model= that disagrees is refused
         overrides = [*overrides, f"train.init_hf={a.hf_dir}"]
@@ -250,8 +261,40 @@ def _cmd_plan_memory(argv: list[str]) -> int:
     return 0
 
 
+def _overrides_only(prog: str, description: str, argv: list[str]) -> list[str]:
+    """The Hydra overrides of a command that takes no options of its own (`--help` prints its usage, exit 0)."""
+    ap = argparse.ArgumentParser(prog=prog, description=description, usage=f"{prog} [hydra overrides]",
+                                 epilog="overrides: key=value, e.g. model=qwen2_5_vl_3b parallel.tp=2 "
+                                        "(`rollplex print-config` lists every key)")
+    _, overrides = ap.parse_known_args(argv)
+    return overrides
+
+
 def _cmd_print_config(argv: list[str]) -> int:
-    print(to_yaml(load_run_config(argv)))
+    ap = argparse.ArgumentParser(prog="rollplex print-config", description="the resolved config",
+                                 usage="rollplex print-config [--explain] [hydra overrides]")
+    ap.add_argument("--explain", action="store_true", help="each setting with its help, as a YAML comment")
+    a, overrides = ap.parse_known_args(argv)
+    cfg = load_run_config(overrides)
+    print(reference.explained_yaml(cfg) if a.explain else to_yaml(cfg))
+    return 0
+
+
+def _cmd_docs(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="rollplex docs", description="write the generated reference pages "
+                                 "(docs/reference/settings.md from config.py, cli.md from the commands' parsers)")
+    ap.add_argument("--check", action="store_true", help="write nothing; exit 1 naming the pages that are stale")
+    ap.add_argument("--out", type=Path, default=reference.REFERENCE_DIR, help="folder of the pages "
+                    "(default: the source checkout's docs/reference)")
+    a = ap.parse_args(argv)
+    texts = reference.pages(COMMANDS, __doc__, USER_ERRORS)
+    if a.check:
+        stale = reference.stale_pages(texts, a.out)
+        for name in stale:
+            print(f"{a.out / name} is stale; regenerate it with `python -m rollplex_megatron docs`", file=sys.stderr)
+        return 1 if stale else 0
+    for path in reference.write_pages(texts, a.out):
+        print(f"wrote {path}")
     return 0
 
 
@@ -282,7 +325,7 @@ def _cmd_make_example(argv: list[str]) -> int:
     train, val = (next(out.glob(f"{name}.*")) for name in ("train", "val"))  # .parquet, or .jsonl without pyarrow
     print(f"train with: python -m rollplex_megatron train train.init_hf={out / 'model'} data.train_files=[{train}] "
           f"data.val_files=[{val}] train.val_every=50 rollout.max_response_len=4 reward.format_reward=0.5 "
-          f"train.steps=800 optim.lr=5e-4")  # README's recipe (its lr named: at lr 1e-3 it collapses)
+          f"train.steps=800 optim.lr=5e-4")  # the docs' recipe (its lr named: at lr 1e-3 it collapses)
     print(out)
     return 0
 
@@ -290,8 +333,8 @@ def _cmd_make_example(argv: list[str]) -> int:
 def _checkpoint_args(prog: str, description: str) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=prog, description=description)
     src = ap.add_mutually_exclusive_group(required=True)
-    src.add_argument("--hf-dir", help="a Hugging Face Qwen2.5-VL directory with its processor files")
-    src.add_argument("--run", help="a training run directory (its actor is exported to HF first)")
+    src.add_argument("--hf-dir", type=_user_path, help="a Hugging Face Qwen2.5-VL directory with its processor files")
+    src.add_argument("--run", type=_user_path, help="a training run directory (its actor is exported to HF first)")
     ap.add_argument("--step", type=int, default=None, help="with --run: this checkpoint step (default: latest)")
     return ap
 
@@ -428,14 +471,16 @@ def _cmd_window_policy(argv: list[str]) -> int:
 
 
 def _cmd_smoke(argv: list[str]) -> int:
-    return smoke_main(argv)
+    return smoke_main(_overrides_only("rollplex smoke", "forward+backward of the model on a random image and video",
+                                      argv))
 
 
 COMMANDS = {"train": _cmd_train, "smoke": _cmd_smoke, "verify-hf": _cmd_verify_hf,
             "verify-equivalence": _cmd_verify_equivalence, "convert": _cmd_convert,
             "print-config": _cmd_print_config, "make-example": _cmd_make_example, "eval": _cmd_eval,
             "generate": _cmd_generate, "plan-weights": _cmd_plan_weights,
-            "plan-memory": _cmd_plan_memory, "bench": _cmd_bench, "window-policy": _cmd_window_policy}
+            "plan-memory": _cmd_plan_memory, "bench": _cmd_bench, "window-policy": _cmd_window_policy,
+            "docs": _cmd_docs}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -458,6 +503,11 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"error: {error_line(e)} (--debug shows the traceback)", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C outside a launch that handles it itself (train's): one line, no traceback
+        if debug:
+            raise
+        print("interrupted (Ctrl-C)", file=sys.stderr)
+        return 130
     if rc == 0:
         leave_torchrun()
     return rc

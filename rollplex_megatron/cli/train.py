@@ -4,7 +4,10 @@ torchrun), then write the report over the whole run.
 With `--modes`, each mode trains from the same seed into `<run dir>/<mode>/`, and one report
 compares them (reward curves, per-phase time per step). Every check of the run directory
 (`checkpoint/run_dir.py`) runs before a process starts; SIGTERM stops after the current step
-with a checkpoint (exit 0), so `train.resume=true` continues.
+with a checkpoint (exit 0), so `train.resume=true` continues. Ctrl-C (SIGINT) does the same (exit 130),
+and a second Ctrl-C kills the workers at once. A user function (a reward) still running seconds after
+the signal is abandoned, and with it the step, which is not saved (exit 143 for SIGTERM, 130 for
+SIGINT): one line names the last checkpoint and the command that continues from it.
 """
 from __future__ import annotations
 
@@ -18,33 +21,54 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
+import torch
 
 from rollplex_megatron.checkpoint import run_dir as R
 from rollplex_megatron.checkpoint import train_state
 from rollplex_megatron.config import RunConfig
 from rollplex_megatron.data import build_source, source_name
-from rollplex_megatron.dist import check_launch, exit_with_parent, launch_on_ranks, under_torchrun
+from rollplex_megatron.dist import LocalRunError, check_launch, exit_with_parent, launch_on_ranks, under_torchrun
+from rollplex_megatron.memory.machine import check_run_fits
 from rollplex_megatron.models.qwen25vl.hf import atomic_write_text
 from rollplex_megatron.recipes import load_run_config, resumed_config, to_yaml
 from rollplex_megatron.report import plot_runs, read_metrics, summarize
 from rollplex_megatron.rollout.sglang.engine import import_sglang
 from rollplex_megatron.trainer.loop import train_rank
+from rollplex_megatron.trainer.runtime import memory_plan
 from rollplex_megatron.trainer.modes import MODES
 from rollplex_megatron.trainer.tracking import check_tracking
 
 
 class _Launcher:
-    """The launcher's side of a run: worker pids in the lock, SIGTERM forwarded to the workers."""
+    """The launcher's side of a run: worker pids in the lock, SIGTERM forwarded to the workers. The first
+    Ctrl-C (SIGINT) is taken as a SIGTERM (no KeyboardInterrupt: the workers stop at the step's end and
+    write their checkpoint); a Ctrl-C after a stop signal kills the workers at once."""
 
     def __init__(self, locks: list[R.RunLock]):
-        self.locks, self.pids, self.preempted = locks, [], False
-        self._old = signal.signal(signal.SIGTERM, self._on_term)
+        self.locks, self.pids, self.preempted, self.killed = locks, [], False, False
+        self.signal = ""  # the first stop signal's name
+        self._old = {s: signal.signal(s, self._on_term) for s in (signal.SIGTERM, signal.SIGINT)}
 
     def _on_term(self, signum, frame) -> None:
         first, self.preempted = not self.preempted, True
         if first:
+            self.signal = signal.Signals(signum).name
             threading.Thread(target=self._resend, name="sigterm-resend", daemon=True).start()
+        if signum == signal.SIGINT and not first:
+            self._kill()
+            return
+        if signum == signal.SIGINT:  # os.write: print() is not safe inside a signal handler
+            os.write(2, b"Ctrl-C: stopping after this step with a checkpoint; Ctrl-C again stops now, unsaved\n")
         self._forward()
+
+    def _kill(self) -> None:
+        """Kill the workers (a second Ctrl-C): the step they run is lost, the checkpoints on disk stay whole."""
+        self.killed = True
+        for pid in self.pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
     def _resend(self) -> None:
         """Workers ignore SIGTERM until their trainer installs its handler (dist.run_local's
@@ -69,8 +93,15 @@ class _Launcher:
             self._forward()
 
     def close(self) -> None:
-        """Give SIGTERM its previous handler back."""
-        signal.signal(signal.SIGTERM, self._old)
+        """Give SIGTERM and SIGINT their previous handlers back."""
+        for s, old in self._old.items():
+            signal.signal(s, old)
+
+    def exit_code(self, saved: bool) -> int:
+        """0 for a run that ended at a checkpoint without Ctrl-C, else 128 + the signal (the shell's convention)."""
+        if self.signal == "SIGINT" or (self.preempted and not saved):
+            return 128 + signal.Signals[self.signal].value
+        return 0
 
 
 def _launch(cfg: RunConfig, launcher: _Launcher) -> dict:
@@ -88,7 +119,7 @@ def _plan(cfg: RunConfig, root: Path, modes: list[str] | None, launcher: bool = 
         mcfg = dataclasses.replace(cfg, mode=dataclasses.replace(cfg.mode, name=name),
                                    train=dataclasses.replace(cfg.train, out=str(out)))
         if modes and cfg.train.resume:  # a comparison run resumes mode by mode
-            latest = train_state.latest_checkpoint(out) if out.is_dir() else None
+            latest = R.published_checkpoint(out)
             if latest is not None and train_state.read_meta(latest)["step"] == cfg.train.steps:
                 continue  # this mode finished before the interruption
             if latest is None and not any((out / f).exists() for f in R.RUN_FILES):
@@ -102,7 +133,7 @@ def _saved_config(root: Path, modes: list[str] | None) -> str | None:
     """The config the run at `root` was trained with (its latest checkpoint's; with --modes the first mode's that
     has one), or None without a checkpoint."""
     for out in [root / m for m in modes] if modes else [root]:
-        latest = train_state.latest_checkpoint(out) if out.is_dir() else None
+        latest = R.published_checkpoint(out)
         if latest is not None:
             return train_state.read_meta(latest)["config"]
     return None
@@ -111,9 +142,10 @@ def _saved_config(root: Path, modes: list[str] | None) -> str | None:
 def _check_kind(root: Path, modes: list[str] | None) -> None:
     """A run of one mode keeps its files at the top of train.out, a --modes comparison one folder per mode: a
     command of the other kind would mix its files in and replace the summary and report of the run there."""
+    R.check_place(root)
     root = root.resolve()
-    inside = next((p for p in root.parents if (p / "config.yaml").is_file() and (p / train_state.CHECKPOINTS).is_dir()),
-                  None)
+    inside = next((p for p in root.parents if (p / "config.yaml").is_file() and (p / train_state.CHECKPOINTS).is_dir()
+                   and not R.forbidden_place(p)), None)  # a run there is refused now: one made before is no run
     if inside is not None:  # its files would mix with that run's (an export or a resume there reads them)
         raise ValueError(f"train.out={root} lies inside the run {inside}; choose a folder outside it")
     if (root / "config.json").is_file() and any(root.glob("*.safetensors")):
@@ -127,11 +159,14 @@ def _check_kind(root: Path, modes: list[str] | None) -> None:
     if not modes and inner:
         raise ValueError(f"train.out={root} holds a --modes comparison ({inner}/); a run of one mode writes its "
                          f"files at the top of train.out: choose a new train.out, or resume it with --modes")
+    R.check_foreign(root, MODES)
 
 
 def _config(overrides: list[str], modes: list[str] | None) -> RunConfig:
     """The run's config with every check that needs no process (bad input fails here)."""
     cfg = load_run_config(overrides)  # train.init_hf: the model is the checkpoint's (recipes.model_from_hf)
+    if cfg.train.out:  # before anything reads the folder
+        _check_kind(Path(cfg.train.out), modes)
     saved = _saved_config(Path(cfg.train.out), modes) if cfg.train.resume and cfg.train.out else None
     if saved is not None:  # a resume continues the saved run: what this command line sets goes on top
         cfg = resumed_config(cfg, overrides, saved)
@@ -145,8 +180,6 @@ def _config(overrides: list[str], modes: list[str] | None) -> RunConfig:
     twice = sorted({m for m in modes or [] if modes.count(m) > 1})
     if twice:
         raise ValueError(f"--modes: {', '.join(twice)} given twice; each mode trains once, into train.out/<mode>")
-    if cfg.train.out:
-        _check_kind(Path(cfg.train.out), modes)
     if modes and "disaggregated" in modes:
         raise ValueError("--modes: disaggregated runs on parallel.rollout_ranks more processes than the other modes; "
                          "train it in a launch of its own (mode=disaggregated parallel.rollout_ranks=N)")
@@ -158,7 +191,11 @@ def _config(overrides: list[str], modes: list[str] | None) -> RunConfig:
               f"data.source=rendered to say this is meant", file=sys.stderr)
     if cfg.rollout.engine == "sglang":
         import_sglang()  # missing or too old: one line before any process starts or the model is built
-    build_source(cfg)  # bad data settings (a task/model mismatch, ...) fail before any process starts
+    source = build_source(cfg)  # bad data settings (a task/model mismatch, ...) fail before any process starts
+    if not torch.cuda.is_available():  # CPU: the ranks share this host's memory; a batch it cannot hold fails here
+        for name in modes or [cfg.mode.name]:
+            mcfg = dataclasses.replace(cfg, mode=dataclasses.replace(cfg.mode, name=name))
+            check_run_fits(mcfg, source, memory_plan(mcfg, source))
     return cfg
 
 
@@ -229,7 +266,12 @@ def _train(cfg: RunConfig, root: Path, plans: list[RunConfig], modes: list[str] 
         stack.callback(launcher.close)
         stopped = None
         for mcfg in plans:
-            res = _launch(mcfg, launcher)
+            try:
+                res = _launch(mcfg, launcher)
+            except LocalRunError as e:
+                if not launcher.preempted:
+                    raise
+                return _stopped_mid_step(launcher, Path(mcfg.train.out), root, modes, e)
             stopped = res.get("preempted_at")
             launcher.pids = []  # this mode's workers have exited
             if stopped or launcher.preempted:
@@ -238,8 +280,27 @@ def _train(cfg: RunConfig, root: Path, plans: list[RunConfig], modes: list[str] 
             return 0
         _report(root, plans, modes, cfg)
         if stopped or launcher.preempted:
-            where = f"after step {stopped}" if stopped else "(SIGTERM came as the run ended)"
-            print(f"stopped by SIGTERM {where}: checkpoint written; continue with train.resume=true "
-                  f"train.out={root}")
+            where = f"after step {stopped}" if stopped else f"({launcher.signal} came as the run ended)"
+            print(f"stopped by {launcher.signal} {where}: checkpoint written; continue with "
+                  f"{_resume_command(root, modes)}")
     print(root)
-    return 0
+    return launcher.exit_code(saved=True)
+
+
+def _resume_command(root: Path, modes: list[str] | None) -> str:
+    """The overrides that continue the run at `root` from its latest checkpoint."""
+    return f"train.resume=true train.out={root}" + (f" --modes {','.join(modes)}" if modes else "")
+
+
+def _stopped_mid_step(launcher: _Launcher, out: Path, root: Path, modes: list[str] | None, error: LocalRunError) -> int:
+    """A stop signal ended the launch inside a step (a user function abandoned, a second Ctrl-C, or a rank that
+    failed meanwhile): one line naming the last checkpoint and how to continue from it; no traceback."""
+    latest = R.published_checkpoint(out)
+    how = "the workers were killed by a second Ctrl-C" if launcher.killed else error.summary
+    if latest is None:
+        saved = "no checkpoint was written yet, so nothing can be resumed: start the run again"
+    else:
+        saved = (f"the last checkpoint is step {train_state.read_meta(latest)['step']} ({latest}); continue with "
+                 f"{_resume_command(root, modes)}")
+    print(f"stopped by {launcher.signal} inside a step ({how}); that step was not saved: {saved}", file=sys.stderr)
+    return launcher.exit_code(saved=False)

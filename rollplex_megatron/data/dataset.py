@@ -214,9 +214,10 @@ class DatasetSource:
                              "checkpoint with its tokenizer and processor configs) or data.processor=DIR")
         self.proc = VLProcessor(path, cfg.model, min_pixels=d.min_pixels or None, max_pixels=d.max_pixels or None,
                                 video_fps=d.video_fps, max_frames=d.max_frames, min_frames=d.min_frames)
-        self.rewards = RewardRegistry(cfg.reward.fn, dict(cfg.reward.fns), cfg.reward.format_reward)
+        self.rewards = RewardRegistry(cfg.reward.fn, dict(cfg.reward.fns), cfg.reward.format_reward,
+                                      cfg.reward.timeout_s)
         self.max_prompt_len, self.truncation = cfg.rollout.max_prompt_len, d.truncation
-        keys = (d.prompt_key, d.image_key, d.video_key)
+        self.keys = keys = (d.prompt_key, d.image_key, d.video_key)
         self.lengths: dict[str, int] = {}  # prompt tokens per row (`where`), from the check
         self.train = self._checked(load_records(d.train_files, keys, "data.train_files"))
         self.val = self._checked(load_records(d.val_files, keys, "data.val_files")) if d.val_files else []
@@ -248,12 +249,23 @@ class DatasetSource:
         return records
 
     def _length(self, r: Record) -> int:
+        sizes = [im.size[::-1] for im in self._media(r, self.keys[1], r.images, self.proc.load_image)]
+        shapes = self._media(r, self.keys[2], r.videos, self.proc.video_shape)  # a file is decoded, no frame kept
         try:
-            sizes = [self.proc.load_image(i).size[::-1] for i in r.images]
-            shapes = [self.proc.video_shape(v) for v in r.videos]  # a file is decoded, its frames not kept
             return self.proc.prompt_length(r.messages, sizes, shapes)
         except (ValueError, FileNotFoundError, OSError) as e:
             raise type(e)(f"{r.where}: {e}") from None
+
+    @staticmethod
+    def _media(r: Record, key: str, items: list, load) -> list:
+        """`load` of each of a row's images or videos; an error names the row and the item (`key[k]`)."""
+        out = []
+        for k, item in enumerate(items):
+            try:
+                out.append(load(item))
+            except (ValueError, FileNotFoundError, OSError) as e:
+                raise type(e)(f"{r.where}: {key}[{k}]: {e}") from None
+        return out
 
     def _truncate(self, prompt: Prompt, r: Record) -> Prompt:
         """data.truncation=left: drop the oldest tokens, never part of an image or video."""

@@ -15,6 +15,7 @@ import json
 import math
 import os
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -168,10 +169,50 @@ def to_content(messages: list[dict]) -> tuple[list[dict], int, int]:
     return out, n_img, n_vid
 
 
-def to_rgb(img: Image.Image) -> Image.Image:
-    """RGB, compositing transparency onto white as transformers' convert_to_rgb does (image_transforms.py)."""
-    if "A" in img.getbands() or img.info.get("transparency") is not None:
+_NOTED: set[str] = set()  # (file, note) pairs already printed: a row's image is read at the check and every step
+
+
+def note_once(name: str, text: str) -> None:
+    """Print `note: image NAME TEXT` on stderr, once per image and note in this process."""
+    if (name, text) not in _NOTED:
+        _NOTED.add((name, text))
+        print(f"note: image {name} {text}", file=sys.stderr)
+
+
+def to_8bit(img: Image.Image, name: str) -> Image.Image:
+    """A greyscale image wider than 8 bits (PIL modes I;16*, I, F) as mode L, scaled by its bit depth.
+
+    PIL's convert("RGB") clips these at 255, so a 16-bit picture turns white: 16-bit modes (and mode I,
+    how 16-bit PNGs and TIFFs also open, with values in 0..65535) scale by 255/65535, floats in [0, 1] by
+    255. Values in 0..255 are kept. Any other range has no known depth: refused, naming the file."""
+    a = np.asarray(img).astype(np.float64)
+    lo, hi = (float(a.min()), float(a.max())) if a.size else (0.0, 0.0)
+    depth = "16-bit" if img.mode.startswith("I;16") else "32-bit integer" if img.mode == "I" else "32-bit float"
+    if not np.isfinite(a).all() or lo < 0:
+        scale = None
+    elif img.mode == "F" and hi <= 1:
+        scale = 255.0
+    elif img.mode.startswith("I;16") or (img.mode == "I" and hi > 255 and hi <= 65535):
+        scale = 255 / 65535
+    else:
+        scale = 1.0 if hi <= 255 else None
+    if scale is None:
+        raise ValueError(f"image {name} is {depth} greyscale (PIL mode {img.mode}) with values {lo:g}..{hi:g}, "
+                         f"which have no known bit depth; save it as an 8-bit or 16-bit image")
+    if scale != 1.0:
+        note_once(name, f"is {depth} greyscale (PIL mode {img.mode}): scaled to 8 bits (x {scale:.6g})")
+    return Image.fromarray(np.clip(np.rint(a * scale), 0, 255).astype(np.uint8), "L")
+
+
+def to_rgb(img: Image.Image, name: str = "<image>") -> Image.Image:
+    """RGB, compositing transparency onto white as transformers' convert_to_rgb does (image_transforms.py);
+    greyscale wider than 8 bits scaled by `to_8bit` first (`name`: the file a note or an error names)."""
+    if img.mode in ("I", "F") or img.mode.startswith("I;16"):
+        img = to_8bit(img, name)
+    if img.has_transparency_data:
         rgba = img.convert("RGBA")
+        if rgba.getchannel("A").getextrema()[1] == 0:  # what the model sees is a blank white picture
+            note_once(name, "is fully transparent: it reads as a blank white picture")
         return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
     return img.convert("RGB")
 
@@ -179,10 +220,12 @@ def to_rgb(img: Image.Image) -> Image.Image:
 def open_image(source, name: str) -> Image.Image:
     """An RGB image from a path or a file-like object (unreadable -> ValueError naming `name`)."""
     try:
-        with Image.open(source) as img:
-            return to_rgb(img)
+        img = Image.open(source)
+        img.load()
     except (OSError, ValueError, Image.DecompressionBombError) as e:
         raise ValueError(f"cannot read image {name}: {e}") from None
+    with img:  # read: a refusal of its values names the file itself
+        return to_rgb(img, name)
 
 
 def read_video(path: str, visit) -> float:
@@ -190,6 +233,9 @@ def read_video(path: str, visit) -> float:
 
     A missing file is a FileNotFoundError and an unreadable one a ValueError, both naming the path.
     """
+    if os.path.isdir(path):
+        raise ValueError(f"video {path} is a folder, not a file; name a video file, or list its frames "
+                         f"([frame0.png, frame1.png, ...])")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"video file {path} does not exist")
     if av is None:
@@ -347,6 +393,8 @@ class VLProcessor:
             return Image.fromarray(item.permute(1, 2, 0).contiguous().numpy())  # one [3,H,W] frame
         if isinstance(item, (str, os.PathLike)):
             path = os.fspath(item).removeprefix("file://")
+            if os.path.isdir(path):
+                raise ValueError(f"image {path} is a folder, not a file; name an image file in it")
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"image file {path} does not exist")
             return open_image(path, path)

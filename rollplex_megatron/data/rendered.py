@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import torch
 
-from rollplex_megatron.config import RunConfig, unused_unless
+from rollplex_megatron.config import RunConfig
 from rollplex_megatron.data.source import Row, Score
 from rollplex_megatron.envs.motion import MotionEnv
+from rollplex_megatron.schema import refuse_unused_at
 
 
 class RenderedTask:
@@ -16,14 +17,9 @@ class RenderedTask:
 
     def __init__(self, cfg: RunConfig):
         self.env = MotionEnv(cfg.task, cfg.model)  # a bad task/model pairing fails here
-        # the rendered task scores with its own reward (task.format_reward): reward.* would be ignored
-        unused_unless(cfg.reward, "reward", ("fn", "fns", "format_reward"), False,
-                      "data.train_files (the rendered task scores its answers itself, with task.format_reward)")
-        # and draws its own prompts: how a dataset's rows are read would be ignored too
-        unused_unless(cfg.data, "data", ("processor", "prompt_key", "image_key", "video_key", "min_pixels",
-                                         "max_pixels", "video_fps", "max_frames", "min_frames", "shuffle", "seed",
-                                         "truncation", "prefetch"), False,
-                      "data.train_files (the rendered task draws its own prompts, from seed and task.*)")
+        # the rendered task scores with its own reward and draws its own prompts: the reward.* and data.* settings
+        # of a dataset's rows would be ignored (config.DATASET_REWARD, DATASET_ROWS)
+        refuse_unused_at(cfg, "source")
         self.seed = cfg.seed
         self.stop_token_ids = self.env.stop_token_ids
         self.max_new_tokens = cfg.task.max_answer_tokens

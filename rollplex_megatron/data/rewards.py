@@ -8,6 +8,8 @@ reward function, built-in or user's (named "package.module:function" by `reward.
 A float is the score. A dict has at least "score"; optional "acc" (correctness, 0/1) and "answered" (0/1:
 a parsable answer was given); its other numeric keys are extra metrics (non-numeric ones are ignored).
 Without "acc", acc = 1.0 if score > 0 else 0.0; without "answered", answered = 1.0.
+A user function runs in a worker process (rollplex_megatron/user_code.py: its arguments and result are pickled),
+at most `reward.timeout_s` seconds per response.
 
 Built-ins: `exact_match`, `multiple_choice`, `math_boxed`, `bbox_iou` (each documents its parsing).
 """
@@ -27,6 +29,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from typing import Any
+
+from rollplex_megatron.user_code import UserCodeStopped, UserCodeTimeout, UserFunctions
 
 RewardFn = Callable[[str, Any, dict], "float | dict"]
 
@@ -483,17 +487,23 @@ class RewardRegistry:
     """Which reward function scores a row: `fn` for every row when set (it overrides `fns`, as `reward.fn`
     documents), else `fns[data_source]`, else the built-in named by the data_source itself. `format_weight` is
     `reward.format_reward`. Failures while scoring are RuntimeErrors naming the row, the data_source and the
-    function."""
+    function. User functions run in a worker process (user_code.py), at most `timeout_s` seconds a call
+    (`reward.timeout_s`, 0: no limit); the built-ins run here (their parsing is bounded)."""
 
-    def __init__(self, fn: str = "", fns: dict[str, str] | None = None, format_weight: float = 0.0):
+    def __init__(self, fn: str = "", fns: dict[str, str] | None = None, format_weight: float = 0.0,
+                 timeout_s: float = 60.0):
         """Load every configured function now; bad specs and weights raise ValueErrors naming the setting."""
         fns = dict(fns or {})
         if not (isinstance(format_weight, numbers.Real) and math.isfinite(format_weight) and format_weight >= 0):
             raise ValueError(f"reward.format_reward must be a finite number >= 0, got {format_weight!r}")
-        self.fn, self.fns, self.format_weight = fn, fns, float(format_weight)
+        if not (isinstance(timeout_s, numbers.Real) and math.isfinite(timeout_s) and timeout_s >= 0):
+            raise ValueError(f"reward.timeout_s must be a finite number of seconds >= 0 (0: no limit), got "
+                             f"{timeout_s!r}")
+        self.fn, self.fns, self.format_weight, self.timeout_s = fn, fns, float(format_weight), float(timeout_s)
         # Loaded now so a bad spec fails at startup, before any model is built (fns too: a typo there is still one).
         settings = [("reward.fn", fn)] * bool(fn) + [(f"reward.fns[{src!r}]", spec) for src, spec in fns.items()]
         self._loaded = {spec: load_function(spec, setting) for setting, spec in settings}
+        self._user = UserFunctions([spec for spec in self._loaded if spec not in BUILTINS])
 
     def spec_for(self, data_source: str) -> str | None:
         """The spec of the function that scores `data_source`, or None when none does."""
@@ -544,15 +554,27 @@ class RewardRegistry:
             raise ValueError(f"{where}: {' '.join(str(e).split())}, for the built-in reward {spec} (data_source "
                              f"{data_source!r}); fix the row, or score it with another function (reward.fns)") from None
 
+    def _call(self, spec: str, data_source: str, args: tuple) -> Any:
+        """A built-in's result, computed here, or a user function's, from the worker."""
+        if spec in self._user.specs:
+            return self._user.call(spec, args, self.timeout_s)
+        fn = self._loaded.get(spec) or load_function(spec, f"data_source {data_source!r}")
+        return fn(*args)
+
     def score(self, response: str, ground_truth: Any, extra_info: dict, data_source: str, row: str) -> RewardResult:
         """Score one response (`row` names it in errors, e.g. "train.parquet row 17"), format reward included."""
         spec = self.spec_for(data_source)
         if spec is None:
             raise self._missing(data_source, row)
-        fn = self._loaded.get(spec) or load_function(spec, f"data_source {data_source!r}")
         where = f"{row}: reward function {spec} (data_source {data_source!r})"
+        args = (response, ground_truth, extra_info if extra_info is not None else {})
         try:
-            out = fn(response, ground_truth, extra_info if extra_info is not None else {})
+            out = self._call(spec, data_source, args)
+        except UserCodeTimeout:
+            raise UserCodeTimeout(f"{where} did not return within reward.timeout_s={self.timeout_s:g} s and was "
+                                  "stopped; make it return sooner, or raise reward.timeout_s (0: no limit)") from None
+        except UserCodeStopped as e:
+            raise UserCodeStopped(f"{where} {e}; the step was abandoned") from None
         except Exception as e:
             raise RuntimeError(f"{where} raised {_one_line(e)}") from e
         try:

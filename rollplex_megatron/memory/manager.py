@@ -1,4 +1,4 @@
-"""Phase-aware residency at run time (DESIGN section 1): a plan's actions on the runtime's tensors.
+"""Phase-aware residency at run time (docs/design.md §1): a plan's actions on the runtime's tensors.
 
 The trainer enters every phase of the step through `MemoryManager.enter(phase)`. Managed classes:
 

@@ -1,4 +1,4 @@
-"""Analytic HBM per GPU and phase, for serial colocation and for the Rollplex plan (DESIGN section 1).
+"""Analytic HBM per GPU and phase, for serial colocation and for the Rollplex plan (docs/design.md §1).
 
 Each tensor class has a size (bytes on the fullest GPU) and the phases of one step in which it is
 resident. A phase's bytes are the sum of its resident classes; the plan's peak is the largest phase.
@@ -9,8 +9,9 @@ One function, `plan(cfg, mode, residency, engine)`, models every combination:
   lifetimes (`phase`, what memory/manager.py does at run time), the embedded engine on the actor's
   weights with one prefix K/V per group, and the actor prefix recomputed one group (or pack) at a time;
 - the trainer's own runs (`runtime_plan`): mode and `memory.plan` of the run, embedded engine, and
-  the shape of the task's real prompts (checked against `memory.budget_gib` before the models are
-  built, and against the allocator's per-phase peaks on the GPU).
+  the shape of the task's real prompts (checked against `memory.budget_gib` and the machine's free
+  memory, on CPU the host's (`check_machine`, memory/machine.py), before the models are built, and
+  against the allocator's per-phase peaks on the GPU).
 Activations are what megatron-core's local layers save for backward in bf16, counted tensor by
 tensor (the count is tested exactly against autograd's saved tensors), with the RMSNorm that runs
 (`train.norm_kernel`, `norm_kernel`) and the RoPE that runs (`train.rope_kernel`, `rope_kernel`); phase
@@ -287,7 +288,7 @@ def plan(cfg: RunConfig, mode: str, residency: str, engine: str, s: Shape | None
     """Tensor classes of one step on the fullest GPU.
 
     mode: a registered mode name; the mode declares its phases, where the reference lives and the
-    classes of its prefix work, scoring and update (trainer/modes/, DESIGN section 2).
+    classes of its prefix work, scoring and update (trainer/modes/, docs/design.md §2).
     residency: keep (everything stays) | phase (the plan of memory/manager.py: main weights and Adam
     states on the device only for the optimizer step, gradients from the update on, the reference
     only where it is read, the actor prefix recomputed one group or pack at a time instead of kept) | a set
@@ -538,6 +539,35 @@ def check_budget(summary: dict, budget_gib: float, mode: str, runtime: bool = Fa
     raise ValueError(f"{mode} plan needs {gib_text(summary['peak_gib'])} GiB in phase {phase!r}, over "
                      f"memory.budget_gib={budget_gib:g}; the largest class there is {top[0]} ({gib_text(top[1])} "
                      f"GiB); to fit: {fix}")
+
+
+# Classes the batch does not size: over the machine, the model or its layout is the fix, not the batch.
+MODEL_CLASSES = ("actor_weights", "main_weights", "grads", "optimizer_states", "reference_weights",
+                 "optimizer_workspace", "rollout_weights")
+
+
+def machine_need_gib(summary: dict, cuda: bool) -> float:
+    """What the plan holds at its peak on the memory that backs the device: the peak phase; on CPU, where that is
+    host memory, also the host copies of the classes it offloads (memory/manager.py keeps them all run)."""
+    if cuda:
+        return summary["peak_gib"]
+    return summary["peak_gib"] + sum(c["gib"] for c in summary["classes"].values() if c["action"] == "offload")
+
+
+def check_machine(summary: dict, need_gib: float, free_gib: float, what: str, batch: str) -> None:
+    """Fail when the plan cannot fit the memory this rank has (`free_gib` of `what`), naming the largest class of
+    the peak phase and, when the batch sizes it, the batch's settings (`batch`: the shape and what lowers it)."""
+    if need_gib <= free_gib:
+        return
+    phase = summary["peak_phase"]
+    top, gib = max(summary["by_phase_gib"][phase].items(), key=lambda kv: kv[1])
+    if top in MODEL_CLASSES:
+        fix = f"to fit: {RUNTIME_FIXES.get(top, FIXES.get(top, 'a larger parallel.tp/pp'))}, or a smaller model"
+    else:  # the update's micro-batches have a setting of their own
+        fix = batch + (f"; or {RUNTIME_FIXES[top]}" if top in RUNTIME_FIXES else "")
+    raise ValueError(f"this run needs {gib_text(need_gib)} GiB per rank ({need_gib * GIB:.3g} bytes; peak phase "
+                     f"{phase!r}, largest class {top} {gib_text(gib)} GiB), over the {gib_text(free_gib)} GiB of "
+                     f"{what}; {fix}")
 
 
 def plan_memory(cfg: RunConfig) -> dict:

@@ -1,6 +1,6 @@
 """Prefix forward before megatron's schedule, response micro-batches through it, prefix backward after.
 
-Actor step (DESIGN section 2):
+Actor step (docs/design.md §2):
   1. `prefix_forward(keep_graph=True)`: once per group, the vision tower and the LLM run over
      prompt[:-1] on every pipeline stage; each layer's K/V become autograd leaves (KVStore).
   2. `run_schedule(response micro-batches)`: megatron's `get_forward_backward_func()` (no

@@ -47,7 +47,7 @@ from rollplex_megatron.attention.triton_decode import (
     triton_rope_and_write,
     triton_shared_prefix_decode_attention,
 )
-from rollplex_megatron.config import ModelConfig
+from rollplex_megatron.config import ModelConfig, check_sampling_kernel
 from rollplex_megatron.memory.planner import kv_bytes_per_token
 from rollplex_megatron.models.qwen25vl.model import check_placeholders, gather_vocab_logits
 from rollplex_megatron.prefix.batch import Group, prompt_positions
@@ -486,9 +486,7 @@ class _WaveDecoder:
         self.banned, self.hooks = t["banned"], DecodeHooks()
         self.p2p = p2p_communicator(engine.model) if engine.pp > 1 else None
         greedy_free = params.top_k == 0 and params.top_p >= 1.0
-        if engine.sampling_kernel == "triton" and not greedy_free:
-            raise ValueError("rollout.sampling_kernel=triton draws with temperature only: this request set top_k="
-                             f"{params.top_k}, top_p={params.top_p}; use sampling_kernel=auto|torch")
+        check_sampling_kernel(engine.sampling_kernel, params.top_k, params.top_p, "this request")
         self.fused_sampling = greedy_free and (engine.sampling_kernel == "triton" or (
             engine.sampling_kernel == "auto" and fused_sample_available(dev)))
         self.stats = {"graphs_captured": 0, "graph_replays": 0, "eager_steps": 0, "capture_s": 0.0}

@@ -1,7 +1,7 @@
 """A stream on a green context that owns a disjoint set of SMs (CUDA driver API via cuda-bindings).
 
 torch's own `GreenContext.create(num_sms=k)` partitions all start at the same SMs, so two of them
-overlap (DESIGN section 6). Here one `cuDevSmResourceSplitByCount` splits the device's SMs into a
+overlap (docs/design.md §6). Here one `cuDevSmResourceSplitByCount` splits the device's SMs into a
 group of at least `num_sms` and the remainder; the group gets a green context and a non-blocking
 stream, wrapped as a `torch.cuda.ExternalStream`. Kernels launched on that stream run on the
 group's SMs only. GPU machines only (cuda-bindings is not installed on CPU machines).

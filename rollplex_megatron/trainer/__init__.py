@@ -1,4 +1,4 @@
-"""The synchronous GRPO trainer (DESIGN section 2).
+"""The synchronous GRPO trainer (docs/design.md §2).
 
 loop.py     train_rank and run_step: one line per phase, the mode decides how each runs
 modes/      the execution modes (serial | prefix_shared | rollplex), a registry of strategies

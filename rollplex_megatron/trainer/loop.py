@@ -11,6 +11,7 @@ import dataclasses
 import json
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -18,8 +19,10 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from rollplex_megatron import user_code
 from rollplex_megatron.checkpoint import run_dir, train_state
 from rollplex_megatron.config import RunConfig
+from rollplex_megatron.data import fingerprint
 from rollplex_megatron.dist import init_parallel, layouts, train_world
 from rollplex_megatron.models.qwen25vl.hf import atomic_write_text
 from rollplex_megatron.recipes import to_yaml
@@ -82,15 +85,21 @@ def _run_dir(cfg: RunConfig) -> Path:
 
 
 class Preemption:
-    """SIGTERM (SLURM's preemption signal) asks for a stop: the current step finishes, every rank
-    agrees on the step to stop after, a checkpoint is written and the ranks return normally."""
+    """SIGTERM (SLURM's preemption signal) or SIGINT (Ctrl-C) asks for a stop: the current step finishes, every
+    rank agrees on the step to stop after, a checkpoint is written and the ranks return normally. A user
+    function (a reward) still running `user_code.STOP_GRACE_S` after the signal is abandoned instead: the rank
+    raises `UserCodeStopped` mid-step, and nothing of that step is saved."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
     def __init__(self):
         self.asked = False
-        self._old = signal.signal(signal.SIGTERM, self._on_term)  # replaces a launcher's SIG_IGN (dist.run_local)
+        # replaces a launcher's SIG_IGN (dist.run_local's defer_sigterm), or its own handler under torchrun
+        self._old = {s: signal.signal(s, self._on_term) for s in self.SIGNALS}
 
     def _on_term(self, signum, frame) -> None:
         self.asked = True
+        user_code.ask_stop()
 
     def agreed(self, dev) -> bool:
         """Collective: True on every rank when any rank was asked to stop."""
@@ -99,8 +108,10 @@ class Preemption:
         return bool(int(flag))
 
     def close(self) -> None:
-        """Give SIGTERM its previous handler back."""
-        signal.signal(signal.SIGTERM, self._old)
+        """Give SIGTERM and SIGINT their previous handlers back."""
+        for s, old in self._old.items():
+            signal.signal(s, old)
+        user_code.clear_stop()
 
 
 def train_rank(cfg: RunConfig) -> dict:
@@ -120,6 +131,8 @@ def train_rank(cfg: RunConfig) -> dict:
         mode = get_mode(cfg.mode.name)()
         run = _run_dir(cfg)
         start, rank0 = 0, dist.get_rank() == 0
+        # what the rows were at the start (they are read then): recorded in every checkpoint's meta.json
+        data_prints = fingerprint.fingerprint(cfg.data.train_files) if rank0 else {}
         if cfg.train.resume:
             latest = train_state.latest_checkpoint(run)
             if latest is None:
@@ -163,7 +176,7 @@ def train_rank(cfg: RunConfig) -> dict:
                 rt.memory.restore_all()  # offloaded classes come back before their state is written
                 train_state.save_checkpoint(run, step + 1, rt.ddp.module, rt.ref, rt.optimizer,
                                             {"lr_scheduler": rt.scheduler.state_dict(), "data_cursor": rt.data_cursor},
-                                            to_yaml(cfg))
+                                            to_yaml(cfg), data_prints)
             if stop:  # every rank agreed: the launcher starts nothing after this run either
                 stopped = step + 1
                 break
@@ -203,7 +216,9 @@ def _log(path: Path, rec: dict, bar, rank0: bool, tracker=None) -> None:
 
 
 def _progress(cfg: RunConfig, start: int, rank0: bool):
-    if not (rank0 and cfg.train.progress):
+    """Rank 0's progress bar on a terminal; None (plain step lines) elsewhere: without a terminal (a log file,
+    a pipe, SLURM's output) the bar's carriage-return frames would fill the log."""
+    if not (rank0 and cfg.train.progress and sys.stdout.isatty() and sys.stderr.isatty()):  # tqdm draws on stderr
         return None
     return tqdm(total=cfg.train.steps, initial=start, desc=f"train[{cfg.mode.name}]", unit="step", dynamic_ncols=True)
 

@@ -16,6 +16,7 @@ from rollplex_megatron.models.qwen25vl.hf import HFCheckpoint, load_hf_into_mode
 from rollplex_megatron.config import RunConfig
 from rollplex_megatron.data import build_source
 from rollplex_megatron.dist import ParallelLayouts, default_group_is_train_world, init_parallel, layouts, train_world
+from rollplex_megatron.memory.machine import check_run_fits
 from rollplex_megatron.memory.manager import MemoryManager
 from rollplex_megatron.memory.planner import (ahead_phases, auto_release, check_budget, gib_text, pack_groups, plan,
                                               releasable, released, rollout_rank_plan, runtime_cfg, runtime_plan,
@@ -244,6 +245,7 @@ class Runtime:
         # holds every layer
         check_kv_budget(cfg, self.source, samples, cfg.weights_phase is not None)
         self.plan = memory_plan(cfg, self.source)  # over memory.budget_gib: fails here, before any model
+        check_run_fits(cfg, self.source, self.plan)  # over the machine's free memory (CPU: the host's) too
         check_window_graphs(cfg, self.plan["released"], torch.cuda.is_available())
         actor = build_policy(cfg)
         self.ref = None  # train.reference: none where the loss does not read it (kl_coef 0 under auto)
@@ -281,7 +283,7 @@ class Runtime:
                                            "split_gemm": cfg.rollout.split_gemm}
         r = cfg.rollout
         self.sampling = SamplingParams(r.temperature, r.top_p, r.top_k)
-        # every log-prob the loss sees is the sampled policy's: its temperature, its banned tokens (DESIGN 3)
+        # every log-prob the loss sees is the sampled policy's: its temperature, its banned tokens (docs/design.md §3)
         self.banned = cfg.model.vision_token_ids  # the engine's sampler bans them too
         self.logprob_kernel = logprob_kernel_for(cfg.train.logprob_kernel, device())
         self.norm_kernel = norm_kernel_for(cfg.train.norm_kernel, device())  # what training_model applied

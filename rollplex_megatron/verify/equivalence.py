@@ -25,7 +25,7 @@ from rollplex_megatron.runtime import device, sync, wrap_ddp
 from rollplex_megatron.verify.flops import group_flops
 from rollplex_megatron.verify.parity import synthetic_inputs
 
-# DESIGN section 3: fp32 on CPU 1e-5 for all; bf16 loss 1e-3, log-probs 1e-2, and gradients 1e-2
+# docs/design.md §3: fp32 on CPU 1e-5 for all; bf16 loss 1e-3, log-probs 1e-2, and gradients 1e-2
 # *in excess of the serial path's own bf16 error*, both measured against an fp32 evaluation of the
 # same step (see `_against_fp32`); without that evaluation the bf16 gradient bound is direct.
 TOLERANCES = {"float32": {"logp": 1e-5, "loss": 1e-5, "grad": 1e-5},

@@ -33,14 +33,30 @@ def read_json(path: Path):
                               f"its source") from None
 
 
-def load_torch_file(path: Path, **kwargs):
-    """A checkpoint's `torch.save` file; a truncated or damaged one is a CheckpointError naming it."""
+def load_torch_file(path: Path, allowed_globals: tuple = (), **kwargs):
+    """A checkpoint's `torch.save` file through torch's weights-only unpickler: tensors and plain values only,
+    plus `allowed_globals`. A file that names any other Python object is refused without running it (a shared
+    run directory must not be a way to run code on whoever opens it); a truncated or damaged file is a
+    CheckpointError naming it too."""
     try:
-        return torch.load(path, **kwargs)
-    except (RuntimeError, EOFError, pickle.UnpicklingError) as e:
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise CheckpointError(f"{path}: not a readable checkpoint file ({first}); the file is truncated or damaged: "
-                              f"restore it from a copy, or use another step's checkpoint") from None
+        with torch.serialization.safe_globals(list(allowed_globals)):
+            return torch.load(path, weights_only=True, **kwargs)
+    except pickle.UnpicklingError as e:
+        found = [ln.strip() for ln in str(e).splitlines() if "GLOBAL" in ln]
+        if not found:
+            raise CheckpointError(f"{path}: not a readable checkpoint file ({_first_line(e)}); the file is truncated "
+                                  f"or damaged: restore it from a copy, or use another step's checkpoint") from None
+        raise CheckpointError(f"{path}: refused, it names Python code to run while loading "
+                              f"({found[0].rstrip('.')}); this project's checkpoints hold only tensors and plain "
+                              f"values, so the file was altered or written by something else; it was not loaded: "
+                              f"use a checkpoint from a source you trust") from None
+    except (RuntimeError, EOFError) as e:
+        raise CheckpointError(f"{path}: not a readable checkpoint file ({_first_line(e)}); the file is truncated or "
+                              f"damaged: restore it from a copy, or use another step's checkpoint") from None
+
+
+def _first_line(e: BaseException) -> str:
+    return next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
 
 
 SUPPORTED_MODEL_TYPES = {"qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}

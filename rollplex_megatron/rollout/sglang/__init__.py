@@ -1,4 +1,4 @@
-"""SGLang as the rollout engine, with the decode window inside SGLang's scheduler (DESIGN section 2).
+"""SGLang as the rollout engine, with the decode window inside SGLang's scheduler (docs/design.md §2).
 
 - `plugin.py`: the `sglang.srt.plugins` entry point; AROUND hooks on `Scheduler.run_batch` and
   `Scheduler.on_idle` that drive the bridge (`install_direct` for releases without plugins, through

@@ -55,7 +55,7 @@ def import_sglang():
         import sglang
     except ImportError:
         raise ValueError("rollout.engine=sglang needs SGLang in this environment (pip install 'sglang==0.5.23', "
-                         "or 0.5.12 as verl 0.9.1 pins; README 'SGLang'); use rollout.engine=embedded") from None
+                         "or 0.5.12 as verl 0.9.1 pins; docs/guides/sglang.md); use rollout.engine=embedded") from None
     version = getattr(sglang, "__version__", "0")
     if _release(version) < MIN_ADAPTER:
         raise ValueError(f"rollout.engine=sglang needs SGLang >= {'.'.join(map(str, MIN_ADAPTER))} (per-sample "

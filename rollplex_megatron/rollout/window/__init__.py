@@ -1,6 +1,6 @@
 """The decode window: prefix-stage work queued by the trainer, run by the engine while it decodes.
 
-Mechanisms (DESIGN section 6 says why none is free on an H200; `benchmarks/decode_window.py`
+Mechanisms (docs/design.md §6 says why none is free on an H200; `benchmarks/decode_window.py`
 measures each):
 - `interleave` (the no-overlap reference): after each decode step the hook runs up to
   `items_per_step` queued items on the decode stream;

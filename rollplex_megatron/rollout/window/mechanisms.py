@@ -1,4 +1,4 @@
-"""Decode-window mechanisms: how queued prefix work shares the GPU with decode (DESIGN section 6).
+"""Decode-window mechanisms: how queued prefix work shares the GPU with decode (docs/design.md §6).
 
 A mechanism decides where items run (the decode stream between steps, or a side stream fed by an
 issuer thread), on which side stream, and when the issuer may start. A new mechanism is one class

@@ -1,7 +1,7 @@
 """The one place where the decode-window mechanism is decided: `auto` from the measured table
 (`window_policy.json`, built by `window-policy` from a decode-window benchmark JSON) and the
 parallel-layout limits. The table judges mechanisms by the wall time of decode plus its side work
-(DESIGN section 2: the mechanism that makes the step shortest wins), not by a hidden-share /
+(docs/design.md §2: the mechanism that makes the step shortest wins), not by a hidden-share /
 slowdown pair."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""rollplex: the prefix stages inside the rollout (DESIGN section 2).
+"""rollplex: the prefix stages inside the rollout (docs/design.md §2).
 
 The rollout's prefill *is* the actor prefix stage; the reference prefix stage of every group runs
 in the decode window; then the reference response stage, the actor response stage (old log-probs
@@ -161,7 +161,7 @@ class Rollplex(Mode):
 
     def update(self, rt, prep, m, fresh):  # noqa: D102
         mini = prep.minis[m]
-        if not fresh:  # the weights moved since the rollout: the prefix is recomputed (DESIGN section 2)
+        if not fresh:  # the weights moved since the rollout: the prefix is recomputed (docs/design.md §2)
             return X.actor_prefix_step(rt.ddp, prep.batch.groups, prep.mbs[m], rt.backend, loss_fn=rt.loss(mini),
                                        recompute=rt.recompute, select=mini.groups, pack_tokens=rt.actor_pack_tokens)
         own = set(mini.groups)
