@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # GPU machine: one `bench` suite (or part of one). Run from the repo root with .whl/ carried:
 #   ROLLPLEX_COMMIT=<sha> bash benchmarks/gpu_bench.sh SUITE MODES [overrides]
+# MODES as bench takes them, quoted: "serial,prefix_shared,rollplex,rollplex[mode.window=after]" (each mode at
+# its defaults, or with Hydra overrides of its own in brackets).
 # The JSON is kept in runs/bench/ (ignored, so it stays on a warm machine between calls) and copied
 # to $OUT. A later call on the same machine merges its modes into it (bench accepts a merge only from
 # the same host, GPU UUIDs and commit), so a suite can be split over calls of the 10-minute limit.

@@ -8,7 +8,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /
 # as a user's run has it. This file exported 1 until 2026-12-05, so every bench JSON before then ran with all
 # streams on one hardware queue, where work issued on one stream can wait for earlier work on another (a
 # residency copy, a decode-window item). Megatron asks for 1 only to order tensor-parallel communication ahead
-# of the GEMMs it overlaps. `bench` records it per mode; `<mode>:conn1` runs a mode under 1 for comparison.
+# of the GEMMs it overlaps. `bench` records it per mode; `MODE[env:CUDA_DEVICE_MAX_CONNECTIONS=1]` runs one under 1.
 export PYTHONPATH=/tmp/site:$PWD
 # gpu_tests TESTFILE NAME: a GPU test file's verdicts, also kept as $out/NAME (a failure is read there, not fatal),
 # and beside it $out/NAME less .txt, plus .json: the command, each test's verdict and the environment (device, versions, commit, date)

@@ -5,7 +5,7 @@
 #   ROLLPLEX_COMMIT=<sha> bash benchmarks/gpu_layout.sh MODES [overrides]   # image_short bench, e.g. serial
 # `decode`: one CUDA-graph decode step (3B, batch 128, flash) with every decoder linear as one GEMM and as
 # two GEMMs over views of its halves (the split-GEMM executor of weights/split.py).
-# MODES: bench image_short modes, e.g. `serial` then `serial:bound` (the rollout model bound to the
+# MODES: bench image_short modes, e.g. `serial` then `serial[rollout.bound_model=true]` (the rollout model bound to the
 # training storage at equal TP: every tensor a view) in a second call on the same warm machine (merged).
 set -euo pipefail
 source benchmarks/gpu_env.sh

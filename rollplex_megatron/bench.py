@@ -1,26 +1,17 @@
 """`bench SUITE`: every mode of a suite on one workload, each in its own process from the same seed;
 one JSON per suite under benchmarks/results/ and BENCHMARKS.md generated from those JSONs.
 
-A suite is a recipe `recipes/bench/SUITE.yaml` (model, workload, drawn response lengths). A mode is
-`serial`, `prefix_shared`, `rollplex`, `<mode>:bound` (the rollout on a model of its own bound to the
-training storage, `rollout.bound_model`), `<mode>:tokens<N>` (training micro-batches packed up to N
-response tokens, `workload.micro_batch_tokens`), `<mode>:keep` / `<mode>:memauto` (memory.plan=keep /
-auto: release only what the device's free memory requires), `<mode>:copy2` (memory.copy_streams=2: the
-residency copies on a stream per direction), `<mode>:ahead` (memory.prefetch_ahead=true: released classes
-back one phase early where the plan has room), `<mode>:conn1` (the mode's process under
-CUDA_DEVICE_MAX_CONNECTIONS=1: one hardware queue for every stream; each mode records its CUDA environment),
-`<mode>:torchnorm` (train.norm_kernel=torch:
-torch's composite RMSNorm), `<mode>:pack<N>` (workload.prefix_pack_tokens=N: the prefix stages of consecutive
-groups as one forward of up to N prefix tokens), `<mode>:fusedrope` (train.rope_kernel=triton: the training
-models' RoPE as one kernel per q and k), `<mode>:keepdecode` (rollout.keep_decode_state=true: the decode
-cache, slot state and CUDA graphs kept between rollouts), `<mode>:split` / `<mode>:sdpa`
-(mode.attention_backend=split: the training attention without a mask, two varlen calls merged by their log-sum-exp,
-what `auto` runs on CUDA; sdpa: the masked path), or a rollplex variant
-`rollplex:<window>` (interleave, after, stream, tail, green, auto), `rollplex:graphs` (mode.window_graphs=true: the
-window's reference prefix items as CUDA graph replays; on CUDA with `:keep` or `:memauto`, since
-the phase plan releases the reference and is refused); variants combine with `+`
-(`rollplex:tokens8192+pack16640`). Every figure is a median
-of the steady steps (after `--warmup`); the warm-up steps are kept apart with the phases that hold their excess.
+A suite is a recipe `recipes/bench/SUITE.yaml` (model, workload, drawn response lengths). `--modes` lists
+`serial`, `prefix_shared` and `rollplex`, each run at its defaults, or with Hydra overrides of its own in
+brackets: `--modes "rollplex,rollplex[mode.window=after]"` (quote it: the shell reads brackets). Inside the
+brackets overrides are split at top-level commas only, so a value keeps commas inside [], {}, () or quotes
+(`rollplex[data.train_files=[a,b]]`); `env:NAME=V` sets one of the variables CUDA reads at start-up in that
+mode's process (`env:CUDA_DEVICE_MAX_CONNECTIONS=1`). Every mode's config is composed before any mode runs,
+so an unknown key stops the command first; each mode's record keeps its overrides. Settings for every mode
+go after the suite name (`bench video_long train.steps=4`). The variant labels of older records
+(`rollplex:tokens8192+after`) are read as the overrides they set (`OLD_VARIANTS`); a command that gives one is
+refused with its new form. Every figure is a median of the steady steps
+(after `--warmup`); the warm-up steps are kept apart with the phases that hold their excess.
 `--profile` runs one more step per mode under torch.profiler and saves its top ops per phase beside
 the JSON (that step is left out of every figure); `--profile-phases update,...` profiles only those.
 Ratios compare medians of one JSON, whose modes ran on one machine (`machine`: host and GPU UUIDs;
@@ -29,9 +20,12 @@ Ratios compare medians of one JSON, whose modes ran on one machine (`machine`: h
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import platform
+import re
+import shlex
 import socket
 import statistics
 import subprocess
@@ -40,11 +34,13 @@ import tempfile
 from pathlib import Path
 
 import torch
+from hydra.errors import HydraException
+from omegaconf.errors import OmegaConfBaseException
 
 from rollplex_megatron.models.qwen25vl.hf import atomic_write_text
 from rollplex_megatron.recipes import RECIPES_DIR, load_run_config, override_key, to_yaml
 from rollplex_megatron.report import read_metrics
-from rollplex_megatron.runtime import environment_record
+from rollplex_megatron.runtime import CUDA_ENV, environment_record
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -66,6 +62,23 @@ PHASE_FLOPS = {
 }
 
 
+# The variant labels bench took before modes carried overrides (`rollplex:tokens8192+after`): older records keep
+# them, so they are read as the overrides they set; a command that gives one is refused with its new form.
+OLD_VARIANTS = {"bound": "rollout.bound_model=true", "keep": "memory.plan=keep", "memauto": "memory.plan=auto",
+                "conn1": "env:CUDA_DEVICE_MAX_CONNECTIONS=1", "ahead": "memory.prefetch_ahead=true",
+                "copy2": "memory.copy_streams=2", "torchnorm": "train.norm_kernel=torch",
+                "fusedrope": "train.rope_kernel=triton", "keepdecode": "rollout.keep_decode_state=true",
+                "split": "mode.attention_backend=split", "sdpa": "mode.attention_backend=sdpa",
+                "graphs": "mode.window_graphs=true", **{w: f"mode.window={w}" for w in WINDOWS}}
+OLD_SIZED = {"tokens": "workload.micro_batch_tokens", "pack": "workload.prefix_pack_tokens"}  # `tokens<N>`, N > 0
+# Settings bench gives every mode itself (or the name before the brackets gives): a mode's brackets may not name them
+_STEPS = "is the suite's: give it after the suite name (bench SUITE train.steps=N), for every mode alike"
+BENCH_SETS = {"mode": "names the mode, which is the name before the brackets",
+              "mode.name": "names the mode, which is the name before the brackets", "train.steps": _STEPS,
+              **{k: "is set by bench for every mode; drop it" for k in (
+                  "train.out", "train.save_final", "train.progress", "train.profile_step", "train.profile_phases")}}
+
+
 class BenchModeError(ValueError):
     """A mode's training process failed (its own last error lines inside): reported as one line, no traceback."""
 
@@ -85,69 +98,131 @@ def _merged(path: str) -> dict:
     return prev
 
 
+def split_top(text: str, where: str = "") -> list[str]:
+    """`text` split at its top-level commas, none inside [], {}, () or quotes (`a=[1,2],b` -> `a=[1,2]`, `b`); an
+    unbalanced bracket or an unclosed quote is a one-line error naming `where` (default: `text`)."""
+    where = where or text
+    parts, depth, quote, start, escaped = [], 0, "", 0, False
+    for i, ch in enumerate(text):
+        if quote:  # Hydra's quoted values escape their quote with a backslash
+            escaped, quote = (False, quote) if escaped else (ch == "\\", "" if ch == quote else quote)
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "[{(":
+            depth += 1
+        elif ch in "]})":
+            depth -= 1
+            if depth < 0:
+                raise ValueError(f"--modes: {where!r} closes a bracket it never opened ({ch!r}); drop it or open one")
+        elif ch == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    if depth or quote:
+        raise ValueError(f"--modes: {where!r} leaves {'a quote' if quote else 'a bracket'} open; close it")
+    return [*parts, text[start:]]
+
+
+def mode_label(name: str, overrides: list[str] | tuple[str, ...]) -> str:
+    """The label a mode with `overrides` is recorded under: `rollplex`, `rollplex[mode.window=after]`."""
+    return f"{name}[{','.join(overrides)}]" if overrides else name
+
+
+def parse_mode(entry: str) -> tuple[str, list[str]]:
+    """One `--modes` entry, `name` or `name[override,...]` -> (name, overrides); the brackets must close at its end."""
+    name, bracket, rest = entry.partition("[")
+    if not bracket:
+        return name.strip(), []
+    if not rest.endswith("]"):
+        raise ValueError(f"--modes: {entry!r}: a mode's overrides end its entry, `{name.strip()}[key=value,...]`")
+    over = [o.strip() for o in split_top(rest[:-1], entry)] if rest[:-1].strip() else []
+    if "" in over:
+        raise ValueError(f"--modes: {entry!r} holds an empty override (two commas, or one at an end); drop it")
+    return name.strip(), over
+
+
+def old_label_spec(label: str) -> tuple[str, list[str]]:
+    """An old variant label (`rollplex:tokens8192+after`) -> (its mode, the overrides its variants set)."""
+    name, _, variant = label.partition(":")
+    over = []
+    for part in variant.split("+"):
+        size = next((k for k in OLD_SIZED if part.startswith(k) and part[len(k):].isdigit()), None)
+        if part in OLD_VARIANTS:
+            over.append(OLD_VARIANTS[part])
+        elif size is not None and int(part[len(size):]) > 0:
+            over.append(f"{OLD_SIZED[size]}={int(part[len(size):])}")
+        else:
+            raise ValueError(f"--modes: {label!r}: bench takes no variants after ':' (and {part!r} was none); a mode "
+                             f"carries Hydra overrides in brackets: \"{name}[key=value,...]\"")
+    return name, over
+
+
+def label_spec(label: str) -> tuple[str, tuple[str, ...]]:
+    """A recorded mode label, new (`rollplex[mode.window=after]`) or old (`rollplex:after`) -> (mode, overrides)."""
+    name, over = old_label_spec(label) if ":" in label.partition("[")[0] else parse_mode(label)
+    return name, tuple(over)
+
+
+def _refuse_old_labels(entries: list[str]) -> None:
+    """Refuse old variant labels in `--modes` with one line that gives the whole `--modes` value rewritten."""
+    old = [e for e in entries if ":" in e.partition("[")[0]]
+    if "[" in old[0]:
+        raise ValueError(f"--modes: {old[0]!r}: bench takes no variants after ':'; give every setting in the "
+                         f"brackets: \"{old[0].partition(':')[0]}[key=value,...]\"")
+    new = [mode_label(*old_label_spec(e)) if e in old else e for e in entries]
+    raise ValueError(f"--modes: {old[0]!r} is a variant label, which bench no longer takes: a mode carries Hydra "
+                     f"overrides in brackets; run --modes \"{','.join(new)}\"")
+
+
+def _check_overrides(label: str, overrides: list[str]) -> None:
+    """A mode's overrides: each `key=value` (or `~key`, `env:NAME=V` of `CUDA_ENV`), each key once, none of the
+    settings bench gives every mode itself."""
+    keys = set()
+    for o in overrides:
+        key = override_key(o)
+        if "=" not in o and not o.startswith("~"):
+            raise ValueError(f"--modes: {label!r}: {o!r} is not an override; write key=value")
+        if key.startswith("env:") and key[len("env:"):] not in CUDA_ENV:
+            raise ValueError(f"--modes: {label!r}: {key} is not a variable a mode's record keeps; env: sets one of "
+                             f"{', '.join(CUDA_ENV)}")
+        if key in BENCH_SETS:
+            raise ValueError(f"--modes: {label!r}: {key} {BENCH_SETS[key]}")
+        if key in keys:
+            raise ValueError(f"--modes: {label!r} gives {key} twice; give it once")
+        keys.add(key)
+
+
 def parse_modes(spec: str) -> list[tuple[str, list[str]]]:
-    """`serial,rollplex:stream,...` -> [(label, overrides)]; a clear error for an unknown entry."""
+    """`serial,rollplex[mode.window=after]` -> [(label, overrides)], `mode.name=<mode>` first; a one-line error for
+    an unknown mode, a malformed entry or an old variant label (with its new form)."""
+    entries = [e.strip() for e in split_top(spec) if e.strip()]
+    if any(":" in e.partition("[")[0] for e in entries):
+        _refuse_old_labels(entries)
     out = []
-    for label in [s.strip() for s in spec.split(",") if s.strip()]:
-        name, _, variant = label.partition(":")
+    for entry in entries:
+        name, over = parse_mode(entry)
         if name == "disaggregated":
             raise ValueError("--modes: disaggregated runs on parallel.rollout_ranks more processes than the other "
                              "modes; bench it on its own (a JSON of its own: bench SUITE --modes disaggregated "
                              "mode=disaggregated parallel.rollout_ranks=N)")
         if name not in PHASE_FLOPS:
-            raise ValueError(f"--modes: unknown mode {name!r} in {label!r}; choose from {', '.join(PHASE_FLOPS)}")
-        over = [f"mode.name={name}"]
-        keys = set()
-        for part in variant.split("+") if variant else []:  # variants combine: rollplex:tokens8192+pack16640
-            key, setting = _variant(name, part, label)
-            if key in keys:
-                raise ValueError(f"--modes: {label!r}: two variants set {key}; give one")
-            keys.add(key)
-            over.append(setting)
+            raise ValueError(f"--modes: unknown mode {name!r} in {entry!r}; choose from {', '.join(PHASE_FLOPS)}")
+        label = mode_label(name, over)
+        _check_overrides(label, over)
         if any(label == seen for seen, _ in out):
             raise ValueError(f"--modes: {label!r} is given twice; each mode runs once per suite JSON")
-        out.append((label, over))
+        out.append((label, [f"mode.name={name}", *over]))
     if not out:
         raise ValueError("--modes: no mode given")
     return out
 
 
-def _variant(name: str, variant: str, label: str) -> tuple[str, str]:
-    """One variant of a bench mode -> (the setting it overrides, the override)."""
-    budget = variant[len("tokens"):] if variant.startswith("tokens") else ""
-    pack = variant[len("pack"):] if variant.startswith("pack") else ""
-    if variant == "bound":  # any mode: the rollout on a model of its own bound to the training storage
-        return "rollout.bound_model", "rollout.bound_model=true"
-    if budget.isdigit() and int(budget) > 0:  # any mode: micro-batches packed up to N response tokens
-        return "workload.micro_batch_tokens", f"workload.micro_batch_tokens={int(budget)}"
-    if pack.isdigit() and int(pack) > 0:  # any mode: prefix stages packed up to N prefix tokens a forward
-        return "workload.prefix_pack_tokens", f"workload.prefix_pack_tokens={int(pack)}"
-    if variant in ("keep", "memauto"):  # any mode: memory.plan=keep or auto
-        return "memory.plan", f"memory.plan={'keep' if variant == 'keep' else 'auto'}"
-    if variant == "conn1":  # any mode: its process under CUDA_DEVICE_MAX_CONNECTIONS=1 (one hardware queue)
-        return "env:CUDA_DEVICE_MAX_CONNECTIONS", "env:CUDA_DEVICE_MAX_CONNECTIONS=1"
-    if variant == "ahead":  # any mode: released classes back one phase early where the budget allows
-        return "memory.prefetch_ahead", "memory.prefetch_ahead=true"
-    if variant == "copy2":  # any mode: the residency copies on a stream per direction
-        return "memory.copy_streams", "memory.copy_streams=2"
-    if variant == "torchnorm":  # any mode: torch's composite RMSNorm in the training models
-        return "train.norm_kernel", "train.norm_kernel=torch"
-    if variant == "fusedrope":  # any mode: the fused RoPE in the training models
-        return "train.rope_kernel", "train.rope_kernel=triton"
-    if variant == "keepdecode":  # any mode: the decode cache, slot state and graphs kept between rollouts
-        return "rollout.keep_decode_state", "rollout.keep_decode_state=true"
-    if variant == "graphs" and name == "rollplex":  # the decode window's reference prefix items as CUDA graphs
-        return "mode.window_graphs", "mode.window_graphs=true"
-    if variant in ("split", "sdpa"):  # any mode: the training attention without a mask (attention/split.py) or
-        return "mode.attention_backend", f"mode.attention_backend={variant}"  # with it (the masked SDPA path)
-    if name != "rollplex" or variant not in WINDOWS:
-        raise ValueError(f"--modes: {label!r}: a variant is rollplex:<{'|'.join(WINDOWS)}>, <mode>:bound, "
-                         f"<mode>:tokens<N> or <mode>:pack<N> (N > 0), <mode>:keep, <mode>:memauto, <mode>:copy2, "
-                         f"<mode>:conn1, <mode>:ahead, "
-                         f"<mode>:torchnorm, <mode>:fusedrope, <mode>:keepdecode, <mode>:split, <mode>:sdpa or "
-                         f"rollplex:graphs; "
-                         "several join with '+'")
-    return "mode.window", f"mode.window={variant}"
+def check_modes(suite: str, overrides: list[str], specs: list[tuple[str, list[str]]]) -> None:
+    """Compose every mode's config before any mode runs: an unknown key or a bad value is one line naming the mode."""
+    for label, over in specs:
+        try:
+            load_run_config([f"+bench={suite}", *overrides, *split_env(over)[0]])
+        except (ValueError, HydraException, OmegaConfBaseException) as e:
+            raise ValueError(f"--modes {label}: {' '.join(str(e).split())}") from None
 
 
 def cpu_model() -> str:
@@ -265,8 +340,8 @@ def prefix_graph_summary(rollouts: list[dict]) -> dict | None:
 
 def summarize_mode(label: str, records: list[dict], warmup: int, recompute: bool) -> dict:
     """Step times, the steady medians, the warm-up steps apart, per-phase times, memory, tokens/s,
-    achieved TFLOP/s and the decode window's record of one mode."""
-    mode = label.split(":")[0]
+    achieved TFLOP/s and the decode window's record of one mode, with the mode and the overrides it ran with."""
+    mode, over = label_spec(label)
     steady, first = records[warmup:], records[:warmup]
     med = _median([r["step_time_s"] for r in steady])
     phases = list(dict.fromkeys(k for r in records for k in r["phase_times"]))
@@ -303,7 +378,8 @@ def summarize_mode(label: str, records: list[dict], warmup: int, recompute: bool
         if graphs is not None:
             window["prefix_graphs"] = graphs
     return {
-        "label": label, "step_times_s": [r["step_time_s"] for r in records], "warmup_steps": warm,
+        "label": label, "mode": mode, "overrides": list(over),
+        "step_times_s": [r["step_time_s"] for r in records], "warmup_steps": warm,
         "steady": {"steps": [r["step"] for r in steady], "median_s": med,
                    "min_s": min(r["step_time_s"] for r in steady), "max_s": max(r["step_time_s"] for r in steady)},
         "phase_median_s": phase_med,
@@ -367,15 +443,15 @@ def parts_line(label: str, m: dict, phase: str) -> str | None:
     return f"- {label}, {phase} {m['phase_median_s'][phase]:.2f} s: " + "; ".join(cells)
 
 
-WINDOW_ONLY = ("graphs",)  # variants that change only the window's side items, not the decode without them
+WINDOW_ONLY = ("mode.window_graphs",)  # settings that change only the window's side items, not the decode
 
 
 def _settings(label: str, window: bool = True) -> frozenset:
-    """A mode label's variants other than a window mechanism (`rollplex:tokens8192+pack16640+stream` ->
-    {tokens8192, pack16640}); with `window=False` also without those that change only the side items
-    (`WINDOW_ONLY`): the settings of the same decode without them, a prefix_shared mode's."""
-    drop = WINDOWS if window else WINDOWS + WINDOW_ONLY
-    return frozenset(p for p in label.partition(":")[2].split("+") if p and p not in drop)
+    """A mode label's overrides other than its window mechanism (`rollplex[a=1,mode.window=after]` -> {a=1}); with
+    `window=False` also without those that change only the side items (`WINDOW_ONLY`): the settings of the same
+    decode without them, a prefix_shared mode's. Old labels read as the overrides their variants set."""
+    drop = ("mode.window",) if window else ("mode.window", *WINDOW_ONLY)
+    return frozenset(o for o in label_spec(label)[1] if override_key(o) not in drop)
 
 
 def window_cost(modes: dict) -> None:
@@ -396,12 +472,12 @@ def window_cost(modes: dict) -> None:
     for mech in ("after", "interleave"):
         for k, m in modes.items():
             w = m.get("window") or {}
-            if k.partition(":")[0] == "rollplex" and w.get("mechanism") == mech \
+            if label_spec(k)[0] == "rollplex" and w.get("mechanism") == mech \
                     and w.get("side_work_in_window_gpu_s") is not None:
                 side = w["side_work_in_window_gpu_s"] + (w.get("side_work_after_gpu_s") or 0.0)
                 alone_side.setdefault(_settings(k), side)
     for k, m in modes.items():
-        base = next((b for b in modes if b.partition(":")[0] == "prefix_shared"
+        base = next((b for b in modes if label_spec(b)[0] == "prefix_shared"
                      and _settings(b) == _settings(k, window=False)), None)
         if m.get("window") and base is not None:
             alone = modes[base]["phase_median_s"]["rollout"]
@@ -419,19 +495,20 @@ def window_cost(modes: dict) -> None:
 
 def ratios(modes: dict) -> dict:
     """`a/b` = median step of a over median step of b: every non-rollplex mode over every rollplex
-    variant, and each variant over plain rollplex."""
+    mode, each rollplex mode over plain rollplex, a mode with rollout.bound_model=true over the same mode without
+    it (what the shared path costs), and one with memory.plan=auto over the same with keep (what auto costs)."""
     med = {k: m["steady"]["median_s"] for k, m in modes.items()}
-    fast = [k for k in modes if k.split(":")[0] == "rollplex"]
+    spec = {k: (label_spec(k)[0], frozenset(label_spec(k)[1])) for k in med}
+    fast = [k for k in modes if spec[k][0] == "rollplex"]
     out = {f"{a}/{b}": med[a] / med[b] for b in fast for a in modes if a not in fast}
     if "rollplex" in med:
         out.update({f"{b}/rollplex": med[b] / med["rollplex"] for b in fast if b != "rollplex"})
-    out.update({f"{k}/{k[:-len(':bound')]}": med[k] / med[k[:-len(":bound")]] for k in med
-                if k.endswith(":bound") and k[:-len(":bound")] in med})  # what the shared path costs
-    for k in med:  # what memory.plan=auto costs against keep, the other variants the same
-        name, _, variant = k.partition(":")
-        keep = f"{name}:" + "+".join("keep" if p == "memauto" else p for p in variant.split("+"))
-        if "memauto" in variant.split("+") and keep in med:
-            out[f"{k}/{keep}"] = med[k] / med[keep]
+    for had, instead in (("rollout.bound_model=true", None), ("memory.plan=auto", "memory.plan=keep")):
+        for k, (name, over) in spec.items():
+            other = (name, over - {had} | ({instead} if instead else set()))
+            base = next((b for b in med if had in over and spec[b] == other), None)
+            if base is not None:
+                out[f"{k}/{base}"] = med[k] / med[base]
     return out
 
 
@@ -460,9 +537,12 @@ def render_markdown(results: Path) -> str:
     """BENCHMARKS.md: one table per suite JSON (generated; edit the JSONs' runs, not this file)."""
     lines = ["# Benchmarks", "",
              "Generated by `python -m rollplex_megatron bench` from `benchmarks/results/bench_*.json`;",
-             "do not edit by hand. Medians of the steady steps; warm-up steps are listed apart.", ""]
+             "do not edit by hand. Medians of the steady steps; warm-up steps are listed apart. Each table lists",
+             "the modes at their defaults first, then those run with overrides (`rollplex[mode.window=after]`; older",
+             "records' labels `mode:variant` name the overrides of docs/benchmarks/index.md's table).", ""]
     for path in sorted(x for x in results.glob("bench_*.json") if not x.name.endswith("_profile.json")):
         d = json.loads(path.read_text())
+        d["modes"] = dict(sorted(d["modes"].items(), key=lambda kv: bool(label_spec(kv[0])[1])))  # defaults first
         window_cost(d["modes"])  # derived from the JSON's own medians (older JSONs compared exact labels only)
         env = d["environment"]
         lines += [f"## {d['suite']}", "", d.get("description", ""), "",
@@ -493,7 +573,8 @@ def render_markdown(results: Path) -> str:
                    f"{w['rollout_excess_s']:+.2f} s vs {w.get('rollout_excess_vs', 'prefix_shared')}{bound}"
                    if w and w.get("rollout_excess_s") is not None
                    else (w["mechanism"] if w else "-"))
-            lines.append(f"| {label} | {s['median_s']:.2f} | {s['min_s']:.2f}-{s['max_s']:.2f} | "
+            cell = label.replace("|", "\\|")  # an override's value may hold one; the table would split there
+            lines.append(f"| {cell} | {s['median_s']:.2f} | {s['min_s']:.2f}-{s['max_s']:.2f} | "
                          + " | ".join(f"{m['phase_median_s'].get(p, 0):.2f}" for p in phases)
                          + f" | {m['peak_mem_gib']:.1f} | {m['decode_tokens_per_s']:.0f} | {win} |")
         lines += ["", "Ratios (median step of the first over the second): "
@@ -549,6 +630,13 @@ def planner_refusals(results: Path) -> list[str]:
     return lines
 
 
+def file_stem(label: str) -> str:
+    """A mode label as part of a file name (`rollplex[mode.window=after]` -> `rollplex_mode_window_after`): letters,
+    digits and `_` only, at most 80 characters, a digest of the label after a cut one."""
+    stem = re.sub(r"[^A-Za-z0-9]+", "_", label).strip("_")
+    return stem if len(stem) <= 80 else f"{stem[:71]}_{hashlib.sha1(label.encode()).hexdigest()[:8]}"
+
+
 def _write(out: Path, result: dict) -> None:
     """The JSON, atomically (never half-written)."""
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -559,13 +647,17 @@ def main(argv: list[str]) -> int:
     """The `bench` command."""
     ap = argparse.ArgumentParser(prog="rollplex bench", description=__doc__)
     ap.add_argument("suite", nargs="?", help="recipes/bench/SUITE.yaml")
-    ap.add_argument("--modes", default="serial,prefix_shared,rollplex", help="comma-separated modes / variants")
+    ap.add_argument("--modes", default="serial,prefix_shared,rollplex",
+                    help="comma-separated modes, each at its defaults or with Hydra overrides of its own in brackets: "
+                         "\"rollplex,rollplex[mode.window=after]\" (split at top-level commas only)")
     ap.add_argument("--warmup", type=int, default=2, help="first steps kept apart from the steady figures")
     ap.add_argument("--out", help="the suite's JSON (default benchmarks/results/bench_SUITE.json)")
     ap.add_argument("--merge", help="a JSON of this suite from the same machine: its modes are kept")
     ap.add_argument("--md", help="the page to regenerate from the JSONs beside --out (default: BENCHMARKS.md for "
                                  "benchmarks/results, else --out with .md)")
     ap.add_argument("--render", action="store_true", help="only regenerate BENCHMARKS.md from benchmarks/results")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="compose every mode's config and print the command each mode would run; run and write nothing")
     ap.add_argument("--timeout", type=float, default=None, help="seconds per mode")
     ap.add_argument("--profile", action="store_true",
                     help="one extra step per mode under torch.profiler: top ops per phase, saved beside the JSON")
@@ -592,12 +684,20 @@ def main(argv: list[str]) -> int:
     if a.profile_phases and not a.profile:
         raise ValueError("bench: --profile-phases needs --profile")
     cfg = load_run_config([f"+bench={a.suite}", *overrides])
+    check_modes(a.suite, overrides, specs)
     if a.profile_phases:  # its phase names checked before any run; kept out of `settings` (no figure depends on it)
         load_run_config([f"+bench={a.suite}", *overrides, f"train.profile_phases=[{a.profile_phases}]"])
     steps = cfg.train.steps
     if steps < a.warmup + 3:
         raise ValueError(f"bench: train.steps={steps} leaves fewer than 3 steady steps after --warmup {a.warmup}; "
                          f"raise train.steps to {a.warmup + 3} or lower --warmup")
+    if a.dry_run:
+        for label, over in specs:
+            cfg_over, env = split_env(over)
+            words = [*(f"{k}={v}" for k, v in env.items()), "python", "-m", "rollplex_megatron", "train",
+                     f"+bench={a.suite}", *overrides, *cfg_over]
+            print(f"{label}: {shlex.join(words)}")
+        return 0
     out = Path(a.out) if a.out else RESULTS / f"bench_{a.suite}.json"
     prev = _merged(a.merge) if a.merge else None
     if prev is not None and prev.get("warmup") != a.warmup:
@@ -634,16 +734,16 @@ def main(argv: list[str]) -> int:
     if a.md and not md.resolve().parent.is_dir():  # before any mode runs (--out's folder is created)
         raise ValueError(f"bench: --md {md}: folder {md.resolve().parent} does not exist; create it first")
     with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
-        for label, over in specs:
+        for i, (label, over) in enumerate(specs):
             print(f"bench {a.suite}: {label} ...", flush=True)
-            run = Path(tmp) / label.replace(":", "_")
+            run = Path(tmp) / f"{i}_{label_spec(label)[0]}"  # an override's value may hold a path
             recs = run_mode(a.suite, overrides, over, run, a.timeout, steps + 1 if a.profile else 0,
                             a.profile_phases)
             modes[label] = summarize_mode(label, recs, a.warmup, bool(recs[-1].get("prefix_recompute")))
             modes[label]["cuda_env"] = {**env["cuda_env"], **split_env(over)[1]}  # what this mode's process ran under
             modes[label]["host_launch_us"] = host_launch_us()  # right after the mode, on the same host
             if a.profile:
-                prof = out.parent / f"{out.stem}_{label.replace(':', '_').replace('+', '_')}_profile.json"
+                prof = out.parent / f"{out.stem}_{file_stem(label)}_profile.json"
                 prof.write_text((run / f"profile_step{steps + 1}.json").read_text())
                 modes[label]["profile"] = prof.name
             print(f"  median {modes[label]['steady']['median_s']:.2f} s over steps {modes[label]['steady']['steps']}",

@@ -19,6 +19,10 @@ TASK_MAX_OBJECTS = 8  # one colour per object
 # Megatron-LM pads the vocabulary to a multiple of this times TP (--make-vocab-size-divisible-by).
 VOCAB_DIVISIBLE_BY = 128
 
+# workload.micro_batch_tokens and workload.prefix_pack_tokens left to the planner (memory/planner.py auto_size): sized
+# for the device's free memory at start-up; without a device (CPU) today's fixed values, 0 (off) for both
+AUTO_SIZE = -1
+
 
 def at_least(section, path: str, names: tuple[str, ...], low: float, strict: bool = False, note: str = "") -> None:
     """A one-line error naming the first of `names` (fields of the config `section` at `path`) below `low` (at or
@@ -59,9 +63,12 @@ REFERENCE_ITEMS = Needs("a reference (train.kl_coef > 0, or train.reference=alwa
 WINDOW_GRAPHS = Needs("mode.window_graphs=true", lambda mode: mode.window_graphs)
 # memory.plan=keep releases nothing, so nothing can come back early
 RELEASING_PLAN = Needs("memory.plan=phase or auto", lambda memory: memory.plan != "keep")
-FREE_MEMORY_BUDGET = Needs("memory.budget_gib=0 and one of memory.plan=auto, memory.prefetch_ahead=true or "
-                           "workload.prefix_pack_tokens under memory.plan=phase (the budget is then the device's free "
-                           "memory less the margin)", lambda run: run.budget_from_free_memory, "run")
+STREAMED_STEP = Needs("memory.optimizer_step=stream", lambda memory: memory.optimizer_step == "stream")
+FREE_MEMORY_BUDGET = Needs("memory.budget_gib=0 and one of memory.plan=auto, a size left at auto (workload."
+                           "micro_batch_tokens or prefix_pack_tokens -1, rollout.keep_decode_state null), "
+                           "memory.prefetch_ahead=true or workload.prefix_pack_tokens under memory.plan=phase (the "
+                           "budget is then the device's free memory less the margin)",
+                           lambda run: run.budget_from_free_memory, "run")
 DYNAMIC_SAMPLING = Needs("train.dynamic_sampling=true", lambda train: train.dynamic_sampling)
 REFERENCE = Needs("a reference (train.kl_coef > 0, or train.reference=always for the logged kl)",
                   lambda train: train.uses_reference)
@@ -371,10 +378,12 @@ class RolloutConfig:
     top_k: int = setting(0, "keep the k most likely tokens (0: all)")
     cuda_graphs: bool = setting(True, "GPU: replay each decode step as a CUDA graph (per batch-size bucket)",
                                 resumable=True)
-    keep_decode_state: bool = setting(False, "the decode cache, per-slot state and CUDA graphs kept between rollouts "
-                                      "(rollout/embedded._DecodeState): a rollout of the same shape refills them and "
-                                      "captures nothing; the cache stays allocated in every phase (the memory planner "
-                                      "counts it so). Off until measured on a GPU", resumable=True)
+    keep_decode_state: bool | None = setting(None, "the decode cache, per-slot state and CUDA graphs kept between "
+                                             "rollouts (rollout/embedded._DecodeState): a rollout of the same shape "
+                                             "refills them and captures nothing; the cache stays allocated in every "
+                                             "phase (the memory planner counts it so). true | false | null (the "
+                                             "default: auto, kept where the planner finds room for it on the device, "
+                                             "memory/planner.py auto_size; off without a device)", resumable=True)
     decode_attention: str = setting("auto", "triton (CUDA, bf16/fp16: split-K/V kernels that read each group's prefix "
                                     "K/V once) | flash (two varlen flash calls and a torch merge) | math (fp32 torch) "
                                     "| auto (triton, else flash, else math: the first that can run)", resumable=True)
@@ -506,27 +515,34 @@ class WorkloadConfig:
     Training micro-batches pack a rank's responses (per PPO mini-batch) in order, by count
     (`responses_per_micro_batch`) or, with `micro_batch_tokens` > 0, greedily up to that many response
     tokens each, the count then ignored; a response longer than the budget goes alone. The budget counts
-    response tokens only (serial's full-sequence micro-batches also carry each response's prompt), so
-    every mode packs the same responses the same way; the loss is normalised by global token counts,
-    so the packing does not change the update. DP ranks may get different numbers of micro-batches.
+    response tokens only, so every mode packs the same responses the same way; serial's full-sequence
+    micro-batches also carry each response's prompt, so under a budget one holds up to that many (short)
+    responses with their prompts, and the planner counts it so. The loss is normalised by global token
+    counts, so the packing does not change the update. DP ranks may get different numbers of micro-batches.
+    `micro_batch_tokens` and `prefix_pack_tokens` default to -1 (`AUTO_SIZE`): the planner picks them for the
+    device's free memory at start-up (memory/planner.py auto_size); without a device both are 0.
     """
 
     rollout_batch: int = setting(64, "responses per step over all data-parallel ranks (prompts x group size)")
     responses_per_micro_batch: int = setting(8, "packed responses per training micro-batch (micro_batch_tokens=0)")
-    micro_batch_tokens: int = setting(0, "> 0: response tokens per training micro-batch (replaces the count); 0 off")
-    prefix_pack_tokens: int = setting(0, "> 0: prefix stages (rollout prefill, scoring and update prefixes, window "
-                                      "items) of consecutive groups run as one forward of up to this many prefix "
-                                      "tokens, each group attending to its own prefix; 0: one group each",
-                                      resumable=True)
+    micro_batch_tokens: int = setting(AUTO_SIZE, "> 0: response tokens per training micro-batch (replaces the "
+                                      "count); 0 off; -1 (the default) auto: the largest budget the device's free "
+                                      "memory holds (serial, whose micro-batches carry their prompts: 0, with the "
+                                      "largest count up to responses_per_micro_batch that fits); 0 without a device")
+    prefix_pack_tokens: int = setting(AUTO_SIZE, "> 0: prefix stages (rollout prefill, scoring and update prefixes, "
+                                      "window items) of consecutive groups run as one forward of up to this many "
+                                      "prefix tokens, each group attending to its own prefix; 0: one group each; -1 "
+                                      "(the default) auto: the largest pack the device's free memory holds; 0 without "
+                                      "a device", resumable=True)
 
     def __post_init__(self) -> None:
         at_least(self, "workload", ("rollout_batch", "responses_per_micro_batch"), 1)
-        if self.micro_batch_tokens < 0:
-            raise ValueError(f"workload.micro_batch_tokens must be >= 0, got {self.micro_batch_tokens} (0 packs by "
-                             "workload.responses_per_micro_batch)")
-        if self.prefix_pack_tokens < 0:
-            raise ValueError(f"workload.prefix_pack_tokens must be >= 0, got {self.prefix_pack_tokens} (0 runs one "
-                             "group's prefix per forward)")
+        if self.micro_batch_tokens < AUTO_SIZE:
+            raise ValueError(f"workload.micro_batch_tokens must be >= 0, or -1 for auto, got {self.micro_batch_tokens} "
+                             "(0 packs by workload.responses_per_micro_batch)")
+        if self.prefix_pack_tokens < AUTO_SIZE:
+            raise ValueError(f"workload.prefix_pack_tokens must be >= 0, or -1 for auto, got {self.prefix_pack_tokens} "
+                             "(0 runs one group's prefix per forward)")
 
 
 @dataclass(kw_only=True)
@@ -534,8 +550,9 @@ class ModeConfig:
     """How the step executes (docs/design.md §2); every mode computes the same update."""
 
     name: str = setting("rollplex", "a registered mode (trainer/modes/): serial | prefix_shared | rollplex")
-    window: str = setting("interleave", "decode-window mechanism (rollout/window/): interleave | after | stream | tail "
-                          "| green | auto")
+    window: str = setting("auto", "decode-window mechanism (rollout/window/): interleave | after | stream | tail | "
+                          "green | auto (the default: the fastest in the measured table, window_policy.json, at the "
+                          "wave's batch, `after` unless another beats it; interleave at tp or pp > 1 and on CPU)")
     window_items_per_step: int = setting(1, "queued prefix work items run after each decode step")
     window_tail_fraction: float = setting(0.25, "tail: side work starts when active samples <= this fraction",
                                           applies_with=WINDOW_TAIL)
@@ -580,14 +597,16 @@ class MemoryConfig:
 
     kv_cache_gib: float = setting(8.0, "rollout KV cache budget per GPU; more groups than fit wait (queue)")
     budget_gib: float = setting(0.0, "HBM per GPU the run's plan must fit, checked before models are built; 0: none")
-    plan: str = setting("phase", "Residency plan (memory/manager.py): keep = everything stays on the device (naive "
+    plan: str = setting("auto", "Residency plan (memory/manager.py): keep = everything stays on the device (naive "
                         "colocation); phase = main weights and Adam states offloaded outside the optimizer step, "
                         "gradients freed outside the update, the reference offloaded where unused, the actor prefix "
-                        "recomputed. auto = release only what the budget needs (memory/planner.py auto_release: a "
-                        "minimal set of RELEASE_ORDER's classes), nothing when everything fits: the budget is "
+                        "recomputed. auto (the default) = release only what the budget needs (memory/planner.py "
+                        "auto_release: a minimal set of RELEASE_ORDER's classes), nothing when everything fits: the "
+                        "budget is "
                         "memory.budget_gib, or with 0 the device's free memory at start-up minus "
                         "memory.auto_margin_gib (on CPU, without a budget, auto keeps everything)")
-    auto_margin_gib: float = setting(4.0, "memory.plan=auto without a budget: free device memory left unplanned",
+    auto_margin_gib: float = setting(4.0, "memory.plan=auto or auto sizes without a budget: free device memory left "
+                                     "unplanned",
                                      applies_with=FREE_MEMORY_BUDGET)
     copy_streams: int = setting(1, "CUDA streams of the residency copies (memory/manager.py): 1 = offloads and "
                                 "prefetches in one queue; 2 = one stream per direction, so a prefetch does not wait "
@@ -598,6 +617,18 @@ class MemoryConfig:
                                    "with it stay within memory.budget_gib (0: the device's free memory at start-up "
                                    "minus memory.auto_margin_gib; on CPU without a budget nothing comes early); its "
                                    "copy then runs beside that phase's work", applies_with=RELEASING_PLAN)
+    optimizer_step: str = setting("resident", "how the optimizer step reads the fp32 master weights and Adam "
+                                  "states the plan releases: resident = brought back to the device for the step; "
+                                  "stream = left in pinned host memory and streamed through the step bucket by bucket "
+                                  "on the copy streams (memory/stream_optimizer.py), so the optimizer phase holds the "
+                                  "bf16 weights, the gradients and memory.optimizer_buckets buckets; the same update, "
+                                  "bit for bit", resumable=True, applies_with=RELEASING_PLAN)
+    optimizer_bucket_mib: float = setting(512.0, "memory.optimizer_step=stream: the streamed bytes (masters and Adam "
+                                          "states) of one bucket; a larger parameter is split across buckets",
+                                          resumable=True, applies_with=STREAMED_STEP)
+    optimizer_buckets: int = setting(2, "memory.optimizer_step=stream: buckets on the device at once (2: one "
+                                     "updated while the next is copied in and the last copied out)", resumable=True,
+                                     applies_with=STREAMED_STEP)
 
     def __post_init__(self) -> None:
         if self.plan not in ("keep", "phase", "auto"):
@@ -611,6 +642,11 @@ class MemoryConfig:
             raise ValueError(f"memory.kv_cache_gib must be > 0, got {self.kv_cache_gib}")
         if self.budget_gib < 0:
             raise ValueError(f"memory.budget_gib must be >= 0 (0: no budget), got {self.budget_gib}")
+        if self.optimizer_step not in ("resident", "stream"):
+            raise ValueError(f"memory.optimizer_step must be resident or stream, got {self.optimizer_step!r}")
+        if not self.optimizer_bucket_mib > 0 or self.optimizer_buckets < 2:
+            raise ValueError(f"memory.optimizer_bucket_mib must be > 0 and memory.optimizer_buckets >= 2, got "
+                             f"{self.optimizer_bucket_mib} and {self.optimizer_buckets}")
         refuse_unused(self, "memory")
 
 
@@ -1003,11 +1039,19 @@ class RunConfig:
     def budget_from_free_memory(self) -> bool:
         """Whether the run takes a memory budget from the device's free memory less `memory.auto_margin_gib`
         (`trainer.runtime.auto_budget_gib`): no `memory.budget_gib`, and `memory.plan=auto`,
-        `memory.prefetch_ahead`, or prefix packs whose recomputed graphs `memory.plan=phase` checks against the
-        device. The only reader of the margin, so the setting is refused where this is false."""
+        `memory.prefetch_ahead`, prefix packs whose recomputed graphs `memory.plan=phase` checks against the
+        device, or sizes left to the planner (`auto_sized`). The only reader of the margin, so the setting is refused
+        where this is false."""
         m = self.memory
-        return m.budget_gib == 0 and (m.plan == "auto" or m.prefetch_ahead
+        return m.budget_gib == 0 and (m.plan == "auto" or m.prefetch_ahead or self.auto_sized
                                       or (m.plan == "phase" and self.workload.prefix_pack_tokens > 0))
+
+    @property
+    def auto_sized(self) -> bool:
+        """Whether a size is left to the planner (memory/planner.py auto_size): `workload.micro_batch_tokens` or
+        `workload.prefix_pack_tokens` at -1, or `rollout.keep_decode_state` unset."""
+        w = self.workload
+        return AUTO_SIZE in (w.micro_batch_tokens, w.prefix_pack_tokens) or self.rollout.keep_decode_state is None
 
     @property
     def weights_phase(self) -> str | None:
@@ -1060,7 +1104,7 @@ class RunConfig:
             raise ValueError(f"train.ppo_mini_batches ({m}) must divide the {self.prompts_per_rank} prompts per "
                              f"data-parallel rank (workload.rollout_batch / rollout.group_size / parallel.dp): a "
                              f"mini-batch holds whole groups")
-        if self.workload.prefix_pack_tokens and self.train.dynamic_sampling and self.mode.name == "rollplex":
+        if self.workload.prefix_pack_tokens > 0 and self.train.dynamic_sampling and self.mode.name == "rollplex":
             raise ValueError("workload.prefix_pack_tokens > 0 with train.dynamic_sampling in mode rollplex: a packed "
                              "prefill's graph and K/V would keep the groups dynamic sampling drops in memory; set "
                              "workload.prefix_pack_tokens=0 or train.dynamic_sampling=false")

@@ -461,6 +461,8 @@ def run_local(fn, world_size: int, *args, on_start=None, grace_s: float = 30.0, 
         found = {}
         for r in range(world_size):
             path = os.path.join(out_dir, f"rank{r}.pt")
+            # The full unpickler, on purpose: these are the results this launch's own workers wrote into the
+            # private folder (mode 0700) it created above; nothing another user or a run directory provides.
             found[r] = torch.load(path, weights_only=False) if os.path.exists(path) else None
         failed = [r for r, res in found.items() if res is not None and not res["ok"]]
         if failed:  # a rank's own error first: the others may only have been stopped after it

@@ -8,6 +8,8 @@ constant / linear / cosine decay), stepped once per optimizer step; its state is
 """
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -28,9 +30,12 @@ def build_optimizer(ddp_model, cfg: OptimConfig, bf16: bool):
     return get_megatron_optimizer(ocfg, [ddp_model])
 
 
-def optimizer_step(optimizer) -> dict:
-    """One optimizer step on the finalised (DP-reduced) main grads; megatron's step statistics."""
-    update_successful, grad_norm, num_zeros = optimizer.step()
+def optimizer_step(optimizer, streamed=None) -> dict:
+    """One optimizer step on the finalised (DP-reduced) main grads; megatron's step statistics. `streamed`: the
+    memory manager's `StreamedStep` (memory.optimizer_step=stream), which runs megatron's step with the update
+    streamed from host memory; None: megatron's step as it is."""
+    step = optimizer.step if streamed is None else partial(streamed.step, optimizer)
+    update_successful, grad_norm, num_zeros = step()
     return {"grad_norm": None if grad_norm is None else float(grad_norm),
             "update_successful": bool(update_successful), "num_zeros": num_zeros}
 

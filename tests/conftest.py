@@ -87,7 +87,7 @@ def serial_run(tiny_hf):
 def rollplex_run(tiny_hf):
     """Rollplex mode on test_trainer's BASE at the tiny checkpoint, 3 steps, with the weights after step 2
     (`after`): the mode-equivalence run, the one-process side of the TP2/DP2 test (its first 2 steps) and the
-    phase-plan run of test_memory_runtime (memory.plan=phase is the default)."""
+    phase-plan run of test_memory_runtime (test_trainer's BASE names memory.plan=phase)."""
     from rollplex_megatron.dist import run_local
     from tests import trainer_workers as W
     from tests.test_trainer import _cfg

@@ -12,6 +12,9 @@ from rollplex_megatron.models.qwen25vl.hf import CheckpointError, HFCheckpoint, 
 from rollplex_megatron.config import ParallelConfig, check_model_parallel
 from rollplex_megatron.recipes import load_run_config
 
+# every size set (none left to the planner's auto sizing, which reads memory.auto_margin_gib on a GPU)
+FIXED_SIZES = ["workload.micro_batch_tokens=0", "rollout.keep_decode_state=false"]
+
 
 @pytest.mark.parametrize("overrides,match", [
     (["model=qwen2_5_vl_3b", "parallel.tp=4"], r"model.num_query_groups \(2\) is not divisible by parallel.tp \(4\)"),
@@ -51,7 +54,8 @@ from rollplex_megatron.recipes import load_run_config
     (["train.profile_phases=[update,decode]"],
      r"train.profile_phases: unknown phase\(s\) \['decode'\]; the phases are"),
     (["workload.micro_batch_tokens=-8"],
-     r"workload.micro_batch_tokens must be >= 0, got -8 \(0 packs by workload.responses_per_micro_batch\)"),
+     r"workload.micro_batch_tokens must be >= 0, or -1 for auto, got -8 \(0 packs by "
+     r"workload.responses_per_micro_batch\)"),
     # each of these reached the model (or a step) before, and failed there without naming the setting or ran
     (["seed=-1"], r"^seed must be >= 0 \(numpy and the samplers take unsigned seeds\), got -1$"),
     (["data.seed=-2"], r"^data.seed must be >= 0, got -2$"),
@@ -88,14 +92,16 @@ from rollplex_megatron.recipes import load_run_config
     (["train.kl_estimator=k3"], r"^train.kl_estimator=k3 has no effect without a reference \(train.kl_coef > 0"),
     (["val.n=4"], r"^val.n=4 has no effect without data.val_files \(the rows validation answers\); set it or drop"),
     (["val.before_train=false"], r"^val.before_train=false has no effect without data.val_files"),
-    (["mode.window_tail_fraction=0.5"], r"^mode.window_tail_fraction=0.5 has no effect without mode.window=tail"),
+    (["mode.window=interleave", "mode.window_tail_fraction=0.5"],
+     r"^mode.window_tail_fraction=0.5 has no effect without mode.window=tail"),
     (["mode.window=stream", "mode.window_green_sms=16"],
      r"^mode.window_green_sms=16 has no effect without mode.window=green"),
     (["memory.plan=keep", "memory.prefetch_ahead=true"],
      r"^memory.prefetch_ahead=true has no effect without memory.plan=phase or auto; set it or drop"),
-    (["memory.auto_margin_gib=8"], r"^memory.auto_margin_gib=8.0 has no effect without memory.budget_gib=0 and one of "
-                                   r"memory.plan=auto"),  # the default plan=phase without prefix packs
-    (["memory.plan=keep", "memory.auto_margin_gib=8"], r"^memory.auto_margin_gib=8.0 has no effect"),
+    ([*FIXED_SIZES, "workload.prefix_pack_tokens=0", "memory.plan=phase", "memory.auto_margin_gib=8"],
+     r"^memory.auto_margin_gib=8.0 has no effect without memory.budget_gib=0 and one of memory.plan=auto"),
+    ([*FIXED_SIZES, "workload.prefix_pack_tokens=0", "memory.plan=keep", "memory.auto_margin_gib=8"],
+     r"^memory.auto_margin_gib=8.0 has no effect"),
     (["memory.plan=auto", "memory.budget_gib=60", "memory.auto_margin_gib=8"],
      r"^memory.auto_margin_gib=8.0 has no effect"),  # a budget given: the margin is not read
 ])
@@ -105,7 +111,10 @@ def test_config_errors_name_the_setting(overrides, match):
 
 
 @pytest.mark.parametrize("overrides", [
-    ["memory.plan=auto"], ["memory.prefetch_ahead=true"], ["workload.prefix_pack_tokens=4096"],
+    ["memory.plan=auto", *FIXED_SIZES, "workload.prefix_pack_tokens=0"],
+    ["memory.plan=phase", "memory.prefetch_ahead=true", *FIXED_SIZES, "workload.prefix_pack_tokens=0"],
+    ["memory.plan=phase", *FIXED_SIZES, "workload.prefix_pack_tokens=4096"],
+    ["memory.plan=keep"],  # the sizes left to the planner (the default) read it too
 ])
 def test_the_auto_margin_is_taken_wherever_a_budget_comes_from_the_free_memory(overrides):
     """Each path that reads memory.auto_margin_gib (runtime.auto_budget_gib's callers) accepts it."""

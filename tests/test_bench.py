@@ -1,6 +1,7 @@
 """The `bench` driver on the tiny suite: every mode in its own process, one JSON, BENCHMARKS.md from it."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 from rollplex_megatron import bench
+from rollplex_megatron.envs.motion import MotionEnv
 from rollplex_megatron.trainer.runtime import drawn_lengths
 
 
@@ -19,15 +21,16 @@ def _bench(*args):
 @pytest.fixture(scope="module")
 def tiny_bench(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "bench_tiny.json"
-    p = _bench("--warmup", "1", "--modes", "serial,rollplex", "--out", str(out), "--profile", "--profile-phases",
-               "rollout,update", "train.steps=4")
+    p = _bench("--warmup", "1", "--modes", "serial,rollplex,rollplex[mode.window=after]", "--out", str(out),
+               "--profile", "--profile-phases", "rollout,update", "train.steps=4",
+               "memory.plan=phase")  # every class released, whatever the default: the update recomputes prefixes
     assert p.returncode == 0, p.stderr[-3000:]
     return out
 
 
 def test_bench_json_schema_and_markdown(tiny_bench):
     d = json.loads(tiny_bench.read_text())
-    assert d["suite"] == "tiny" and set(d["modes"]) == {"serial", "rollplex"}
+    assert d["suite"] == "tiny" and list(d["modes"]) == ["serial", "rollplex", "rollplex[mode.window=after]"]
     for k in ("commit", "date", "device", "torch", "megatron_core", "cuda"):
         assert k in d["environment"]
     assert d["machine"]["host"] and "rollout:" in d["settings"]
@@ -50,6 +53,14 @@ def test_bench_json_schema_and_markdown(tiny_bench):
     assert d["modes"]["serial"]["response_tokens"] == d["modes"]["rollplex"]["response_tokens"]
     w = d["modes"]["rollplex"]["window"]
     assert w["mechanism"] == "interleave" and w["in_window_share"] == 1.0 and w["items_in_window"] == 4
+    after = d["modes"]["rollplex[mode.window=after]"]  # a mode with an override: it ran, and its record keeps it
+    assert (after["mode"], after["overrides"]) == ("rollplex", ["mode.window=after"])
+    assert (d["modes"]["rollplex"]["mode"], d["modes"]["rollplex"]["overrides"]) == ("rollplex", [])
+    assert after["window"]["mechanism"] == "after" and after["window"]["in_window_share"] == 0.0
+    assert after["window"]["items_after"] == 4 and after["response_tokens"] == d["modes"]["rollplex"]["response_tokens"]
+    assert after["profile"] == "bench_tiny_rollplex_mode_window_after_profile.json"
+    assert (tiny_bench.parent / after["profile"]).is_file()
+    assert "rollplex[mode.window=after]/rollplex" in d["ratios"]
     assert d["ratios"]["serial/rollplex"] == pytest.approx(
         d["modes"]["serial"]["steady"]["median_s"] / d["modes"]["rollplex"]["steady"]["median_s"])
     prof = json.loads((tiny_bench.parent / d["modes"]["rollplex"]["profile"]).read_text())
@@ -72,11 +83,26 @@ def test_bench_json_schema_and_markdown(tiny_bench):
     md = tiny_bench.with_suffix(".md").read_text()  # outside benchmarks/results: a page of its own, named after it
     assert not (tiny_bench.parent / "BENCHMARKS.md").exists()
     assert "## tiny" in md and "| serial |" in md and "serial/rollplex" in md
-    assert d["overrides"] == ["train.steps=4"] and "Run with the suite changed" not in md  # steps: every run's
+    assert "| rollplex[mode.window=after] |" in md
+    assert d["overrides"] == ["train.steps=4", "memory.plan=phase"]  # the steps are every run's: not named
+    assert "Run with the suite changed: `memory.plan=phase`." in md
     for label, m in d["modes"].items():  # the plan each mode ran under, and what it released (phase: every class)
         assert m["memory"]["plan"] == "phase" and m["memory"]["released"], (label, m["memory"])
     assert f"rollplex: phase, {', '.join(d['modes']['rollplex']['memory']['released'])} released" in md
     assert "- rollplex, update " in md and "backward by difference" in md and "not in a part" in md
+
+
+def test_markdown_lists_the_modes_at_their_defaults_first(tiny_bench, tmp_path):
+    """Each table of BENCHMARKS.md lists the modes at their defaults first, whatever order they ran in, old labels
+    with variants among those with overrides; a `|` in an override's value does not split the table's row."""
+    d = json.loads(tiny_bench.read_text())
+    m = d["modes"]
+    d["modes"] = {"rollplex[mode.window=after]": m["rollplex[mode.window=after]"], "rollplex:keep": m["rollplex"],
+                  "serial[data.x='a|b']": m["serial"], "rollplex": m["rollplex"], "serial": m["serial"]}
+    (tmp_path / "bench_tiny.json").write_text(json.dumps(d))
+    rows = [ln.split(" | ")[0] for ln in bench.render_markdown(tmp_path).splitlines() if ln.startswith("| ")][1:]
+    assert rows == ["| rollplex", "| serial", "| rollplex[mode.window=after]", "| rollplex:keep",
+                    "| serial[data.x='a\\|b']"]
 
 
 def test_bench_refuses_to_overwrite_and_to_merge_another_machine(tiny_bench, tmp_path):
@@ -112,11 +138,21 @@ def test_bench_arguments_are_checked_before_any_mode_runs(tiny_bench, tmp_path, 
              (["bench", "tiny", "--warmup", "1", "--merge", str(tmp_path / "list.json")], "is not a suite JSON"),
              (["bench", "tiny", "--warmup", "2", "train.steps=5", "--merge", str(tiny_bench), "--out",
                str(tiny_bench)], "its modes kept --warmup 1 steps apart, this run 2"),
-             (["bench", "tiny", "--warmup", "1", "--modes", "serial", "train.steps=4", "--merge", str(tiny_bench),
-               "--out", str(tiny_bench)], "already holds serial; drop it from --modes, or write a new JSON with --out"),
+             (["bench", "tiny", "--warmup", "1", "--modes", "serial", "train.steps=4", "memory.plan=phase", "--merge",
+               str(tiny_bench), "--out", str(tiny_bench)],
+              "already holds serial; drop it from --modes, or write a new JSON with --out"),
              (["bench", "tiny", "--warmup", "1", "--md", str(tmp_path / "no" / "x.md"), "--out",
                str(tmp_path / "x.json")], "x.md: folder"),
-             (["bench", "--render", "tiny"], "bench --render only regenerates BENCHMARKS.md")]
+             (["bench", "--render", "tiny"], "bench --render only regenerates BENCHMARKS.md"),
+             (["bench", "tiny", "--modes", "serial,rollplex:after"],
+              'run --modes "serial,rollplex[mode.window=after]"'),
+             # every mode's config composes before the first runs: the unknown key and the mode are named
+             (["bench", "tiny", "--warmup", "1", "--modes", "serial,rollplex[mode.windw=after]", "--out",
+               str(tmp_path / "x.json")], "--modes rollplex[mode.windw=after]: unknown config key 'mode.windw'; did "
+                                          "you mean mode.window?"),
+             (["bench", "tiny", "--warmup", "1", "--modes", "serial,prefix_shared[workload.micro_batch_tokens=-3]",
+               "--out", str(tmp_path / "x.json")], "--modes prefix_shared[workload.micro_batch_tokens=-3]: "
+                                                   "workload.micro_batch_tokens")]
     for argv, want in cases:
         assert main(argv) == 1, argv
         err = capsys.readouterr().err
@@ -131,41 +167,107 @@ def test_bench_arguments_are_checked_before_any_mode_runs(tiny_bench, tmp_path, 
     assert not (tmp_path / "B.md").exists()
 
 
-def test_modes_and_lengths_parse():
-    assert bench.parse_modes("serial,rollplex:stream,rollplex:keep,serial:bound,prefix_shared:tokens8192,"
-                             "serial:memauto,rollplex:auto,rollplex:torchnorm,serial:fusedrope,rollplex:copy2") == [
-        ("serial", ["mode.name=serial"]), ("rollplex:stream", ["mode.name=rollplex", "mode.window=stream"]),
-        ("rollplex:keep", ["mode.name=rollplex", "memory.plan=keep"]),
-        ("serial:bound", ["mode.name=serial", "rollout.bound_model=true"]),
-        ("prefix_shared:tokens8192", ["mode.name=prefix_shared", "workload.micro_batch_tokens=8192"]),
-        ("serial:memauto", ["mode.name=serial", "memory.plan=auto"]),
-        ("rollplex:auto", ["mode.name=rollplex", "mode.window=auto"]),  # the window's auto, not the plan's
-        ("rollplex:torchnorm", ["mode.name=rollplex", "train.norm_kernel=torch"]),
-        ("serial:fusedrope", ["mode.name=serial", "train.rope_kernel=triton"]),
-        ("rollplex:copy2", ["mode.name=rollplex", "memory.copy_streams=2"])]
-    assert bench.parse_modes("rollplex:ahead+copy2") == [
-        ("rollplex:ahead+copy2", ["mode.name=rollplex", "memory.prefetch_ahead=true", "memory.copy_streams=2"])]
-    assert bench.parse_modes("serial:conn1+keep") == [
-        ("serial:conn1+keep", ["mode.name=serial", "env:CUDA_DEVICE_MAX_CONNECTIONS=1", "memory.plan=keep"])]
-    assert bench.parse_modes("rollplex:pack20000") == [("rollplex:pack20000", ["mode.name=rollplex",
-                                                                               "workload.prefix_pack_tokens=20000"])]
-    assert bench.parse_modes("serial:keepdecode") == [("serial:keepdecode", ["mode.name=serial",
-                                                                            "rollout.keep_decode_state=true"])]
-    assert bench.parse_modes("rollplex:keepdecode+graphs") == [("rollplex:keepdecode+graphs", [
-        "mode.name=rollplex", "rollout.keep_decode_state=true", "mode.window_graphs=true"])]
-    assert bench.parse_modes("prefix_shared:tokens8192+pack16640+keep") == [
-        ("prefix_shared:tokens8192+pack16640+keep", ["mode.name=prefix_shared", "workload.micro_batch_tokens=8192",
-                                                     "workload.prefix_pack_tokens=16640", "memory.plan=keep"])]
-    for bad in ("serial:stream", "serial:auto", "rollplex:tokens", "rollplex:tokens0", "rollplex:tokens-4",
-                "rollplex:tokens8k", "rollplex:pack", "rollplex:pack0", "rollplex:tokens8+", "serial:pack8+stream",
-                "serial:graphs"):
-        with pytest.raises(ValueError, match="variant"):
+def test_modes_parse_with_overrides_split_at_top_level_commas():
+    """A mode is its name, at its defaults, or its name with Hydra overrides in brackets; overrides split at
+    top-level commas only (a value keeps commas in brackets or quotes); labels are written one way; every malformed
+    entry is a one-line error naming it."""
+    assert bench.parse_modes("serial, prefix_shared ,rollplex,rollplex[ mode.window=after , memory.plan=keep ]") == [
+        ("serial", ["mode.name=serial"]), ("prefix_shared", ["mode.name=prefix_shared"]),
+        ("rollplex", ["mode.name=rollplex"]),
+        ("rollplex[mode.window=after,memory.plan=keep]", ["mode.name=rollplex", "mode.window=after",
+                                                          "memory.plan=keep"])]
+    got = bench.parse_modes("rollplex[data.train_files=[a,b],mode.window='x,y'],serial[train.norm_kernel=torch]")
+    assert got == [("rollplex[data.train_files=[a,b],mode.window='x,y']",
+                    ["mode.name=rollplex", "data.train_files=[a,b]", "mode.window='x,y'"]),
+                   ("serial[train.norm_kernel=torch]", ["mode.name=serial", "train.norm_kernel=torch"])]
+    assert bench.split_top("a={k: [1, 2]},b='it\\'s, x',c=(1,2)") == ["a={k: [1, 2]}", "b='it\\'s, x'", "c=(1,2)"]
+    assert bench.parse_modes("rollplex[]") == [("rollplex", ["mode.name=rollplex"])]  # no override: the defaults
+    assert bench.parse_modes("serial[env:CUDA_DEVICE_MAX_CONNECTIONS=1]") == [
+        ("serial[env:CUDA_DEVICE_MAX_CONNECTIONS=1]", ["mode.name=serial", "env:CUDA_DEVICE_MAX_CONNECTIONS=1"])]
+    for bad, want in (("rollplex[mode.window=after", "leaves a bracket open"),
+                      ("rollplex[a='x]", "leaves a quote open"),
+                      ("rollplex[a=1]]", "closes a bracket it never opened"),
+                      ("rollplex[a=1][b=2]", "'rollplex[a=1][b=2]' closes a bracket it never opened"),
+                      ("rollplex[a=1]x", "a mode's overrides end its entry"),
+                      ("rollplex[a=1,,b=2]", "holds an empty override"),
+                      ("rollplex[mode.window]", "'mode.window' is not an override; write key=value"),
+                      ("rollplex[a=1,a=2]", "gives a twice; give it once"),
+                      ("rollplex[mode.name=serial]", "mode.name names the mode, which is the name before the brackets"),
+                      ("rollplex[mode=serial]", "mode names the mode"),
+                      ("rollplex[train.steps=3]", "train.steps is the suite's: give it after the suite name"),
+                      ("rollplex[train.out=x]", "train.out is set by bench for every mode; drop it"),
+                      ("rollplex[env:LD_PRELOAD=x]", "env:LD_PRELOAD is not a variable a mode's record keeps"),
+                      ("serial,serial[]", "'serial' is given twice"),
+                      ("rollplx[a=1]", "unknown mode 'rollplx'"), ("disaggregated", "bench it on its own"),
+                      (" , ", "no mode given")):
+        with pytest.raises(ValueError) as e:
             bench.parse_modes(bad)
-    with pytest.raises(ValueError, match="two variants set workload.micro_batch_tokens"):
-        bench.parse_modes("rollplex:tokens8+tokens16")
+        assert want in str(e.value) and "\n" not in str(e.value), (bad, str(e.value))
     lens = drawn_lengths(256, 0.8, 1024, 20000, seed=3)
     assert lens == drawn_lengths(256, 0.8, 1024, 20000, seed=3) and max(lens) == 1024 and min(lens) >= 1
     assert abs(sum(drawn_lengths(256, 0.8, 10**9, 20000, seed=3)) / 20000 - 256) < 8
+
+
+def test_old_variant_labels_are_read_in_records_and_refused_with_their_new_form():
+    """Older records' labels (`rollplex:tokens8192+pack16640+after`) read as the overrides their variants set; a
+    command that gives one is refused, in one line, with the whole --modes value that runs the same now."""
+    assert bench.label_spec("rollplex:tokens4096+pack8320+split+keepdecode+memauto+graphs+after") == ("rollplex", (
+        "workload.micro_batch_tokens=4096", "workload.prefix_pack_tokens=8320", "mode.attention_backend=split",
+        "rollout.keep_decode_state=true", "memory.plan=auto", "mode.window_graphs=true", "mode.window=after"))
+    assert bench.label_spec("serial:bound") == ("serial", ("rollout.bound_model=true",))
+    assert bench.label_spec("serial:conn1+keep") == ("serial", ("env:CUDA_DEVICE_MAX_CONNECTIONS=1",
+                                                                 "memory.plan=keep"))
+    assert bench.label_spec("rollplex[mode.window=after]") == ("rollplex", ("mode.window=after",))
+    assert bench.label_spec("prefix_shared") == ("prefix_shared", ())
+    with pytest.raises(ValueError) as e:
+        bench.parse_modes("serial,rollplex:tokens8192+pack16640+split+keepdecode+memauto,prefix_shared:conn1")
+    assert str(e.value) == (
+        "--modes: 'rollplex:tokens8192+pack16640+split+keepdecode+memauto' is a variant label, which bench no longer "
+        "takes: a mode carries Hydra overrides in brackets; run --modes \"serial,rollplex[workload.micro_batch_tokens="
+        "8192,workload.prefix_pack_tokens=16640,mode.attention_backend=split,rollout.keep_decode_state=true,"
+        "memory.plan=auto],prefix_shared[env:CUDA_DEVICE_MAX_CONNECTIONS=1]\"")
+    fixed = re.search(r'--modes "(.+)"', str(e.value)).group(1)
+    assert [label for label, _ in bench.parse_modes(fixed)][1] == bench.mode_label(*bench.label_spec(
+        "rollplex:tokens8192+pack16640+split+keepdecode+memauto"))  # the new form parses to the same overrides
+    for bad, want in (("serial:nosuchvariant", "bench takes no variants after ':' (and 'nosuchvariant' was none)"),
+                      ("rollplex:tokens0", "'tokens0' was none"), ("rollplex:pack8k", "'pack8k' was none"),
+                      ("rollplex:after[a=1]", "give every setting in the brackets: \"rollplex[key=value,...]\"")):
+        with pytest.raises(ValueError, match=re.escape(want)):
+            bench.parse_modes(bad)
+
+
+def test_every_suite_composes_and_is_named_on_the_benchmarks_page():
+    """Each recipes/bench suite composes with bench's modes (--dry-run: nothing runs, nothing is written) and is
+    named in docs/benchmarks/index.md's list of suites."""
+    page = (bench.ROOT / "docs" / "benchmarks" / "index.md").read_text(encoding="utf-8")
+    suites = sorted(p.stem for p in (bench.RECIPES_DIR / "bench").glob("*.yaml"))
+    assert {"tiny", "video_long", "video_reasoning", "image_short", "video_embodied"} <= set(suites)
+    listed = page.split("Suites (`recipes/bench/`):")[1].split("\n\n")[0]
+    assert [s for s in suites if s != "tiny" and f"`{s}`" not in listed] == []
+
+
+def test_video_embodied_is_the_papers_regime_and_composes_every_mode(capsys):
+    """video_embodied: 3B, 16 frames of 448x448, G=8, responses lognormal mean 32 capped at 128, so a prompt's
+    prefix (2064 tokens) is over 8 times the mean response tokens of its whole group; every mode and the window's
+    `after` compose before anything runs."""
+    from rollplex_megatron.cli import main
+
+    cfg = bench.load_run_config(["+bench=video_embodied"])
+    assert (cfg.model.num_layers, cfg.model.hidden_size) == (36, 2048)  # the 3B preset, whole
+    assert (cfg.task.frames, cfg.task.image_size, cfg.rollout.group_size) == (16, 448, 8)
+    assert (cfg.rollout.length_dist, cfg.rollout.length_mean, cfg.rollout.max_response_len) == ("lognormal", 32, 128)
+    assert cfg.task.max_answer_tokens == 128 and cfg.train.reference == "always"
+    env = MotionEnv(cfg.task, cfg.model)
+    prompt = env.prompt(env.episode(0))
+    assert len(prompt.input_ids) == 2064 and prompt.video_grid_thw.tolist() == [[8, 32, 32]]
+    assert len(prompt.input_ids) > 8 * cfg.rollout.group_size * cfg.rollout.length_mean
+    modes = "serial,prefix_shared,rollplex,rollplex[mode.window=after]"
+    assert main(["bench", "video_embodied", "--dry-run", "--modes", modes]) == 0
+    out = [ln for ln in capsys.readouterr().out.splitlines() if ln.strip()]
+    assert [ln.split(": ", 1)[0] for ln in out] == modes.split(",")
+    assert out[-1].endswith("python -m rollplex_megatron train +bench=video_embodied mode.name=rollplex "
+                            "mode.window=after")
+    assert not (bench.RESULTS / "bench_video_embodied.json").exists()
 
 
 def test_markdown_says_which_suites_fit_no_device(tmp_path):
@@ -195,6 +297,17 @@ def test_auto_plan_is_compared_with_keep_and_a_changed_suite_is_named():
     assert r["rollplex:tokens8+memauto/rollplex:tokens8+keep"] == pytest.approx(1.01)
     assert r["prefix_shared:memauto/prefix_shared:keep"] == pytest.approx(1.1)
     assert not any(k.startswith("rollplex:memauto/") for k in r)  # no rollplex:keep ran
+    new = {"serial": 9.0, "serial[rollout.bound_model=true]": 9.9, "rollplex": 3.0,
+           "rollplex[memory.plan=auto,workload.micro_batch_tokens=8]": 2.2,
+           "rollplex[workload.micro_batch_tokens=8,memory.plan=keep]": 2.0,
+           "rollplex[memory.plan=auto,rollout.bound_model=true]": 3.3}  # the pairs are found whatever the order
+    r = bench.ratios({k: {"steady": {"median_s": v}} for k, v in new.items()})
+    assert r["serial[rollout.bound_model=true]/serial"] == pytest.approx(1.1)
+    assert r["rollplex[memory.plan=auto,workload.micro_batch_tokens=8]/rollplex[workload.micro_batch_tokens=8,"
+             "memory.plan=keep]"] == pytest.approx(1.1)
+    assert r["serial/rollplex"] == pytest.approx(3.0) and r["rollplex[memory.plan=auto,workload.micro_batch_tokens=8]"
+                                                            "/rollplex"] == pytest.approx(2.2 / 3.0)
+    assert not any(k.startswith("rollplex[memory.plan=auto,rollout.bound_model=true]/rollplex[") for k in r)
     old = {"command": "python -m rollplex_megatron bench video_long --modes rollplex --warmup 1 train.steps=4 "
                       "model.num_layers=24"}
     assert bench.suite_overrides(old) == ["train.steps=4", "model.num_layers=24"]
@@ -221,6 +334,15 @@ def test_window_cost_compares_with_the_prefix_shared_run_of_the_same_settings():
     assert w["free_window_ratio"] == pytest.approx(12.0 / 10.0)
     assert "rollout_excess_s" not in modes["rollplex:keep"]["window"]
     assert "window_ratio" not in modes["rollplex"]["window"]  # no GPU spans of the side work: no ratio claimed
+    modes = {"prefix_shared": mode(5.0, False, 20.0),  # the same, labelled with overrides in any order
+             "prefix_shared[workload.prefix_pack_tokens=9,workload.micro_batch_tokens=8]": mode(3.0, False, 12.0),
+             "rollplex[workload.micro_batch_tokens=8,mode.window=stream,workload.prefix_pack_tokens=9]":
+                 mode(4.0, True, 11.0), "rollplex[mode.window=after]": mode(6.0, True, 18.0)}
+    bench.window_cost(modes)
+    w = modes["rollplex[workload.micro_batch_tokens=8,mode.window=stream,workload.prefix_pack_tokens=9]"]["window"]
+    assert (w["rollout_excess_s"], w["rollout_excess_vs"]) == (
+        pytest.approx(1.0), "prefix_shared[workload.prefix_pack_tokens=9,workload.micro_batch_tokens=8]")
+    assert modes["rollplex[mode.window=after]"]["window"]["rollout_excess_vs"] == "prefix_shared"
 
 
 def test_window_ratio_and_its_bound_come_from_the_side_works_gpu_time_alone():
@@ -264,11 +386,18 @@ def test_graphed_items_are_compared_with_the_decode_without_them_and_their_own_s
     w = modes["rollplex:keepdecode+graphs+stream"]["window"]
     assert w["rollout_excess_vs"] == "prefix_shared:keepdecode" and w["rollout_excess_s"] == pytest.approx(0.2)
     assert w["window_ratio"] == pytest.approx(6.6 / 6.2)  # S = 0.6 (graphed, alone), not 1.0 (eager)
+    modes = {"prefix_shared": mode(6.0, 14.0), "rollplex[mode.window=after]": mode(7.0, 13.0, "after", 0.0, 1.0),
+             "rollplex[mode.window=after,mode.window_graphs=true]": mode(6.6, 12.6, "after", 0.0, 0.6),
+             "rollplex[mode.window_graphs=true]": mode(6.2, 12.2, "stream", 0.9, 0.0)}  # the default mechanism
+    bench.window_cost(modes)
+    w = modes["rollplex[mode.window_graphs=true]"]["window"]
+    assert w["rollout_excess_vs"] == "prefix_shared" and w["window_ratio"] == pytest.approx(6.6 / 6.2)
 
 
-def test_a_mode_variant_can_set_its_process_environment(monkeypatch, tmp_path):
-    """`<mode>:conn1` reaches the mode's process as CUDA_DEVICE_MAX_CONNECTIONS=1 (read when CUDA starts), not as a
-    config override; the other modes get the launcher's environment; the rendered table says what each ran under."""
+def test_a_mode_can_set_its_process_environment(monkeypatch, tmp_path):
+    """`MODE[env:CUDA_DEVICE_MAX_CONNECTIONS=1]` reaches the mode's process as that variable (read when CUDA starts),
+    not as a config override; the other modes get the launcher's environment; the rendered table says what each ran
+    under."""
     import subprocess
 
     seen = []
@@ -282,7 +411,7 @@ def test_a_mode_variant_can_set_its_process_environment(monkeypatch, tmp_path):
 
     monkeypatch.setattr(bench.subprocess, "run", fake_run)
     monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
-    for label, over in bench.parse_modes("rollplex:conn1,rollplex"):
+    for label, over in bench.parse_modes("rollplex[env:CUDA_DEVICE_MAX_CONNECTIONS=1],rollplex"):
         bench.run_mode("tiny", [], over, tmp_path, None)
     (one, env1), (plain, env0) = seen
     assert env1["CUDA_DEVICE_MAX_CONNECTIONS"] == "1" and "CUDA_DEVICE_MAX_CONNECTIONS" not in env0

@@ -100,13 +100,26 @@ def test_benchmarks_md_is_the_rendering_of_the_records():
     assert '--8<-- "BENCHMARKS.md"' in (ROOT / "docs" / "benchmarks" / "suites.md").read_text(encoding="utf-8")
 
 
-def test_the_bench_variant_table_lists_what_bench_accepts():
-    """docs/benchmarks/index.md names every variant `bench --modes` accepts, and only those."""
-    with pytest.raises(ValueError) as e:
-        bench.parse_modes("serial:nosuchvariant")
-    accepted = set(re.findall(r"<mode>:([a-z0-9]+)", str(e.value))) | {"graphs"}
+def test_the_bench_page_describes_modes_with_overrides_and_maps_every_old_variant():
+    """docs/benchmarks/index.md: every `MODE[...]` and `--modes "..."` it shows parses as bench parses it; its table
+    of old variant labels names every variant bench reads in older records, and only those, each with the override
+    bench reads it as; the refusal it quotes for an old label is bench's."""
     page = (ROOT / "docs" / "benchmarks" / "index.md").read_text(encoding="utf-8")
-    listed = set(re.findall(r"`(?:<mode>|rollplex):([a-z0-9]+)(?:<N>)?`", page))
-    assert len(accepted) >= 12 and listed == accepted
-    for variant in listed:  # each one the page names parses (N-taking variants with an N)
-        bench.parse_modes(f"rollplex:{variant}{'8' if variant in ('tokens', 'pack') else ''}")
+    shown = re.findall(r"`((?:serial|prefix_shared|rollplex)\[[^`]*\])`", page)
+    shown += [m for m in re.findall(r'--modes "([^"]+)"', page) if "KEY=VALUE" not in m]
+    assert len(shown) >= 4 and all(bench.parse_modes(m) for m in shown)
+    rows = re.findall(r"^\| (`:.*?) \| (`.*?) \|$", page, re.M)
+    listed = {}
+    for variants, overrides in rows:  # `:keep`, `:memauto` | `memory.plan=keep`, `memory.plan=auto`
+        names, sets = re.findall(r"`:([a-z0-9]+)(?:<N>)?`", variants), re.findall(r"`([^`]+)`", overrides)
+        listed.update(zip(names, sets * len(names) if len(sets) == 1 else sets))
+    assert set(listed) == set(bench.OLD_VARIANTS) | set(bench.OLD_SIZED) and len(listed) >= 20
+    for variant, override in listed.items():  # N-taking variants with an N; `<window>` is each window
+        label = f"rollplex:{variant}{'8' if variant in bench.OLD_SIZED else ''}"
+        want = override.replace("=N", "=8").replace("<window>", variant)
+        assert bench.label_spec(label) == ("rollplex", (want,)), label
+    old = "rollplex:tokens8192+pack16640+split"
+    with pytest.raises(ValueError) as e:
+        bench.parse_modes(old)
+    quoted = re.search(r'refuses a variant label.*?(--modes "[^"]+")', page, re.S).group(1)
+    assert str(e.value).endswith(quoted) and old in page

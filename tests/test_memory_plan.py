@@ -130,7 +130,7 @@ def test_over_budget_names_the_class_and_the_fix(plan_memory_cli):
 def test_runtime_plan_uses_what_the_trainer_runs():
     """The trainer's budget check ignores plan.* layouts the runtime does not implement."""
     base = ["model=qwen2_5_vl_7b", "dtype=bfloat16", "parallel.tp=2", "workload.rollout_batch=16",
-            "rollout.group_size=4"]
+            "rollout.group_size=4", "memory.plan=phase"]
     s = M.workload_shape(load_run_config(base), 1000, 0, 16)
     assert s.patches == 0  # a text-only prompt is 0 patches, not the plan's default
     on = M.summarize(M.runtime_plan(load_run_config(base + ["plan.sequence_parallel=true",

@@ -130,7 +130,9 @@ def test_token_budget_comparison_detects_a_packer_that_repeats_a_response(packed
 
 def test_planner_sizes_micro_batches_from_the_budget():
     """Under a budget the shape holds enough R-token responses to cover it (at most the rank's samples), so a
-    budget of k responses' tokens plans what a count of k does."""
+    budget of k responses' tokens plans what a count of k does in the response stage; serial's micro-batches
+    carry each response's prompt, and a 30-token budget may hold 30 one-token responses: planned as a count of 30
+    (`planner.full_sequence_responses`)."""
     base = ["dtype=bfloat16", "workload.rollout_batch=32", "rollout.group_size=4", "plan.prefix_tokens=100",
             "plan.response_tokens=10", "plan.vision_patches=64"]
     by_count = load_run_config(base + ["workload.responses_per_micro_batch=3"])
@@ -138,10 +140,11 @@ def test_planner_sizes_micro_batches_from_the_budget():
         cfg = load_run_config(base + [f"workload.micro_batch_tokens={budget}"])
         assert M.workload_shape(cfg).mb == mb, budget
     cfg = load_run_config(base + ["workload.micro_batch_tokens=30"])
-    for mode in ("serial", "rollplex"):
+    by_30 = load_run_config(base + ["workload.responses_per_micro_batch=30"])
+    for mode, count in (("serial", by_30), ("rollplex", by_count)):
         a = M.summarize(M.plan(cfg, mode, "phase", "embedded"), mode)["classes"]["update_activations"]
-        b = M.summarize(M.plan(by_count, mode, "phase", "embedded"), mode)["classes"]["update_activations"]
-        assert a == b
+        b = M.summarize(M.plan(count, mode, "phase", "embedded"), mode)["classes"]["update_activations"]
+        assert a == b, mode
 
 
 def test_token_budget_over_dp2_with_uneven_micro_batch_counts():

@@ -64,7 +64,7 @@ def test_window_graphs_with_sglang_is_refused():
 def test_window_graphs_need_the_reference_resident_where_graphs_are_captured():
     from rollplex_megatron.trainer.runtime import check_window_graphs
 
-    on = load_run_config(["mode=rollplex", "mode.window_graphs=true", "train.reference=always"])
+    on = load_run_config(["mode=rollplex", "mode.window_graphs=true", "train.reference=always", "memory.plan=phase"])
     with pytest.raises(ValueError, match=r"^mode.window_graphs=true: memory.plan=phase releases the reference's "):
         check_window_graphs(on, ["optimizer_states", "reference_weights"], cuda=True)
     check_window_graphs(on, ["optimizer_states", "main_weights"], cuda=True)  # the reference stays: its graphs too

@@ -72,7 +72,7 @@ def test_prefix_packs_are_consecutive_and_bounded():
     assert prefix_packs([4, 4, 4, 10, 3], 0) == [[0], [1], [2], [3], [4]]
     assert prefix_packs([4, 4, 4, 10, 3], 10**6) == [[0, 1, 2, 3, 4]]
     with pytest.raises(ValueError, match="workload.prefix_pack_tokens"):
-        load_run_config(["workload.prefix_pack_tokens=-1"])
+        load_run_config(["workload.prefix_pack_tokens=-2"])  # -1 is auto (the default)
     # a kept group's pack would hold the dropped groups' prefill graph and K/V: refused before any work
     packed = ["workload.prefix_pack_tokens=4096", "train.dynamic_sampling=true"]
     with pytest.raises(ValueError, match="prefix_pack_tokens=0 or train.dynamic_sampling=false"):
@@ -131,7 +131,8 @@ def test_the_actor_pack_is_lowered_until_one_recomputed_pack_fits_the_device(mon
     from rollplex_megatron.data import build_source
     from rollplex_megatron.trainer import runtime as R
 
-    over = ["+bench=video_long", "mode.name=rollplex"]  # 16 groups of 1039 prefix tokens a step, 14.8 GiB a graph
+    # 16 groups of 1039 prefix tokens a step, 14.8 GiB a graph; the plan named (the default is auto)
+    over = ["+bench=video_long", "mode.name=rollplex", "memory.plan=phase"]
     cfg = load_run_config(over + ["workload.prefix_pack_tokens=100000"])
     src = build_source(cfg)
     assert R.memory_plan(cfg, src)["actor_pack_tokens"] == 100000  # CPU: no device budget

@@ -50,7 +50,7 @@ def test_a_run_without_the_reference_trains_as_the_one_that_scores_it(kl0_runs, 
         assert "reference_weights" not in rec["memory_released"]
     for rec in scored["records"]:
         assert "ref_logp" in rec["phase_times"] and "kl" in rec
-        assert "reference_weights" in rec["memory_released"]  # the default plan (phase) releases it
+        assert "reference_weights" in rec["memory_released"]  # BASE's plan (phase) releases it
     if mode == "rollplex":  # the reference prefixes are the window's items (the prefill is the actor's prefix)
         assert all(r["rollout"]["items_in_window"] + r["rollout"]["items_after"] == 0 for r in bare["records"])
         assert all(r["rollout"]["items_in_window"] + r["rollout"]["items_after"] > 0 for r in scored["records"])
@@ -81,7 +81,7 @@ def test_a_kl_term_builds_the_reference(rollplex_run):
 def test_the_planner_counts_no_reference_where_the_run_has_none(mode):
     """The 3B video_long plan: without the reference no reference class and no reference phase; every phase that
     held the reference holds exactly its weights (and, in rollplex, its prefix K/V) less; nothing can release it."""
-    over = ["+bench=video_long", f"mode.name={mode}"]
+    over = ["+bench=video_long", f"mode.name={mode}", "memory.plan=phase"]  # runtime_plan reads a named plan
     scored, bare = (load_run_config(over + [f"train.reference={r}"]) for r in ("always", "auto"))
     shape = workload_shape(scored)
     a, b = (summarize(runtime_plan(c, shape), mode) for c in (scored, bare))

@@ -547,7 +547,7 @@ def test_a_resume_takes_the_saved_config_and_what_its_command_line_sets(tmp_path
                              "optim.lr=5e-4", "mode.window=stream"])
     over = ["train.resume=true", f"train.out={tmp_path}", "train.steps=9", "memory.plan=phase", "mode=rollplex"]
     got = resumed_config(load_run_config(over), over, to_yaml(saved))
-    assert (got.memory.plan, got.mode.name, got.mode.window) == ("phase", "rollplex", "interleave")
+    assert (got.memory.plan, got.mode.name, got.mode.window) == ("phase", "rollplex", "auto")  # the recipe's
     assert (got.workload.rollout_batch, got.rollout.group_size, got.optim.lr) == (8, 4, 5e-4)
     assert (got.train.steps, got.train.resume) == (9, True)
     bare = resumed_config(load_run_config(over[:3]), over[:3], to_yaml(saved))

@@ -87,9 +87,10 @@ HAND_REFUSED |= {f"data.{n}" for n in ("processor", "prompt_key", "image_key", "
 
 def test_refused_settings_are_the_hand_lists_they_replaced():
     """The settings with an `applies_with` condition are the ones the hand-written calls refused (plus
-    reward.timeout_s, declared with its condition when it was added)."""
+    reward.timeout_s and the streamed optimizer step's, declared with their conditions when they were added)."""
     derived = {s.name for s in schema.settings(RunConfig) if s.applies_with}
-    assert derived == HAND_REFUSED | {"reward.timeout_s"}
+    assert derived == HAND_REFUSED | {"reward.timeout_s", "memory.optimizer_step", "memory.optimizer_bucket_mib",
+                                      "memory.optimizer_buckets"}
 
 
 def test_a_condition_in_the_metadata_refuses_its_setting():

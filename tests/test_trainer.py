@@ -16,7 +16,8 @@ TOL = 1e-5  # docs/design.md §3, fp32 on CPU
 # on the second step's loss (measured); at 3e-4 the policy still moves and every step agrees to 7e-6.
 BASE = ["model=tiny", "optim.adam_eps=1e-6", "workload.rollout_batch=32", "workload.responses_per_micro_batch=5",
         "rollout.group_size=4",
-        "train.kl_coef=0.1", "task.format_reward=0.5", "task.max_answer_tokens=6", "optim.lr=3e-4"]
+        "train.kl_coef=0.1", "task.format_reward=0.5", "task.max_answer_tokens=6", "optim.lr=3e-4",
+        "memory.plan=phase"]  # every class released and brought back: the plan these runs compare through
 STEP1_TOL = 1e-6  # the first step starts from identical weights: the mechanism alone
 # Mean |trainer log-prob - sampler log-prob| per token: the sampler decodes with its own K/V cache
 # (another reduction order), so fp32 rounding of log-probs of size ~6 (docs/design.md §3: never bit-exact).

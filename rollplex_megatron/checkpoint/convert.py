@@ -20,6 +20,7 @@ from transformers import GenerationConfig, Qwen2_5_VLConfig
 from rollplex_megatron.models.qwen25vl import hf as H
 from rollplex_megatron.models.qwen25vl import hf_layout as L
 from rollplex_megatron.checkpoint import train_state as T
+from rollplex_megatron.checkpoint.run_dir import published_checkpoint
 from rollplex_megatron.config import ModelConfig, ParallelConfig, RunConfig, VisionConfig, check_model_parallel
 from rollplex_megatron.data import build_source
 
@@ -156,7 +157,8 @@ def _train_checkpoint(run: Path, step: int | None) -> Path:
         raise H.CheckpointError(f"{run} is a --modes comparison; name one of its runs: "
                                 + ", ".join(f"--run {run / m}" for m in modes))
     if step is None:
-        ck = T.latest_checkpoint(run) if (run / T.CHECKPOINTS).is_dir() else None
+        # a missing or damaged `latest` next to a complete step names that step and how to publish it
+        ck = published_checkpoint(run) if (run / T.CHECKPOINTS).is_dir() else None
         if ck is None:
             raise H.CheckpointError(f"{run}: no training checkpoint (no {T.CHECKPOINTS}/{T.LATEST}); train with "
                                     f"train.save_final=true or train.save_every=k")

@@ -18,8 +18,8 @@ Commands
   plan-memory [hydra overrides] [--json]
                                       analytic HBM per GPU and phase: serial colocation vs the Rollplex
                                       plan (model=qwen2_5_vl_32b alone: the paper's 32-GPU setting)
-  bench SUITE [--modes serial,prefix_shared,rollplex,rollplex:stream,...] [--warmup K] [--out JSON]
-        [--merge JSON] [hydra overrides]
+  bench SUITE [--modes "serial,prefix_shared,rollplex,rollplex[mode.window=after]"] [--warmup K]
+        [--out JSON] [--merge JSON] [--dry-run] [hydra overrides]
                                       every mode of recipes/bench/SUITE.yaml, one process each; one JSON
                                       per suite (benchmarks/results/) and BENCHMARKS.md generated from them
   print-config [--explain] [hydra overrides]
@@ -53,6 +53,7 @@ from omegaconf.errors import OmegaConfBaseException
 from rollplex_megatron.bench import main as bench_main
 from rollplex_megatron.checkpoint import convert
 from rollplex_megatron.checkpoint.train_state import DiskFullError
+from rollplex_megatron.user_code import UserCodeStopped
 from rollplex_megatron.models.qwen25vl.hf import HFCheckpoint, atomic_write_text
 from rollplex_megatron.cli import reference
 from rollplex_megatron.cli.train import main as train_main
@@ -73,7 +74,8 @@ from rollplex_megatron.weights.plan import plan_weights
 
 # What a user's input can cause: printed as one line. Anything else is a bug and keeps its traceback.
 USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, PermissionError, NotADirectoryError,
-               HydraException, OmegaConfBaseException, LocalRunError, DiskFullError)
+               HydraException, OmegaConfBaseException, LocalRunError, DiskFullError,
+               UserCodeStopped)
 
 
 def error_line(e: BaseException) -> str:
@@ -437,7 +439,7 @@ def _cmd_window_policy(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="rollplex window-policy",
                                  description="mode.window=auto's table from a decode-window benchmark JSON")
     ap.add_argument("--from", dest="src", required=True, help="benchmarks/decode_window.py's output JSON")
-    ap.add_argument("--margin", type=float, default=MARGIN, help="share by which a mechanism must beat interleave")
+    ap.add_argument("--margin", type=float, default=MARGIN, help="share by which a window must beat after")
     ap.add_argument("--out", default=str(POLICY_PATH),
                     help="where to write the table (default: the table shipped with the package, which "
                          "mode.window=auto reads)")
@@ -447,7 +449,7 @@ def _cmd_window_policy(argv: list[str]) -> int:
         raise ValueError(f"window-policy: --from {src} " + ("is a folder" if src.is_dir() else "does not exist")
                          + "; pass the decode-window benchmark's JSON (benchmarks/decode_window.py's output)")
     if not 0 <= a.margin < 1:
-        raise ValueError(f"window-policy: --margin is the share by which a mechanism must beat interleave, in [0, 1); "
+        raise ValueError(f"window-policy: --margin is the share by which a mechanism must beat after, in [0, 1); "
                          f"got {a.margin:g}")
     try:
         bench = json.loads(src.read_text())

@@ -33,7 +33,7 @@ def _cell(text: str) -> str:
 
 def _row(s: Setting) -> str:
     applies = "; ".join(c.text for c in s.applies_with) or "always"
-    cells = (f"`{s.name}`", f"`{s.type}`", f"`{yaml_value(s.default)}`", "yes" if s.resumable else "no",
+    cells = (f"`{s.name}`", _cell(f"`{s.type}`"), f"`{yaml_value(s.default)}`", "yes" if s.resumable else "no",
              _cell(applies), _cell(s.help))
     return "| " + " | ".join(cells) + " |"
 

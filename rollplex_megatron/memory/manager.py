@@ -35,6 +35,9 @@ and optimizer alternate (several mini-batches a step) the trainer names the phas
 comes back ahead only before a phase that reads it: the reference once a step, at the last optimizer step.
 Without CUDA the same steps run synchronously on CPU buffers (the tests' bit-exactness of the round
 trip and of the update holds there too).
+
+`memory.optimizer_step=stream`: the released master weights and Adam states never come back as a whole; the
+optimizer step reads and writes their host buffers bucket by bucket (`StreamedStep`, memory/stream_optimizer.py).
 """
 from __future__ import annotations
 
@@ -44,7 +47,8 @@ from typing import Callable
 
 import torch
 
-from rollplex_megatron.memory.planner import released, resident_phases
+from rollplex_megatron.memory.planner import STREAMABLE, released, resident_phases
+from rollplex_megatron.memory.stream_optimizer import StreamedStep
 
 
 def _storages(tensors) -> list[torch.UntypedStorage]:
@@ -89,9 +93,13 @@ class MemoryManager:
 
     host_allocations = 0  # host buffers allocated by an offload (stays 0 after `reserve_host`)
 
-    def __init__(self, plan, mode: str, ddp, optimizer, reference, copy_streams: int = 1, ahead: dict | None = None):
+    def __init__(self, plan, mode: str, ddp, optimizer, reference, copy_streams: int = 1, ahead: dict | None = None,
+                 optimizer_step: str = "resident", bucket_mib: float = 512.0, buckets: int = 2):
         self.plan, self.mode, self.ddp = plan, mode, ddp
         self.released = released(plan)  # the classes this plan releases outside their phases (checked there)
+        # memory.optimizer_step=stream: released optimizer classes stay on the host, the step streams them
+        self.streamed = self.released & STREAMABLE if optimizer_step == "stream" else frozenset()
+        self.streamed_step = StreamedStep(self, int(bucket_mib * 2**20), buckets) if self.streamed else None
         self.ahead = dict(ahead or {})  # class -> the phase before its own in which it comes back (prefetch_ahead)
         self.cuda = torch.cuda.is_available()
         self.device = torch.cuda.current_device() if self.cuda else "cpu"
@@ -136,7 +144,10 @@ class MemoryManager:
         """Whether the plan wants class `name` on the device during `phase`: read there, or brought back ahead of
         the phase that reads it. `then`: the phase entered after this one when it is not the next in the plan's
         order (update and optimizer alternate over several mini-batches); a class comes back ahead only where
-        `then` reads it, so rollplex's reference is not copied in at every optimizer step of a step, only the last."""
+        `then` reads it, so rollplex's reference is not copied in at every optimizer step of a step, only the last.
+        A streamed class (`memory.optimizer_step=stream`) is never brought back: the optimizer step streams it."""
+        if name in self.streamed:
+            return False
         if self.needed_in(name, phase):
             return True
         return self.ahead.get(name) == phase and (then is None or self.needed_in(name, then))
@@ -207,18 +218,7 @@ class MemoryManager:
             return
         versions = tuple(t._version for t in tensors)  # in-place writes (e.g. load_state_dict) bump these
         if not (c.read_only and c.host_valid and c.versions == versions and len(c.host) == len(storages)):
-            if [h.numel() for h in c.host] != [s.nbytes() for s in storages]:
-                spare = {}  # reserved buffers of the right size are kept; only the others are allocated
-                for h in c.host:
-                    spare.setdefault(h.numel(), []).append(h)
-                new = []
-                for st in storages:
-                    if spare.get(st.nbytes()):
-                        new.append(spare[st.nbytes()].pop())
-                    else:
-                        new.append(torch.empty(st.nbytes(), dtype=torch.uint8, pin_memory=self.cuda))
-                        self.host_allocations += 1
-                c.host = new
+            c.host = self._host_for(c.host, [st.nbytes() for st in storages])
             self._copy(c, [_bytes(s, self.device) for s in storages], c.host, "d2h")
             c.host_valid, c.versions = True, versions
         c.sizes = [s.nbytes() for s in storages]
@@ -228,6 +228,43 @@ class MemoryManager:
                     _bytes(s, self.device).record_stream(stream)
             s.resize_(0)
         c.resident = False
+
+    def _host_for(self, host: list, sizes: list[int]) -> list:
+        """Host buffers of `sizes` bytes: reserved ones of the right size are kept; only the others are allocated."""
+        if [h.numel() for h in host] == list(sizes):
+            return host
+        spare = {}
+        for h in host:
+            spare.setdefault(h.numel(), []).append(h)
+        new = []
+        for n in sizes:
+            if spare.get(n):
+                new.append(spare[n].pop())
+            else:
+                new.append(torch.empty(n, dtype=torch.uint8, pin_memory=self.cuda))
+                self.host_allocations += 1
+        return new
+
+    def host_views(self) -> dict:
+        """The streamed classes' host buffers while offloaded, by device storage (`_storages`' key): what the
+        streamed optimizer step reads and writes in place of the device tensors."""
+        out = {}
+        for name in self.streamed:
+            c = self.classes[name]
+            if not c.resident and c.sizes:
+                out.update((s._cdata, h) for s, h in zip(_storages(c.tensors()), c.host))
+        return out
+
+    def adopt_offloaded(self, name: str) -> None:
+        """Class `name`'s tensors were created offloaded (Adam's states on the streamed step's first step: each its
+        own storage, released): give them host buffers, whose values the caller writes before any read."""
+        c = self.classes[name]
+        tensors = c.tensors()
+        if len(_storages(tensors)) != len(tensors):
+            raise ValueError(f"{name}: tensors created offloaded must each own their storage")
+        c.sizes = [t.numel() * t.element_size() for t in tensors]
+        c.host = self._host_for(c.host, c.sizes)
+        c.resident, c.host_valid = False, True
 
     def _prefetch(self, c: OffloadClass) -> None:
         if not c.sizes:  # nothing was offloaded (see _offload): the reserved buffers stay unread, and

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, replace
 
-from rollplex_megatron.config import ModelConfig, RunConfig
+from rollplex_megatron.config import AUTO_SIZE, ModelConfig, RunConfig
 from rollplex_megatron.memory.classes import PlanInputs, Shape, TensorClass
 from rollplex_megatron.runtime import device, kernel_for
 from rollplex_megatron.trainer.modes import get_mode
@@ -45,6 +45,9 @@ PHASE_RESIDENCY = {
 # then the actor prefix graphs (recomputed: one more prefix forward per group), then the gradients
 # (freed and re-zeroed every step).
 RELEASE_ORDER = ("optimizer_states", "main_weights", "reference_weights", "actor_prefix_graph", "grads")
+# memory.optimizer_step=stream: these classes, where released, stay on the host all step and the optimizer step
+# streams them through the device bucket by bucket (memory/stream_optimizer.py)
+STREAMABLE = frozenset({"optimizer_states", "main_weights"})
 
 
 def released(residency) -> frozenset:
@@ -56,6 +59,22 @@ def released(residency) -> frozenset:
     if isinstance(residency, str) or not set(residency) <= set(RELEASE_ORDER):
         raise ValueError(f"memory.plan (residency) must be keep, phase or a set of {RELEASE_ORDER}, got {residency!r}")
     return frozenset(residency)
+
+
+def streamed(cfg: RunConfig, rel: frozenset) -> frozenset:
+    """The classes the optimizer step streams (`memory.optimizer_step=stream`): the released ones of STREAMABLE."""
+    return rel & STREAMABLE if cfg.memory.optimizer_step == "stream" else frozenset()
+
+
+def optimizer_step_bytes(cfg: RunConfig, w: dict[str, int], stream: frozenset) -> tuple[int, int]:
+    """The optimizer phase's own bytes: (streamed buckets' slots, Adam's workspace). Resident: no slots, and torch
+    Adam's sqrt(exp_avg_sq) over every parameter (0 for a fused Adam). Streamed: `memory.optimizer_buckets` slots of
+    `memory.optimizer_bucket_mib` (at most what is streamed), and the workspace of one bucket's elements."""
+    n = w["optimizer_states"] // 8  # elements Adam steps on this GPU
+    per = 8 * ("optimizer_states" in stream) + 4 * ("main_weights" in stream and w["main_weights"] > 0)
+    elems = n if per == 0 else min(n, int(cfg.memory.optimizer_bucket_mib * 2**20) // per)
+    slots = min(cfg.memory.optimizer_buckets * elems, n) * per
+    return slots, 0 if cfg.plan.fused_adam else 4 * elems
 
 
 def phases(mode: str) -> tuple[str, ...]:
@@ -253,6 +272,18 @@ def micro_batch_responses(cfg: RunConfig, response_tokens: int) -> int:
     return max(1, min(fit, cfg.prompts_per_rank * cfg.rollout.group_size))
 
 
+def full_sequence_responses(cfg: RunConfig, s: Shape) -> int:
+    """Responses one full-sequence micro-batch (serial's, each response with its whole prompt) may hold: the count,
+    or under `workload.micro_batch_tokens` as many as the budget admits of the shortest response (one token), at
+    most the largest PPO mini-batch's samples. The budget counts response tokens only (prefix/batch.pack_responses),
+    so short responses come in numbers, each bringing its prompt."""
+    w = cfg.workload
+    if w.micro_batch_tokens <= 0:
+        return s.mb
+    largest_mini = -(-s.prompts // cfg.train.ppo_mini_batches) * s.group
+    return max(1, min(w.micro_batch_tokens, largest_mini))
+
+
 def _weights(cfg: RunConfig) -> dict[str, int]:
     m, par = cfg.model, cfg.parallel
     n = params_per_gpu(m, par.tp, par.pp)
@@ -301,6 +332,8 @@ def plan(cfg: RunConfig, mode: str, residency: str, engine: str, s: Shape | None
     ahead: {released class: the phase it comes back in, one before its own} (`ahead_phases`).
     """
     s = s or workload_shape(cfg)
+    if get_mode(mode).full_sequences:  # serial's micro-batches carry their prompts: counted as they are formed
+        s = replace(s, mb=full_sequence_responses(cfg, s))
     m, par, sp, norm, rope = cfg.model, cfg.parallel, cfg.plan.sequence_parallel, norm_kernel(cfg), rope_kernel(cfg)
     e = cfg.param_bytes
     ref = cfg.train.uses_reference
@@ -310,10 +343,13 @@ def plan(cfg: RunConfig, mode: str, residency: str, engine: str, s: Shape | None
     kv_tok = kv_bytes_per_token(m, par.tp, m.num_layers // par.pp, e)
     kv32 = kv_bytes_per_token(m, par.tp, m.num_layers // par.pp, 4)
     ahead = ahead or {}
+    stream = streamed(cfg, rel)
 
     def where(name: str) -> tuple:
         if name not in rel:
             return allp
+        if name in stream:  # on the host all step: the optimizer step streams it (optimizer_buckets)
+            return ()
         own = resident_phases(name, mode)
         return own if name not in ahead else (ahead[name], *own)
     act = lambda name, how: how if name in rel else "keep"  # noqa: E731
@@ -370,9 +406,14 @@ def plan(cfg: RunConfig, mode: str, residency: str, engine: str, s: Shape | None
         out.append(TensorClass("reference_prefix_graphs", window_graph_bytes(cfg, s), allp, "keep",
                                f"mode.window_graphs: the K/V outputs of up to {cfg.mode.window_graph_buckets} captured "
                                "buckets and one no-grad prefix forward's transients, resident all step"))
-    adam = 0 if cfg.plan.fused_adam else w["optimizer_states"] // 2
+    slots, adam = optimizer_step_bytes(cfg, w, stream)
+    if stream:
+        out.append(TensorClass("optimizer_buckets", slots, ("optimizer",), "free",
+                               f"memory.optimizer_step=stream: {cfg.memory.optimizer_buckets} buckets of "
+                               f"{'/'.join(sorted(stream))} on the device at once"))
     out.append(TensorClass("optimizer_workspace", adam, ("optimizer",), "free",
-                           "torch Adam (foreach) holds sqrt(exp_avg_sq) for every parameter; fused Adam: 0"))
+                           "torch Adam (foreach) holds sqrt(exp_avg_sq) for every parameter (streamed: one bucket's); "
+                           "fused Adam: 0"))
     return out if ref else without_reference(out, allp)
 
 
@@ -407,22 +448,27 @@ def runtime_plan(cfg: RunConfig, s: Shape, ahead: dict | None = None) -> list[Te
     return plan(runtime_cfg(cfg), cfg.mode.name, cfg.memory.plan, "embedded", s, ahead)
 
 
-def auto_release(cfg: RunConfig, s: Shape, budget_gib: float) -> frozenset:
+def auto_releasable(cfg: RunConfig) -> tuple[str, ...]:
+    """What `memory.plan=auto` may release, in RELEASE_ORDER: the run's releasable classes, the reference's weights
+    not under mode.window_graphs (its graphs read them where they were captured)."""
+    return tuple(n for n in releasable(cfg) if n != "reference_weights" or not cfg.mode.window_graphs)
+
+
+def auto_release(cfg: RunConfig, s: Shape, budget_gib: float, gpus: int = 1) -> frozenset:
     """`memory.plan=auto`: the classes to release so the run's peak fits `budget_gib` (none when
     everything fits). Releases classes in RELEASE_ORDER (the reference's weights not under mode.window_graphs, whose
     graphs read them where they were captured) until the peak fits, then keeps again, from the
     last released backwards, every class whose keeping still fits: the set is minimal (keeping any one of
     its classes goes over the budget), and of the releasable classes it prefers the cheap ones. Raises,
-    naming the class and the fix, when even all released do not fit."""
+    naming the class and each setting that would make it fit (`fit_fixes`; `gpus`: this machine's), when even all
+    released do not fit."""
     rc, mode = runtime_cfg(cfg), cfg.mode.name
 
     def fits(chosen) -> bool:
         return summarize(plan(rc, mode, frozenset(chosen), "embedded", s), mode)["peak_gib"] <= budget_gib
 
     chosen: list[str] = []
-    # mode.window_graphs: the reference stays (its graphs read its weights where they were captured)
-    candidates = [n for n in releasable(cfg) if n != "reference_weights" or not cfg.mode.window_graphs]
-    for name in (None, *candidates):
+    for name in (None, *auto_releasable(cfg)):
         if name is not None:
             chosen.append(name)
         if fits(chosen):
@@ -431,11 +477,167 @@ def auto_release(cfg: RunConfig, s: Shape, budget_gib: float) -> frozenset:
         summary = summarize(plan(rc, mode, frozenset(chosen), "embedded", s), mode)
         kept = "; the reference kept for mode.window_graphs" if cfg.mode.window_graphs else ""
         check_budget(summary, budget_gib, f"{mode} (memory.plan=auto, everything releasable released{kept})",
-                     runtime=True)
+                     runtime=True, fit=lambda: fit_fixes(cfg, s, budget_gib, gpus))
     for name in reversed(chosen[:-1]):  # e.g. rollplex: the prefix graphs alone, the optimizer states kept
         if fits([c for c in chosen if c != name]):
             chosen.remove(name)
     return frozenset(chosen)
+
+
+# Auto sizes (`workload.micro_batch_tokens`, `workload.prefix_pack_tokens` at -1, `rollout.keep_decode_state` unset):
+# the largest of each that fits, given up in this order: the kept decode state first (it spares a rollout its cache
+# allocation and graph captures, and holds the cache in every phase), then the prefix packs (fewer, larger prefix
+# forwards), then the micro-batch (the update's, the step's longest phase). Without a device budget: these values.
+NO_DEVICE_SIZES = {"workload.micro_batch_tokens": 0, "workload.prefix_pack_tokens": 0,
+                   "rollout.keep_decode_state": False}
+
+
+def with_settings(cfg: RunConfig, values: dict) -> RunConfig:
+    """`cfg` with the dotted settings `values` ({"workload.prefix_pack_tokens": 0, ...}, one section deep) set."""
+    by_section: dict[str, dict] = {}
+    for key, value in values.items():
+        section, name = key.split(".")
+        by_section.setdefault(section, {})[name] = value
+    return replace(cfg, **{k: replace(getattr(cfg, k), **v) for k, v in by_section.items()})
+
+
+def ladder(top: int, unit: int) -> list[int]:
+    """`unit` x 2^k, largest first, from the first at or above `top` (lowered to `top`) down to `unit` (>= 1)."""
+    out = [max(unit, 1)]
+    while out[-1] < top:
+        out.append(out[-1] * 2)
+    out[-1] = max(out[0], min(out[-1], top))
+    return out[::-1]
+
+
+def is_auto(cfg: RunConfig, key: str) -> bool:
+    """Whether the size `key` (of NO_DEVICE_SIZES) is left to the planner."""
+    if key == "rollout.keep_decode_state":
+        return cfg.rollout.keep_decode_state is None
+    return getattr(cfg.workload, key.split(".")[1]) == AUTO_SIZE
+
+
+def size_candidates(cfg: RunConfig, s: Shape) -> tuple[list[dict], list[dict], list[dict]]:
+    """The values auto sizing tries, largest first, per size ([{}]: the size is set): micro-batches of R x 2^k
+    response tokens up to every response of the largest PPO mini-batch (full-sequence modes, whose micro-batches
+    carry their prompts: counts from workload.responses_per_micro_batch halving to 1, with no token budget), packs
+    of P x 2^k prefix tokens (P: the longest prefix) down to two groups, then none; the decode state kept or not
+    (not where this process does not decode: SGLang, the rollout ranks of mode=disaggregated)."""
+    w, groups = cfg.workload, -(-s.prompts // cfg.train.ppo_mini_batches)
+    mbs = packs = keeps = [{}]
+    if is_auto(cfg, "workload.micro_batch_tokens"):
+        if get_mode(cfg.mode.name).full_sequences:
+            mbs = [{"workload.micro_batch_tokens": 0, "workload.responses_per_micro_batch": n}
+                   for n in ladder(w.responses_per_micro_batch, 1)]
+        else:
+            mbs = [{"workload.micro_batch_tokens": b} for b in ladder(groups * s.group * s.R, max(s.R, 1))]
+    if is_auto(cfg, "workload.prefix_pack_tokens"):
+        sizes = ladder(groups * s.P, 2 * s.P) if groups > 1 else []
+        packs = [{"workload.prefix_pack_tokens": t} for t in (*sizes, 0)]
+    if is_auto(cfg, "rollout.keep_decode_state"):
+        here = cfg.rollout.engine == "embedded" and not cfg.parallel.rollout_ranks
+        keeps = [{"rollout.keep_decode_state": k} for k in ((True, False) if here else (False,))]
+    return mbs, packs, keeps
+
+
+def sized_summary(rc: RunConfig, s: Shape) -> dict:
+    """The plan of the runtime config `rc` (`runtime_cfg`) at `s` with the micro-batch of its own workload, under
+    memory.plan (auto: everything `auto_release` may release released, its last resort)."""
+    mode, res = rc.mode.name, rc.memory.plan
+    residency = frozenset(auto_releasable(rc)) if res == "auto" else res
+    return summarize(plan(rc, mode, residency, "embedded", replace(s, mb=micro_batch_responses(rc, s.R))), mode)
+
+
+def fits_budget(rc: RunConfig, s: Shape, budget_gib: float) -> bool:
+    """Whether `sized_summary`'s peak is within `budget_gib`."""
+    return sized_summary(rc, s)["peak_gib"] <= budget_gib
+
+
+def admissible(cfg: RunConfig) -> bool:
+    """Whether the config accepts the candidate (e.g. no prefix packs with dynamic sampling in rollplex)."""
+    try:
+        cfg.check_training()
+    except ValueError:
+        return False
+    return True
+
+
+def auto_size(cfg: RunConfig, s: Shape | None, budget_gib: float | None, gpus: int = 1) -> tuple[RunConfig, dict]:
+    """`cfg` with its auto sizes resolved, and what was chosen ({setting: value, "budget_gib": ...}; {} when no size
+    is auto). Without a budget (no device) NO_DEVICE_SIZES; with one, the first of `size_candidates` (micro-batch
+    outermost, the kept decode state innermost: the order they are given up in) whose run fits under memory.plan
+    (`fits_budget`). Raises, naming each setting that would make the run fit, when even the smallest does not."""
+    if not cfg.auto_sized:
+        return cfg, {}
+    if budget_gib is None:
+        chosen = {k: v for k, v in NO_DEVICE_SIZES.items() if is_auto(cfg, k)}
+        return with_settings(cfg, chosen), {**chosen, "budget_gib": None}
+    rc = runtime_cfg(cfg)
+    mbs, packs, keeps = size_candidates(cfg, s)
+    for chosen in ({**mb, **pack, **keep} for mb in mbs for pack in packs for keep in keeps):
+        c = with_settings(cfg, chosen)
+        if admissible(c) and fits_budget(with_settings(rc, chosen), s, budget_gib):
+            return c, {**chosen, "budget_gib": budget_gib}
+    least = {**mbs[-1], **packs[-1], **keeps[-1]}
+    check_budget(sized_summary(with_settings(rc, least), s), budget_gib, f"{cfg.mode.name} at its smallest auto "
+                 f"sizes ({settings_text(least)}; memory.plan={cfg.memory.plan})", runtime=True,
+                 fit=lambda: fit_fixes(with_settings(cfg, least), s, budget_gib, gpus))
+    raise RuntimeError(f"auto_size: no candidate fits {budget_gib:g} GiB, yet the smallest's plan does")
+
+
+def auto_size_text(chosen: dict, released: list | None = None) -> str:
+    """The start-up line of what `auto_size` chose (and, under memory.plan=auto, what it releases)."""
+    budget = chosen["budget_gib"]
+    why = "no device: the fixed values" if budget is None else f"the largest that fit {gib_text(budget)} GiB"
+    rel = "" if released is None else f"; memory.plan=auto releases {', '.join(released) or 'nothing'}"
+    return f"auto: {settings_text({k: v for k, v in chosen.items() if k != 'budget_gib'})} ({why}{rel})"
+
+
+def settings_text(values: dict) -> str:
+    """Dotted settings as overrides are written (`rollout.keep_decode_state=false workload.prefix_pack_tokens=0`)."""
+    return " ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in values.items())
+
+
+def smaller_settings(cfg: RunConfig, s: Shape) -> list[list[dict]]:
+    """Per setting of `cfg` that shrinks the plan, its smaller values, largest first: the kept decode state off, a
+    smaller prefix pack, a smaller micro-batch (token budget or count; full-sequence modes: counts), memory.plan=auto
+    for keep (its bytes with everything released are phase's), no window graphs."""
+    w, out = cfg.workload, []
+    if cfg.rollout.keep_decode_state:
+        out.append([{"rollout.keep_decode_state": False}])
+    if w.prefix_pack_tokens > 0:
+        out.append([{"workload.prefix_pack_tokens": t} for t in (*ladder(w.prefix_pack_tokens // 2, 2 * s.P), 0)
+                    if t < w.prefix_pack_tokens])
+    if get_mode(cfg.mode.name).full_sequences or w.micro_batch_tokens <= 0:
+        now = full_sequence_responses(cfg, s) if get_mode(cfg.mode.name).full_sequences else w.responses_per_micro_batch
+        out.append([{"workload.micro_batch_tokens": 0, "workload.responses_per_micro_batch": n}
+                    for n in ladder(max(now // 2, 1), 1) if n < now])
+    else:
+        out.append([{"workload.micro_batch_tokens": b} for b in ladder(w.micro_batch_tokens // 2, max(s.R, 1))
+                    if b < w.micro_batch_tokens])
+    if cfg.memory.plan == "keep":
+        out.append([{"memory.plan": "auto"}])
+    if cfg.mode.window_graphs:
+        out.append([{"mode.window_graphs": False}])
+    return [o for o in out if o]
+
+
+def fit_fixes(cfg: RunConfig, s: Shape, budget_gib: float, gpus: int = 1) -> str:
+    """What makes the run of `cfg` fit `budget_gib`: each setting that alone does (at its largest value that does),
+    else all of them together at their smallest; a larger parallel layout where this machine has more GPUs, and as
+    the last resort where nothing else does."""
+    rc, options = runtime_cfg(cfg), smaller_settings(cfg, s)
+    fits = lambda values: fits_budget(with_settings(rc, values), s, budget_gib)  # noqa: E731
+    alone = [next((v for v in values if fits(v)), None) for values in options]
+    out = [settings_text(v) for v in alone if v is not None]
+    least = {k: v for values in options for k, v in values[-1].items()}
+    if not out and options and fits(least):
+        out.append(f"together {settings_text(least)}")
+    if gpus > 1:
+        out.append(f"a larger parallel.tp/pp ({gpus} GPUs here)")
+    elif not out:
+        out.append("more GPUs (a larger parallel.tp/pp) or a smaller model")
+    return ", or ".join(out)
 
 
 AHEAD_CLASSES = ("optimizer_states", "main_weights", "reference_weights")  # offloaded: their prefetch is a copy
@@ -457,7 +659,7 @@ def ahead_phases(cfg: RunConfig, mode: str, residency, s: Shape, budget_gib: flo
     copy then runs beside that phase's work, and its own phase waits only for what is left of the copy."""
     rel = released(residency)
     chosen: dict = {}
-    for name in (n for n in releasable(cfg) if n in AHEAD_CLASSES and n in rel):
+    for name in (n for n in releasable(cfg) if n in AHEAD_CLASSES and n in rel - streamed(cfg, rel)):
         trial = {**chosen, name: phase_before(name, mode)}
         summary = summarize(plan(cfg, mode, residency, "embedded", s, trial), mode)
         if summary["phase_gib"][trial[name]] <= budget_gib:
@@ -509,9 +711,12 @@ FIXES = {  # what shrinks each class, in the config's terms
                           "plan.sequence_parallel=true or a larger parallel.tp",
 }
 RUNTIME_FIXES = {  # the trainer honours no plan.* setting: only what its own config changes
-    "optimizer_states": "a larger parallel.tp/pp",
-    "main_weights": "a larger parallel.tp/pp",
-    "optimizer_workspace": "a larger parallel.tp/pp (or transformer-engine/apex installed: a fused Adam)",
+    "optimizer_states": "memory.optimizer_step=stream (streamed from host memory through the step) or a larger "
+                        "parallel.tp/pp",
+    "main_weights": "memory.optimizer_step=stream (streamed from host memory through the step) or a larger "
+                    "parallel.tp/pp",
+    "optimizer_workspace": "memory.optimizer_step=stream (one bucket's workspace) or a larger parallel.tp/pp (or "
+                           "transformer-engine/apex installed: a fused Adam)",
     "update_activations": "fewer workload.responses_per_micro_batch (or a smaller workload.micro_batch_tokens "
                           "when set), a smaller workload.prefix_pack_tokens (a recomputed pack's graph) or a "
                           "larger parallel.tp",
@@ -524,10 +729,11 @@ def gib_text(x: float) -> str:
     return f"{x:.1f}" if x >= 1 else f"{x:.3g}"
 
 
-def check_budget(summary: dict, budget_gib: float, mode: str, runtime: bool = False) -> None:
+def check_budget(summary: dict, budget_gib: float, mode: str, runtime: bool = False, fit=None) -> None:
     """Fail, naming the largest class of the peak phase and what would free it, when over budget.
 
-    `runtime`: the trainer's check (its fixes name only settings the trainer honours)."""
+    `runtime`: the trainer's check (its fixes name only settings the trainer honours); `fit`: a callable giving
+    the settings that would make the run fit (`fit_fixes`), asked only when over, in place of the class's fix."""
     if budget_gib <= 0 or summary["peak_gib"] <= budget_gib:
         return
     phase = summary["peak_phase"]
@@ -536,6 +742,7 @@ def check_budget(summary: dict, budget_gib: float, mode: str, runtime: bool = Fa
     fix = fixes.get(top[0], "a larger parallel.tp/pp or a smaller workload")
     if top[0] in RELEASED_BY_PHASE_PLAN and summary["classes"][top[0]]["action"] == "keep":
         fix = f"memory.plan=phase (releases it outside its phases), or {fix}"
+    fix = (fit() if fit is not None else "") or fix
     raise ValueError(f"{mode} plan needs {gib_text(summary['peak_gib'])} GiB in phase {phase!r}, over "
                      f"memory.budget_gib={budget_gib:g}; the largest class there is {top[0]} ({gib_text(top[1])} "
                      f"GiB); to fit: {fix}")

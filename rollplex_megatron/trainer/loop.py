@@ -64,6 +64,7 @@ def run_step(rt: Runtime, mode: Mode, step: int) -> dict:
             "phase_times": t.times, "phase_parts": t.parts, "phase_peak_bytes": t.peaks, "peak_mem_bytes": peak,
             "peak_mem_source": src,
             "memory_plan": rt.cfg.memory.plan, "memory_released": sorted(rt.memory.released),
+            "auto_choices": rt.plan.get("auto_choices", {}),  # the sizes the planner chose (trainer.runtime.auto_sizes)
             "prefix_recompute": rt.recompute, "phase_managed_bytes": dict(rt.memory.phase_bytes),
             "offload_bytes": dict(rt.memory.copy_bytes), "host_allocations": rt.memory.host_allocations,
             "rollout": prep.stats, "rollout_layout": rt.plan.get("rollout_layout"),

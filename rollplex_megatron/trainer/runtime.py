@@ -18,9 +18,9 @@ from rollplex_megatron.data import build_source
 from rollplex_megatron.dist import ParallelLayouts, default_group_is_train_world, init_parallel, layouts, train_world
 from rollplex_megatron.memory.machine import check_run_fits
 from rollplex_megatron.memory.manager import MemoryManager
-from rollplex_megatron.memory.planner import (ahead_phases, auto_release, check_budget, gib_text, pack_groups, plan,
-                                              releasable, released, rollout_rank_plan, runtime_cfg, runtime_plan,
-                                              summarize, workload_shape)
+from rollplex_megatron.memory.planner import (ahead_phases, auto_release, auto_size, auto_size_text, check_budget,
+                                              fit_fixes, gib_text, pack_groups, plan, releasable, released,
+                                              rollout_rank_plan, runtime_cfg, runtime_plan, summarize, workload_shape)
 from rollplex_megatron.models.qwen25vl import build_model
 from rollplex_megatron.models.triton_norm import norm_kernel_for, use_norm_kernel
 from rollplex_megatron.models.triton_rope import rope_kernel_for, use_rope_kernel
@@ -94,21 +94,39 @@ def drawn_lengths(mean: float, sigma: float, cap: int, n: int, seed: int) -> lis
     return [int(v) for v in x.round().clamp(1, cap)]
 
 
-def memory_plan(cfg: RunConfig, source) -> dict:
-    """The planner's phases for this run (mode, `memory.plan`, the source's real prompt shape, the actor's
-    packs `actor_pack_tokens`); raises when the peak exceeds `memory.budget_gib`, naming the class and what
-    would make it fit."""
+def run_shape(cfg: RunConfig, source):
+    """The step's shape (`planner.Shape`) from the source's real prompts: the longest and shortest prefix, the most
+    patches, its longest response."""
     prompts = source.shape_prompts(16)  # the source's prompt shapes (questions vary)
     patches = max(sum(getattr(p, k).shape[0] for k in ("pixel_values", "pixel_values_videos")
                       if getattr(p, k) is not None) for p in prompts)
     lens = [p.input_ids.numel() - 1 for p in prompts]
-    shape = workload_shape(cfg, max(lens), patches, source.max_new_tokens, min(lens))
-    pack = cfg.workload.prefix_pack_tokens
+    return workload_shape(cfg, max(lens), patches, source.max_new_tokens, min(lens))
+
+
+def auto_sizes(cfg: RunConfig, source) -> tuple[RunConfig, dict]:
+    """The run's sizes left to the planner, resolved (`planner.auto_size`) for this device: with CUDA under
+    `auto_budget_gib` (memory.budget_gib, else the free memory less the margin, the least over the ranks); without,
+    the fixed values of a CPU run."""
+    if not cfg.auto_sized:
+        return cfg, {}
+    budget = auto_budget_gib(cfg) if torch.cuda.is_available() else None
+    shape = run_shape(cfg, source) if budget is not None else None
+    return auto_size(cfg, shape, budget, torch.cuda.device_count())
+
+
+def memory_plan(cfg: RunConfig, source) -> dict:
+    """The planner's phases for this run (mode, `memory.plan`, the source's real prompt shape, the actor's
+    packs `actor_pack_tokens`); raises when the peak exceeds `memory.budget_gib`, naming the class and what
+    would make it fit."""
+    shape = run_shape(cfg, source)
+    pack = max(cfg.workload.prefix_pack_tokens, 0)  # -1 (auto, not resolved: `auto_sizes`) packs nothing
     if cfg.memory.plan == "auto":
         budget = auto_budget_gib(cfg)
         # the release set is chosen with one group a recomputed pack (the least a recomputation holds), then
         # the actor's packs grow as far as that set allows
-        rel = frozenset() if budget is None else auto_release(with_pack_tokens(cfg, min(pack, shape.P)), shape, budget)
+        rel = frozenset() if budget is None else auto_release(with_pack_tokens(cfg, min(pack, shape.P)), shape, budget,
+                                                              torch.cuda.device_count())
         actor_pack = actor_pack_tokens(cfg, shape, budget or 0.0, rel)
         rc = runtime_cfg(with_pack_tokens(cfg, actor_pack))
         ahead = _ahead(cfg, rc, rel, shape, budget)
@@ -127,7 +145,8 @@ def memory_plan(cfg: RunConfig, source) -> dict:
     if cfg.parallel.rollout_ranks:  # mode=disaggregated: what a rollout rank holds (its own weights, its cache)
         summary["rollout_rank"] = rollout_rank_plan(cfg, shape)
     try:
-        check_budget(summary, budget, f"{cfg.mode.name} (memory.plan={cfg.memory.plan})", runtime=True)
+        check_budget(summary, budget, f"{cfg.mode.name} (memory.plan={cfg.memory.plan})", runtime=True,
+                     fit=lambda: fit_fixes(cfg, shape, budget, torch.cuda.device_count()))
     except ValueError as e:
         if cfg.memory.plan == "phase":
             raise
@@ -244,7 +263,12 @@ class Runtime:
         # one group of the longest prompt fits the rollout's KV cache; a rollout model of its own (a weights phase)
         # holds every layer
         check_kv_budget(cfg, self.source, samples, cfg.weights_phase is not None)
+        cfg, auto = auto_sizes(cfg, self.source)  # the sizes left to the planner, for this device's free memory
+        self.cfg = cfg
         self.plan = memory_plan(cfg, self.source)  # over memory.budget_gib: fails here, before any model
+        self.plan["auto_choices"] = auto
+        if auto and dist.get_rank() == 0:
+            print(auto_size_text(auto, self.plan["released"] if cfg.memory.plan == "auto" else None), flush=True)
         check_run_fits(cfg, self.source, self.plan)  # over the machine's free memory (CPU: the host's) too
         check_window_graphs(cfg, self.plan["released"], torch.cuda.is_available())
         actor = build_policy(cfg)
@@ -267,7 +291,8 @@ class Runtime:
                                    "bytes above were planned with it released")
         ahead = {k: v for k, v in self.plan.get("ahead", {}).items() if k in rel}  # SGLang's reference: kept
         self.memory = MemoryManager(rel, cfg.mode.name, self.ddp, self.optimizer, self.ref, cfg.memory.copy_streams,
-                                    ahead)
+                                    ahead, cfg.memory.optimizer_step, cfg.memory.optimizer_bucket_mib,
+                                    cfg.memory.optimizer_buckets)
         self.plan["host_buffers_s"] = self.memory.reserve_host()  # a start-up cost, not step 1's and 2's
         self.recompute = "actor_prefix_graph" in rel  # the actor prefix keeps no graph
         if cfg.rollout.engine == "sglang":
@@ -388,7 +413,7 @@ class Runtime:
         steps, as verl's does. Gradients are zeroed for the next update."""
         lr = current_lr(self.optimizer)
         with span("optimizer_step"):
-            out = {**optimizer_step(self.optimizer), "lr": lr}
+            out = {**optimizer_step(self.optimizer, self.memory.streamed_step), "lr": lr}
         if advance:
             self.scheduler.step(increment=1)
         self.ddp.zero_grad_buffer()

@@ -17,8 +17,9 @@ measures each):
   most of the GPU idle); whatever is left runs when decoding ends;
 - `green`: like `stream`, with the side stream on a green context that owns `green_sms` SMs of
   the device (driver API, disjoint from the rest; `rollout/green.py`). Decode keeps the whole device.
-- `auto`: the mechanism a measured table (`window_policy.json`, from the decode-window benchmark)
-  says meets the targets at the wave's batch size; `interleave` where nothing does.
+- `auto` (the default): the mechanism a measured table (`window_policy.json`, from the decode-window benchmark)
+  says is fastest at the wave's batch size, `after` among the candidates, so never slower than no window there;
+  `interleave` at tp or pp > 1 and on CPU (`policy.layout_mechanism`).
 Whatever is left when decoding ends runs on the decode stream. Items that ran on a side stream are
 joined to the decode stream (`on_idle`) before the engine returns, so their outputs are ready for
 the phases after the rollout (the trainer also synchronises the device at phase boundaries, so
@@ -97,8 +98,8 @@ class DecodeWindow(DecodeHooks):
         """The window of a run: `mode.window*` settings at the run's parallel layout (a rollout at its
         own TP counts as TP > 1: its items' collectives must keep the decode thread's order)."""
         tp = max(parallel.tp, rollout_tp)
-        return cls(layout_mechanism(mode.window, tp, parallel.pp), mode.window_items_per_step,
-                   mode.window_tail_fraction, mode.window_green_sms)
+        mechanism = layout_mechanism(mode.window, tp, parallel.pp, torch.cuda.is_available())
+        return cls(mechanism, mode.window_items_per_step, mode.window_tail_fraction, mode.window_green_sms)
 
     def submit(self, name: str, fn: Callable[[], Any], job: Any = None) -> WorkItem:
         """Queue `fn` (and its description as data, `job`); its result lands on the returned item."""

@@ -2,7 +2,8 @@
 (`window_policy.json`, built by `window-policy` from a decode-window benchmark JSON) and the
 parallel-layout limits. The table judges mechanisms by the wall time of decode plus its side work
 (docs/design.md §2: the mechanism that makes the step shortest wins), not by a hidden-share /
-slowdown pair."""
+slowdown pair; `after` (no window: decode, then the items) is among the candidates and is the reference a
+window must beat, so `auto` is never slower than no window where the table measured it."""
 from __future__ import annotations
 
 import json
@@ -29,45 +30,47 @@ def check_mechanism(name: str, tp: int, pp: int) -> None:
                          f"mode.window=interleave")
 
 
-def layout_mechanism(name: str, tp: int, pp: int) -> str:
-    """The mechanism a run at (tp, pp) uses for `mode.window`: `auto` is `interleave` at tp or
-    pp > 1 (side work needs tp=pp=1), else left for the measured table at each wave."""
+def layout_mechanism(name: str, tp: int, pp: int, cuda: bool = True) -> str:
+    """The mechanism a run at (tp, pp) uses for `mode.window`: `auto` is `interleave` at tp or pp > 1 (side work
+    needs tp=pp=1, and the table measured one rank) and without CUDA (the table measured a GPU; a CPU run keeps
+    the window it always had), else left for the measured table at each wave."""
     check_mechanism(name, tp, pp)
-    return "interleave" if name == "auto" and (tp > 1 or pp > 1) else name
+    return "interleave" if name == "auto" and (tp > 1 or pp > 1 or not cuda) else name
 
 
-MARGIN = 0.02  # a mechanism must beat interleave's wall time by this share to be chosen (run-to-run noise)
+MARGIN = 0.02  # a mechanism must beat after's wall time (no window) by this share to be chosen (run-to-run noise)
 
 
 def build_policy(bench: dict, source: str, margin: float = MARGIN) -> dict:
     """The table `auto` reads, from a decode-window benchmark JSON: per case (decode batch and workload
-    shape), the wall time of decode plus its side work under each mechanism, and the winner: the fastest,
-    if it beats `interleave` (the no-overlap reference) by more than `margin`, else `interleave`."""
+    shape), the wall time of decode plus its side work under each mechanism, `after` (no window) among them,
+    and the winner: the fastest, if it beats `after` by more than `margin`, else `after`. A case that did
+    not run `after` has its time as what `after` runs: decode alone, then the items alone."""
     env = bench.get("environment", {})
     rows = []
     for r in bench["rows"]:
         walls = {spec: m["after_prefill_s"] for spec, m in r["mechanisms"].items() if "after_prefill_s" in m}
-        if "interleave" not in walls:
-            raise ValueError(f"{source}: case {r['case']} has no interleave time; the winner is judged against it")
+        walls.setdefault("after", r["decode_alone"]["after_prefill_s"] + r["items_alone_s"])
         best = min(walls, key=walls.get)
-        win = best if walls[best] < (1 - margin) * walls["interleave"] else "interleave"
+        win = best if walls[best] < (1 - margin) * walls["after"] else "after"
         mech, _, sms = win.partition(":")
         rows.append({"case": r["case"], "shape": r["case"].split("_")[0], "batch": r["batch"],
                      "wall_s": walls, "decode_alone_s": r["decode_alone"]["after_prefill_s"],
                      "items_alone_s": r["items_alone_s"], "mechanism": mech, "green_sms": int(sms or 0),
-                     "gain_vs_interleave": 1 - walls[win] / walls["interleave"]})
+                     "gain_vs_after": 1 - walls[win] / walls["after"]})
     return {"source": source, "commit": env.get("commit", ""), "date": env.get("date", ""),
             "device": env.get("device", env.get("gpu", "")), "margin": margin,
             "rule": "per case, the mechanism with the shortest wall time of decode plus side work (graph captures "
-                    "included), if it beats interleave by more than `margin`; mode.window=auto takes the row of the "
-                    "nearest decode batch (of the workload shape, when given)",
+                    "included), if it beats after (no window; unless measured, decode alone plus the items alone) "
+                    "by more than `margin`, else after; mode.window=auto takes the row of the nearest decode batch "
+                    "(of the workload shape, when given)",
             "rows": rows}
 
 
 def policy_mechanism(batch: int, path: Path = POLICY_PATH, shape: str = "") -> tuple[str, int]:
     """The measured table's (mechanism, green SMs) for a decode batch of `batch` samples: the winner of the
-    row at the nearest batch size (of `shape`, e.g. uniform or longtail, when the table has it);
-    ("interleave", 0) without a table."""
+    row at the nearest batch size (of `shape`, e.g. uniform or longtail, when the table has it), the larger gain
+    over `after` between two as near; ("interleave", 0) without a table."""
     if not path.is_file():
         return "interleave", 0
     rows = json.loads(path.read_text()).get("rows", [])
@@ -75,5 +78,5 @@ def policy_mechanism(batch: int, path: Path = POLICY_PATH, shape: str = "") -> t
         rows = [r for r in rows if r.get("shape") == shape] or rows
     if not rows:
         return "interleave", 0
-    best = min(rows, key=lambda r: (abs(r["batch"] - batch), -r.get("gain_vs_interleave", 0.0)))
+    best = min(rows, key=lambda r: (abs(r["batch"] - batch), -r.get("gain_vs_after", r.get("gain_vs_interleave", 0.0))))
     return best["mechanism"], int(best.get("green_sms", 0))

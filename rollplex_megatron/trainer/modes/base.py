@@ -56,6 +56,7 @@ class Mode(ABC):
     name: str
     phases: tuple[str, ...]  # the phases of one step, in order
     reference_phases: tuple[str, ...]  # where memory.plan=phase keeps the reference weights
+    full_sequences = False  # micro-batches carry each response's whole prompt (planner.full_sequence_responses)
 
     @abstractmethod
     def prepare(self, rt, step: int, t) -> Prepared:

@@ -14,6 +14,7 @@ class Serial(Mode):
     name = "serial"
     phases = ("rollout", "old_logp", "ref_logp", "update", "optimizer")
     reference_phases = ("ref_logp",)
+    full_sequences = True
 
     def prepare(self, rt, step, t):  # noqa: D102
         batch, _, _, stats = self.rollout(rt, t)

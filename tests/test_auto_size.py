@@ -1,0 +1,139 @@
+"""Fast by default (issue 53): the planner sizes what is left at auto (micro-batch, prefix packs, the kept decode
+state) for a budget, counts serial's micro-batches with their prompts, names every setting that would make a refused
+run fit, and the window's `auto` never picks a mechanism the table measured slower than no window (`after`).
+Budgets here are fake (GiB figures taken from the planner itself), so no GPU is needed."""
+import json
+
+import pytest
+
+from rollplex_megatron.config import AUTO_SIZE
+from rollplex_megatron.memory import planner as M
+from rollplex_megatron.prefix.batch import pack_responses
+from rollplex_megatron.recipes import load_run_config
+from rollplex_megatron.rollout.window import DecodeWindow, policy_mechanism
+from rollplex_megatron.rollout.window.policy import POLICY_PATH, build_policy
+
+BASE = ["model=tiny", "workload.rollout_batch=32", "rollout.group_size=4", "train.reference=always"]
+MB, PACK, KEEP = "workload.micro_batch_tokens", "workload.prefix_pack_tokens", "rollout.keep_decode_state"
+
+
+def _shape(cfg):
+    """8 prompts of 200 prefix tokens and 64 patches per rank, G=4, responses up to 64 tokens."""
+    return M.workload_shape(cfg, 200, 64, 64, 200)
+
+
+def _peak(cfg, s, mb, pack, keep):
+    """The planner's peak (GiB) of `cfg` at these sizes, as auto sizing judges it."""
+    return M.sized_summary(M.with_settings(M.runtime_cfg(cfg), {MB: mb, PACK: pack, KEEP: keep}), s)["peak_gib"]
+
+
+def test_serial_micro_batches_under_a_token_budget_are_counted_with_their_prompts():
+    """A response-token budget packs short responses in numbers, each carrying its whole prompt in serial: the plan
+    holds what `pack_responses` really forms (the issue's `serial:tokens1024` passed the planner and ran out of
+    memory); the response stage of rollplex carries no prompt and keeps its count."""
+    budget = 64
+    cfg = load_run_config([*BASE, "mode.name=serial", f"{MB}={budget}"])
+    s = _shape(cfg)
+    lens = [2] * s.samples  # short responses: the budget admits many of them
+    largest = max(pack_responses(lens, cfg.workload.responses_per_micro_batch, budget), key=len)
+    tokens, patches = sum(s.P + lens[i] for i in largest), len(largest) * s.patches
+    m, norm, rope = cfg.model, M.norm_kernel(cfg), M.rope_kernel(cfg)
+    serial = M.summarize(M.plan(cfg, "serial", "keep", "embedded", s), "serial")["classes"]
+    assert len(largest) == 32 and s.mb == 1  # the shape's response count: 64 tokens of 64-token responses
+    assert serial["update_activations"]["gib"] * M.GIB >= M.training_forward_bytes(m, 1, 1, False, tokens, patches,
+                                                                                     norm, rope)
+    assert serial["old_logp_workspace"]["gib"] * M.GIB >= M.logits_bytes(m, 1, tokens)
+    rollplex = M.summarize(M.plan(cfg, "rollplex", "keep", "embedded", s), "rollplex")["classes"]
+    assert rollplex["update_activations"]["gib"] * M.GIB == M.training_forward_bytes(m, 1, 1, False, s.mb * s.R, 0,
+                                                                                       norm, rope)
+
+
+def test_auto_size_takes_the_largest_that_fits_giving_up_the_decode_state_then_packs_then_the_micro_batch():
+    """Candidates largest first: micro-batches of R x 2^k response tokens up to the largest mini-batch's, packs of
+    P x 2^k prefix tokens down to two groups then none, the decode state kept or not. Each budget below is the peak
+    of one candidate; the one chosen is the first that fits with the kept decode state given up first, then the
+    packs, then the micro-batch."""
+    cfg = load_run_config(BASE)
+    s = _shape(cfg)
+    assert (cfg.workload.micro_batch_tokens, cfg.workload.prefix_pack_tokens, cfg.rollout.keep_decode_state) == \
+        (AUTO_SIZE, AUTO_SIZE, None)  # the defaults are auto
+    mbs, packs, keeps = M.size_candidates(cfg, s)
+    assert [c[MB] for c in mbs] == [2048, 1024, 512, 256, 128, 64]
+    assert [c[PACK] for c in packs] == [1600, 800, 400, 0] and [c[KEEP] for c in keeps] == [True, False]
+    for want, why in [((2048, 1600, True), "everything at its largest"),
+                      ((2048, 1600, False), "the kept decode state gives way first"),
+                      ((1024, 1600, True), "packs do not help the largest micro-batch: it halves, state kept"),
+                      ((1024, 800, True), "the pack halves before the micro-batch does"),
+                      ((512, 800, False), "all three given up in turn")]:
+        budget = _peak(cfg, s, *want)
+        sized, chosen = M.auto_size(cfg, s, budget)
+        got = (chosen[MB], chosen[PACK], chosen[KEEP])
+        assert got == want, why
+        assert (sized.workload.micro_batch_tokens, sized.workload.prefix_pack_tokens,
+                sized.rollout.keep_decode_state) == want and chosen["budget_gib"] == budget
+    with pytest.raises(ValueError, match=r"at its smallest auto sizes .*to fit: more GPUs"):
+        M.auto_size(cfg, s, _peak(cfg, s, 64, 0, False) * 0.9)
+
+
+def test_auto_size_without_a_device_keeps_the_fixed_values_and_leaves_set_sizes_alone():
+    """No budget (CPU): auto is today's 0, 0, false, so every CPU run computes what it did. A size the user set
+    is neither tried nor recorded; serial sizes by count (its micro-batches carry their prompts)."""
+    cfg = load_run_config(BASE)
+    sized, chosen = M.auto_size(cfg, None, None)
+    assert chosen == {**M.NO_DEVICE_SIZES, "budget_gib": None}
+    assert sized == M.with_settings(cfg, M.NO_DEVICE_SIZES) and not sized.auto_sized
+    set_keep = load_run_config([*BASE, "rollout.keep_decode_state=false", f"{PACK}=0"])
+    s = _shape(set_keep)
+    _, chosen = M.auto_size(set_keep, s, 1e6)
+    assert chosen == {MB: 2048, "budget_gib": 1e6}
+    assert M.auto_size(M.with_settings(set_keep, {MB: 0}), s, 1e6) == (M.with_settings(set_keep, {MB: 0}), {})
+    serial = load_run_config([*BASE, "mode.name=serial", "workload.responses_per_micro_batch=8",
+                              "rollout.keep_decode_state=false", f"{PACK}=0"])
+    counts = {n: M.sized_summary(M.with_settings(M.runtime_cfg(serial), {MB: 0, "workload.responses_per_micro_batch":
+                                                                         n}), s)["peak_gib"] for n in (8, 4, 2)}
+    assert counts[8] > counts[4] > counts[2]
+    _, chosen = M.auto_size(serial, s, counts[4])
+    assert chosen == {MB: 0, "workload.responses_per_micro_batch": 4, "budget_gib": counts[4]}
+
+
+def test_a_refusal_names_the_kept_decode_state_when_dropping_it_makes_the_run_fit():
+    """The issue's refusal said "a larger parallel.tp/pp" on one GPU; now each setting that alone makes the run fit
+    is named (the kept decode state, a smaller pack at its largest that fits), and a larger layout only where this
+    machine has more GPUs."""
+    sizes = [f"{MB}=512", f"{PACK}=800", "rollout.keep_decode_state=true"]
+    cfg = load_run_config([*BASE, *sizes])
+    s = _shape(cfg)
+    budget = _peak(cfg, s, 512, 800, False)
+    assert _peak(cfg, s, 512, 800, True) > budget >= _peak(cfg, s, 512, 400, True)
+    assert _peak(cfg, s, 256, 800, True) > budget  # a smaller micro-batch alone does not fit
+    with pytest.raises(ValueError) as e:
+        M.auto_release(cfg, s, budget)
+    msg = str(e.value)
+    assert msg.endswith("to fit: rollout.keep_decode_state=false, or workload.prefix_pack_tokens=400"), msg
+    with pytest.raises(ValueError, match=r"prefix_pack_tokens=400, or a larger parallel.tp/pp \(2 GPUs here\)$"):
+        M.auto_release(cfg, s, budget, gpus=2)
+    keep = load_run_config([*BASE, *sizes, "memory.plan=keep"])
+    assert "memory.plan=auto" in M.fit_fixes(keep, s, _peak(cfg, s, 512, 800, True))
+
+
+def test_window_auto_is_never_slower_than_after():
+    """`after` (decode, then the items: measured, or decode alone plus the items alone) is a candidate of the
+    measured table and the reference a window must beat by the margin; a CPU run keeps interleave."""
+    def row(case, batch, **walls):
+        return {"case": case, "batch": batch, "decode_alone": {"after_prefill_s": 1.0}, "items_alone_s": 1.0,
+                "mechanisms": {k: {"after_prefill_s": v} for k, v in walls.items()}}
+
+    table = build_policy({"rows": [row("uniform_b128", 128, interleave=2.2, stream=2.1, tail=2.3),
+                                   row("longtail_b64", 64, interleave=1.9, stream=1.7, after=1.6),
+                                   row("uniform_b16", 16, interleave=2.1, stream=1.5)]}, "x.json")
+    assert [(r["mechanism"], r["wall_s"]["after"]) for r in table["rows"]] == [("after", 2.0), ("after", 1.6),
+                                                                                 ("stream", 2.0)]
+    shipped = json.loads(POLICY_PATH.read_text())
+    for r in shipped["rows"]:  # the table auto reads: its choice is never slower than no window
+        chosen = r["mechanism"] + (f":{r['green_sms']}" if r["green_sms"] else "")
+        assert r["wall_s"][chosen] <= r["wall_s"]["after"], r["case"]
+        window = DecodeWindow("auto")
+        window.on_wave(r["batch"])
+        assert window._resolved == r["mechanism"] == policy_mechanism(r["batch"])[0]
+    cfg = load_run_config(BASE)
+    assert cfg.mode.window == "auto" and DecodeWindow.from_config(cfg.mode, cfg.parallel).mechanism == "interleave"
