@@ -181,14 +181,10 @@ def _save_rank_file(path: Path, state: dict) -> None:
     except (OSError, RuntimeError) as e:
         # torch's zip writer reports ENOSPC as "RuntimeError: [enforce fail at inline_container.cc] unexpected pos"
         full = isinstance(e, OSError) and e.errno == errno.ENOSPC
-        free = shutil.disk_usage(path.parent).free
-        if full or free < need - _written_bytes(path):
+        free = shutil.disk_usage(path.parent).free  # the partial file is gone (_write_atomic): this is the room left
+        if full or free < need:
             raise _disk_full(path, need, free) from None
         raise
-
-
-def _written_bytes(path: Path) -> int:
-    return 0 if not path.exists() else path.stat().st_size
 
 
 def _agree(ok: bool, what: str) -> None:
