@@ -403,6 +403,18 @@ def summarize_mode(label: str, records: list[dict], warmup: int, recompute: bool
     }
 
 
+def planned_vs_measured(plan_json: Path, mode: dict) -> dict:
+    """The run's plan (its memory_plan.json: what the planner chose and its per-phase GiB) beside the allocator's
+    per-phase peaks of the steady steps: planned over measured per phase (the planner is within 10% where the ratio
+    is in [0.9, 1.1]; over 1 it plans more than ran)."""
+    plan = json.loads(plan_json.read_text())
+    measured = mode["phase_peak_gib"]
+    return {"auto_choices": plan.get("auto_choices", {}), "released": plan.get("released"),
+            "phase_gib": plan["phase_gib"], "peak_gib": plan["peak_gib"], "budget_gib": plan.get("auto_budget_gib"),
+            "planned_over_measured": {p: plan["phase_gib"][p] / measured[p] for p in plan["phase_gib"]
+                                      if measured.get(p)}}
+
+
 def phase_parts(steady: list[dict]) -> dict:
     """Per phase, per named part (`spans`): the medians over the steady steps of its count, host seconds and GPU
     seconds (CUDA timing events; None on CPU). Records from before the parts were recorded give {}."""
@@ -740,6 +752,7 @@ def main(argv: list[str]) -> int:
             recs = run_mode(a.suite, overrides, over, run, a.timeout, steps + 1 if a.profile else 0,
                             a.profile_phases)
             modes[label] = summarize_mode(label, recs, a.warmup, bool(recs[-1].get("prefix_recompute")))
+            modes[label]["planned"] = planned_vs_measured(run / "memory_plan.json", modes[label])
             modes[label]["cuda_env"] = {**env["cuda_env"], **split_env(over)[1]}  # what this mode's process ran under
             modes[label]["host_launch_us"] = host_launch_us()  # right after the mode, on the same host
             if a.profile:

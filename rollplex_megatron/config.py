@@ -63,7 +63,7 @@ REFERENCE_ITEMS = Needs("a reference (train.kl_coef > 0, or train.reference=alwa
 WINDOW_GRAPHS = Needs("mode.window_graphs=true", lambda mode: mode.window_graphs)
 # memory.plan=keep releases nothing, so nothing can come back early
 RELEASING_PLAN = Needs("memory.plan=phase or auto", lambda memory: memory.plan != "keep")
-STREAMED_STEP = Needs("memory.optimizer_step=stream", lambda memory: memory.optimizer_step == "stream")
+STREAMED_STEP = Needs("memory.optimizer_step=stream or auto", lambda memory: memory.optimizer_step != "resident")
 FREE_MEMORY_BUDGET = Needs("memory.budget_gib=0 and one of memory.plan=auto, a size left at auto (workload."
                            "micro_batch_tokens or prefix_pack_tokens -1, rollout.keep_decode_state null), "
                            "memory.prefetch_ahead=true or workload.prefix_pack_tokens under memory.plan=phase (the "
@@ -617,12 +617,14 @@ class MemoryConfig:
                                    "with it stay within memory.budget_gib (0: the device's free memory at start-up "
                                    "minus memory.auto_margin_gib; on CPU without a budget nothing comes early); its "
                                    "copy then runs beside that phase's work", applies_with=RELEASING_PLAN)
-    optimizer_step: str = setting("resident", "how the optimizer step reads the fp32 master weights and Adam "
+    optimizer_step: str = setting("auto", "how the optimizer step reads the fp32 master weights and Adam "
                                   "states the plan releases: resident = brought back to the device for the step; "
                                   "stream = left in pinned host memory and streamed through the step bucket by bucket "
                                   "on the copy streams (memory/stream_optimizer.py), so the optimizer phase holds the "
                                   "bf16 weights, the gradients and memory.optimizer_buckets buckets; the same update, "
-                                  "bit for bit", resumable=True, applies_with=RELEASING_PLAN)
+                                  "bit for bit. auto (the default) = resident where the run fits the budget with it, "
+                                  "else stream (memory/planner.py auto_size; resident without a device)",
+                                  resumable=True, applies_with=RELEASING_PLAN)
     optimizer_bucket_mib: float = setting(512.0, "memory.optimizer_step=stream: the streamed bytes (masters and Adam "
                                           "states) of one bucket; a larger parameter is split across buckets",
                                           resumable=True, applies_with=STREAMED_STEP)
@@ -642,8 +644,8 @@ class MemoryConfig:
             raise ValueError(f"memory.kv_cache_gib must be > 0, got {self.kv_cache_gib}")
         if self.budget_gib < 0:
             raise ValueError(f"memory.budget_gib must be >= 0 (0: no budget), got {self.budget_gib}")
-        if self.optimizer_step not in ("resident", "stream"):
-            raise ValueError(f"memory.optimizer_step must be resident or stream, got {self.optimizer_step!r}")
+        if self.optimizer_step not in ("resident", "stream", "auto"):
+            raise ValueError(f"memory.optimizer_step must be resident, stream or auto, got {self.optimizer_step!r}")
         if not self.optimizer_bucket_mib > 0 or self.optimizer_buckets < 2:
             raise ValueError(f"memory.optimizer_bucket_mib must be > 0 and memory.optimizer_buckets >= 2, got "
                              f"{self.optimizer_bucket_mib} and {self.optimizer_buckets}")
@@ -1049,9 +1051,11 @@ class RunConfig:
     @property
     def auto_sized(self) -> bool:
         """Whether a size is left to the planner (memory/planner.py auto_size): `workload.micro_batch_tokens` or
-        `workload.prefix_pack_tokens` at -1, or `rollout.keep_decode_state` unset."""
+        `workload.prefix_pack_tokens` at -1, `rollout.keep_decode_state` unset, or `memory.optimizer_step=auto`
+        under a plan that releases the optimizer's classes."""
         w = self.workload
-        return AUTO_SIZE in (w.micro_batch_tokens, w.prefix_pack_tokens) or self.rollout.keep_decode_state is None
+        return (AUTO_SIZE in (w.micro_batch_tokens, w.prefix_pack_tokens) or self.rollout.keep_decode_state is None
+                or (self.memory.optimizer_step == "auto" and self.memory.plan != "keep"))
 
     @property
     def weights_phase(self) -> str | None:

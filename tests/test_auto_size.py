@@ -57,7 +57,8 @@ def test_auto_size_takes_the_largest_that_fits_giving_up_the_decode_state_then_p
     s = _shape(cfg)
     assert (cfg.workload.micro_batch_tokens, cfg.workload.prefix_pack_tokens, cfg.rollout.keep_decode_state) == \
         (AUTO_SIZE, AUTO_SIZE, None)  # the defaults are auto
-    mbs, packs, keeps = M.size_candidates(cfg, s)
+    steps, mbs, packs, keeps = M.size_candidates(cfg, s)
+    assert [c["memory.optimizer_step"] for c in steps] == ["resident", "stream"]
     assert [c[MB] for c in mbs] == [2048, 1024, 512, 256, 128, 64]
     assert [c[PACK] for c in packs] == [1600, 800, 400, 0] and [c[KEEP] for c in keeps] == [True, False]
     for want, why in [((2048, 1600, True), "everything at its largest"),
@@ -75,6 +76,24 @@ def test_auto_size_takes_the_largest_that_fits_giving_up_the_decode_state_then_p
         M.auto_size(cfg, s, _peak(cfg, s, 64, 0, False) * 0.9)
 
 
+def test_the_optimizer_step_streams_only_where_no_resident_size_fits():
+    """`memory.optimizer_step=auto`: the 3B model's optimizer phase (bf16 weights, fp32 masters, Adam's states,
+    gradients, Adam's workspace: ~77 GiB resident) is over a 60 GiB budget at every size, so auto streams it and
+    keeps the largest sizes; with room it stays resident. A run that sets `resident` is told the stream fits."""
+    cfg = load_run_config([*BASE, "model=qwen2_5_vl_3b"])
+    s = _shape(cfg)
+    resident = M.with_settings(M.runtime_cfg(cfg), {MB: 64, PACK: 0, KEEP: False, "memory.optimizer_step": "resident"})
+    assert M.sized_summary(resident, s)["phase_gib"]["optimizer"] > 60  # not even the smallest sizes fit
+    sized, chosen = M.auto_size(cfg, s, 60.0)
+    assert chosen["memory.optimizer_step"] == "stream" and sized.memory.optimizer_step == "stream"
+    assert (chosen[MB], chosen[PACK], chosen[KEEP]) == (2048, 1600, True)  # the stream frees room for everything
+    assert M.auto_size(cfg, s, 1e6)[1]["memory.optimizer_step"] == "resident"
+    assert M.auto_size(cfg, None, None)[0].memory.optimizer_step == "resident"  # no device: resident, as before
+    set_resident = load_run_config([*BASE, "model=qwen2_5_vl_3b", "memory.optimizer_step=resident", f"{MB}=512",
+                                    f"{PACK}=0", "rollout.keep_decode_state=false", "memory.plan=phase"])
+    assert "memory.optimizer_step=stream" in M.fit_fixes(set_resident, s, 60.0)
+
+
 def test_auto_size_without_a_device_keeps_the_fixed_values_and_leaves_set_sizes_alone():
     """No budget (CPU): auto is today's 0, 0, false, so every CPU run computes what it did. A size the user set
     is neither tried nor recorded; serial sizes by count (its micro-batches carry their prompts)."""
@@ -85,15 +104,17 @@ def test_auto_size_without_a_device_keeps_the_fixed_values_and_leaves_set_sizes_
     set_keep = load_run_config([*BASE, "rollout.keep_decode_state=false", f"{PACK}=0"])
     s = _shape(set_keep)
     _, chosen = M.auto_size(set_keep, s, 1e6)
-    assert chosen == {MB: 2048, "budget_gib": 1e6}
-    assert M.auto_size(M.with_settings(set_keep, {MB: 0}), s, 1e6) == (M.with_settings(set_keep, {MB: 0}), {})
+    assert chosen == {MB: 2048, "memory.optimizer_step": "resident", "budget_gib": 1e6}
+    fixed = M.with_settings(set_keep, {MB: 0, "memory.optimizer_step": "resident"})
+    assert M.auto_size(fixed, s, 1e6) == (fixed, {})
     serial = load_run_config([*BASE, "mode.name=serial", "workload.responses_per_micro_batch=8",
                               "rollout.keep_decode_state=false", f"{PACK}=0"])
     counts = {n: M.sized_summary(M.with_settings(M.runtime_cfg(serial), {MB: 0, "workload.responses_per_micro_batch":
                                                                          n}), s)["peak_gib"] for n in (8, 4, 2)}
     assert counts[8] > counts[4] > counts[2]
     _, chosen = M.auto_size(serial, s, counts[4])
-    assert chosen == {MB: 0, "workload.responses_per_micro_batch": 4, "budget_gib": counts[4]}
+    assert chosen == {MB: 0, "workload.responses_per_micro_batch": 4, "memory.optimizer_step": "resident",
+                      "budget_gib": counts[4]}
 
 
 def test_a_refusal_names_the_kept_decode_state_when_dropping_it_makes_the_run_fit():

@@ -10,6 +10,7 @@ import torch
 
 from rollplex_megatron import bench
 from rollplex_megatron.envs.motion import MotionEnv
+from rollplex_megatron.memory.planner import NO_DEVICE_SIZES
 from rollplex_megatron.trainer.runtime import drawn_lengths
 
 
@@ -88,6 +89,13 @@ def test_bench_json_schema_and_markdown(tiny_bench):
     assert "Run with the suite changed: `memory.plan=phase`." in md
     for label, m in d["modes"].items():  # the plan each mode ran under, and what it released (phase: every class)
         assert m["memory"]["plan"] == "phase" and m["memory"]["released"], (label, m["memory"])
+        planned = m["planned"]  # the run's memory_plan.json beside the measured peaks (none on CPU: no ratio)
+        assert sorted(planned["released"]) == m["memory"]["released"]
+        assert planned["peak_gib"] == max(planned["phase_gib"].values())
+        assert set(planned["phase_gib"]) <= set(m["phase_median_s"]) | {"ref_logp", "old_logp"}
+        assert planned["auto_choices"] == {**NO_DEVICE_SIZES, "budget_gib": None}  # CPU: the fixed sizes
+        assert planned["planned_over_measured"] == {p: planned["phase_gib"][p] / g for p, g in
+                                                     m["phase_peak_gib"].items() if g and p in planned["phase_gib"]}
     assert f"rollplex: phase, {', '.join(d['modes']['rollplex']['memory']['released'])} released" in md
     assert "- rollplex, update " in md and "backward by difference" in md and "not in a part" in md
 

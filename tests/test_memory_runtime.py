@@ -234,7 +234,8 @@ def test_the_plan_reads_the_free_memory_exactly_where_the_config_says(monkeypatc
 
     cfg = load_run_config(["model=tiny", f"memory.plan={plan}", f"memory.prefetch_ahead={str(ahead).lower()}",
                            f"workload.prefix_pack_tokens={pack}", "workload.micro_batch_tokens=0",
-                           "rollout.keep_decode_state=false"])  # no size left to the planner's auto_size
+                           "rollout.keep_decode_state=false",  # no size left to the planner's auto_size
+                           *(["memory.optimizer_step=resident"] if plan != "keep" else [])])
     calls = []
     monkeypatch.setattr(R, "auto_budget_gib", lambda c: calls.append(c) or 1000.0)
     R.memory_plan(cfg, build_source(cfg))

@@ -62,7 +62,8 @@ def released(residency) -> frozenset:
 
 
 def streamed(cfg: RunConfig, rel: frozenset) -> frozenset:
-    """The classes the optimizer step streams (`memory.optimizer_step=stream`): the released ones of STREAMABLE."""
+    """The classes the optimizer step streams (`memory.optimizer_step=stream`): the released ones of STREAMABLE.
+    `auto` counts as resident here: a run resolves it (`auto_size`) before it plans."""
     return rel & STREAMABLE if cfg.memory.optimizer_step == "stream" else frozenset()
 
 
@@ -484,12 +485,14 @@ def auto_release(cfg: RunConfig, s: Shape, budget_gib: float, gpus: int = 1) -> 
     return frozenset(chosen)
 
 
-# Auto sizes (`workload.micro_batch_tokens`, `workload.prefix_pack_tokens` at -1, `rollout.keep_decode_state` unset):
-# the largest of each that fits, given up in this order: the kept decode state first (it spares a rollout its cache
-# allocation and graph captures, and holds the cache in every phase), then the prefix packs (fewer, larger prefix
-# forwards), then the micro-batch (the update's, the step's longest phase). Without a device budget: these values.
+# Auto sizes (`workload.micro_batch_tokens`, `workload.prefix_pack_tokens` at -1, `rollout.keep_decode_state` unset,
+# `memory.optimizer_step=auto`): the largest of each that fits, given up in this order: the kept decode state first
+# (it spares a rollout its cache allocation and graph captures, and holds the cache in every phase), then the prefix
+# packs (fewer, larger prefix forwards), then the micro-batch (the update's, the step's longest phase), and last the
+# resident optimizer step (streaming adds host-to-device traffic to the step; it is taken only where no size fits
+# the optimizer phase without it). Without a device budget: these values.
 NO_DEVICE_SIZES = {"workload.micro_batch_tokens": 0, "workload.prefix_pack_tokens": 0,
-                   "rollout.keep_decode_state": False}
+                   "rollout.keep_decode_state": False, "memory.optimizer_step": "resident"}
 
 
 def with_settings(cfg: RunConfig, values: dict) -> RunConfig:
@@ -514,17 +517,23 @@ def is_auto(cfg: RunConfig, key: str) -> bool:
     """Whether the size `key` (of NO_DEVICE_SIZES) is left to the planner."""
     if key == "rollout.keep_decode_state":
         return cfg.rollout.keep_decode_state is None
+    if key == "memory.optimizer_step":
+        return cfg.memory.optimizer_step == "auto" and cfg.memory.plan != "keep"
     return getattr(cfg.workload, key.split(".")[1]) == AUTO_SIZE
 
 
-def size_candidates(cfg: RunConfig, s: Shape) -> tuple[list[dict], list[dict], list[dict]]:
-    """The values auto sizing tries, largest first, per size ([{}]: the size is set): micro-batches of R x 2^k
+def size_candidates(cfg: RunConfig, s: Shape) -> tuple[list[dict], list[dict], list[dict], list[dict]]:
+    """The values auto sizing tries, largest first, per size ([{}]: the size is set): the optimizer step resident,
+    then streamed (not under a fused Adam, which the streamed step does not reproduce); micro-batches of R x 2^k
     response tokens up to every response of the largest PPO mini-batch (full-sequence modes, whose micro-batches
     carry their prompts: counts from workload.responses_per_micro_batch halving to 1, with no token budget), packs
     of P x 2^k prefix tokens (P: the longest prefix) down to two groups, then none; the decode state kept or not
     (not where this process does not decode: SGLang, the rollout ranks of mode=disaggregated)."""
     w, groups = cfg.workload, -(-s.prompts // cfg.train.ppo_mini_batches)
-    mbs = packs = keeps = [{}]
+    steps = mbs = packs = keeps = [{}]
+    if is_auto(cfg, "memory.optimizer_step"):
+        ways = ("resident",) if runtime_cfg(cfg).plan.fused_adam else ("resident", "stream")
+        steps = [{"memory.optimizer_step": way} for way in ways]
     if is_auto(cfg, "workload.micro_batch_tokens"):
         if get_mode(cfg.mode.name).full_sequences:
             mbs = [{"workload.micro_batch_tokens": 0, "workload.responses_per_micro_batch": n}
@@ -537,7 +546,7 @@ def size_candidates(cfg: RunConfig, s: Shape) -> tuple[list[dict], list[dict], l
     if is_auto(cfg, "rollout.keep_decode_state"):
         here = cfg.rollout.engine == "embedded" and not cfg.parallel.rollout_ranks
         keeps = [{"rollout.keep_decode_state": k} for k in ((True, False) if here else (False,))]
-    return mbs, packs, keeps
+    return steps, mbs, packs, keeps
 
 
 def sized_summary(rc: RunConfig, s: Shape) -> dict:
@@ -564,8 +573,8 @@ def admissible(cfg: RunConfig) -> bool:
 
 def auto_size(cfg: RunConfig, s: Shape | None, budget_gib: float | None, gpus: int = 1) -> tuple[RunConfig, dict]:
     """`cfg` with its auto sizes resolved, and what was chosen ({setting: value, "budget_gib": ...}; {} when no size
-    is auto). Without a budget (no device) NO_DEVICE_SIZES; with one, the first of `size_candidates` (micro-batch
-    outermost, the kept decode state innermost: the order they are given up in) whose run fits under memory.plan
+    is auto). Without a budget (no device) NO_DEVICE_SIZES; with one, the first of `size_candidates` (the optimizer
+    step outermost, the kept decode state innermost: the order they are given up in) whose run fits under memory.plan
     (`fits_budget`). Raises, naming each setting that would make the run fit, when even the smallest does not."""
     if not cfg.auto_sized:
         return cfg, {}
@@ -573,12 +582,12 @@ def auto_size(cfg: RunConfig, s: Shape | None, budget_gib: float | None, gpus: i
         chosen = {k: v for k, v in NO_DEVICE_SIZES.items() if is_auto(cfg, k)}
         return with_settings(cfg, chosen), {**chosen, "budget_gib": None}
     rc = runtime_cfg(cfg)
-    mbs, packs, keeps = size_candidates(cfg, s)
-    for chosen in ({**mb, **pack, **keep} for mb in mbs for pack in packs for keep in keeps):
+    steps, mbs, packs, keeps = size_candidates(cfg, s)
+    for chosen in ({**step, **mb, **pack, **keep} for step in steps for mb in mbs for pack in packs for keep in keeps):
         c = with_settings(cfg, chosen)
         if admissible(c) and fits_budget(with_settings(rc, chosen), s, budget_gib):
             return c, {**chosen, "budget_gib": budget_gib}
-    least = {**mbs[-1], **packs[-1], **keeps[-1]}
+    least = {**steps[-1], **mbs[-1], **packs[-1], **keeps[-1]}
     check_budget(sized_summary(with_settings(rc, least), s), budget_gib, f"{cfg.mode.name} at its smallest auto "
                  f"sizes ({settings_text(least)}; memory.plan={cfg.memory.plan})", runtime=True,
                  fit=lambda: fit_fixes(with_settings(cfg, least), s, budget_gib, gpus))
@@ -601,7 +610,8 @@ def settings_text(values: dict) -> str:
 def smaller_settings(cfg: RunConfig, s: Shape) -> list[list[dict]]:
     """Per setting of `cfg` that shrinks the plan, its smaller values, largest first: the kept decode state off, a
     smaller prefix pack, a smaller micro-batch (token budget or count; full-sequence modes: counts), memory.plan=auto
-    for keep (its bytes with everything released are phase's), no window graphs."""
+    for keep (its bytes with everything released are phase's), else the streamed optimizer step for a resident one,
+    no window graphs."""
     w, out = cfg.workload, []
     if cfg.rollout.keep_decode_state:
         out.append([{"rollout.keep_decode_state": False}])
@@ -617,6 +627,8 @@ def smaller_settings(cfg: RunConfig, s: Shape) -> list[list[dict]]:
                     if b < w.micro_batch_tokens])
     if cfg.memory.plan == "keep":
         out.append([{"memory.plan": "auto"}])
+    elif cfg.memory.optimizer_step == "resident" and not runtime_cfg(cfg).plan.fused_adam:
+        out.append([{"memory.optimizer_step": "stream"}])
     if cfg.mode.window_graphs:
         out.append([{"mode.window_graphs": False}])
     return [o for o in out if o]
