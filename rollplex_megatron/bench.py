@@ -37,7 +37,7 @@ import torch
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
-from rollplex_megatron.models.qwen25vl.hf import atomic_write_text
+from rollplex_megatron.checkpoint.files import atomic_write_text
 from rollplex_megatron.recipes import RECIPES_DIR, load_run_config, override_key, to_yaml
 from rollplex_megatron.report import read_metrics
 from rollplex_megatron.runtime import CUDA_ENV, environment_record

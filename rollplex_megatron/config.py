@@ -133,6 +133,8 @@ class ModelConfig:
     """Qwen2.5-VL shape: LLM fields, special tokens and the vision tower."""
 
     name: str = setting("qwen2_5_vl_3b", "preset name")
+    family: str = setting("qwen2_5_vl", "model family: the registry entry (models/registry.py) that builds, loads "
+                                        "and positions this shape")
     vocab_size: int = setting(151936, "true vocabulary (before TP padding)")
     hidden_size: int = setting(2048, "LLM width")
     ffn_hidden_size: int = setting(11008, "LLM SwiGLU width")

@@ -17,8 +17,7 @@ from omegaconf import OmegaConf
 
 from rollplex_megatron.config import RunConfig, check_model_parallel, flat_settings, register_configs
 from rollplex_megatron.data import check_source
-from rollplex_megatron.models.qwen25vl.hf import HFCheckpoint
-from rollplex_megatron.models.qwen25vl.model import check_megatron_overrides
+from rollplex_megatron.models.registry import model_spec, open_hf
 from rollplex_megatron.rl.grpo import check_kl_estimator
 from rollplex_megatron.rollout.window import check_mechanism
 from rollplex_megatron.trainer.modes import get_mode
@@ -314,7 +313,7 @@ def model_from_hf(cfg: RunConfig, overrides: list[str], setting: str = "train.in
     if not Path(path).is_dir():
         raise ValueError(f"{given}: {path} does not exist; name a Hugging Face "
                          f"Qwen2.5-VL directory (config.json, safetensors, processor files)")
-    hf = HFCheckpoint(path).model_config()
+    hf = open_hf(path).model_config()
     hf = dataclasses.replace(hf, freeze_vision=cfg.model.freeze_vision)  # a run setting (RUN_MODEL_FIELDS)
     chosen = [o.lstrip("+~") for o in overrides if override_key(o).split(".")[0] == "model"]
     if any(o.split("=")[0] != "model.freeze_vision" for o in chosen):
@@ -347,7 +346,7 @@ def check_registered(cfg: RunConfig) -> None:
     get_mode(cfg.mode.name)
     check_source(cfg.data.source)
     check_kl_estimator(cfg.train.kl_estimator)
-    check_megatron_overrides(cfg.model, cfg.megatron)
+    model_spec(cfg.model).check_megatron(cfg.model, cfg.megatron)  # model.family first: an unknown one is named
     check_mechanism(cfg.mode.window, max(cfg.parallel.tp, cfg.rollout.tp), cfg.parallel.pp)
 
 

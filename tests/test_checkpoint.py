@@ -1,4 +1,5 @@
 """export(import(checkpoint)) equals the checkpoint tensor for tensor; conversion is atomic."""
+import dataclasses
 import json
 import os
 import subprocess
@@ -114,7 +115,9 @@ def test_conversion_leaves_nothing_on_failure(tiny_hf, tmp_path, monkeypatch):
     def boom(*a, **k):
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(convert.H, "shard_checkpoint", boom)
+    spec = convert.model_spec(HFCheckpoint(tiny_hf).model_config())
+    failing = dataclasses.replace(spec, hf=dataclasses.replace(spec.hf, shard=boom))
+    monkeypatch.setattr(convert, "model_spec", lambda cfg: failing)
     with pytest.raises(RuntimeError, match="disk full"):
         convert.hf_to_mcore(tiny_hf, tmp_path / "mc", 2, 1)
     assert os.listdir(tmp_path) == []

@@ -23,7 +23,7 @@ def test_tied_embeddings_match_transformers(tiny_hf_tied):
 
 def _verify_with_plain_qkv(hf_dir, tp):
     """Mutation: lay fused QKV out as [q; k; v] instead of megatron's group-major order."""
-    from rollplex_megatron.models.qwen25vl import hf_layout as layout
+    from rollplex_megatron.models import hf_rules as layout  # the layout kinds every family shares
 
     layout._qkv_fuse = lambda q, k, v, ng: torch.cat([q, k, v])
     return verify_rank(hf_dir, tp, 0)
@@ -44,7 +44,7 @@ def _verify_with_1d_positions(hf_dir, tp):
 def _restoring(mutant, hf_dir, tp):
     """`mutant` with the functions the mutations replace put back afterwards (the next case in the job runs
     unmutated, as in a process of its own)."""
-    from rollplex_megatron.models.qwen25vl import hf_layout as layout
+    from rollplex_megatron.models import hf_rules as layout  # the layout kinds every family shares
     from rollplex_megatron.verify import parity
 
     saved = layout._qkv_fuse, parity.position_ids_for

@@ -321,13 +321,16 @@ def test_video_pixel_limits_take_min_max_pixels_over_size_as_transformers_does()
     (its "backward compatibility" branch; the class itself needs torchvision, absent here, so the rule is written
     out); `data.min_pixels` / `data.max_pixels` override both."""
     from rollplex_megatron.data.processor import video_settings
+    from rollplex_megatron.models.registry import family_spec
 
+    qwen = family_spec("qwen2_5_vl").processor.video_defaults
     size = {"shortest_edge": 128 * 28 * 28, "longest_edge": 768 * 28 * 28}
-    both = video_settings("f", {"size": size, "min_pixels": 64 * 28 * 28, "max_pixels": 256 * 28 * 28}, None, None)
+    both = video_settings("f", {"size": size, "min_pixels": 64 * 28 * 28, "max_pixels": 256 * 28 * 28}, None, None,
+                          qwen)
     assert (both.min_pixels, both.max_pixels) == (64 * 28 * 28, 256 * 28 * 28)
-    only_size = video_settings("f", {"size": size}, None, None)
+    only_size = video_settings("f", {"size": size}, None, None, qwen)
     assert (only_size.min_pixels, only_size.max_pixels) == (128 * 28 * 28, 768 * 28 * 28)
-    one = video_settings("f", {"size": size, "max_pixels": 100 * 28 * 28}, None, None)
+    one = video_settings("f", {"size": size, "max_pixels": 100 * 28 * 28}, None, None, qwen)
     assert (one.min_pixels, one.max_pixels) == (128 * 28 * 28, 100 * 28 * 28)
-    data = video_settings("f", {"size": size, "max_pixels": 100 * 28 * 28}, 32 * 28 * 28, 50 * 28 * 28)
+    data = video_settings("f", {"size": size, "max_pixels": 100 * 28 * 28}, 32 * 28 * 28, 50 * 28 * 28, qwen)
     assert (data.min_pixels, data.max_pixels) == (32 * 28 * 28, 50 * 28 * 28)

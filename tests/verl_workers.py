@@ -169,7 +169,8 @@ def exported_weights(hf_dir: str, tp: int) -> dict:
 
 def _direct_logp(engine, cfg, mismatched_uid: bool) -> list:
     """Per-response log-probs by this project's serial path, outside the engine: each sample its own group,
-    full-sequence micro-batches through `full_sequence_step`, the scoring loss at the batch's temperature."""
+    full-sequence micro-batches through `full_sequence_step`, the scoring loss at the batch's temperature with the
+    vision placeholders out of the softmax (the trainer's `score_loss`: the sampled policy's log-probs)."""
     from rollplex_megatron.prefix import execution as X
     from rollplex_megatron.prefix.batch import Group, Prompt, full_micro_batches
 
@@ -181,7 +182,7 @@ def _direct_logp(engine, cfg, mismatched_uid: bool) -> list:
     mbs = full_micro_batches(cfg, groups, 1, 1)
     with torch.no_grad():
         res = X.full_sequence_step(engine.module, mbs, forward_only=True,
-                                   loss_fn=partial(X.logprob_loss, temperature=0.7))
+                                   loss_fn=partial(X.logprob_loss, temperature=0.7, banned=cfg.vision_token_ids))
     per = X.per_response(res, mbs, groups)
     return [per[(i, 0)] for i in range(len(groups))]
 

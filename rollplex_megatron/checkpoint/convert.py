@@ -15,14 +15,14 @@ from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
-from transformers import GenerationConfig, Qwen2_5_VLConfig
+from transformers import GenerationConfig
 
-from rollplex_megatron.models.qwen25vl import hf as H
-from rollplex_megatron.models.qwen25vl import hf_layout as L
+from rollplex_megatron.checkpoint import files as H
 from rollplex_megatron.checkpoint import train_state as T
 from rollplex_megatron.checkpoint.run_dir import published_checkpoint
 from rollplex_megatron.config import ModelConfig, ParallelConfig, RunConfig, VisionConfig, check_model_parallel
 from rollplex_megatron.data import build_source
+from rollplex_megatron.models.registry import hf_family, model_spec, open_hf
 
 META = "rollplex_mcore.json"
 FORMAT = "rollplex-mcore-v1"
@@ -55,15 +55,16 @@ def hf_to_mcore(hf_dir: str, out_dir: str, tp: int, pp: int) -> Path:
     for flag, n in (("--tp", tp), ("--pp", pp)):
         if n < 1:
             raise ValueError(f"convert hf-to-mcore {flag} must be >= 1, got {n}")
-    ckpt = H.HFCheckpoint(hf_dir)
+    ckpt = open_hf(hf_dir)
     cfg = ckpt.model_config()
     check_model_parallel(cfg, ParallelConfig(tp=tp, pp=pp), ("--tp", "--pp"))
-    H.validate_checkpoint(ckpt, cfg)
+    hf = model_spec(cfg).hf
+    hf.validate(ckpt, cfg)
 
     def fill(tmp: Path) -> None:
         for p in range(pp):
             for t in range(tp):
-                state = H.shard_checkpoint(ckpt, cfg, t, tp, p, pp)
+                state = hf.shard(ckpt, cfg, t, tp, p, pp)
                 H.atomic_save(lambda f, s=state: torch.save(s, f), tmp / rank_file(t, p))
         meta = {"format": FORMAT, "tp": tp, "pp": pp, "naming": dataclasses.asdict(ckpt.naming),
                 "model": dataclasses.asdict(cfg), "hf_config": ckpt.raw_config}
@@ -96,7 +97,8 @@ def mcore_to_hf(mcore_dir: str, out_dir: str, max_shard_bytes: int = 4 << 30) ->
     """Convert per-rank megatron shards back to an HF directory (config.json + safetensors)."""
     meta = read_meta(mcore_dir)
     cfg, tp, pp = model_config_from_meta(meta), meta["tp"], meta["pp"]
-    naming = L.HFNaming(**meta["naming"])
+    hf = model_spec(cfg).hf
+    naming = hf.naming(**meta["naming"])
     for p in range(pp):
         for t in range(tp):
             if not (Path(mcore_dir) / rank_file(t, p)).is_file():
@@ -106,7 +108,7 @@ def mcore_to_hf(mcore_dir: str, out_dir: str, max_shard_bytes: int = 4 << 30) ->
                for t in range(tp)] for p in range(pp)]
 
     def fill(tmp: Path) -> None:
-        H.write_safetensors(H.export_hf_tensors(states, cfg, tp, pp, naming), tmp, max_shard_bytes)
+        H.write_safetensors(hf.export(states, cfg, tp, pp, naming), tmp, max_shard_bytes)
         H.atomic_write_text(tmp / "config.json", json.dumps(meta["hf_config"], indent=2))
 
     return build_atomically(Path(out_dir), fill)
@@ -120,28 +122,8 @@ EXPORT_META = "rollplex_export.json"
 
 
 def hf_config_from_model(cfg: ModelConfig) -> dict:
-    """A Qwen2.5-VL config.json for `cfg`, built by transformers' own config class."""
-    v = cfg.vision
-    text = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.ffn_hidden_size,
-                num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_attention_heads,
-                num_key_value_heads=cfg.num_query_groups, rms_norm_eps=cfg.rms_norm_eps,
-                max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=cfg.tie_word_embeddings,
-                rope_parameters=dict(rope_type="default", rope_theta=cfg.rope_theta,
-                                     mrope_section=list(cfg.mrope_section)))
-    # transformers' defaults are the released vocabulary's <|endoftext|> / <|im_end|>; a smaller vocabulary has none
-    for key, default in (("bos_token_id", 151643), ("eos_token_id", 151645)):
-        text[key] = default if default < cfg.vocab_size else None
-    vision = dict(depth=v.depth, hidden_size=v.hidden_size, intermediate_size=v.ffn_hidden_size,
-                  num_heads=v.num_heads, out_hidden_size=v.out_hidden_size, patch_size=v.patch_size,
-                  temporal_patch_size=v.temporal_patch_size, spatial_merge_size=v.spatial_merge_size,
-                  window_size=v.window_size, fullatt_block_indexes=list(v.fullatt_block_indexes),
-                  tokens_per_second=v.tokens_per_second, in_channels=v.in_channels)
-    hf = Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=cfg.tie_word_embeddings,
-                          image_token_id=cfg.image_token_id, video_token_id=cfg.video_token_id,
-                          vision_start_token_id=cfg.vision_start_token_id,
-                          vision_end_token_id=cfg.vision_end_token_id).to_dict()
-    hf["architectures"] = ["Qwen2_5_VLForConditionalGeneration"]
-    return hf
+    """A config.json for `cfg`, written by its family's HF layout (transformers' own config class)."""
+    return model_spec(cfg).hf.config_to_hf(cfg)
 
 
 def _same_model(a: ModelConfig, b: ModelConfig) -> bool:
@@ -206,7 +188,7 @@ def train_to_hf(run_dir: str | os.PathLike, out_dir: str | os.PathLike, step: in
                                 f"export takes that checkpoint's config and processor files: put it back at that path")
     if init is not None:
         hf_config = H.read_json(init / "config.json")
-        if not _same_model(H.model_config_from_hf(hf_config), cfg.model):
+        if not _same_model(hf_family(hf_config).hf.config_from_hf(hf_config), cfg.model):
             raise H.CheckpointError(f"{init}/config.json no longer describes the run's model; it was changed "
                                     f"after training")
     else:
@@ -215,7 +197,8 @@ def train_to_hf(run_dir: str | os.PathLike, out_dir: str | os.PathLike, step: in
     r = cfg.rollout
 
     def fill(tmp: Path) -> None:
-        tensors = H.export_hf_tensors(states, cfg.model, meta["tp"], meta["pp"], L.HFNaming())
+        hf = model_spec(cfg.model).hf
+        tensors = hf.export(states, cfg.model, meta["tp"], meta["pp"], hf.naming())
         H.write_safetensors(tensors, tmp, max_shard_bytes)
         H.atomic_write_text(tmp / "config.json", json.dumps(hf_config, indent=2))
         copied = [f for f in PROCESSOR_FILES if init is not None and (init / f).is_file()]

@@ -31,7 +31,7 @@ from omegaconf import OmegaConf
 
 from rollplex_megatron.checkpoint import train_state
 from rollplex_megatron.data import fingerprint
-from rollplex_megatron.models.qwen25vl.hf import atomic_write_text
+from rollplex_megatron.checkpoint.files import atomic_write_text
 from rollplex_megatron.config import RunConfig, flat_settings
 from rollplex_megatron.schema import resumable
 

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-from rollplex_megatron.models.qwen25vl.hf import CheckpointError, load_torch_file, read_json
+from rollplex_megatron.checkpoint.files import CheckpointError, load_torch_file, read_json
 from rollplex_megatron.dist import train_world
 from rollplex_megatron.runtime import device
 

@@ -54,7 +54,8 @@ from rollplex_megatron.bench import main as bench_main
 from rollplex_megatron.checkpoint import convert
 from rollplex_megatron.checkpoint.train_state import DiskFullError
 from rollplex_megatron.user_code import UserCodeStopped
-from rollplex_megatron.models.qwen25vl.hf import HFCheckpoint, atomic_write_text
+from rollplex_megatron.checkpoint.files import atomic_write_text
+from rollplex_megatron.models.registry import open_hf
 from rollplex_megatron.cli import reference
 from rollplex_megatron.cli.train import main as train_main
 from rollplex_megatron.compat import quiet_known_warnings
@@ -98,7 +99,7 @@ def _cmd_verify_hf(argv: list[str]) -> int:
     ap.add_argument("--seed", type=int, default=0, help="seed of the prompt's pixels and text")
     ap.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     a = ap.parse_args(argv)
-    ckpt = HFCheckpoint(a.hf_dir)  # bad directory or config: fail here, before any process starts
+    ckpt = open_hf(a.hf_dir)  # bad directory or config: fail here, before any process starts
     if a.tp < 1:
         raise ValueError(f"verify-hf --tp must be >= 1, got {a.tp}")
     check_model_parallel(ckpt.model_config(), ParallelConfig(tp=a.tp), ("--tp", "parallel.pp"))

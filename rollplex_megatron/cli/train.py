@@ -29,7 +29,7 @@ from rollplex_megatron.config import RunConfig
 from rollplex_megatron.data import build_source, source_name
 from rollplex_megatron.dist import LocalRunError, check_launch, exit_with_parent, launch_on_ranks, under_torchrun
 from rollplex_megatron.memory.machine import check_run_fits
-from rollplex_megatron.models.qwen25vl.hf import atomic_write_text
+from rollplex_megatron.checkpoint.files import atomic_write_text
 from rollplex_megatron.recipes import load_run_config, resumed_config, to_yaml
 from rollplex_megatron.report import plot_runs, read_metrics, summarize
 from rollplex_megatron.rollout.sglang.engine import import_sglang

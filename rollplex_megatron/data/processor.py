@@ -23,11 +23,11 @@ import numpy as np
 import torch
 from PIL import Image
 from transformers import AutoTokenizer
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from rollplex_megatron.config import ModelConfig
 from rollplex_megatron.envs.vision import CLIP_MEAN, CLIP_STD, sample_frame_indices, smart_resize, video_patches
-from rollplex_megatron.models.qwen25vl.hf import atomic_write_text, read_json
+from rollplex_megatron.checkpoint.files import atomic_write_text, read_json
+from rollplex_megatron.models.registry import model_spec
 from rollplex_megatron.prefix.batch import Prompt
 
 try:  # video files only (pinned in constraints.txt); frame lists, images and the package itself need no PyAV
@@ -36,13 +36,9 @@ except ImportError:
     av = None
 
 PLACEHOLDER = re.compile(r"(<image>|<video>)")  # verl writes these into message text
-IMAGE_PAD, VIDEO_PAD, IM_END = "<|image_pad|>", "<|video_pad|>", "<|im_end|>"
-# Tokens whose ids the model config fixes, with the config field that holds each.
-SPECIAL_FIELDS = {IMAGE_PAD: "image_token_id", VIDEO_PAD: "video_token_id",
-                  "<|vision_start|>": "vision_start_token_id", "<|vision_end|>": "vision_end_token_id"}
-# Qwen2VLVideoProcessor's class defaults, used for fields a video config leaves out.
-VIDEO_DEFAULTS = {"min_pixels": 128 * 28 * 28, "max_pixels": 768 * 28 * 28, "patch_size": 14,
-                  "temporal_patch_size": 2, "merge_size": 2}
+IM_END = "<|im_end|>"
+# The special tokens (token -> ModelConfig field), the video processor's defaults and the image processor class
+# come from the model family (models/registry.py: `model_spec(model).processor`).
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")  # any one: AutoTokenizer can load
@@ -88,21 +84,22 @@ def read_video_config(path: str) -> tuple[str, dict]:
                             f"(the Qwen2.5-VL processor configs shipped with the checkpoint)")
 
 
-def video_settings(file: str, cfg: dict, min_pixels: int | None, max_pixels: int | None) -> PixelSettings:
+def video_settings(file: str, cfg: dict, min_pixels: int | None, max_pixels: int | None,
+                   defaults: dict) -> PixelSettings:
     """Video PixelSettings from a config dict: `size` {shortest_edge, longest_edge}, each overridden by the file's
     min_pixels / max_pixels where set (as transformers' Qwen2VLVideoProcessor reads its config), then by the
-    arguments (`data.min_pixels` / `data.max_pixels`)."""
+    arguments (`data.min_pixels` / `data.max_pixels`); `defaults` (the family's) fill what the file leaves out."""
     size = cfg.get("size") or {}
     lo = cfg.get("min_pixels") if cfg.get("min_pixels") is not None else \
-        size.get("shortest_edge", VIDEO_DEFAULTS["min_pixels"])
+        size.get("shortest_edge", defaults["min_pixels"])
     hi = cfg.get("max_pixels") if cfg.get("max_pixels") is not None else \
-        size.get("longest_edge", VIDEO_DEFAULTS["max_pixels"])
+        size.get("longest_edge", defaults["max_pixels"])
     for field, want in (("image_mean", CLIP_MEAN), ("image_std", CLIP_STD)):
         got = cfg.get(field, want)
         if not np.allclose(got, want, atol=1e-6):
             raise ValueError(f"{file} has {field} {got}, but videos are normalised with CLIP's {list(want)}")
     return PixelSettings(file, min_pixels or lo, max_pixels or hi,
-                         *(cfg.get(k, VIDEO_DEFAULTS[k]) for k in ("patch_size", "temporal_patch_size", "merge_size")))
+                         *(cfg.get(k, defaults[k]) for k in ("patch_size", "temporal_patch_size", "merge_size")))
 
 
 def check_settings(s: PixelSettings, model: ModelConfig, min_pixels: int | None = None,
@@ -129,7 +126,7 @@ def check_settings(s: PixelSettings, model: ModelConfig, min_pixels: int | None 
 def check_tokenizer(tokenizer, path: str, model: ModelConfig) -> None:
     """The tokenizer's ids of the vision special tokens equal the model config's."""
     vocab = tokenizer.get_vocab()
-    for token, field in SPECIAL_FIELDS.items():
+    for token, field in model_spec(model).processor.special_tokens.items():
         want = getattr(model, field)
         if token not in vocab:
             raise ValueError(f"tokenizer in {path} has no {token} token but config.json's {field} is {want}")
@@ -350,7 +347,7 @@ class VLProcessor:
         if not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
             raise ValueError(f"processor directory {path} has no tokenizer ({' or '.join(TOKENIZER_FILES)}); name a "
                              f"Qwen2.5-VL model folder with its tokenizer and preprocessor files")
-        self.path, self.model = path, model
+        self.path, self.model, self.settings = path, model, model_spec(model).processor
         self.video_fps, self.max_frames, self.min_frames = video_fps, max_frames, min_frames
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.chat_template = chat_template(self.tokenizer, path)
@@ -359,7 +356,7 @@ class VLProcessor:
         self.image = PixelSettings(os.path.join(path, "preprocessor_config.json"), min_pixels or ip.size.shortest_edge,
                                    max_pixels or ip.size.longest_edge, ip.patch_size, ip.temporal_patch_size,
                                    ip.merge_size)
-        self.video = video_settings(*read_video_config(path), min_pixels, max_pixels)
+        self.video = video_settings(*read_video_config(path), min_pixels, max_pixels, self.settings.video_defaults)
         check_settings(self.image, model, min_pixels, max_pixels)
         check_settings(self.video, model, min_pixels, max_pixels)
         vocab = self.tokenizer.get_vocab()
@@ -368,12 +365,12 @@ class VLProcessor:
         stops = [*generation_eos(path), self.tokenizer.eos_token_id, vocab.get(IM_END)]
         self.stop_token_ids: tuple[int, ...] = tuple(dict.fromkeys(i for i in stops if i is not None))
 
-    def _image_processor(self) -> Qwen2VLImageProcessorPil:
+    def _image_processor(self):
         names = ("preprocessor_config.json", "processor_config.json")
         if not any(os.path.isfile(os.path.join(self.path, n)) for n in names):
             raise FileNotFoundError(f"{self.path} has no preprocessor_config.json (the Qwen2.5-VL image "
                                     f"processor config shipped with the checkpoint)")
-        return Qwen2VLImageProcessorPil.from_pretrained(self.path)
+        return self.settings.image_processor.from_pretrained(self.path)
 
     def load_image(self, item) -> Image.Image:
         """An RGB PIL image from a path, bytes, {"bytes", "path"} (verl / HF datasets), {"image": x} or a PIL image."""
@@ -453,8 +450,10 @@ class VLProcessor:
         text = self.tokenizer.apply_chat_template(conv, chat_template=self.chat_template, tokenize=False,
                                                   add_generation_prompt=True)
         ids = torch.tensor(self.tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
-        for kind, pad, given in (("image", IMAGE_PAD, n_images), ("video", VIDEO_PAD, n_videos)):
-            rendered = int((ids == getattr(self.model, SPECIAL_FIELDS[pad])).sum())
+        pads = {f: t for t, f in self.settings.special_tokens.items()}
+        for kind, field, given in (("image", "image_token_id", n_images), ("video", "video_token_id", n_videos)):
+            pad = pads[field]
+            rendered = int((ids == getattr(self.model, field)).sum())
             if rendered != given:
                 raise ValueError(f"the chat template in {self.path} rendered {rendered} {pad} tokens for "
                                  f"{given} {kind}s")

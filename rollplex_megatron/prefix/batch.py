@@ -14,7 +14,7 @@ import torch
 
 from rollplex_megatron.attention.prefix import PackedLayout
 from rollplex_megatron.config import ModelConfig
-from rollplex_megatron.models.qwen25vl.positions import mrope_position_ids, prompt_positions
+from rollplex_megatron.models.registry import model_spec
 
 
 @dataclass
@@ -139,7 +139,13 @@ def _chunks(groups: list[Group], per_mb: int, select: list[int] | None,
     return [[flat[i] for i in run] for run in pack_responses(lens, per_mb, max_tokens)]
 
 
-def response_micro_batches(cfg: ModelConfig, groups: list[Group], per_mb: int, total_tokens: int,
+def prompt_positions(cfg: ModelConfig, prompt: Prompt, extra_text: int = 0) -> torch.Tensor:
+    """Rotary positions [R,1,P+extra_text] of a prompt followed by `extra_text` text tokens (its family's ids)."""
+    return model_spec(cfg).positions.prompt(cfg, prompt, extra_text)
+
+
+def response_micro_batches(
+cfg: ModelConfig, groups: list[Group], per_mb: int, total_tokens: int,
                            position_offset: int = 0, select: list[int] | None = None,
                            max_tokens: int = 0) -> list[MicroBatch]:
     """Response-stage micro-batches: [prompt[-1], response[:-1]] packed, positions after the prefix.
@@ -149,7 +155,8 @@ def response_micro_batches(cfg: ModelConfig, groups: list[Group], per_mb: int, t
     `position_offset` exists only for mutation tests (a wrong offset must be detected).
     """
     ids = range(len(groups)) if select is None else select
-    last_pos = {gi: prompt_positions(cfg, groups[gi].prompt)[:, :, -1:] for gi in ids}  # [3,1,1]
+    positions = model_spec(cfg).positions
+    last_pos = {gi: positions.prompt(cfg, groups[gi].prompt)[:, :, -1:] for gi in ids}  # [3,1,1]
     out = []
     for members in _chunks(groups, per_mb, select, max_tokens):
         ids, pos, lab, w, seg, p, grp = [], [], [], [], [], [], []
@@ -157,7 +164,7 @@ def response_micro_batches(cfg: ModelConfig, groups: list[Group], per_mb: int, t
             r = groups[gi].responses[ri]
             n = r.numel()
             ids.append(torch.cat([groups[gi].prompt.input_ids[-1:], r[:-1]]))
-            pos.append(last_pos[gi] + position_offset + torch.arange(n).view(1, 1, n))
+            pos.append(positions.response(last_pos[gi] + position_offset, n))
             lab.append(r)
             w.append(torch.full((n,), float(groups[gi].advantages[ri]) / total_tokens))
             seg.append(torch.full((n,), s))
@@ -187,10 +194,8 @@ def full_micro_batches(cfg: ModelConfig, groups: list[Group], per_mb: int, total
             g, r = groups[gi], groups[gi].responses[ri]
             n_p, n = g.prompt.input_ids.numel(), r.numel()
             seq = torch.cat([g.prompt.input_ids, r[:-1]])
-            full_pos, _ = mrope_position_ids(
-                seq[None], g.prompt.image_grid_thw, g.prompt.video_grid_thw, g.prompt.second_per_grid_ts,
-                image_token_id=cfg.image_token_id, video_token_id=cfg.video_token_id,
-                merge=cfg.vision.spatial_merge_size, tokens_per_second=cfg.vision.tokens_per_second)
+            full_pos, _ = model_spec(cfg).positions.sequence(cfg, seq[None], g.prompt.image_grid_thw,
+                                                             g.prompt.video_grid_thw, g.prompt.second_per_grid_ts)
             ids.append(seq)
             pos.append(full_pos)
             lab.append(torch.cat([torch.zeros(n_p - 1, dtype=r.dtype), r]))

@@ -23,7 +23,7 @@ from megatron.core import parallel_state as ps
 
 from rollplex_megatron.config import RunConfig
 from rollplex_megatron.dist import ParallelLayouts
-from rollplex_megatron.models.qwen25vl import build_model
+from rollplex_megatron.models.registry import model_spec
 from rollplex_megatron.rollout.embedded import EmbeddedEngine
 from rollplex_megatron.rollout.engine import DecodeHooks, RolloutOutput, RolloutRequest
 from rollplex_megatron.rollout.replicas import gather_requests, gather_results, replica_slice
@@ -175,7 +175,7 @@ class RolloutWorker:
     def __init__(self, cfg: RunConfig, layouts: ParallelLayouts):
         self.layouts = layouts
         with layouts.use("rollout"):
-            self.model = build_model(cfg.model, cfg.dtype, cfg.megatron).eval()  # weights come from training
+            self.model = model_spec(cfg.model).build(cfg.model, cfg.dtype, cfg.megatron).eval()  # weights: training's
             rank = ps.get_tensor_model_parallel_rank()
             self.first = rank == 0
             self.replica, self.replicas = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()

@@ -49,7 +49,7 @@ from rollplex_megatron.attention.triton_decode import (
 )
 from rollplex_megatron.config import ModelConfig, check_sampling_kernel
 from rollplex_megatron.memory.planner import kv_bytes_per_token
-from rollplex_megatron.models.qwen25vl.model import check_placeholders, gather_vocab_logits
+from rollplex_megatron.models.registry import model_spec
 from rollplex_megatron.prefix.batch import Group, prompt_positions
 from rollplex_megatron.prefix.execution import mini_batch_starts, p2p_communicator, prefix_forward, unwrap
 from rollplex_megatron.rollout.engine import DecodeHooks, RolloutOutput, RolloutRequest, RolloutResult
@@ -207,7 +207,7 @@ class EmbeddedEngine:
                  cuda_graphs: bool = True, decode_attention: str = "auto", sampling_kernel: str = "auto",
                  fused_rope: bool = True, fused_norm: bool = True, prefix_pack_tokens: int = 0,
                  actor_pack_tokens: int | None = None, keep_decode_state: bool = False, pack_splits: int = 1):
-        self.model, self.cfg = model, cfg
+        self.model, self.cfg, self.spec = model, cfg, model_spec(cfg)
         self.keep_decode_state = keep_decode_state  # the cache, slot state and graphs outlive a rollout
         self._state: _DecodeState | None = None  # what the last wave left (kept only under keep_decode_state)
         self.prefix_pack_tokens = prefix_pack_tokens  # the prefill's packing (prefix_forward's pack_tokens)
@@ -353,8 +353,9 @@ class EmbeddedEngine:
             if r.n < 1:
                 raise ValueError(f"request {i}: n={r.n} samples; need >= 1")
             try:  # on the host prompt, before any model work
-                check_placeholders(self.cfg, r.prompt.input_ids[:-1], r.prompt.pixel_values, r.prompt.image_grid_thw,
-                                   r.prompt.pixel_values_videos, r.prompt.video_grid_thw)
+                self.spec.vision.check_placeholders(self.cfg, r.prompt.input_ids[:-1], r.prompt.pixel_values,
+                                                    r.prompt.image_grid_thw, r.prompt.pixel_values_videos,
+                                                    r.prompt.video_grid_thw)
             except ValueError as e:
                 raise ValueError(f"request {i}: {e}") from None
             bad = [t for t in r.stop_token_ids if not 0 <= t < vocab]
@@ -504,7 +505,7 @@ class _WaveDecoder:
         same state (stop tokens, lengths, compaction) and returns the same results."""
         st = self.slot
         group = st["group"][:n]
-        pos = (self.last_pos[group] + self.step_t).T[:, :, None]  # [3, n, 1]
+        pos = self.engine.spec.decode.positions(self.last_pos[group], self.step_t)  # [3, n, 1]
         slot, _ = group_slots(group, self.n_groups, s_max)  # once per step, not once per layer
         length = (self.step_t + 1).expand(n)
         c, how = self.cache, self.engine.attention
@@ -524,7 +525,7 @@ class _WaveDecoder:
             self.p2p.send_forward(out, last)
             new, lp = self._from_last_stage(n)
         else:
-            full = gather_vocab_logits(out, self.vocab)[:, 0]  # [n, V]
+            full = self.engine.spec.decode.gather_logits(out, self.vocab)[:, 0]  # [n, V]
             if self.fused_sampling:  # the same draw in one pass (the placeholders banned inside)
                 new, lp = fused_sample(full, self.params.temperature, st["seed"][:n], st["sample"][:n], self.step_t,
                                        self.banned)

@@ -24,7 +24,7 @@ from megatron.core import parallel_state as ps
 
 from rollplex_megatron.config import RunConfig
 from rollplex_megatron.dist import ParallelLayouts
-from rollplex_megatron.models.qwen25vl import build_model
+from rollplex_megatron.models.registry import model_spec
 from rollplex_megatron.rollout.embedded import EmbeddedEngine
 from rollplex_megatron.rollout.engine import DecodeHooks, RolloutOutput, RolloutRequest
 from rollplex_megatron.rollout.sampling import SamplingParams
@@ -74,8 +74,8 @@ class RolloutReplicas:
         self.train_first = ps.get_tensor_model_parallel_rank() == 0  # PP=1 here (checked by the config)
         train_group = ps.get_tensor_model_parallel_group()
         with layouts.use("rollout"):
-            self.model = full_copy if full_copy is not None else build_model(cfg.model, cfg.dtype, cfg.megatron,
-                                                                             meta=True)
+            build = model_spec(cfg.model).build
+            self.model = full_copy if full_copy is not None else build(cfg.model, cfg.dtype, cfg.megatron, meta=True)
             rollout_rank = ps.get_tensor_model_parallel_rank()
             self.replica, self.replicas = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
             self.rollout_first = rollout_rank == 0

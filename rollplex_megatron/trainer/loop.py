@@ -24,7 +24,7 @@ from rollplex_megatron.checkpoint import run_dir, train_state
 from rollplex_megatron.config import RunConfig
 from rollplex_megatron.data import fingerprint
 from rollplex_megatron.dist import init_parallel, layouts, train_world
-from rollplex_megatron.models.qwen25vl.hf import atomic_write_text
+from rollplex_megatron.checkpoint.files import atomic_write_text
 from rollplex_megatron.recipes import to_yaml
 from rollplex_megatron.rollout.disaggregated import RemoteRollout, RolloutWorker
 from rollplex_megatron.runtime import sync

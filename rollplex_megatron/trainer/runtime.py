@@ -12,7 +12,6 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from rollplex_megatron.models.qwen25vl.hf import HFCheckpoint, load_hf_into_model
 from rollplex_megatron.config import RunConfig
 from rollplex_megatron.data import build_source
 from rollplex_megatron.dist import ParallelLayouts, default_group_is_train_world, init_parallel, layouts, train_world
@@ -21,7 +20,7 @@ from rollplex_megatron.memory.manager import MemoryManager
 from rollplex_megatron.memory.planner import (ahead_phases, auto_release, auto_size, auto_size_text, check_budget,
                                               fit_fixes, gib_text, pack_groups, plan, releasable, released,
                                               rollout_rank_plan, runtime_cfg, runtime_plan, summarize, workload_shape)
-from rollplex_megatron.models.qwen25vl import build_model
+from rollplex_megatron.models.registry import model_spec, open_hf
 from rollplex_megatron.models.triton_norm import norm_kernel_for, use_norm_kernel
 from rollplex_megatron.models.triton_rope import rope_kernel_for, use_rope_kernel
 from rollplex_megatron.optim import build_optimizer, build_scheduler, current_lr, optimizer_step
@@ -207,7 +206,7 @@ def training_model(cfg: RunConfig):
     (replicas at `rollout.tp`, the disaggregated rollout ranks, SGLang's prefix jobs) and the
     benchmark/verification builds keep torch's RMSNorm and megatron's rotary; the decode step has its own
     kernel context (rollout/triton_norm.py) and rotates in its attention kernel over either."""
-    model = build_model(cfg.model, cfg.dtype, cfg.megatron)
+    model = model_spec(cfg.model).build(cfg.model, cfg.dtype, cfg.megatron)
     use_norm_kernel(model, norm_kernel_for(cfg.train.norm_kernel, device()))
     use_rope_kernel(model, rope_kernel_for(cfg.train.rope_kernel, device()))
     return model
@@ -218,8 +217,8 @@ def build_policy(cfg: RunConfig):
     (else megatron's init)."""
     model = training_model(cfg)
     if cfg.train.init_hf:
-        load_hf_into_model(model, HFCheckpoint(cfg.train.init_hf), cfg.model, ps.get_tensor_model_parallel_rank(),
-                           cfg.parallel.tp, ps.get_pipeline_model_parallel_rank(), cfg.parallel.pp)
+        model_spec(cfg.model).hf.load(model, open_hf(cfg.train.init_hf), cfg.model, ps.get_tensor_model_parallel_rank(),
+                                      cfg.parallel.tp, ps.get_pipeline_model_parallel_rank(), cfg.parallel.pp)
     return model
 
 

@@ -14,10 +14,9 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from rollplex_megatron.attention.prefix import resolve_backend
-from rollplex_megatron.models.qwen25vl.hf import HFCheckpoint, load_hf_into_model
 from rollplex_megatron.config import RunConfig
 from rollplex_megatron.dist import init_parallel
-from rollplex_megatron.models.qwen25vl import build_model
+from rollplex_megatron.models.registry import model_spec, open_hf
 from rollplex_megatron.prefix import batch as B
 from rollplex_megatron.prefix import execution as X
 from rollplex_megatron.prefix.batch import Group, Prompt
@@ -80,7 +79,7 @@ def _against_fp32(cfg: RunConfig, model, full_mbs, backend: str, serial: dict, p
     In bf16 both paths carry rounding error; this says whether the prefix path carries more than
     the serial path it replaces. TF32 is off for the fp32 evaluation (convolutions included).
     """
-    exact = build_model(cfg.model, "float32", cfg.megatron)
+    exact = model_spec(cfg.model).build(cfg.model, "float32", cfg.megatron)
     exact.load_state_dict({k: v.float() if torch.is_tensor(v) and v.is_floating_point() else v
                            for k, v in model.state_dict().items()})
     ddp = wrap_ddp(exact)
@@ -112,14 +111,15 @@ def run_rank(cfg: RunConfig, hf_dir: str | None = None, position_offset: int = 0
 
 
 
-    ck = HFCheckpoint(hf_dir) if hf_dir is not None else None
+    ck = open_hf(hf_dir) if hf_dir is not None else None
     if ck is not None:
         cfg.model = ck.model_config()  # the checkpoint defines the shape
     init_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.seed, cfg.parallel.backend)
-    model = build_model(cfg.model, cfg.dtype, cfg.megatron)
+    spec = model_spec(cfg.model)
+    model = spec.build(cfg.model, cfg.dtype, cfg.megatron)
     if ck is not None:
-        load_hf_into_model(model, ck, cfg.model, ps.get_tensor_model_parallel_rank(), cfg.parallel.tp,
-                           ps.get_pipeline_model_parallel_rank(), cfg.parallel.pp)
+        spec.hf.load(model, ck, cfg.model, ps.get_tensor_model_parallel_rank(), cfg.parallel.tp,
+                     ps.get_pipeline_model_parallel_rank(), cfg.parallel.pp)
     ddp = wrap_ddp(model)
     groups = random_groups(cfg, ps.get_data_parallel_rank())
     B.validate_groups(cfg.model, groups, cfg.rollout.max_response_len)

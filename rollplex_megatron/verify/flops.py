@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from rollplex_megatron.config import ModelConfig
-from rollplex_megatron.models.qwen25vl import positions as P
+from rollplex_megatron.models.registry import model_spec
 
 
 def llm_dense_per_token(cfg: ModelConfig) -> float:
@@ -30,22 +30,8 @@ def logits(cfg: ModelConfig, tokens: int) -> float:
 
 
 def vision(cfg: ModelConfig, grids: torch.Tensor) -> float:
-    """Forward FLOPs of the vision tower (patch embed, blocks, merger) on images/videos `grids`."""
-    v = cfg.vision
-    n = int(grids.prod(-1).sum())
-    if n == 0:  # a text-only prompt
-        return 0.0
-    vh, vf = v.hidden_size, v.ffn_hidden_size
-    patch = 2 * v.in_channels * v.temporal_patch_size * v.patch_size**2 * vh * n
-    dense = (2 * vh * 3 * vh + 2 * vh * vh + 2 * 3 * vh * vf) * n * v.depth
-    full_pairs = float((P.vision_cu_seqlens(grids).diff() ** 2).sum())
-    _, cu_win = P.vision_window_order(grids, v.spatial_merge_size, v.window_size, v.patch_size)
-    win_pairs = float((cu_win.diff() ** 2).sum())
-    n_full = len(v.fullatt_block_indexes)
-    attn = 4 * vh * (full_pairs * n_full + win_pairs * (v.depth - n_full))
-    m = v.spatial_merge_size**2
-    merger = (2 * (m * vh) ** 2 + 2 * m * vh * cfg.hidden_size) * (n // m)
-    return patch + dense + attn + merger
+    """Forward FLOPs of the vision tower (patch embed, blocks, merger) on images/videos `grids` (its family's count)."""
+    return model_spec(cfg).vision.flops(cfg, grids)
 
 
 def _causal_pairs(n: int) -> float:

@@ -7,13 +7,10 @@ from __future__ import annotations
 
 import torch
 from megatron.core import parallel_state as ps
-from transformers import Qwen2_5_VLForConditionalGeneration
 
-from rollplex_megatron.models.qwen25vl.hf import HFCheckpoint, load_hf_into_model
 from rollplex_megatron.config import ModelConfig, ParallelConfig, check_model_parallel
 from rollplex_megatron.dist import init_parallel
-from rollplex_megatron.models.qwen25vl import build_model, gather_vocab_logits
-from rollplex_megatron.models.qwen25vl.positions import mrope_position_ids
+from rollplex_megatron.models.registry import model_spec, open_hf
 
 TOLERANCE = 1e-4  # max abs logit difference accepted (fp32)
 
@@ -61,18 +58,15 @@ def sample_inputs(cfg: ModelConfig, seed: int = 0, batch: int = 2) -> dict:
 
 def position_ids_for(cfg: ModelConfig, inputs: dict) -> torch.Tensor:
     """M-RoPE position ids [3,B,S] of `inputs`."""
-    pos, _ = mrope_position_ids(
-        inputs["input_ids"], inputs.get("image_grid_thw"), inputs.get("video_grid_thw"),
-        inputs.get("second_per_grid_ts"), image_token_id=cfg.image_token_id,
-        video_token_id=cfg.video_token_id, merge=cfg.vision.spatial_merge_size,
-        tokens_per_second=cfg.vision.tokens_per_second)
+    pos, _ = model_spec(cfg).positions.sequence(cfg, inputs["input_ids"], inputs.get("image_grid_thw"),
+                                                inputs.get("video_grid_thw"), inputs.get("second_per_grid_ts"))
     return pos
 
 
 def hf_logits(hf_dir: str, inputs: dict) -> torch.Tensor:
     """transformers' Qwen2.5-VL logits [B,S,V] in fp32 on the CPU."""
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(hf_dir, dtype=torch.float32,
-                                                               attn_implementation="sdpa")
+    reference = model_spec(open_hf(hf_dir).model_config()).hf.reference_model
+    model = reference.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="sdpa")
     model.eval()
     cfg = model.config
     ids = inputs["input_ids"]
@@ -90,24 +84,25 @@ def megatron_logits(hf_dir: str, inputs: dict, tp: int) -> torch.Tensor:
     """The megatron model's logits [B,S,V] (TP-gathered) after loading `hf_dir` (PP=1)."""
 
 
-    ckpt = HFCheckpoint(hf_dir)
+    ckpt = open_hf(hf_dir)
     cfg = ckpt.model_config()
+    spec = model_spec(cfg)
     check_model_parallel(cfg, ParallelConfig(tp=tp))
     init_parallel(tp=tp, pp=1)
-    model = build_model(cfg, "float32")
-    load_hf_into_model(model, ckpt, cfg, ps.get_tensor_model_parallel_rank(), tp, 0, 1)
+    model = spec.build(cfg, "float32")
+    spec.hf.load(model, ckpt, cfg, ps.get_tensor_model_parallel_rank(), tp, 0, 1)
     model.eval()
     with torch.no_grad():
         logits = model(input_ids=inputs["input_ids"], position_ids=position_ids_for(cfg, inputs),
                        pixel_values=inputs["pixel_values"], image_grid_thw=inputs["image_grid_thw"],
                        pixel_values_videos=inputs["pixel_values_videos"],
                        video_grid_thw=inputs["video_grid_thw"])
-        return gather_vocab_logits(logits, cfg.vocab_size).float()
+        return spec.decode.gather_logits(logits, cfg.vocab_size).float()
 
 
 def verify_rank(hf_dir: str, tp: int, seed: int = 0) -> dict:
     """Run on every rank of a TP group: the comparison summary (identical on all ranks)."""
-    cfg = HFCheckpoint(hf_dir).model_config()
+    cfg = open_hf(hf_dir).model_config()
     inputs = sample_inputs(cfg, seed)
     ours = megatron_logits(hf_dir, inputs, tp)
     ref = hf_logits(hf_dir, inputs)

@@ -22,8 +22,7 @@ from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 
 from rollplex_megatron.config import RunConfig
 from rollplex_megatron.dist import check_launch, destroy_parallel, init_parallel, launch_on_ranks, under_torchrun
-from rollplex_megatron.models.qwen25vl import build_model
-from rollplex_megatron.models.qwen25vl.hf import HFCheckpoint, load_hf_into_model
+from rollplex_megatron.models.registry import model_spec, open_hf
 from rollplex_megatron.recipes import load_run_config, to_yaml
 from rollplex_megatron.runtime import device, environment_record
 from rollplex_megatron.verify.parity import position_ids_for, synthetic_inputs
@@ -71,10 +70,11 @@ def run_rank(cfg: RunConfig) -> dict:
 
     init_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.seed, cfg.parallel.backend)
     t0 = time.perf_counter()
-    model = build_model(cfg.model, cfg.dtype, cfg.megatron)
+    spec = model_spec(cfg.model)
+    model = spec.build(cfg.model, cfg.dtype, cfg.megatron)
     if cfg.train.init_hf:  # the checkpoint's weights, not only its shape (as training starts from them)
-        load_hf_into_model(model, HFCheckpoint(cfg.train.init_hf), cfg.model, ps.get_tensor_model_parallel_rank(),
-                           cfg.parallel.tp, ps.get_pipeline_model_parallel_rank(), cfg.parallel.pp)
+        spec.hf.load(model, open_hf(cfg.train.init_hf), cfg.model, ps.get_tensor_model_parallel_rank(),
+                     cfg.parallel.tp, ps.get_pipeline_model_parallel_rank(), cfg.parallel.pp)
     build_s = time.perf_counter() - t0
     s = cfg.smoke
     batches = [_batch(cfg, cfg.seed + i) for i in range(s.micro_batches)]

@@ -6,7 +6,7 @@ rows). A layout at TP degree d maps rank i to an index vector into that canonica
 order the shard stores it, with -1 for padding rows/columns.
 
 Layouts:
-- `megatron`: derived from the checkpoint rules (`models/qwen25vl/hf_layout.py`) by sharding index
+- `megatron`: derived from the checkpoint rules (the family's HF layout, `models/hf_rules.py`) by sharding index
   vectors instead of weights, so the algebra and the loader cannot disagree.
 - `sglang`: QKVParallelLinear ([q; k; v] per rank, KV heads replicated when TP exceeds the KV-head
   count), MergedColumnParallelLinear ([gate; up] per rank), RowParallelLinear (column chunks),
@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from rollplex_megatron.models.qwen25vl import hf_layout as CL
 from rollplex_megatron.config import ModelConfig
+from rollplex_megatron.models import hf_rules as CL
 
 LAYOUTS = ("megatron", "sglang")
 

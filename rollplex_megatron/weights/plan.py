@@ -27,10 +27,10 @@ from math import prod
 
 import torch
 
-from rollplex_megatron.models.qwen25vl import hf_layout as CL
-from rollplex_megatron.models.qwen25vl.hf import expected_hf_shapes
 from rollplex_megatron.config import ModelConfig
 from rollplex_megatron.dist import aligned_coordinates
+from rollplex_megatron.models import hf_rules as CL
+from rollplex_megatron.models.registry import model_spec
 from rollplex_megatron.weights import layout as WL
 
 
@@ -202,10 +202,11 @@ def plan_pairs(cfg: ModelConfig, t: int, r: int, pairs: list[tuple[int, int]], l
     if layout not in WL.LAYOUTS:
         raise ValueError(f"unknown rollout layout {layout!r}; choose megatron or sglang")
     check_degrees(t, r, "aligned")
-    naming = CL.HFNaming()
-    shapes = expected_hf_shapes(cfg, naming)
-    rules = [x for x in CL.model_rules(cfg, t, 1, naming) if x.export]
-    rules_r = {x.mcore: x for x in CL.model_rules(cfg, r, 1, naming)}
+    hf = model_spec(cfg).hf
+    naming = hf.naming()
+    shapes = hf.shapes(cfg, naming)
+    rules = [x for x in hf.rules(cfg, t, 1, naming) if x.export]
+    rules_r = {x.mcore: x for x in hf.rules(cfg, r, 1, naming)}
     out = []
     for tr, rr in pairs:
         plans = []

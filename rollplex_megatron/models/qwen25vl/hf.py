@@ -5,58 +5,17 @@ memory twice; exports write size-capped safetensors shards with an index, each f
 """
 from __future__ import annotations
 
-import json
 import os
-import pickle
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from transformers import Qwen2_5_VLConfig
 
-from rollplex_megatron.models.qwen25vl import hf_layout as L
+from rollplex_megatron.checkpoint.files import (INDEX, CheckpointError, atomic_save, atomic_write_text,  # noqa: F401
+                                                load_torch_file, read_json, write_safetensors)
 from rollplex_megatron.config import ModelConfig, VisionConfig
-
-INDEX = "model.safetensors.index.json"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint does not match the model: names the tensor and the numbers."""
-
-
-def read_json(path: Path):
-    """A checkpoint's JSON file; a truncated or malformed one is a CheckpointError naming it."""
-    try:
-        return json.loads(Path(path).read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e}); the file is truncated or damaged: copy it again from "
-                              f"its source") from None
-
-
-def load_torch_file(path: Path, allowed_globals: tuple = (), **kwargs):
-    """A checkpoint's `torch.save` file through torch's weights-only unpickler: tensors and plain values only,
-    plus `allowed_globals`. A file that names any other Python object is refused without running it (a shared
-    run directory must not be a way to run code on whoever opens it); a truncated or damaged file is a
-    CheckpointError naming it too."""
-    try:
-        with torch.serialization.safe_globals(list(allowed_globals)):
-            return torch.load(path, weights_only=True, **kwargs)
-    except pickle.UnpicklingError as e:
-        found = [ln.strip() for ln in str(e).splitlines() if "GLOBAL" in ln]
-        if not found:
-            raise CheckpointError(f"{path}: not a readable checkpoint file ({_first_line(e)}); the file is truncated "
-                                  f"or damaged: restore it from a copy, or use another step's checkpoint") from None
-        raise CheckpointError(f"{path}: refused, it names Python code to run while loading "
-                              f"({found[0].rstrip('.')}); this project's checkpoints hold only tensors and plain "
-                              f"values, so the file was altered or written by something else; it was not loaded: "
-                              f"use a checkpoint from a source you trust") from None
-    except (RuntimeError, EOFError) as e:
-        raise CheckpointError(f"{path}: not a readable checkpoint file ({_first_line(e)}); the file is truncated or "
-                              f"damaged: restore it from a copy, or use another step's checkpoint") from None
-
-
-def _first_line(e: BaseException) -> str:
-    return next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+from rollplex_megatron.models.qwen25vl import hf_layout as L
 
 
 SUPPORTED_MODEL_TYPES = {"qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
@@ -94,7 +53,7 @@ def model_config_from_hf(hf: dict, name: str = "hf") -> ModelConfig:
     if vc.get("hidden_act", "silu") != "silu" or get("hidden_act", "silu") != "silu":
         raise CheckpointError("only SiLU-gated MLPs (hidden_act='silu') are supported")
     return ModelConfig(
-        name=name, vocab_size=get("vocab_size"), hidden_size=get("hidden_size"),
+        name=name, family="qwen2_5_vl", vocab_size=get("vocab_size"), hidden_size=get("hidden_size"),
         ffn_hidden_size=get("intermediate_size"), num_layers=get("num_hidden_layers"),
         num_attention_heads=get("num_attention_heads"),
         num_query_groups=get("num_key_value_heads") or get("num_attention_heads"),
@@ -105,6 +64,31 @@ def model_config_from_hf(hf: dict, name: str = "hf") -> ModelConfig:
         image_token_id=hf.get("image_token_id", 151655), video_token_id=hf.get("video_token_id", 151656),
         vision_start_token_id=hf.get("vision_start_token_id", 151652),
         vision_end_token_id=hf.get("vision_end_token_id", 151653), vision=vision)
+
+
+def config_to_hf(cfg: ModelConfig) -> dict:
+    """A Qwen2.5-VL config.json for `cfg`, built by transformers' own config class."""
+    v = cfg.vision
+    text = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.ffn_hidden_size,
+                num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_attention_heads,
+                num_key_value_heads=cfg.num_query_groups, rms_norm_eps=cfg.rms_norm_eps,
+                max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=cfg.tie_word_embeddings,
+                rope_parameters=dict(rope_type="default", rope_theta=cfg.rope_theta,
+                                     mrope_section=list(cfg.mrope_section)))
+    # transformers' defaults are the released vocabulary's <|endoftext|> / <|im_end|>; a smaller vocabulary has none
+    for key, default in (("bos_token_id", 151643), ("eos_token_id", 151645)):
+        text[key] = default if default < cfg.vocab_size else None
+    vision = dict(depth=v.depth, hidden_size=v.hidden_size, intermediate_size=v.ffn_hidden_size,
+                  num_heads=v.num_heads, out_hidden_size=v.out_hidden_size, patch_size=v.patch_size,
+                  temporal_patch_size=v.temporal_patch_size, spatial_merge_size=v.spatial_merge_size,
+                  window_size=v.window_size, fullatt_block_indexes=list(v.fullatt_block_indexes),
+                  tokens_per_second=v.tokens_per_second, in_channels=v.in_channels)
+    hf = Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=cfg.tie_word_embeddings,
+                          image_token_id=cfg.image_token_id, video_token_id=cfg.video_token_id,
+                          vision_start_token_id=cfg.vision_start_token_id,
+                          vision_end_token_id=cfg.vision_end_token_id).to_dict()
+    hf["architectures"] = ["Qwen2_5_VLForConditionalGeneration"]
+    return hf
 
 
 class HFCheckpoint:
@@ -291,59 +275,3 @@ def export_hf_tensors(rank_states, cfg: ModelConfig, tp: int, pp: int, naming: L
         shards = [rank_states[stage][t][name] for t in range(tp)]
         for hf_name, t in zip(r.hf, L.from_shards(r, shards, [shapes[n] for n in r.hf])):
             yield hf_name, t.contiguous()
-
-
-def write_safetensors(tensors, out_dir: str | os.PathLike, max_shard_bytes: int = 4 << 30) -> list[str]:
-    """Write (name, tensor) pairs as size-capped shards plus an index, each file atomically.
-
-    A shard is written as soon as it is full, so at most one shard is held in memory; shards get
-    their final `-of-N` names once N is known.
-    """
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    written: list[tuple[str, list[str]]] = []
-    cur: dict[str, torch.Tensor] = {}
-    size = 0
-
-    def flush() -> None:
-        nonlocal cur, size
-        tmp = f".shard-{len(written):05d}.safetensors"
-        atomic_save(lambda p, s=cur: save_file(s, p, metadata={"format": "pt"}), out / tmp)
-        written.append((tmp, list(cur)))
-        cur, size = {}, 0
-
-    for name, t in tensors:
-        nbytes = t.numel() * t.element_size()
-        if cur and size + nbytes > max_shard_bytes:
-            flush()
-        cur[name] = t
-        size += nbytes
-    if cur or not written:
-        flush()
-    n = len(written)
-    files, wmap = [], {}
-    for i, (tmp, names) in enumerate(written):
-        fname = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-        os.replace(out / tmp, out / fname)
-        files.append(fname)
-        wmap.update({k: fname for k in names})
-    if n > 1:
-        atomic_write_text(out / INDEX, json.dumps({"metadata": {}, "weight_map": wmap}, indent=2))
-    return files
-
-
-def atomic_save(write_fn, path: Path) -> None:
-    """Write through a temporary file in the same folder, fsync, then rename over `path`."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    write_fn(str(tmp))
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Text file written atomically."""
-    def _w(p):
-        with open(p, "w") as f:
-            f.write(text)
-    atomic_save(_w, path)

@@ -174,3 +174,21 @@ def prompt_positions(cfg, prompt, extra_text: int = 0) -> torch.Tensor:
                                 video_token_id=cfg.video_token_id, merge=cfg.vision.spatial_merge_size,
                                 tokens_per_second=cfg.vision.tokens_per_second)
     return pos
+
+
+def sequence_positions(cfg, input_ids, image_grid_thw, video_grid_thw, second_per_grid_ts):
+    """`mrope_position_ids` of whole sequences with the token ids, merge size and tokens per second of `cfg`."""
+    return mrope_position_ids(input_ids, image_grid_thw, video_grid_thw, second_per_grid_ts,
+                              image_token_id=cfg.image_token_id, video_token_id=cfg.video_token_id,
+                              merge=cfg.vision.spatial_merge_size, tokens_per_second=cfg.vision.tokens_per_second)
+
+
+def response_positions(last_311: torch.Tensor, n: int) -> torch.Tensor:
+    """[3,1,n] positions of n text tokens after a prompt whose last position is `last_311`: every axis counts up."""
+    return last_311 + torch.arange(n).view(1, 1, n)
+
+
+def decode_positions(last_n3: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """[3,n,1] positions of decode step `step` ([1], 0 = the first new token's input) after prompts ending at
+    `last_n3`; device tensors in, no host read (a captured decode step replays it)."""
+    return (last_n3 + step).T[:, :, None]

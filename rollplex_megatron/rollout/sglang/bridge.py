@@ -68,12 +68,12 @@ def bridge_parallel(tp: int, seed: int = 1234) -> None:
 def bind_modules(handles: P.ModuleHandles) -> dict:
     """The jobs' modules: each built on the meta device and its parameters replaced by the trainer's
     tensors (handles: the same memory, no copy)."""
-    from rollplex_megatron.models.qwen25vl import build_model
+    from rollplex_megatron.models.registry import model_spec
 
     bridge_parallel(handles.tp)
     models = {}
     for name, params in handles.params.items():
-        model = build_model(handles.model_cfg, handles.dtype, handles.megatron, meta=True)
+        model = model_spec(handles.model_cfg).build(handles.model_cfg, handles.dtype, handles.megatron, meta=True)
         mods = dict(model.named_modules())
         for pname, tensor in params.items():
             bind_parameter(mods, pname, tensor)

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import torch
 
-from rollplex_megatron.models.qwen25vl import hf_layout as CL
+from rollplex_megatron.models.hf_rules import Rule
 from rollplex_megatron.weights.share import SharedRolloutWeights
 
 LOADER = "rollplex_megatron.rollout.sglang.weights.alias_loader"  # for ServerArgs.custom_weight_loader
 
 
-def sglang_name(rule: CL.Rule) -> str:
+def sglang_name(rule: Rule) -> str:
     """SGLang's parameter name for a megatron parameter (released-checkpoint naming, stacked linears)."""
     hf = rule.hf[0]
     if rule.kind == "qkv":
