@@ -23,6 +23,7 @@ def test_import_verl_discovers_the_plugin_and_the_vendor_selects_the_engine():
             "from verl.trainer.ppo.v1.trainer_base import get_trainer_cls\n"
             "print(EngineRegistry.get_engine_cls('language_model', 'megatron').__name__)\n"
             "os.environ.pop('VERL_ENGINE_VENDOR')\n"
+            "os.environ['VERL_ENGINE_DEVICE'] = 'cuda'\n"  # verl registers its own engine for cuda / npu only
             "print(EngineRegistry.get_engine_cls('language_model', 'megatron').__name__)\n"
             "print(get_trainer_cls('rollplex').__name__)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

@@ -171,6 +171,8 @@ def _direct_logp(engine, cfg, mismatched_uid: bool) -> list:
     """Per-response log-probs by this project's serial path, outside the engine: each sample its own group,
     full-sequence micro-batches through `full_sequence_step`, the scoring loss at the batch's temperature with the
     vision placeholders out of the softmax (the trainer's `score_loss`: the sampled policy's log-probs)."""
+    from megatron.core import parallel_state as ps
+
     from rollplex_megatron.prefix import execution as X
     from rollplex_megatron.prefix.batch import Group, Prompt, full_micro_batches
 
@@ -180,9 +182,10 @@ def _direct_logp(engine, cfg, mismatched_uid: bool) -> list:
                                            if k != "images_seqlens"}), [r["responses"]], torch.zeros(1))
               for r in rows]
     mbs = full_micro_batches(cfg, groups, 1, 1)
+    score = partial(X.logprob_loss, temperature=0.7, banned=cfg.vision_token_ids,
+                    tp_rank=ps.get_tensor_model_parallel_rank(), tp_group=ps.get_tensor_model_parallel_group())
     with torch.no_grad():
-        res = X.full_sequence_step(engine.module, mbs, forward_only=True,
-                                   loss_fn=partial(X.logprob_loss, temperature=0.7, banned=cfg.vision_token_ids))
+        res = X.full_sequence_step(engine.module, mbs, forward_only=True, loss_fn=score)
     per = X.per_response(res, mbs, groups)
     return [per[(i, 0)] for i in range(len(groups))]
 

@@ -34,8 +34,7 @@ from rollplex_megatron.config import ATTENTION_BACKENDS, OptimConfig
 from rollplex_megatron.dist import init_parallel
 from rollplex_megatron.integrations.verl.batch import as_nested, full_length, verl_groups
 from rollplex_megatron.integrations.verl.window import adopt_window_prefixes
-from rollplex_megatron.models.qwen25vl import build_model
-from rollplex_megatron.models.qwen25vl.hf import HFCheckpoint, load_hf_into_model
+from rollplex_megatron.models.registry import model_spec, open_hf
 from rollplex_megatron.models.triton_norm import norm_kernel_for, use_norm_kernel
 from rollplex_megatron.models.triton_rope import rope_kernel_for, use_rope_kernel
 from rollplex_megatron.optim import build_optimizer, build_scheduler, current_lr, optimizer_step
@@ -113,7 +112,10 @@ class RollplexMegatronEngine(BaseEngine):
             raise ValueError(f"rollplex verl engine: dtype {dtype!r} ({ENV_DTYPE} or the engine's dtype); use one of "
                              f"{sorted(DTYPES)}")
         self.dtype = DTYPES[dtype]
-        # verl asks for the DP rank right after construction, before initialize(): the groups exist here
+        # verl asks for the DP rank right after construction, before initialize(): the groups exist here.
+        # verl's Ray workers say their node's rank count in RAY_LOCAL_WORLD_SIZE (LOCAL_WORLD_SIZE reads 1 there)
+        if os.environ.get("RAY_LOCAL_WORLD_SIZE"):
+            os.environ["LOCAL_WORLD_SIZE"] = os.environ["RAY_LOCAL_WORLD_SIZE"]
         init_parallel(int(_setting(engine_config, "tensor_model_parallel_size", 1)),
                       int(_setting(engine_config, "pipeline_model_parallel_size", 1)),
                       int(_setting(engine_config, "seed", 42)))
@@ -128,16 +130,17 @@ class RollplexMegatronEngine(BaseEngine):
         path = _setting(self.model_config, "local_path") or _setting(self.model_config, "path")
         if not path:
             raise ValueError("rollplex verl engine: the model config has no path (actor_rollout_ref.model.path)")
-        ckpt = HFCheckpoint(path)
+        ckpt = open_hf(path)
         self.model_path = path  # what verl hands SGLang as model_path too (the decode window matches on it)
         self.cfg, self.naming = ckpt.model_config(), ckpt.naming
-        model = build_model(self.cfg, self.dtype, dict(_setting(self.engine_config, "override_transformer_config",
+        spec = model_spec(self.cfg)
+        model = spec.build(self.cfg, self.dtype, dict(_setting(self.engine_config, "override_transformer_config",
                                                                 {}) or {}))
         use_norm_kernel(model, norm_kernel_for(os.environ.get(ENV_NORM, "auto"), device()))
         use_rope_kernel(model, rope_kernel_for(os.environ.get(ENV_ROPE, "auto"), device()))
-        load_hf_into_model(model, ckpt, self.cfg, ps.get_tensor_model_parallel_rank(),
-                           ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank(),
-                           ps.get_pipeline_model_parallel_world_size())
+        spec.hf.load(model, ckpt, self.cfg, ps.get_tensor_model_parallel_rank(),
+                     ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank(),
+                     ps.get_pipeline_model_parallel_world_size())
         if self.forward_only:
             model.requires_grad_(False)
             self.module = model
@@ -284,9 +287,12 @@ class RollplexMegatronEngine(BaseEngine):
         packed micro-batch, laid out as verl's outputs of its samples, and verl's loss over them."""
         tp_rank, tp_group = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_group()
         dp_group = ps.get_data_parallel_group()
+        # the sampled policy's distribution (docs/design.md §3): the rollout never emits the vision placeholders,
+        # so they are out of the softmax here too, or every log-prob is off by log(1 - their mass)
+        banned = tuple(self.cfg.vision_token_ids)
 
         def fn(mb, logits):
-            x = policy_logits(logits, temperature, (), tp_rank)
+            x = policy_logits(logits, temperature, banned, tp_rank)
             ent = rows_at(vocab_parallel_entropy(x, tp_group), mb.label_at) if entropy else None
             logp = -tensor_parallel.vocab_parallel_cross_entropy(x.clone() if entropy else x, mb.labels)
             logp = rows_at(logp, mb.label_at)
@@ -313,9 +319,12 @@ class RollplexMegatronEngine(BaseEngine):
 
     # -- weights and checkpoints --------------------------------------------------------------------------------
     def get_per_tensor_param(self, **kwargs):
-        """Full HF-named tensors of this model (for verl's weight sync to its rollout), gathered over TP and PP."""
-        from rollplex_megatron.models.qwen25vl.hf import export_hf_tensors
+        """Full HF-named tensors of this model (for verl's weight sync to its rollout), gathered over TP and PP
+        when first read: a rollout that decodes on these modules (`rollout.name=rollplex`) never reads them, and
+        then no gather runs (every model-parallel rank reads them, or none)."""
+        return self._hf_tensors(), None
 
+    def _hf_tensors(self):
         tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
         mine = {k: v.detach().cpu() for k, v in X.unwrap(self.module).state_dict().items() if torch.is_tensor(v)}
         every = [None] * (tp * pp)
@@ -328,7 +337,7 @@ class RollplexMegatronEngine(BaseEngine):
         states = [[None] * tp for _ in range(pp)]
         for p_rank, t_rank, st in every:
             states[p_rank][t_rank] = st
-        return export_hf_tensors(states, self.cfg, tp, pp, self.naming), None
+        yield from model_spec(self.cfg).hf.export(states, self.cfg, tp, pp, self.naming)
 
     def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None, **kwargs):
         """Collective: this rank's model, optimizer, learning-rate schedule and RNG states as the project's

@@ -1,8 +1,11 @@
 """verl's entry point (`verl.plugins: rollplex`): imported by `import verl` in every process, Ray workers
-included. Registers the engine (vendor `rollplex`, selected with `VERL_ENGINE_VENDOR=rollplex`) and the v1
-trainer `rollplex`. verl swallows plugin import errors (debug log), so each part logs its own failure."""
+included. Registers the CPU platform (`platform.py`: used where no accelerator exists), the engine (vendor
+`rollplex`, selected with `VERL_ENGINE_VENDOR=rollplex`), the v1 trainer `rollplex` and the rollout backend
+`rollplex` (`rollout.py`: `actor_rollout_ref.rollout.name=rollplex`). verl swallows plugin import errors (debug
+log), so each part logs its own failure."""
 from __future__ import annotations
 
+import importlib
 import logging
 
 log = logging.getLogger(__name__)
@@ -22,11 +25,25 @@ def register_engine() -> None:
 
 
 def register_all() -> None:
-    for what, fn in (("engine", register_engine), ("trainer", _register_trainer)):
+    # the platform first: the others' imports may ask verl for its platform, which it then resolves for good
+    for what, fn in (("platform", _register_platform), ("engine", register_engine), ("trainer", _register_trainer),
+                     ("rollout", _register_rollout)):
         try:
             fn()
         except Exception as e:  # verl would hide it: say it at warning level
             log.warning("rollplex verl plugin: registering the %s failed: %s: %s", what, type(e).__name__, e)
+
+
+def _register_platform() -> None:
+    from rollplex_megatron.integrations.verl.platform import register
+
+    register()
+
+
+def _register_rollout() -> None:
+    # the module registers itself when its import ends: a process that imports it first (Ray unpickling the
+    # server) reaches this plugin through the module's own `import verl`, half-initialised
+    importlib.import_module("rollplex_megatron.integrations.verl.rollout")
 
 
 def _register_trainer() -> None:
