@@ -102,6 +102,10 @@ class VisionConfig:
     in_channels: int = setting(3, "image channels")
     rms_norm_eps: float = setting(1e-6, "RMSNorm epsilon (vision)")
     rope_theta: float = setting(10000.0, "vision 2D rotary base")
+    num_position_embeddings: int = setting(0, "learned position table (a square, interpolated per grid; Qwen3-VL); "
+                                              "0: none")
+    deepstack_visual_indexes: list[int] = setting([], "vision blocks whose features DeepStack adds to the first "
+                                                      "LLM layers (Qwen3-VL); []: none")
 
     def __post_init__(self) -> None:
         at_least(self, "model.vision", ("depth", "hidden_size", "ffn_hidden_size", "num_heads", "patch_size",
@@ -120,6 +124,13 @@ class VisionConfig:
             raise ValueError(
                 f"model.vision.fullatt_block_indexes {bad} out of range for depth {self.depth}"
             )
+        bad = [i for i in self.deepstack_visual_indexes if not 0 <= i < self.depth]
+        if bad:
+            raise ValueError(f"model.vision.deepstack_visual_indexes {bad} out of range for depth {self.depth}")
+        side = math.isqrt(self.num_position_embeddings)
+        if side * side != self.num_position_embeddings:
+            raise ValueError(f"model.vision.num_position_embeddings ({self.num_position_embeddings}) must be a square "
+                             f"(the learned table is side x side)")
         unit = self.patch_size * self.spatial_merge_size
         if self.window_size % unit:
             raise ValueError(
@@ -141,6 +152,8 @@ class ModelConfig:
     num_layers: int = setting(36, "LLM decoder layers")
     num_attention_heads: int = setting(16, "LLM query heads")
     num_query_groups: int = setting(2, "LLM KV heads (GQA)")
+    kv_channels: int = setting(0, "LLM attention head dimension; 0: hidden_size / num_attention_heads (Qwen3-VL "
+                                  "sets it apart)")
     rms_norm_eps: float = setting(1e-6, "RMSNorm epsilon (LLM)")
     rope_theta: float = setting(1000000.0, "M-RoPE base")
     mrope_section: list[int] = setting([16, 24, 24], "t/h/w rotary split")
@@ -157,7 +170,8 @@ class ModelConfig:
         at_least(self, "model", ("vocab_size", "hidden_size", "ffn_hidden_size", "num_layers", "num_attention_heads",
                                  "num_query_groups", "max_position_embeddings"), 1)
         at_least(self, "model", ("rms_norm_eps", "rope_theta"), 0, strict=True)
-        if self.hidden_size % self.num_attention_heads:
+        at_least(self, "model", ("kv_channels",), 0)
+        if self.hidden_size % self.num_attention_heads and not self.kv_channels:
             raise ValueError(
                 f"model.hidden_size ({self.hidden_size}) must be divisible by "
                 f"model.num_attention_heads ({self.num_attention_heads})"
@@ -167,7 +181,7 @@ class ModelConfig:
                 f"model.num_attention_heads ({self.num_attention_heads}) must be divisible by "
                 f"model.num_query_groups ({self.num_query_groups})"
             )
-        half = self.hidden_size // self.num_attention_heads // 2
+        half = self.head_dim // 2
         if sum(self.mrope_section) != half or len(self.mrope_section) != 3 or min(self.mrope_section) < 0:
             raise ValueError(
                 f"model.mrope_section {list(self.mrope_section)} must have 3 entries >= 0 summing to "
@@ -193,8 +207,8 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        """LLM attention head dimension."""
-        return self.hidden_size // self.num_attention_heads
+        """LLM attention head dimension (`kv_channels`, or hidden_size / num_attention_heads)."""
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
 
     def padded_vocab_size(self, tp: int) -> int:
         """Vocabulary padded to a multiple of 128*TP, as Megatron-LM pads it."""

@@ -98,5 +98,5 @@ def test_model_config_picks_its_family_and_an_unknown_one_is_named():
     assert registry.model_spec(ModelConfig()) is registry.FAMILIES["qwen2_5_vl"]
     cfg = dataclasses.replace(ModelConfig(), family="llama")
     with pytest.raises(ValueError, match=r"model.family='llama' is not a registered model family; set one of "
-                                         r"qwen2_5_vl \(models/registry.py\)"):
+                                         r"qwen2_5_vl, qwen3_vl \(models/registry.py\)"):
         registry.model_spec(cfg)

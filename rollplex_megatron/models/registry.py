@@ -13,9 +13,10 @@ from pathlib import Path
 from rollplex_megatron.checkpoint.files import read_json
 from rollplex_megatron.config import ModelConfig
 from rollplex_megatron.models.qwen25vl.spec import SPEC as QWEN2_5_VL
+from rollplex_megatron.models.qwen3vl.spec import SPEC as QWEN3_VL
 from rollplex_megatron.models.spec import ModelSpec
 
-FAMILIES: dict[str, ModelSpec] = {s.family: s for s in (QWEN2_5_VL,)}
+FAMILIES: dict[str, ModelSpec] = {s.family: s for s in (QWEN2_5_VL, QWEN3_VL)}
 DEFAULT_FAMILY = QWEN2_5_VL.family  # reads a checkpoint whose model_type no family claims, to name the problem
 
 

@@ -94,12 +94,17 @@ def config_to_hf(cfg: ModelConfig) -> dict:
 class HFCheckpoint:
     """Lazy, per-tensor view of a safetensors checkpoint directory."""
 
+    # a family that reads the same file layout subclasses this with its own three (models/qwen3vl/hf.py)
+    check_model_type = staticmethod(check_model_type)
+    config_from_hf = staticmethod(model_config_from_hf)
+    naming_scheme = L.HFNaming
+
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         if not (self.path / "config.json").is_file():
             raise CheckpointError(f"{self.path}: no config.json (expected a Hugging Face model directory)")
         self.raw_config = read_json(self.path / "config.json")
-        check_model_type(self.raw_config, f"{self.path / 'config.json'}")
+        self.check_model_type(self.raw_config, f"{self.path / 'config.json'}")
         self._handles: dict[str, object] = {}
         if (self.path / INDEX).is_file():
             wmap = read_json(self.path / INDEX)["weight_map"]
@@ -113,7 +118,7 @@ class HFCheckpoint:
             for f in files:
                 wmap.update({k: f for k in self._open(f).keys()})
         self.weight_map: dict[str, str] = wmap
-        self.naming = L.HFNaming.detect(wmap)
+        self.naming = self.naming_scheme.detect(wmap)
 
     def _open(self, f: str):
         if f not in self._handles:
@@ -131,7 +136,7 @@ class HFCheckpoint:
         """The ModelConfig this checkpoint describes; config.json's sizes are checked against the
         tensors first, so a wrong size is reported by tensor, not by a derived check."""
         self.check_config_shapes()
-        return model_config_from_hf(self.raw_config, name=f"hf:{self.path.name}")
+        return self.config_from_hf(self.raw_config, name=f"hf:{self.path.name}")
 
     def check_config_shapes(self) -> None:
         """config.json's widths and counts against a few tensors' shapes (no data read)."""
