@@ -22,6 +22,7 @@ import torch
 
 from rollplex_megatron.config import TASK_MAX_OBJECTS, TASK_QUESTIONS, MotionTaskConfig
 from rollplex_megatron.envs.vision import normalize, patchify
+from rollplex_megatron.models.registry import model_spec
 from rollplex_megatron.prefix.batch import Prompt
 
 DIRECTIONS = ("left", "right", "up", "down")
@@ -133,18 +134,21 @@ class TaskVocab:
 
 
 def episode_prompt(episode: Episode, model_cfg, vocab: TaskVocab, question: str = "motion"):
-    """The episode as a Qwen2.5-VL prompt (prefix.batch.Prompt): text, vision span, question."""
+    """The episode as a prompt of the model's family (prefix.batch.Prompt): text, vision span(s), question."""
     m = model_cfg.vision.spatial_merge_size
     pixels, grid = patchify(normalize(episode.frames), model_cfg.vision.patch_size, m,
                             model_cfg.vision.temporal_patch_size)
-    n_tokens = grid[0] * grid[1] * grid[2] // (m * m)
     is_video = episode.frames.shape[0] > 1
     pad = model_cfg.video_token_id if is_video else model_cfg.image_token_id
+    # Qwen3-VL holds a video as one span per temporal grid step (its timestamp text left out: the task's vocabulary
+    # has none, and text between the spans only shifts the positions as any text does); Qwen2.5-VL as one span
+    spans = grid[0] if is_video and model_spec(model_cfg).processor.video_run_per_frame else 1
+    span = [model_cfg.vision_start_token_id] + [pad] * (grid[0] * grid[1] * grid[2] // (m * m * spans)) \
+        + [model_cfg.vision_end_token_id]
     head = vocab.encode(f"look at the {'video' if is_video else 'image trail'}")
     question = vocab.encode(f"which way did the {episode.color} object move ? answer :" if question == "motion"
                             else f"which way to go to reach the {episode.color} object ? answer :")
-    ids = torch.tensor(head + [model_cfg.vision_start_token_id] + [pad] * n_tokens
-                       + [model_cfg.vision_end_token_id] + question)
+    ids = torch.tensor(head + span * spans + question)
     grid_t = torch.tensor([list(grid)])
     if is_video:
         return Prompt(ids, pixel_values_videos=pixels, video_grid_thw=grid_t,

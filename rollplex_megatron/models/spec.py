@@ -98,6 +98,9 @@ class Processor:
     special_tokens: dict[str, str]  # token text -> the ModelConfig field that holds its id
     video_defaults: dict[str, int]  # the video processor's class defaults, for fields a config file leaves out
     image_processor: type  # transformers image processor class (.from_pretrained(path))
+    # a prompt holds a video as one placeholder run (False: Qwen2.5-VL) or one <vision_start> run <vision_end> per
+    # temporal grid step, each after its timestamp text (True: Qwen3-VL); the positions read the runs that way
+    video_run_per_frame: bool = False
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -32,6 +32,6 @@ SPEC = ModelSpec(
         # Qwen3VLVideoProcessor's class defaults (size shortest/longest edge in pixels, 32 = patch * merge)
         video_defaults={"min_pixels": 128 * 32 * 32, "max_pixels": 768 * 32 * 32, "patch_size": 16,
                         "temporal_patch_size": 2, "merge_size": 2},
-        image_processor=Qwen2VLImageProcessorPil),
+        image_processor=Qwen2VLImageProcessorPil, video_run_per_frame=True),
     decode=Decode(positions=Q25P.decode_positions, gather_logits=Q25.gather_vocab_logits),
 )
