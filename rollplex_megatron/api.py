@@ -63,6 +63,9 @@ class TextPositions:
     image_token_id: int = -1
     video_token_id: int = -1
     vision: _Vision = _Vision()
+    # the family whose position rule the builders ask (models/registry.py): on text alone every family's M-RoPE
+    # positions are the token index
+    family: str = "qwen2_5_vl"
 
 
 TEXT_POSITIONS = TextPositions()

@@ -83,7 +83,8 @@ def test_stream_needs_a_releasing_plan():
     with pytest.raises(ValueError, match="memory.optimizer_step=stream has no effect without memory.plan"):
         load_run_config(["memory.plan=keep", "memory.optimizer_step=stream"])
     with pytest.raises(ValueError, match="memory.optimizer_bucket_mib=.* has no effect without memory.optimizer_step"):
-        load_run_config(["memory.optimizer_bucket_mib=64"])
+        load_run_config(["memory.optimizer_step=resident", "memory.optimizer_bucket_mib=64"])
+    assert load_run_config(["memory.optimizer_bucket_mib=64"]).memory.optimizer_bucket_mib == 64  # auto may stream
 
 
 def test_trainer_steps_with_the_streamed_step_equal_the_resident_ones():
