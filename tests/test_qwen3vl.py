@@ -11,7 +11,7 @@ from rollplex_megatron.models import registry
 from rollplex_megatron.models.qwen3vl import model as M
 from rollplex_megatron.models.qwen3vl import positions as P
 from rollplex_megatron.recipes import load_run_config
-from rollplex_megatron.verify.parity import TOLERANCE, megatron_logits
+from rollplex_megatron.verify.parity import TOLERANCE, megatron_logits, verify_rank
 from tests.in_turn import case, cases, in_turn
 
 # head_dim 24 != hidden / heads (16): the LLM's own head dim; a 4x4 learned position table resampled to every grid
@@ -109,6 +109,16 @@ def parity(hf_dir: str, tp: int, kind: str, drop_deepstack: bool = False) -> dic
 KINDS = ("image", "video", "both")
 
 
+def verify_dropped(hf_dir: str, tp: int) -> dict:
+    """`verify-hf`'s comparison with the last DeepStack level dropped (the mutation its verdict must catch)."""
+    saved = M.Qwen3VLModel.embed_deepstack
+    M.Qwen3VLModel.embed_deepstack = lambda self, *a, **k: (lambda e, d: (e, d[:-1]))(*saved(self, *a, **k))
+    try:
+        return verify_rank(hf_dir, tp, 0)
+    finally:
+        M.Qwen3VLModel.embed_deepstack = saved
+
+
 @pytest.fixture(scope="module")
 def tiny_qwen3vl(tmp_path_factory):
     """The tiny untied Qwen3-VL checkpoint."""
@@ -120,7 +130,9 @@ def parity_jobs(tiny_qwen3vl):
     """One job per TP size: every input kind, and at TP 1 the dropped-DeepStack mutation."""
     one = {k: (parity, (tiny_qwen3vl, 1, k)) for k in KINDS}
     one["drop"] = (parity, (tiny_qwen3vl, 1, "image", True))
+    one["verify_hf"], one["verify_hf_drop"] = (verify_rank, (tiny_qwen3vl, 1, 0)), (verify_dropped, (tiny_qwen3vl, 1))
     two = {k: (parity, (tiny_qwen3vl, 2, k)) for k in KINDS}
+    two["verify_hf"] = (verify_rank, (tiny_qwen3vl, 2, 0))
     return {1: run_local(in_turn, 1, one)[0], 2: run_local(in_turn, 2, two, False)}
 
 
@@ -132,6 +144,15 @@ def test_logits_match_transformers(parity_jobs, tp, kind):
     r = per_rank[0]
     assert r["ref_max"] > 1.0, "logits too small for the comparison to mean anything"
     assert r["diff"] <= TOLERANCE, r
+
+
+def test_verify_hf_checks_qwen3vl_in_its_own_prompt_format(parity_jobs):
+    """`verify-hf`'s own prompt (an image and a 4-step video, written one run per frame for this family) at TP 1
+    and 2 is within its tolerance, and its verdict fails with one DeepStack level dropped."""
+    for r in [case(parity_jobs[1], "verify_hf"), *cases(parity_jobs[2], "verify_hf")]:
+        assert r["ok"] and r["logit_abs_max"] > 1.0, r
+    bad = case(parity_jobs[1], "verify_hf_drop")
+    assert not bad["ok"] and bad["max_abs_logit_diff"] > 100 * TOLERANCE, bad
 
 
 def test_dropping_one_deepstack_injection_is_detected(parity_jobs):

@@ -1,9 +1,12 @@
-"""`verify-hf`: the megatron model against transformers' Qwen2.5-VL on the same checkpoint.
+"""`verify-hf`: the megatron model against its family's transformers class on the same checkpoint.
 
-A fixed prompt per batch row with one image and one video (pixels from a fixed seed); the megatron
-logits, gathered over TP, are compared with transformers' logits in fp32 on the CPU.
+A fixed prompt per batch row with one image and one video (pixels from a fixed seed), in the family's prompt
+format (a video as one placeholder run, or one run per frame); the megatron logits, gathered over TP, are compared
+with transformers' logits in fp32 on the CPU.
 """
 from __future__ import annotations
+
+import inspect
 
 import torch
 from megatron.core import parallel_state as ps
@@ -28,14 +31,18 @@ def synthetic_inputs(cfg: ModelConfig, seed: int, batch: int, image_thw: tuple[i
     text_hi = min(cfg.vocab_size, cfg.image_token_id, cfg.video_token_id,
                   cfg.vision_start_token_id, cfg.vision_end_token_id)
     a, b = text_tokens // 3, text_tokens // 4
+    runs = video_thw[0] if model_spec(cfg).processor.video_run_per_frame else 1  # Qwen3-VL: a run per frame
+
+    def run(n: int, token: int) -> list[torch.Tensor]:
+        start, end = torch.tensor([cfg.vision_start_token_id]), torch.tensor([cfg.vision_end_token_id])
+        return [start, torch.full((n,), token), end]
+
     rows = []
     for _ in range(batch):
         t = lambda n: torch.randint(0, text_hi, (n,), generator=g)  # noqa: E731
-        rows.append(torch.cat([
-            t(a), torch.tensor([cfg.vision_start_token_id]), torch.full((n_img // m**2,), cfg.image_token_id),
-            torch.tensor([cfg.vision_end_token_id]), t(b), torch.tensor([cfg.vision_start_token_id]),
-            torch.full((n_vid // m**2,), cfg.video_token_id), torch.tensor([cfg.vision_end_token_id]),
-            t(text_tokens - a - b)]))
+        video = [x for _ in range(runs) for x in run(n_vid // m**2 // runs, cfg.video_token_id)]
+        rows.append(torch.cat([t(a), *run(n_img // m**2, cfg.image_token_id), t(b), *video,
+                               t(text_tokens - a - b)]))
     return {
         "input_ids": torch.stack(rows),
         "pixel_values": torch.randn(batch * n_img, patch, generator=g),
@@ -64,26 +71,26 @@ def position_ids_for(cfg: ModelConfig, inputs: dict) -> torch.Tensor:
 
 
 def hf_logits(hf_dir: str, inputs: dict) -> torch.Tensor:
-    """transformers' Qwen2.5-VL logits [B,S,V] in fp32 on the CPU."""
+    """The family's transformers logits [B,S,V] in fp32 on the CPU."""
     reference = model_spec(open_hf(hf_dir).model_config()).hf.reference_model
     model = reference.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="sdpa")
     model.eval()
     cfg = model.config
     ids = inputs["input_ids"]
     mm = (ids == cfg.image_token_id).int() + 2 * (ids == cfg.video_token_id).int()
+    # Qwen2.5-VL's forward reads the video's seconds per grid step; Qwen3-VL's has no such argument
+    timing = ({"second_per_grid_ts": inputs["second_per_grid_ts"]}
+              if "second_per_grid_ts" in inspect.signature(model.forward).parameters else {})
     with torch.no_grad():
         out = model(input_ids=ids, pixel_values=inputs["pixel_values"],
                     image_grid_thw=inputs["image_grid_thw"],
                     pixel_values_videos=inputs["pixel_values_videos"],
-                    video_grid_thw=inputs["video_grid_thw"],
-                    second_per_grid_ts=inputs["second_per_grid_ts"], mm_token_type_ids=mm)
+                    video_grid_thw=inputs["video_grid_thw"], mm_token_type_ids=mm, **timing)
     return out.logits.float()
 
 
 def megatron_logits(hf_dir: str, inputs: dict, tp: int) -> torch.Tensor:
     """The megatron model's logits [B,S,V] (TP-gathered) after loading `hf_dir` (PP=1)."""
-
-
     ckpt = open_hf(hf_dir)
     cfg = ckpt.model_config()
     spec = model_spec(cfg)
