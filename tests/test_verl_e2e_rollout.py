@@ -4,8 +4,7 @@ The rollout runs in-process here: the server's calls reach a stand-in for verl's
 runs the function on it, as Ray does), whose actor engine is the `rollplex` engine verl builds. The rollout's
 log-probs must equal that engine's scoring of the same samples (on-policy, fp32, docs/design.md §3: 1e-5): both
 are the sampled policy's, at the rollout's temperature with the vision placeholders out of the softmax.
-A whole verl step does not run here: see docs/guides/verl.md (verl's agent loop needs the Qwen2.5-VL HF processor,
-whose video processor needs torchvision, which has no wheel for this CPU torch)."""
+The whole verl step through its driver is tests/test_verl_e2e_step.py."""
 import asyncio
 import inspect
 import os

@@ -11,7 +11,7 @@ import os
 
 import numpy as np
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
@@ -75,16 +75,26 @@ def tiny_vocab(words: list[str], model: ModelConfig) -> dict[str, int]:
     return vocab
 
 
-def tiny_tokenizer(words: list[str], model: ModelConfig) -> PreTrainedTokenizerFast:
-    """A word-level fast tokenizer over `words` with the Qwen2.5-VL special tokens at the model's ids."""
-    vocab = tiny_vocab(words, model)
+def tiny_tokenizer(words: list[str], model: ModelConfig, newline: bool = False,
+                   vision_special: bool = True) -> PreTrainedTokenizerFast:
+    """A word-level fast tokenizer over `words` with the Qwen2.5-VL special tokens at the model's ids.
+
+    `newline` makes "\n" one token, as in Qwen's own tokenizer (verl's Qwen token builder requires it); without
+    it the whitespace split drops the chat template's newlines. `vision_special=False` registers the vision
+    tokens as plain added tokens, so `decode(skip_special_tokens=True)` keeps them (verl 0.9.1's agent loop
+    decodes a prompt so and re-expands it with a processor that, in transformers 5.24, counts the placeholders)."""
+    vocab = tiny_vocab([*words, "\n"] if newline else words, model)
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
     tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation()])
     # WordPiece's decoder joins tokens with spaces; no "##" pieces exist, and cleanup stays off so
     # decoding is the plain join.
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
-    specials = [PAD, IM_START, IM_END, UNK, *vision_tokens(model)]
+    specials = [PAD, IM_START, IM_END, UNK, *(vision_tokens(model) if vision_special else ())]
     tok.add_special_tokens(specials)
+    if not vision_special:
+        tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in vision_tokens(model)])
+    if newline:  # matched before the whitespace split, which would drop it
+        tok.add_tokens([AddedToken("\n", normalized=False)])
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=IM_END, pad_token=PAD, unk_token=UNK,
                                    chat_template=CHAT_TEMPLATE, clean_up_tokenization_spaces=False)
 
@@ -104,13 +114,14 @@ def video_processor_config(model: ModelConfig, min_pixels: int, max_pixels: int)
 
 def write_tiny_processor(path: str, words: list[str], model: ModelConfig, min_pixels: int = 56 * 56,
                          max_pixels: int = 28 * 28 * 64, video_min_pixels: int | None = None,
-                         video_max_pixels: int | None = None) -> str:
+                         video_max_pixels: int | None = None, newline: bool = False,
+                         vision_special: bool = True) -> str:
     """Write tokenizer, chat template, preprocessor_config.json and video_preprocessor_config.json to `path`.
 
-    Video pixel limits default to the image ones. Returns `path`.
+    Video pixel limits default to the image ones; `newline`, `vision_special` as in `tiny_tokenizer`. Returns `path`.
     """
     os.makedirs(path, exist_ok=True)
-    tiny_tokenizer(words, model).save_pretrained(path)
+    tiny_tokenizer(words, model, newline, vision_special).save_pretrained(path)
     v = model.vision
     Qwen2VLImageProcessorPil(min_pixels=min_pixels, max_pixels=max_pixels, patch_size=v.patch_size,
                              temporal_patch_size=v.temporal_patch_size,

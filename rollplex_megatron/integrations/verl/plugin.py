@@ -1,8 +1,8 @@
 """verl's entry point (`verl.plugins: rollplex`): imported by `import verl` in every process, Ray workers
 included. Registers the CPU platform (`platform.py`: used where no accelerator exists), the engine (vendor
-`rollplex`, selected with `VERL_ENGINE_VENDOR=rollplex`), the v1 trainer `rollplex` and the rollout backend
-`rollplex` (`rollout.py`: `actor_rollout_ref.rollout.name=rollplex`). verl swallows plugin import errors (debug
-log), so each part logs its own failure."""
+`rollplex`, selected with `VERL_ENGINE_VENDOR=rollplex`), the v1 trainer `rollplex`, the rollout backend
+`rollplex` (`rollout.py`: `actor_rollout_ref.rollout.name=rollplex`) and a Qwen2-VL video processor without
+torchvision (`video.py`). verl swallows plugin import errors (debug log), so each part logs its own failure."""
 from __future__ import annotations
 
 import importlib
@@ -27,7 +27,7 @@ def register_engine() -> None:
 def register_all() -> None:
     # the platform first: the others' imports may ask verl for its platform, which it then resolves for good
     for what, fn in (("platform", _register_platform), ("engine", register_engine), ("trainer", _register_trainer),
-                     ("rollout", _register_rollout)):
+                     ("rollout", _register_rollout), ("video processor", _register_video_processor)):
         try:
             fn()
         except Exception as e:  # verl would hide it: say it at warning level
@@ -46,6 +46,12 @@ def _register_rollout() -> None:
     importlib.import_module("rollplex_megatron.integrations.verl.rollout")
 
 
+def _register_video_processor() -> None:
+    from rollplex_megatron.integrations.verl.video import register
+
+    register()
+
+
 def _register_trainer() -> None:
     from rollplex_megatron.integrations.verl.trainer import register
 
@@ -53,3 +59,4 @@ def _register_trainer() -> None:
 
 
 register_all()
+

@@ -65,6 +65,7 @@ class RollplexRollout(BaseRollout):
                              "model-parallel group of the actor)")
         self.engine: EmbeddedEngine | None = None
         self.released = 0  # verl's sleeps that dropped the decode state
+        self.global_steps = None  # the weights' version (verl's trainer reads it from every sample)
 
     def engine_over(self, actor_engine) -> EmbeddedEngine:
         """The embedded engine over the actor engine's modules (built once; the modules are the actor's)."""
@@ -89,13 +90,17 @@ class RollplexRollout(BaseRollout):
         finally:
             module.train(training)
         return [{"tokens": [t.tolist() for t in r.tokens], "logprobs": [lp.tolist() for lp in r.logprobs],
-                 "finish": r.finish_reasons} for r in out.results]
+                 "finish": r.finish_reasons, "global_steps": self.global_steps} for r in out.results]
 
     async def resume(self, tags: list[str]):
         """The weights are the actor's and the cache is allocated per rollout: nothing to bring back."""
 
-    async def update_weights(self, weights, wire_format: str = "named_tensors", **kwargs):
-        """Free: the engine decodes on the actor's modules, so `weights` is not read (no gather runs)."""
+    async def update_weights(self, weights, wire_format: str = "named_tensors", global_steps: int | None = None,
+                             **kwargs):
+        """Free: the engine decodes on the actor's modules, so `weights` is not read (no gather runs); the step
+        is kept, as verl's vLLM server keeps it, for each sample's `global_steps`."""
+        if global_steps is not None:
+            self.global_steps = global_steps
 
     async def release(self):
         """verl's sleep: drop the kept decode state (cache, slot state) until the next rollout."""
@@ -149,7 +154,10 @@ def prompt_inputs(processor, tokenizer, prompt_ids: list[int], images, videos) -
     text = tokenizer.decode(collapsed, skip_special_tokens=True)
     mm = build_multimodal_processor_inputs(processor, text=[text], images=images or None, videos=videos or None)
     mm = dict(mm.convert_to_tensors("pt"))
-    if not torch.equal(mm["input_ids"][0], out["input_ids"]):
+    # the decoded text lost the special tokens (chat tags), so compare the placeholders the processor expanded
+    pads = torch.tensor(sorted(pad_ids))
+    got, want = mm["input_ids"][0], out["input_ids"]
+    if not torch.equal(got[torch.isin(got, pads)], want[torch.isin(want, pads)]):
         raise ValueError("rollout.name=rollplex: the processor's expansion of the prompt differs from the agent "
                          "loop's prompt ids (its images or videos do not match its placeholders)")
     out.update({k: mm[k] for k in PROMPT_FIELDS if k in mm})
@@ -206,9 +214,9 @@ class RollplexServer:
         self.stats["requests"] += 1
         if self.flusher is None or self.flusher.done():
             self.flusher = asyncio.create_task(self._flush_when_quiet())
-        tokens, logps, finish = await fut
+        tokens, logps, finish, steps = await fut
         return TokenOutput(token_ids=tokens, log_probs=logps if params.get("logprobs") else None,
-                           stop_reason=STOP_REASONS.get(finish, "completed"))
+                           stop_reason=STOP_REASONS.get(finish, "completed"), extra_fields={"global_steps": steps})
 
     async def _flush_when_quiet(self) -> None:
         loop = asyncio.get_running_loop()
@@ -252,7 +260,7 @@ class RollplexServer:
             self.stats["batches"] += 1
             for (_, futs), res in zip(merged, results[0]):
                 for j, fut in enumerate(futs):
-                    fut.set_result((res["tokens"][j], res["logprobs"][j], res["finish"][j]))
+                    fut.set_result((res["tokens"][j], res["logprobs"][j], res["finish"][j], res["global_steps"]))
 
     async def sleep(self) -> None:
         """verl's sleep (after each rollout): a new round; with free_cache_engine the ranks drop the decode state."""

@@ -1,0 +1,110 @@
+"""A whole verl 0.9.1 PPO run on CPU: verl's own driver (`main_ppo`, the v1 `rollplex` trainer, Ray, TransferQueue)
+with this project's engine and `rollout.name=rollplex`, 2 steps on 2 CPU ranks (TP=2), fp32, GRPO.
+
+The `make-example` checkpoint is adapted to verl 0.9.1 on transformers 5.24 without torchvision: its video config
+names `RollplexQwen2VLVideoProcessor` (integrations/verl/video.py), the dataset class is `RollplexRLHFDataset`
+(no qwen_vl_utils), and its tokenizer has a one-token newline (verl's Qwen token builder) and plain vision tokens
+(verl's agent loop decodes the prompt dropping special tokens, then the processor counts placeholders). The rows
+are ragged: verl's 3-D position ids break when every sample of a batch has one length.
+
+Checked: rewards and losses logged for both steps; the rollout's log-probs equal the actor's old log-probs (verl's
+own rollout-vs-training metrics); the same 2 steps with every group as full sequences (ROLLPLEX_VERL_PREFIX=full)
+give the same losses and grad norms within docs/design.md §3's fp32 tolerance (1e-5, norm-relative).
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rollplex_megatron.data.example import WORDS, make_example
+from rollplex_megatron.data.example_files import write_tiny_processor
+from rollplex_megatron.integrations.verl.video import NAME
+from rollplex_megatron.recipes import load_run_config
+
+TOL = 1e-5
+REPO = Path(__file__).resolve().parents[1]
+# a reward that differs within a group, so GRPO's advantages, losses and gradients are not all zero
+REWARD = ("def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):\n"
+          "    return float(len(solution_str) % 5)\n")
+
+
+def example(root: Path) -> Path:
+    """The make-example checkpoint and ragged rows, with the processor files verl needs on this machine."""
+    model = load_run_config([]).model
+    out = make_example(root / "ex", model, train_rows=4, val_rows=2, ragged=True)
+    path = str(out / "model")
+    write_tiny_processor(path, WORDS, model, min_pixels=28 * 28, max_pixels=56 * 56, newline=True,
+                         vision_special=False)
+    file = os.path.join(path, "video_preprocessor_config.json")
+    cfg = json.loads(Path(file).read_text())
+    Path(file).write_text(json.dumps({**cfg, "video_processor_type": NAME}))
+    return out
+
+
+def run_verl(ex: Path, run: Path, env: dict) -> list[dict]:
+    """verl's driver with the recipe for 2 steps; returns the metrics verl's file logger wrote per step."""
+    run.mkdir()
+    (run / "reward.py").write_text(REWARD)
+    ray_env = "+ray_kwargs.ray_init.runtime_env.env_vars"
+    args = [f"data.train_files={ex}/train.parquet", f"data.val_files={ex}/val.parquet", "data.train_batch_size=2",
+            "data.max_prompt_length=256", "data.max_response_length=4", "data.filter_overlong_prompts=False",
+            "data.dataloader_num_workers=0", "data.shuffle=False",
+            "data.custom_cls.path=pkg://rollplex_megatron.integrations.verl.data",
+            "data.custom_cls.name=RollplexRLHFDataset",
+            f"reward.custom_reward_function.path={run}/reward.py", "reward.num_workers=1",
+            f"actor_rollout_ref.model.path={ex}/model",
+            "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+            "actor_rollout_ref.ref.megatron.tensor_model_parallel_size=2",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.optim.lr=1e-3",
+            "actor_rollout_ref.rollout.name=rollplex", "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+            "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.rollout.calculate_log_probs=True",
+            "actor_rollout_ref.rollout.agent.num_workers=1",
+            "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
+            "trainer.device=cpu", "trainer.n_gpus_per_node=2", "trainer.nnodes=1", "trainer.total_training_steps=2",
+            "trainer.logger=[console,file]", "trainer.val_before_train=False", "trainer.test_freq=-1",
+            f"trainer.default_local_dir={run}/ckpt", "+ray_kwargs.ray_init.num_gpus=2",
+            "ray_kwargs.ray_init.num_cpus=16", f"{ray_env}.ROLLPLEX_VERL_DTYPE=float32",
+            f"{ray_env}.VERL_FILE_LOGGER_PATH={run}/metrics.jsonl", f"hydra.run.dir={run}/hydra",
+            *[f"{ray_env}.{k}={v}" for k, v in env.items()]]
+    cmd = [sys.executable, "-m", "verl.trainer.main_ppo", f"--config-path={REPO}/recipes/verl",
+           "--config-name=qwen2_5_vl_rollplex", *args]
+    out = subprocess.run(cmd, cwd=run, capture_output=True, text=True, timeout=400,
+                         env={**os.environ, "VERL_ENGINE_VENDOR": "rollplex", "PYTHONWARNINGS": "ignore"})
+    assert out.returncode == 0, (out.stdout + out.stderr)[-6000:]
+    return [json.loads(line)["data"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """(shared, full): the metrics of the same 2 steps with prefix sharing and with every group as full rows."""
+    root = tmp_path_factory.mktemp("verl_step")
+    ex = example(root)
+    return run_verl(ex, root / "shared", {}), run_verl(ex, root / "full", {"ROLLPLEX_VERL_PREFIX": "full"})
+
+
+def test_two_verl_steps_log_rewards_and_losses(runs):
+    shared, _ = runs
+    assert [m["training/global_step"] for m in shared] == [1, 2]
+    for m in shared:
+        assert {"critic/score/mean", "critic/rewards/mean", "actor/pg_loss", "actor/grad_norm"} <= set(m)
+        assert m["critic/score/max"] > m["critic/score/min"]  # the reward differs within the batch
+    assert any(m["actor/grad_norm"] > 0 for m in shared)  # a real update, not zero advantages
+
+
+def test_rollout_log_probs_equal_the_actors_old_log_probs(runs):
+    for m in runs[0] + runs[1]:
+        # verl's rollout-vs-training metrics: per-token probabilities and per-sequence mean log-probs
+        assert m["training/rollout_probs_diff_max"] <= TOL
+        assert max(abs(m["rollout_corr/log_ppl_diff_max"]), abs(m["rollout_corr/log_ppl_diff_min"])) <= TOL
+
+
+def test_full_sequences_give_the_same_losses_and_grad_norms(runs):
+    shared, full = runs
+    for a, b in zip(shared, full, strict=True):
+        for key in ("actor/pg_loss", "actor/grad_norm", "critic/score/mean", "actor/entropy"):
+            # norm-relative; GRPO's on-policy loss is ~0 (unit-scale advantages summing to 0): its scale is 1
+            scale = max(abs(a[key]), abs(b[key]), 1.0)
+            assert abs(a[key] - b[key]) <= TOL * scale, (key, a[key], b[key])
