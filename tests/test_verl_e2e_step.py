@@ -13,6 +13,7 @@ give the same losses and grad norms within docs/design.md §3's fp32 tolerance (
 """
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 import subprocess
 import sys
 from pathlib import Path
@@ -82,7 +83,11 @@ def runs(tmp_path_factory):
     """(shared, full): the metrics of the same 2 steps with prefix sharing and with every group as full rows."""
     root = tmp_path_factory.mktemp("verl_step")
     ex = example(root)
-    return run_verl(ex, root / "shared", {}), run_verl(ex, root / "full", {"ROLLPLEX_VERL_PREFIX": "full"})
+    # the two drivers side by side, each with its own local Ray cluster: most of a run is start-up waiting
+    with ThreadPoolExecutor(2) as pool:
+        shared = pool.submit(run_verl, ex, root / "shared", {})
+        full = pool.submit(run_verl, ex, root / "full", {"ROLLPLEX_VERL_PREFIX": "full"})
+        return shared.result(), full.result()
 
 
 def test_two_verl_steps_log_rewards_and_losses(runs):
