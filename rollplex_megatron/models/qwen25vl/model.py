@@ -80,14 +80,15 @@ def _llm_fields(cfg: ModelConfig, dtype: torch.dtype, tp: int, pp: int, meta: bo
     )
 
 
-def check_megatron_overrides(cfg: ModelConfig, overrides: dict) -> None:
-    """`megatron.*` names TransformerConfig fields that no other setting owns (bad input fails here)."""
+def check_megatron_overrides(cfg: ModelConfig, overrides: dict, llm_fields=None) -> None:
+    """`megatron.*` names TransformerConfig fields that no other setting owns (bad input fails here); `llm_fields`:
+    the family's own TransformerConfig fields (default this family's)."""
     known = {f.name for f in dataclasses.fields(TransformerConfig)}
     unknown = sorted(set(overrides) - known)
     if unknown:
         raise ValueError(f"megatron.{unknown[0]} is not a field of megatron-core's TransformerConfig; the "
                          f"`megatron:` subtree passes TransformerConfig fields through to the LLM decoder")
-    owned = sorted(set(overrides) & set(_llm_fields(cfg, torch.float32, 1, 1)))
+    owned = sorted(set(overrides) & set((llm_fields or _llm_fields)(cfg, torch.float32, 1, 1)))
     if owned:
         raise ValueError(f"megatron.{owned[0]} is set by this project from its own settings (model.*, parallel.*, "
                          f"dtype, the loss contract); change those instead")

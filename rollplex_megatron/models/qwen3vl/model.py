@@ -11,7 +11,6 @@ Legend: S = text sequence, B = batch, H = LLM width, N = vision patches, U = mer
 from __future__ import annotations
 
 import copy
-import dataclasses
 from contextlib import nullcontext
 
 import torch
@@ -53,15 +52,7 @@ def check_megatron_overrides(cfg: ModelConfig, overrides: dict) -> None:
     if cfg.vision.num_position_embeddings < 1:
         raise ValueError(f"model.vision.num_position_embeddings must be >= 1 for model.family={cfg.family} (Qwen3-VL's "
                          f"learned position table; 2304 in the released checkpoints)")
-    known = {f.name for f in dataclasses.fields(TransformerConfig)}
-    unknown = sorted(set(overrides) - known)
-    if unknown:
-        raise ValueError(f"megatron.{unknown[0]} is not a field of megatron-core's TransformerConfig; the "
-                         f"`megatron:` subtree passes TransformerConfig fields through to the LLM decoder")
-    owned = sorted(set(overrides) & set(_llm_fields(cfg, torch.float32, 1, 1)))
-    if owned:
-        raise ValueError(f"megatron.{owned[0]} is set by this project from its own settings (model.*, parallel.*, "
-                         f"dtype, the loss contract); change those instead")
+    Q25.check_megatron_overrides(cfg, overrides, _llm_fields)
 
 
 def vision_transformer_config(cfg: ModelConfig, dtype: torch.dtype, tp: int, meta: bool = False) -> TransformerConfig:
