@@ -56,10 +56,11 @@ class _Call:
 
 
 class _Worker:
-    """verl's hybrid worker as the rollout sees it: its rollout and its actor's engine."""
+    """verl's hybrid worker as the rollout sees it: its rollout, its actor's engine and its reference's."""
 
-    def __init__(self, rollout, engine):
+    def __init__(self, rollout, engine, ref=None):
         self.rollout, self.actor = rollout, type("Actor", (), {"engine": engine})()
+        self.ref = type("Ref", (), {"engine": ref})() if ref is not None else None
         self.__ray_call__ = _Call(self)
 
 
@@ -98,9 +99,40 @@ def _score_unbanned(engine, prompts: list, outs: list, temperature: float) -> li
         E.policy_logits = kept
 
 
+def _swapped(entries: dict) -> dict:
+    """Mutation: held K/V answered to the other prompt (two prompts of one length, so the shapes fit)."""
+    (ka, [(pa, kva, va)]), (kb, [(pb, kvb, vb)]) = entries.items()
+    return {ka: [(pa, kvb, va)], kb: [(pb, kva, vb)]}
+
+
+def _max_diff(outs, logp) -> float:
+    return max(float((torch.tensor(o.log_probs) - x).abs().max()) for o, x in zip(outs, logp))
+
+
+def held_checks(engine, ref, actor_held: dict, ref_held: dict, prompts, outs) -> dict:
+    """The scoring phases over what the rollout held (held.py) against the same phases computing every prefix:
+    the actor's old log-probs from the prefill's K/V, the reference's from the decode window's; mutations: the
+    two prompts' K/V swapped; K/V held at other weights (an optimizer step since) are not read."""
+    out = {"actor_window": dict(engine.last_window)}  # the first scoring (rollout_case) read the held K/V
+    out["ref_held"] = _score(ref, prompts, outs, 0.7)
+    out["ref_window"] = dict(ref.last_window)
+    ref.window.entries = _swapped(ref_held)
+    out["ref_swapped"] = _score(ref, prompts, outs, 0.7)
+    held, ref.window = ref.window, None
+    out["ref_plain"] = _score(ref, prompts, outs, 0.7)
+    ref.window = held
+    engine.window.entries = _swapped(actor_held)
+    out["actor_swapped"] = _max_diff(outs, _score(engine, prompts, outs, 0.7))
+    engine.window.entries, engine.updates = dict(actor_held), engine.updates + 1
+    out["stale"] = _max_diff(outs, _score(engine, prompts, outs, 0.7)), dict(engine.window.last)
+    engine.updates -= 1
+    return out
+
+
 def rollout_case(hf_dir: str) -> dict:
-    """Two prompts x 3 samples through the server (arriving interleaved), the rollout on the actor engine's modules;
-    the samples scored by the engine; sleep; update_weights."""
+    """Two prompts x 3 samples through the server (arriving interleaved), the rollout on the actor engine's modules
+    with the reference prefix stages in its decode window; the samples scored by the engine (the actor's old
+    log-probs from the prefill's K/V) and by the reference (`held_checks`); sleep; update_weights."""
     os.environ["VERL_ENGINE_VENDOR"] = "rollplex"
     import verl  # noqa: F401  (the plugin registers the backend)
     from verl.workers.config import HFModelConfig, RolloutConfig
@@ -111,13 +143,14 @@ def rollout_case(hf_dir: str) -> dict:
     from tests.verl_workers import new_engine
 
     engine = new_engine(hf_dir, 1, share_prefix=True)
+    ref = new_engine(hf_dir, 1, share_prefix=True, forward_only=True)
     cfg = RolloutConfig(name="rollplex", tensor_model_parallel_size=1, prompt_length=16, response_length=6,
                         free_cache_engine=True)
     rollout = get_rollout_class("rollplex", "async")(config=cfg, model_config=HFModelConfig(path=hf_dir,
                                                      load_tokenizer=False), device_mesh=None)
-    server = R.RollplexServer(cfg, None, [_Worker(rollout, engine)], 0, tools=(None, None, (3,)))
+    server = R.RollplexServer(cfg, None, [_Worker(rollout, engine, ref)], 0, tools=(None, None, (3,)))
     gen = torch.Generator().manual_seed(5)
-    base = [torch.randint(10, 60, (n,), generator=gen).tolist() for n in (5, 8)]
+    base = [torch.randint(10, 60, (n,), generator=gen).tolist() for n in (7, 7)]
     prompts = [base[i % 2] for i in range(6)]
     params = {"temperature": 0.7, "top_p": 1.0, "top_k": -1, "logprobs": True}
 
@@ -125,7 +158,9 @@ def rollout_case(hf_dir: str) -> dict:
         return await asyncio.gather(*[server.generate(p, dict(params), f"r{i}") for i, p in enumerate(prompts)])
 
     outs = asyncio.run(run())
+    actor_held, ref_held = dict(engine.window.entries), dict(ref.window.entries)
     logp = _score(engine, prompts, outs, 0.7)
+    held = held_checks(engine, ref, actor_held, ref_held, prompts, outs)
     diff = max(float((torch.tensor(o.log_probs) - x).abs().max()) for o, x in zip(outs, logp))
     swapped = _score(engine, prompts[1:] + prompts[:1], outs, 0.7)  # mutation: samples answered to the wrong call
     mutant = max(float((torch.tensor(o.log_probs) - x[:len(o.log_probs)]).abs().max())
@@ -140,7 +175,10 @@ def rollout_case(hf_dir: str) -> dict:
         yield
 
     asyncio.run(rollout.update_weights(unreadable()))
-    return {"diff": diff, "mutant": mutant, "unbanned_diff": unbanned_diff, "kept": kept,
+    return {"diff": diff, "mutant": mutant, "unbanned_diff": unbanned_diff, "kept": kept, **held,
+            "ref_vs_plain": max(float((a - b).abs().max()) for a, b in zip(held["ref_held"], held["ref_plain"])),
+            "ref_swapped_vs_plain": max(float((a - b).abs().max())
+                                        for a, b in zip(held["ref_swapped"], held["ref_plain"])),
             "stats": asyncio.run(server.get_stats()),
             "dropped": rollout.engine._state is None and rollout.released == 1, "round": server.round,
             "lens": [len(o.token_ids) for o in outs], "stops": [o.stop_reason for o in outs],
@@ -170,3 +208,21 @@ def test_rollplex_rollout_log_probs_equal_the_actors(rollout_run):
     # mutation: the engine scoring with the vision placeholders in the softmax (the sampler never emits them) is
     # off by -log(1 - their mass) at every position (up to ~7e-2 on the tiny checkpoint)
     assert rollout_run["unbanned_diff"] > 100 * TOL, rollout_run
+
+
+def test_the_rollouts_prefixes_serve_the_scoring_phases(rollout_run):
+    """The actor's old log-probs read the prefill's K/V, the reference's the decode window's (held.py): every group
+    (6 uids, 2 prompts) takes them and computes none, with the log-probs of the plain path."""
+    r = rollout_run
+    assert r["actor_window"] == {"from_window": 6, "computed": 0}, r["actor_window"]
+    assert r["ref_window"] == {"from_window": 6, "computed": 0}, r["ref_window"]
+    assert r["ref_vs_plain"] <= TOL, r["ref_vs_plain"]
+    # held K/V at other weights (an optimizer step since the rollout) are not read: computed again, same log-probs
+    diff, last = r["stale"]
+    assert last == {"from_rollout": 0, "computed": 6, "stale": 6} and diff <= TOL, r["stale"]
+
+
+def test_held_prefixes_of_the_other_prompt_are_caught(rollout_run):
+    # mutation: each prompt's held K/V answered with the other's (same length): the log-probs move far
+    assert rollout_run["ref_swapped_vs_plain"] > 100 * TOL, rollout_run["ref_swapped_vs_plain"]
+    assert rollout_run["actor_swapped"] > 100 * TOL, rollout_run["actor_swapped"]

@@ -8,8 +8,10 @@ names `RollplexQwen2VLVideoProcessor` (integrations/verl/video.py), the dataset 
 are ragged: verl's 3-D position ids break when every sample of a batch has one length.
 
 Checked: rewards and losses logged for both steps; the rollout's log-probs equal the actor's old log-probs (verl's
-own rollout-vs-training metrics); the same 2 steps with every group as full sequences (ROLLPLEX_VERL_PREFIX=full)
-give the same losses and grad norms within docs/design.md §3's fp32 tolerance (1e-5, norm-relative).
+own rollout-vs-training metrics); with a KL loss (the reference in the same workers) the shared run's old
+log-probs read the rollout prefill's K/V and its reference log-probs the decode window's, for every group; the
+same 2 steps with every group as full sequences (ROLLPLEX_VERL_PREFIX=full, nothing held) give the same losses,
+KL losses and grad norms within docs/design.md §3's fp32 tolerance (1e-5, norm-relative).
 """
 import json
 import os
@@ -60,6 +62,8 @@ def run_verl(ex: Path, run: Path, env: dict) -> list[dict]:
             "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
             "actor_rollout_ref.ref.megatron.tensor_model_parallel_size=2",
             "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.optim.lr=1e-3",
+            # a KL loss: verl builds the reference in the same workers, whose prefix stage the rollout's window runs
+            "actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_coef=0.1",
             "actor_rollout_ref.rollout.name=rollplex", "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
             "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.rollout.calculate_log_probs=True",
             "actor_rollout_ref.rollout.agent.num_workers=1",
@@ -109,7 +113,18 @@ def test_rollout_log_probs_equal_the_actors_old_log_probs(runs):
 def test_full_sequences_give_the_same_losses_and_grad_norms(runs):
     shared, full = runs
     for a, b in zip(shared, full, strict=True):
-        for key in ("actor/pg_loss", "actor/grad_norm", "critic/score/mean", "actor/entropy"):
+        for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "critic/score/mean", "actor/entropy"):
             # norm-relative; GRPO's on-policy loss is ~0 (unit-scale advantages summing to 0): its scale is 1
             scale = max(abs(a[key]), abs(b[key]), 1.0)
             assert abs(a[key] - b[key]) <= TOL * scale, (key, a[key], b[key])
+
+
+def test_the_rollout_ran_the_prefix_stages_the_scoring_phases_read(runs):
+    """Shared: every group's old log-probs read the rollout prefill's K/V and its reference log-probs the decode
+    window's (rollout.py, held.py); none computed again. Full sequences read no prefix K/V."""
+    shared, full = runs
+    for m in shared:
+        for phase in ("old_logp", "ref"):
+            got = [m[f"rollplex/{phase}_prefix_{k}"] for k in ("from_rollout", "computed", "stale")]
+            assert got == [2, 0, 0], (phase, got)  # 2 prompts a step (data.train_batch_size), DP 1
+    assert not any(k.startswith("rollplex/") and "prefix" in k for m in full for k in m)

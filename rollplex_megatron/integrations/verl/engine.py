@@ -33,7 +33,6 @@ from rollplex_megatron.attention.prefix import PrefixContext
 from rollplex_megatron.config import ATTENTION_BACKENDS, OptimConfig
 from rollplex_megatron.dist import init_parallel
 from rollplex_megatron.integrations.verl.batch import as_nested, full_length, verl_groups
-from rollplex_megatron.integrations.verl.window import adopt_window_prefixes
 from rollplex_megatron.models.registry import model_spec, open_hf
 from rollplex_megatron.models.triton_norm import norm_kernel_for, use_norm_kernel
 from rollplex_megatron.models.triton_rope import rope_kernel_for, use_rope_kernel
@@ -121,7 +120,10 @@ class RollplexMegatronEngine(BaseEngine):
                       int(_setting(engine_config, "seed", 42)))
         self.module = self.ddp = self.optimizer = self.scheduler = None
         self.mode = None
-        self.window = None  # the reference's decode-window end (window.RefWindow), set by the rollplex worker
+        # prefix K/V computed before a scoring phase: the reference's decode-window end under SGLang
+        # (window.RefWindow, set by the rollplex worker), or what a rollplex rollout held (held.HeldPrefixes)
+        self.window = None
+        self.updates = 0  # optimizer steps taken: K/V held at other weights are not read
         self.last_window: dict = {}  # the last scoring batch: groups whose prefix came from the window, computed
         self._saved = []  # checkpoints this engine wrote, oldest first (max_ckpt_to_keep)
 
@@ -195,6 +197,7 @@ class RollplexMegatronEngine(BaseEngine):
         self.optimizer.zero_grad()
 
     def optimizer_step(self):
+        self.updates += 1
         return optimizer_step(self.optimizer)["grad_norm"]
 
     def lr_scheduler_step(self):
@@ -250,8 +253,9 @@ class RollplexMegatronEngine(BaseEngine):
         model, dev = self.module, device()
         store = KVStore()
         train = not forward_only and loss_function is not None
-        todo = vg.shared if train else adopt_window_prefixes(self.window, vg, store)
-        if self.window is not None and not train:
+        todo = vg.shared
+        if self.window is not None and not train:  # scoring: prefixes the rollout already ran, where they match
+            todo = self.window.adopt(vg, todo, store, self.updates)
             self.last_window = {"from_window": len(vg.shared) - len(todo), "computed": len(todo)}
         with torch.set_grad_enabled(train):
             states = X.prefix_forward(model, [vg.groups[i] for i in todo], store, keep_graph=train, group_ids=todo)
@@ -376,5 +380,6 @@ class RollplexMegatronEngine(BaseEngine):
                                     f"{train_state.CHECKPOINTS} (save_checkpoint writes them there); check "
                                     f"trainer.resume_mode / resume_from_path")
         _, extra = train_state.load_checkpoint(path, self.module, None, self.optimizer)
+        self.updates += 1  # other weights: K/V held before are not read
         self.scheduler.load_state_dict(extra["lr_scheduler"])
         return path

@@ -24,6 +24,7 @@ import asyncio
 import logging
 import os
 import zlib
+from functools import partial
 
 import ray
 import torch
@@ -34,15 +35,23 @@ from verl.utils.config import omega_conf_to_dataclass
 from verl.utils.tokenizer import build_multimodal_processor_inputs, get_processor_token_id
 from verl.workers.rollout.replica import RolloutMode, RolloutReplica, RolloutReplicaRegistry, TokenOutput
 
+from rollplex_megatron.attention.kv_store import KVStore
 from rollplex_megatron.integrations.verl.batch import PROMPT_FIELDS, same_prompt
+from rollplex_megatron.integrations.verl.held import HeldPrefixes
+from rollplex_megatron.integrations.verl.window import ENV_MECHANISM
+from rollplex_megatron.prefix import execution as X
 from rollplex_megatron.prefix.batch import Prompt
 from rollplex_megatron.rollout.embedded import EmbeddedEngine
 from rollplex_megatron.rollout.engine import RolloutRequest
 from rollplex_megatron.rollout.sampling import SamplingParams
+from rollplex_megatron.rollout.window import DecodeWindow, layout_mechanism
+from rollplex_megatron.trainer.modes.rollplex import reference_prefix_item
 
 log = logging.getLogger(__name__)
 NAME = "rollplex"
 ENV_KV_GIB = "ROLLPLEX_VERL_KV_CACHE_GIB"  # the embedded engine's KV budget per rank (default 1 GiB)
+# on (default) | off: the prefill's K/V held for the old log-probs, the reference prefix stage in the decode window
+ENV_WINDOW = "ROLLPLEX_VERL_WINDOW"
 BATCH_QUIET_S = 0.5  # a batch runs once no generate call arrived for this long
 STOP_REASONS = {"stop": "completed", "length": "completed"}  # verl's: "completed" | "aborted"
 
@@ -76,19 +85,39 @@ class RollplexRollout(BaseRollout):
                                          keep_decode_state=True)
         return self.engine
 
-    def generate_batch(self, actor_engine, batch: list[dict], params: dict) -> list[dict]:
-        """Sample each merged request of `batch` on this rank (every rank of the replica runs the same batch)."""
+    def generate_batch(self, actor_engine, batch: list[dict], params: dict, round_: int = 0,
+                       ref_engine=None) -> list[dict]:
+        """Sample each merged request of `batch` on this rank (every rank of the replica runs the same batch). With
+        the window on (`ROLLPLEX_VERL_WINDOW`), the prefill's K/V are held for the actor's old log-probs and the
+        reference prefix stage of each request runs in the decode window, held for the reference's (`held.py`)."""
         engine = self.engine_over(actor_engine)
         requests = [RolloutRequest(Prompt(r["input_ids"], **{k: r.get(k) for k in PROMPT_FIELDS}), r["n"],
                                    r["max_new_tokens"], tuple(r["stop"]), r["seed"]) for r in batch]
+        actor_held, ref_held = prefix_holders(actor_engine, ref_engine, round_)
+        hooks, ref_kv = None, KVStore()
+        if ref_held is not None:
+            tp = ps.get_tensor_model_parallel_world_size()
+            hooks = DecodeWindow(layout_mechanism(os.environ.get(ENV_MECHANISM, "auto"), tp, engine.pp,
+                                                  torch.cuda.is_available()))
+            for i, req in enumerate(requests):  # the same items in the same order on every rank (TP collectives)
+                hooks.submit(f"reference_prefix[{round_}.{i}]",
+                             partial(reference_prefix_item, ref_engine.module, [req.prompt], ref_kv, [i]))
+        actor_kv = KVStore() if actor_held is not None else None
         module = actor_engine.module
         training = module.training
         module.eval()
         try:
             with torch.no_grad():
-                out = engine.generate(requests, SamplingParams(**params))
+                out = engine.generate(requests, SamplingParams(**params), hooks=hooks, actor_prefix=actor_kv,
+                                      recompute_prefix=True)
         finally:
             module.train(training)
+        dtype = X.unwrap(module).config.params_dtype
+        for i, req in enumerate(requests):
+            if actor_held is not None:
+                actor_held.hold(req.prompt, actor_kv, i, actor_engine.updates, dtype)
+            if ref_held is not None:
+                ref_held.hold(req.prompt, ref_kv, i, ref_engine.updates, dtype)
         return [{"tokens": [t.tolist() for t in r.tokens], "logprobs": [lp.tolist() for lp in r.logprobs],
                  "finish": r.finish_reasons, "global_steps": self.global_steps} for r in out.results]
 
@@ -113,10 +142,45 @@ class RollplexRollout(BaseRollout):
             self.released += 1
 
 
-def worker_generate(worker, batch: list[dict], params: dict) -> list[dict]:
-    """Run on a worker actor (`__ray_call__`): its rollout over its actor engine."""
+def prefix_holders(actor_engine, ref_engine, round_: int) -> tuple:
+    """(actor's, reference's) `HeldPrefixes` for this rollout round, each None where nothing is held: the window
+    off (`ROLLPLEX_VERL_WINDOW=off`), no reference engine in this process, or an engine that does not share
+    prefixes (`ROLLPLEX_VERL_PREFIX=full`: its scoring reads no prefix K/V)."""
+    mode = os.environ.get(ENV_WINDOW, "on")
+    if mode not in ("on", "off"):
+        raise ValueError(f"{ENV_WINDOW}={mode!r}; use on or off")
+    holders = []
+    for engine, role in ((actor_engine, "actor"), (ref_engine, "reference")):
+        if mode == "off" or engine is None or not getattr(engine, "share_prefix", False):
+            holders.append(None)
+            continue
+        if not isinstance(engine.window, HeldPrefixes):
+            engine.window = HeldPrefixes(role)
+        engine.window.start_round(round_)
+        holders.append(engine.window)
+    return tuple(holders)
+
+
+def worker_generate(worker, batch: list[dict], params: dict, round_: int = 0) -> list[dict]:
+    """Run on a worker actor (`__ray_call__`): its rollout over its actor engine (and its reference engine's
+    modules for the decode window, when this worker holds one)."""
     inner = _hybrid_worker(worker)
-    return inner.rollout.generate_batch(inner.actor.engine, batch, params)
+    ref = getattr(inner, "ref", None)
+    return inner.rollout.generate_batch(inner.actor.engine, batch, params, round_,
+                                        getattr(ref, "engine", None) if ref is not None else None)
+
+
+def worker_prefix_stats(worker) -> dict:
+    """Run on a worker actor: its engines' last scoring phases' prefix sources, with whether this rank writes
+    outputs (one per DP rank counts)."""
+    inner = _hybrid_worker(worker)
+    out = {"src": bool(inner.actor.engine.is_mp_src_rank_with_outputs())}
+    ref = getattr(inner, "ref", None)
+    for role, engine in (("old_logp", inner.actor.engine), ("ref", getattr(ref, "engine", None))):
+        held = getattr(engine, "window", None)
+        if isinstance(held, HeldPrefixes):
+            out[role] = dict(held.last)
+    return out
 
 
 def worker_release(worker) -> int:
@@ -254,7 +318,7 @@ class RollplexServer:
                 requests.append({**prompt, "n": len(futs), "max_new_tokens": max_new, "stop": self.stop,
                                  "seed": prompt_seed(prompt, self.round, index)})
             params = {"temperature": key[0], "top_p": key[1], "top_k": key[2]}
-            results = await asyncio.gather(*[w.__ray_call__.remote(worker_generate, requests, params)
+            results = await asyncio.gather(*[w.__ray_call__.remote(worker_generate, requests, params, self.round)
                                              for w in self.workers])
             self.stats["merged_requests"] += len(requests)
             self.stats["batches"] += 1

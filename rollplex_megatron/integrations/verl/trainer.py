@@ -29,6 +29,8 @@ from verl.trainer.ppo.v1.trainer_base import register_trainer
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 from verl.utils.seqlen_balancing import calculate_workload, log_seqlen_unbalance
 
+from rollplex_megatron.integrations.verl.rollout import NAME as ROLLOUT_NAME
+from rollplex_megatron.integrations.verl.rollout import worker_prefix_stats
 from rollplex_megatron.integrations.verl.window import window_dir
 from rollplex_megatron.rollout.sglang.protocol import ENV_ADDRESS
 
@@ -280,6 +282,32 @@ class RollplexTrainer(PPOTrainerSync):
             self._window_thread.join()
             self._window_thread = None
         super().on_sample_end()
+
+    # -- what a `rollplex` rollout held for the scoring phases (held.py) -----------------------------------------
+    def _compute_old_log_prob(self, batch, metrics):
+        batch = super()._compute_old_log_prob(batch, metrics)
+        metrics.update(self._held_metrics("old_logp"))
+        return batch
+
+    def _compute_ref_log_prob(self, batch, metrics):
+        batch = super()._compute_ref_log_prob(batch, metrics)
+        metrics.update(self._held_metrics("ref"))
+        return batch
+
+    def _held_metrics(self, phase: str) -> dict:
+        """`rollplex/{phase}_prefix_{from_rollout,computed,stale}`: the phase's groups, summed over DP ranks, whose
+        prefix K/V the rollout held (the prefill for old log-probs, the decode window for the reference), those it
+        computed itself, and held ones at other weights; nothing under another rollout or when the phase did not
+        run this step."""
+        if self.config.actor_rollout_ref.rollout.name != ROLLOUT_NAME:
+            return {}
+        import ray
+
+        stats = ray.get([w.__ray_call__.remote(worker_prefix_stats) for w in self.actor_rollout_wg.workers])
+        mine = [s[phase] for s in stats if s["src"] and s.get(phase)]
+        if not mine:
+            return {}
+        return {f"rollplex/{phase}_prefix_{k}": sum(m[k] for m in mine) for k in ("from_rollout", "computed", "stale")}
 
     def on_init_end(self):
         vendor = os.environ.get("VERL_ENGINE_VENDOR")

@@ -107,6 +107,23 @@ class RefWindow:
             self.received.clear()
         return out
 
+    def adopt(self, vg, todo: list[int], store: KVStore, version: int = 0) -> list[int]:
+        """Move into `store` the window's K/V of each group in `todo` whose prompt equals the job's bit for bit;
+        returns the groups that still need their prefix stage. A job whose prompt differs is dropped (and logged):
+        the reference phase computes that prefix itself. (`version`: the reference's weights do not change.)"""
+        got = self.take({vg.uids[g] for g in todo})
+        left = []
+        for g in todo:
+            entry = got.pop(vg.uids[g], None)
+            if entry is not None and same_prompt(entry[0].to("cpu"), vg.groups[g].prompt.to("cpu")):
+                store.adopt(entry[1], 0, g)
+            else:
+                if entry is not None:
+                    log.warning("rollplex verl window: uid %s: the window's prompt differs from the batch's; its "
+                                "prefix runs again", vg.uids[g])
+                left.append(g)
+        return left
+
     def close(self) -> None:
         self._jobs.put(None)
         self.bridge.close()
@@ -152,25 +169,4 @@ class RefWindow:
             if self.error is None:
                 self.error = RuntimeError(f"{what} ({type(e).__name__}: {e})")
                 self.error.__cause__ = e
-
-
-def adopt_window_prefixes(window: RefWindow | None, vg, store: KVStore) -> list[int]:
-    """Move into `store` the window's K/V of each shared group whose prompt equals the job's bit for bit; returns
-    the groups that still need their prefix stage. A job whose prompt differs is dropped (and logged): the
-    reference phase computes that prefix itself."""
-    todo = list(vg.shared)
-    if window is None:
-        return todo
-    got = window.take({vg.uids[g] for g in todo})
-    left = []
-    for g in todo:
-        entry = got.pop(vg.uids[g], None)
-        if entry is not None and same_prompt(entry[0].to("cpu"), vg.groups[g].prompt.to("cpu")):
-            store.adopt(entry[1], 0, g)
-        else:
-            if entry is not None:
-                log.warning("rollplex verl window: uid %s: the window's prompt differs from the batch's; its "
-                            "prefix runs again", vg.uids[g])
-            left.append(g)
-    return left
 
