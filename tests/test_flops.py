@@ -13,6 +13,16 @@ def test_llm_terms_by_hand():
     assert F.logits(cfg, 3) == 2 * 64 * 320 * 3
 
 
+def test_llm_dense_terms_count_the_query_width_where_it_is_not_the_hidden_size():
+    """Qwen3-VL-4B's shape: 32 heads x 128 = 4096 query width against a 2560 hidden size, 8 K/V heads."""
+    cfg = load_run_config(["model=qwen3_vl_4b"]).model
+    h, q, kv, f = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_query_groups * cfg.head_dim, \
+        cfg.ffn_hidden_size
+    assert (h, q) == (2560, 4096), (h, q)
+    per_layer = 2 * h * q + 2 * 2 * h * kv + 2 * q * h + 2 * 3 * h * f  # QKV, output projection, gated MLP
+    assert F.llm_dense_per_token(cfg) == per_layer * cfg.num_layers
+
+
 def test_prefix_path_saves_exactly_the_repeated_prefix():
     cfg = load_run_config([]).model
     grids = torch.tensor([[1, 4, 4]])

@@ -104,11 +104,11 @@ def shared_vs_full(hf_dir: str, tp: int, mutation: str = "", mismatched_uid: boo
     from verl.workers.utils.padding import no_padding_2_padding
 
     from rollplex_megatron.integrations.verl import batch as B
-    from rollplex_megatron.models.qwen25vl.hf import HFCheckpoint
+    from rollplex_megatron.models.registry import open_hf
 
     if mutation == "trust_uid":
         B.same_prompt = lambda a, b: True
-    cfg = HFCheckpoint(hf_dir).model_config()
+    cfg = open_hf(hf_dir).model_config()  # the checkpoint's family (tests/verl_qwen3vl_workers.py: Qwen3-VL)
     engines = {k: new_engine(hf_dir, tp, share_prefix=(k == "shared"), attention=attention if k == "shared" else None)
                for k in ("shared", "full")}  # `attention`: the shared engine's (the full one keeps the default)
     out = {"engine": type(engines["shared"]).__name__, "rel": {}}

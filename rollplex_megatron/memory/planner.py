@@ -24,6 +24,7 @@ from dataclasses import asdict, replace
 
 from rollplex_megatron.config import AUTO_SIZE, ModelConfig, RunConfig
 from rollplex_megatron.memory.classes import PlanInputs, Shape, TensorClass
+from rollplex_megatron.models.registry import model_spec
 from rollplex_megatron.runtime import device, kernel_for
 from rollplex_megatron.trainer.modes import get_mode
 from rollplex_megatron.weights.plan import plan_pairs, rank_pairs, split_gemm_bytes, split_local
@@ -107,17 +108,26 @@ def resident_phases(name: str, mode: str) -> tuple[str, ...]:
 
 
 def param_counts(cfg: ModelConfig, tp: int = 1) -> dict[str, int]:
-    """Parameters of the whole model by part, with the vocabulary and vision MLP padded for `tp`."""
-    h, f, kvd = cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_query_groups * cfg.head_dim
+    """Parameters of the whole model by part, with the vocabulary and vision MLP padded for `tp`; the family's
+    layer make-up (`ModelSpec.layers`: QKV bias, q/k norms, the vision norm and MLP) from the model seam.
+    `patch_embed`: what every TP rank holds whole (the patch embedding and a learned position table)."""
+    lay = model_spec(cfg).layers
+    h, f, d = cfg.hidden_size, cfg.ffn_hidden_size, cfg.head_dim
+    q, kvd = cfg.num_attention_heads * d, cfg.num_query_groups * d
     v = cfg.vision
-    vh, vf, m2 = v.hidden_size, cfg.padded_vision_ffn(tp), v.spatial_merge_size**2
+    vh, vf, fold = v.hidden_size, cfg.padded_vision_ffn(tp), v.spatial_merge_size**2 * v.hidden_size
     vocab = cfg.padded_vocab_size(tp)
-    layer = h * (h + 2 * kvd) + (h + 2 * kvd) + h * h + 3 * f * h + 2 * h
-    block = 3 * vh * vh + 3 * vh + vh * vh + vh + 2 * vf * vh + 2 * vf + vf * vh + vh + 2 * vh
-    patch = v.in_channels * v.temporal_patch_size * v.patch_size**2 * vh
-    merger = vh + (m2 * vh) ** 2 + m2 * vh + m2 * vh * v.out_hidden_size + v.out_hidden_size
-    return {"patch_embed": patch, "vision": v.depth * block + merger, "embedding": vocab * h, "layer": layer,
-            "final_norm": h, "output": 0 if cfg.tie_word_embeddings else vocab * h}
+    layer = h * (q + 2 * kvd) + lay.qkv_bias * (q + 2 * kvd) + q * h + 3 * f * h + 2 * h + lay.qk_norm * 2 * d
+    norm = lambda width: width * (2 if lay.vision_norm == "LayerNorm" else 1)  # noqa: E731 (LayerNorm's bias)
+    mlp = 2 * vf * vh + 2 * vf + vf * vh + vh if lay.vision_gated_mlp else 2 * vf * vh + vf + vh
+    block = 3 * vh * vh + 3 * vh + vh * vh + vh + mlp + 2 * norm(vh)
+    patch = v.in_channels * v.temporal_patch_size * v.patch_size**2 * vh + lay.vision_patch_bias * vh
+    fold_mlp = fold * fold + fold + fold * v.out_hidden_size + v.out_hidden_size
+    # DeepStack's mergers normalise the folded width (after the fold), the main merger each patch (before it)
+    mergers = norm(vh) + fold_mlp + len(v.deepstack_visual_indexes) * (norm(fold) + fold_mlp)
+    return {"patch_embed": patch + v.num_position_embeddings * vh, "vision": v.depth * block + mergers,
+            "embedding": vocab * h, "layer": layer, "final_norm": h,
+            "output": 0 if cfg.tie_word_embeddings else vocab * h}
 
 
 def params_per_gpu(cfg: ModelConfig, tp: int, pp: int) -> int:
@@ -170,34 +180,60 @@ def layer_activation_bytes(cfg: ModelConfig, tp: int, sp: bool, norm: str = "tor
 
     Counted from the tensors autograd saves (tests/test_memory_plan.py checks the count exactly, and
     tests/test_memory_runtime.py against autograd): each RMSNorm's saved tensors (`norm_bytes`, twice);
-    QKV and fc1 keep their bf16 inputs (2h each); rotary keeps cos/sin of q and k (`rope_bytes`); attention keeps
+    QKV and fc1 keep their bf16 inputs (2h each); a family with q/k norms (Qwen3-VL) saves theirs
+    (`qk_norm_bytes`); rotary keeps cos/sin of q and k (`rope_bytes`); attention keeps
     q and k after rotary, the fused QKV buffer (v is a view of it), its output and an fp32 log-sum-exp per
     head; linear_proj's input is that output; fc1's output (2f wide), the SwiGLU halves and fc2's input
     cost 10f. Sequence parallelism splits the h-wide terms over TP."""
     h, d = cfg.hidden_size, cfg.head_dim
     q = cfg.num_attention_heads * d // tp
-    kv = max(cfg.num_query_groups // tp, 1) * d
+    kv_heads = max(cfg.num_query_groups // tp, 1)
+    kv = kv_heads * d
     heads = cfg.num_attention_heads // tp
     replicated = (2 * norm_bytes(h, norm) + 4 * h) // (tp if sp else 1)
-    return (replicated + rope_bytes(d, rope)[0] + 2 * q + 2 * kv + 2 * (q + 2 * kv) + 4 * heads + 2 * q
+    qk_norm = qk_norm_bytes(heads, kv_heads, d, norm) if model_spec(cfg).layers.qk_norm else 0
+    return (replicated + qk_norm + rope_bytes(d, rope)[0] + 2 * q + 2 * kv + 2 * (q + 2 * kv) + 4 * heads + 2 * q
             + 10 * cfg.ffn_hidden_size // tp)
 
 
+def qk_norm_bytes(heads: int, kv_heads: int, head_dim: int, norm: str) -> int:
+    """What the per-head q and k RMSNorms save per token (`heads`, `kv_heads` on this TP rank): torch's composite
+    its fp32 input and output and rsqrt per head (`norm_bytes`); the fused kernel its bf16 input and an fp32 rsqrt,
+    where k's input is a view of the QKV buffer the attention keeps anyway, and so is q's when each KV group has one
+    query head (with more, megatron's reshape of the grouped q copies it: 2 D per head)."""
+    if norm == "torch":
+        return (heads + kv_heads) * norm_bytes(head_dim, norm)
+    return (2 * head_dim * heads if heads != kv_heads else 0) + 4 * (heads + kv_heads)
+
+
+def vision_norm_bytes(cfg: ModelConfig, width: int, norm: str) -> int:
+    """What one vision norm saves per row: an RMSNorm's (`norm_bytes`), or a LayerNorm's bf16 input and its fp32
+    mean and rstd (no kernel of ours replaces a LayerNorm)."""
+    return norm_bytes(width, norm) if model_spec(cfg).layers.vision_norm == "RMSNorm" else 2 * width + 8
+
+
 def block_activation_bytes(cfg: ModelConfig, tp: int, norm: str = "torch", rope: str = "torch") -> int:
-    """The same for one vision block, per patch: norms and QKV/fc1 inputs replicated, windowed
-    attention's gathered q/k/v and scattered output, linear_proj input, SwiGLU MLP."""
+    """The same for one vision block, per patch: norms and QKV/fc1 inputs replicated, the attention's q/k/v and
+    output in its own layout (windowed: gathered and scattered back) and linear_proj's input (10 vh), and the MLP:
+    SwiGLU's 10 f, or fc1's biased output and fc2's input (4 f) for a GELU MLP."""
     v = cfg.vision
-    vh = v.hidden_size
+    vh, vf = v.hidden_size, cfg.padded_vision_ffn(tp)
     d, heads = vh // v.num_heads, v.num_heads // tp
-    return (2 * norm_bytes(vh, norm) + 4 * vh + rope_bytes(d, rope)[0] + (10 * vh) // tp + 4 * heads
-            + 10 * cfg.padded_vision_ffn(tp) // tp)
+    mlp = (10 if model_spec(cfg).layers.vision_gated_mlp else 4) * vf // tp
+    return 2 * vision_norm_bytes(cfg, vh, norm) + 4 * vh + rope_bytes(d, rope)[0] + (10 * vh) // tp + 4 * heads + mlp
 
 
 def vision_base_bytes(cfg: ModelConfig, tp: int, norm: str = "torch") -> int:
-    """Per patch outside the blocks: the patch embedding's input and the merger (norm, MLP)."""
+    """Per patch outside the blocks: the patch embedding's input, a learned position table's blend (4 int64 rows
+    and 4 bf16 weights), the merger (norm, MLP) and each DeepStack merger (the norm over the folded width: its
+    input is a block's output, saved already, so only its statistics; the MLP as the merger's)."""
     v = cfg.vision
+    vh, m2 = v.hidden_size, v.spatial_merge_size**2
     pixels = 2 * v.in_channels * v.temporal_patch_size * v.patch_size**2
-    return pixels + norm_bytes(v.hidden_size, norm) + 2 * v.hidden_size + 4 * v.hidden_size // tp
+    table = 4 * (8 + 2) if v.num_position_embeddings else 0
+    stats = vision_norm_bytes(cfg, m2 * vh, norm) - 2 * m2 * vh  # per merge unit, less the input it shares
+    deepstack = len(v.deepstack_visual_indexes) * (-(-stats // m2) + 2 * vh + 4 * vh // tp)
+    return pixels + table + vision_norm_bytes(cfg, vh, norm) + 2 * vh + 4 * vh // tp + deepstack
 
 
 def prefix_graph_bytes(cfg: ModelConfig, tp: int, pp: int, sp: bool, tokens: int, patches: int,

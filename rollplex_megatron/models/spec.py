@@ -112,6 +112,19 @@ class Decode:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class Layers:
+    """The family's layer make-up beyond ModelConfig's sizes: what memory/planner.py counts parameters and saved
+    activations from (the learned position table and the DeepStack mergers follow from `model.vision`'s
+    num_position_embeddings and deepstack_visual_indexes)."""
+
+    qkv_bias: bool  # the LLM's QKV projection has a bias
+    qk_norm: bool  # q and k RMS-normalised per head before RoPE (megatron's qk_layernorm)
+    vision_norm: str  # the vision blocks' and mergers' norm: "RMSNorm" (a weight) | "LayerNorm" (weight and bias)
+    vision_gated_mlp: bool  # the vision MLP: SwiGLU (fc1 holds both halves) | fc1, GELU, fc2
+    vision_patch_bias: bool  # the patch embedding's Conv3d has a bias
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class ModelSpec:
     """One model family: how to build it at a TP/PP layout and everything the package reads from it."""
 
@@ -123,3 +136,4 @@ class ModelSpec:
     vision: Vision
     processor: Processor
     decode: Decode
+    layers: Layers

@@ -14,8 +14,9 @@ from rollplex_megatron.models.registry import model_spec
 
 def llm_dense_per_token(cfg: ModelConfig) -> float:
     """Forward FLOPs per token of all decoder layers' matmuls (no attention scores, no logits)."""
-    h, kv = cfg.hidden_size, cfg.num_query_groups * cfg.head_dim
-    per_layer = 2 * h * (h + 2 * kv) + 2 * h * h + 2 * 3 * h * cfg.ffn_hidden_size
+    # the query width is heads x head_dim, which need not be the hidden size (Qwen3-VL-4B: 4096 against 2560)
+    h, q, kv = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_query_groups * cfg.head_dim
+    per_layer = 2 * h * (q + 2 * kv) + 2 * q * h + 2 * 3 * h * cfg.ffn_hidden_size
     return per_layer * cfg.num_layers
 
 

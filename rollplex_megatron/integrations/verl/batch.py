@@ -7,7 +7,9 @@ processor's tensors per sample) and the loss inputs (`old_log_probs`, `advantage
 Its outputs are nested tensors of the sample's full length, `log_probs[i][t]` being the log-prob of
 `input_ids[i][t + 1]` (verl's label roll). Rows of one uid become one group when their prompts are equal bit
 for bit (ids and every multimodal tensor); a uid whose rows differ is run as full sequences, one group per
-row, and logged.
+row, and logged. The positions are the model family's (`positions.prompt`, as verl's own Megatron engine computes
+them for a vision model); verl's `position_ids` (its agent loop's M-RoPE rows from the processor's
+`get_rope_index`), when the batch holds them, are checked against them (`check_verl_positions`).
 """
 from __future__ import annotations
 
@@ -16,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from rollplex_megatron.config import ModelConfig
+from rollplex_megatron.models.registry import model_spec
 from rollplex_megatron.prefix.batch import Group, Prompt
 
 log = logging.getLogger(__name__)
@@ -129,6 +133,31 @@ def verl_groups(data, share_prefix: bool = True) -> VerlGroups:
             rows.append([i])
             group_uids.append(uid)
     return VerlGroups(groups, rows, full, p_lens, r_lens, group_uids)
+
+
+def check_verl_positions(data, vg: VerlGroups, cfg: ModelConfig) -> None:
+    """verl's `position_ids` against the model family's positions of each group's first sample (prompt and
+    response); a group's rows share the prompt, so its first stands for all. verl's rows are [4, S] (a text row,
+    then the M-RoPE axes) or [3, S]; a batch without them, or with 1-D text positions, is not checked (the engine
+    computes its own either way). Raises ValueError naming the sample and the first differing token."""
+    pos = data.get("position_ids", None)
+    if pos is None or not pos.is_nested:
+        return
+    rows = list(pos.unbind())
+    if rows[0].dim() != 2 or rows[0].shape[0] < 3:
+        return
+    spec = model_spec(cfg)
+    for g, group in enumerate(vg.groups):
+        i = vg.rows[g][0]
+        theirs = rows[i]
+        ours = spec.positions.prompt(cfg, group.prompt, vg.response_lens[i])[:, 0]
+        theirs = theirs[-ours.shape[0]:].to(ours.device, ours.dtype)
+        if theirs.shape != ours.shape or not torch.equal(theirs, ours):
+            bad = (theirs != ours).any(0).nonzero() if theirs.shape == ours.shape else torch.zeros(1, 1)
+            raise ValueError(f"verl batch: sample {i}: verl's position_ids differ from model.family={cfg.family}'s "
+                             f"positions at token {int(bad[0, 0])} (shapes {tuple(theirs.shape)} vs "
+                             f"{tuple(ours.shape)}); the processor verl loaded must be the checkpoint's "
+                             f"(actor_rollout_ref.model.path)")
 
 
 def full_length(vg: VerlGroups, sample: int, response_values: torch.Tensor) -> torch.Tensor:

@@ -2,8 +2,9 @@
 
 Registered (`plugin.py`) under `EngineRegistry` for `language_model` / `megatron` with vendor `rollplex`, so it is
 chosen with `VERL_ENGINE_VENDOR=rollplex` and verl's own Megatron engine stays as it is. It builds this
-project's Qwen2.5-VL on megatron-core from the HF checkpoint verl points at (`actor_rollout_ref.model.path`),
-at verl's `tensor_model_parallel_size` / `pipeline_model_parallel_size`, with megatron's DDP and Adam.
+project's model of the HF checkpoint verl points at (`actor_rollout_ref.model.path`; its config.json's model_type
+picks the family through the registry: Qwen2.5-VL or Qwen3-VL) on megatron-core, at verl's
+`tensor_model_parallel_size` / `pipeline_model_parallel_size`, with megatron's DDP and Adam.
 
 Per call (`infer_batch`, `train_batch`): the batch's rows are grouped by verl's `uid` (`batch.verl_groups`); each
 group's prompt runs once (the prefix stage, vision tower included), its responses are packed into response-stage
@@ -32,7 +33,7 @@ from rollplex_megatron.checkpoint import train_state
 from rollplex_megatron.attention.prefix import PrefixContext
 from rollplex_megatron.config import ATTENTION_BACKENDS, OptimConfig
 from rollplex_megatron.dist import init_parallel
-from rollplex_megatron.integrations.verl.batch import as_nested, full_length, verl_groups
+from rollplex_megatron.integrations.verl.batch import as_nested, check_verl_positions, full_length, verl_groups
 from rollplex_megatron.models.registry import model_spec, open_hf
 from rollplex_megatron.models.triton_norm import norm_kernel_for, use_norm_kernel
 from rollplex_megatron.models.triton_rope import rope_kernel_for, use_rope_kernel
@@ -86,7 +87,7 @@ def micro_batch_plan(data, vg) -> tuple[int, int, int]:
 
 
 class RollplexMegatronEngine(BaseEngine):
-    """verl engine over this project's Qwen2.5-VL and prefix/response execution (see the module docstring)."""
+    """verl engine over this project's model families and prefix/response execution (see the module docstring)."""
 
     delta_pin_snapshots = False
 
@@ -227,6 +228,7 @@ class RollplexMegatronEngine(BaseEngine):
     def forward_backward_batch(self, data, loss_function=None, forward_only=False):
         """verl's batch through the prefix/response execution; verl's output dict on the last pipeline stage."""
         vg = verl_groups(data, self.share_prefix)
+        check_verl_positions(data, vg, self.cfg)
         temperature = tu.get(data, "temperature")
         if temperature is None or (torch.is_tensor(temperature) and temperature.numel() != 1):
             raise ValueError("rollplex verl engine: the batch needs one scalar `temperature` (the rollout's; verl's "
@@ -292,7 +294,8 @@ class RollplexMegatronEngine(BaseEngine):
         tp_rank, tp_group = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_group()
         dp_group = ps.get_data_parallel_group()
         # the sampled policy's distribution (docs/design.md §3): the rollout never emits the vision placeholders,
-        # so they are out of the softmax here too, or every log-prob is off by log(1 - their mass)
+        # so they are out of the softmax here too, or every log-prob is off by log(1 - their mass); the ids are the
+        # checkpoint's (its family's config.json), not a fixed family's
         banned = tuple(self.cfg.vision_token_ids)
 
         def fn(mb, logits):

@@ -9,7 +9,7 @@ from rollplex_megatron.models.qwen25vl import hf_layout as L
 from rollplex_megatron.models.qwen25vl import model as M
 from rollplex_megatron.models.qwen25vl import positions as P
 from rollplex_megatron.models.qwen25vl.flops import vision_flops
-from rollplex_megatron.models.spec import Decode, HFLayout, ModelSpec, Positions, Processor, Vision
+from rollplex_megatron.models.spec import Decode, HFLayout, Layers, ModelSpec, Positions, Processor, Vision
 
 SPEC = ModelSpec(
     family="qwen2_5_vl",
@@ -31,4 +31,6 @@ SPEC = ModelSpec(
                         "temporal_patch_size": 2, "merge_size": 2},
         image_processor=Qwen2VLImageProcessorPil),
     decode=Decode(positions=P.decode_positions, gather_logits=M.gather_vocab_logits),
+    layers=Layers(qkv_bias=True, qk_norm=False, vision_norm="RMSNorm", vision_gated_mlp=True,
+                  vision_patch_bias=False),
 )

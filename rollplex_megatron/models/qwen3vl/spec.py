@@ -11,7 +11,7 @@ from rollplex_megatron.models.qwen3vl import hf_layout as L
 from rollplex_megatron.models.qwen3vl import model as M
 from rollplex_megatron.models.qwen3vl import positions as P
 from rollplex_megatron.models.qwen3vl.flops import vision_flops
-from rollplex_megatron.models.spec import Decode, HFLayout, ModelSpec, Positions, Processor, Vision
+from rollplex_megatron.models.spec import Decode, HFLayout, Layers, ModelSpec, Positions, Processor, Vision
 
 SPEC = ModelSpec(
     family="qwen3_vl",
@@ -34,4 +34,6 @@ SPEC = ModelSpec(
                         "temporal_patch_size": 2, "merge_size": 2},
         image_processor=Qwen2VLImageProcessorPil, video_run_per_frame=True),
     decode=Decode(positions=Q25P.decode_positions, gather_logits=Q25.gather_vocab_logits),
+    layers=Layers(qkv_bias=False, qk_norm=True, vision_norm="LayerNorm", vision_gated_mlp=False,
+                  vision_patch_bias=True),
 )
