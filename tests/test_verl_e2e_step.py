@@ -47,8 +47,35 @@ def example(root: Path) -> Path:
     return out
 
 
-def run_verl(ex: Path, run: Path, env: dict) -> list[dict]:
-    """verl's driver with the recipe for 2 steps; returns the metrics verl's file logger wrote per step."""
+# Mutation, as a verl plugin of its own (verl imports every `verl.plugins` entry point in every process): the K/V
+# a rollplex rollout holds for the scoring phases are replaced by others of the same shape and scale, as another
+# prompt's would be
+MUTATION = ("import torch\n"
+            "from rollplex_megatron.integrations.verl import held\n"
+            "hold = held.HeldPrefixes.hold\n"
+            "def other(self, prompt, store, group, version, dtype):\n"
+            "    hold(self, prompt, store, group, version, dtype)\n"
+            "    gen = torch.Generator().manual_seed(group)\n"
+            "    for kv in self.entries[held.prompt_key(prompt)][-1][1].values():\n"
+            "        for t in kv:\n"
+            "            t.copy_(torch.randn(t.shape, generator=gen) * t.std())\n"
+            "held.HeldPrefixes.hold = other\n")
+
+
+def mutation_site(root: Path) -> Path:
+    """A folder that, on PYTHONPATH, installs `MUTATION` as a verl plugin."""
+    site = root / "mutation_site"
+    info = site / "rollplex_mutation-0.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: rollplex-mutation\nVersion: 0.0\n")
+    (info / "entry_points.txt").write_text("[verl.plugins]\nmutation = rollplex_mutation\n")
+    (site / "rollplex_mutation.py").write_text(MUTATION)
+    return site
+
+
+def run_verl(ex: Path, run: Path, env: dict, path: str = "") -> list[dict]:
+    """verl's driver with the recipe for 2 steps; returns the metrics verl's file logger wrote per step. `path`:
+    put first on PYTHONPATH (of the driver, hence of its Ray workers)."""
     run.mkdir()
     (run / "reward.py").write_text(REWARD)
     ray_env = "+ray_kwargs.ray_init.runtime_env.env_vars"
@@ -77,25 +104,30 @@ def run_verl(ex: Path, run: Path, env: dict) -> list[dict]:
     cmd = [sys.executable, "-m", "verl.trainer.main_ppo", f"--config-path={REPO}/recipes/verl",
            "--config-name=qwen2_5_vl_rollplex", *args]
     out = subprocess.run(cmd, cwd=run, capture_output=True, text=True, timeout=400,
-                         env={**os.environ, "VERL_ENGINE_VENDOR": "rollplex", "PYTHONWARNINGS": "ignore"})
+                         env={**os.environ, "VERL_ENGINE_VENDOR": "rollplex", "PYTHONWARNINGS": "ignore",
+                              **({"PYTHONPATH": os.pathsep.join([path, os.environ.get("PYTHONPATH", "")])}
+                                 if path else {})})
     assert out.returncode == 0, (out.stdout + out.stderr)[-6000:]
     return [json.loads(line)["data"] for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """(shared, full): the metrics of the same 2 steps with prefix sharing and with every group as full rows."""
+    """(shared, full, mutant): the metrics of the same 2 steps with prefix sharing, with every group as full rows,
+    and shared with the held K/V off (`MUTATION`)."""
     root = tmp_path_factory.mktemp("verl_step")
     ex = example(root)
-    # the two drivers side by side, each with its own local Ray cluster: most of a run is start-up waiting
-    with ThreadPoolExecutor(2) as pool:
+    # the drivers side by side, each with its own local Ray cluster: most of a run is start-up waiting
+    with ThreadPoolExecutor(3) as pool:
         shared = pool.submit(run_verl, ex, root / "shared", {})
         full = pool.submit(run_verl, ex, root / "full", {"ROLLPLEX_VERL_PREFIX": "full"})
-        return shared.result(), full.result()
+        site = str(mutation_site(root))  # the driver's path and its Ray workers'
+        mutant = pool.submit(run_verl, ex, root / "mutant", {"PYTHONPATH": site}, site)
+        return shared.result(), full.result(), mutant.result()
 
 
 def test_two_verl_steps_log_rewards_and_losses(runs):
-    shared, _ = runs
+    shared = runs[0]
     assert [m["training/global_step"] for m in shared] == [1, 2]
     for m in shared:
         assert {"critic/score/mean", "critic/rewards/mean", "actor/pg_loss", "actor/grad_norm"} <= set(m)
@@ -104,25 +136,40 @@ def test_two_verl_steps_log_rewards_and_losses(runs):
 
 
 def test_rollout_log_probs_equal_the_actors_old_log_probs(runs):
-    for m in runs[0] + runs[1]:
+    for m in runs[0] + runs[1]:  # not the mutant's
         # verl's rollout-vs-training metrics: per-token probabilities and per-sequence mean log-probs
         assert m["training/rollout_probs_diff_max"] <= TOL
         assert max(abs(m["rollout_corr/log_ppl_diff_max"]), abs(m["rollout_corr/log_ppl_diff_min"])) <= TOL
 
 
+KEYS = ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "critic/score/mean", "actor/entropy")
+
+
+def _worst(a: list[dict], b: list[dict]) -> float:
+    """The largest norm-relative difference of `KEYS` between two runs' steps (GRPO's on-policy loss is ~0, with
+    unit-scale advantages summing to 0: its scale is 1)."""
+    return max(abs(x[k] - y[k]) / max(abs(x[k]), abs(y[k]), 1.0) for x, y in zip(a, b, strict=True) for k in KEYS)
+
+
 def test_full_sequences_give_the_same_losses_and_grad_norms(runs):
-    shared, full = runs
-    for a, b in zip(shared, full, strict=True):
-        for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "critic/score/mean", "actor/entropy"):
-            # norm-relative; GRPO's on-policy loss is ~0 (unit-scale advantages summing to 0): its scale is 1
-            scale = max(abs(a[key]), abs(b[key]), 1.0)
-            assert abs(a[key] - b[key]) <= TOL * scale, (key, a[key], b[key])
+    shared, full, _ = runs
+    assert _worst(shared, full) <= TOL
+
+
+def test_held_kv_one_percent_off_fail_the_checks(runs):
+    """Mutation: other K/V held; the on-policy check and the comparison with full sequences both fail."""
+    _, full, mutant = runs
+    # per-sequence mean log-probs (the probabilities themselves are ~1/vocabulary on this checkpoint: their
+    # difference is small whatever the log-probs do)
+    ppl = max(max(abs(m["rollout_corr/log_ppl_diff_max"]), abs(m["rollout_corr/log_ppl_diff_min"])) for m in mutant)
+    assert ppl > 100 * TOL, [{k: m[k] for k in KEYS} for m in mutant]
+    assert _worst(mutant, full) > 100 * TOL, ([{k: m[k] for k in KEYS} for m in mutant], full)
 
 
 def test_the_rollout_ran_the_prefix_stages_the_scoring_phases_read(runs):
     """Shared: every group's old log-probs read the rollout prefill's K/V and its reference log-probs the decode
     window's (rollout.py, held.py); none computed again. Full sequences read no prefix K/V."""
-    shared, full = runs
+    shared, full, _ = runs
     for m in shared:
         for phase in ("old_logp", "ref"):
             got = [m[f"rollplex/{phase}_prefix_{k}"] for k in ("from_rollout", "computed", "stale")]
