@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from rollplex_megatron.rollout.sglang import engine as E
 from rollplex_megatron.rollout.sglang import plugin as PL
 from rollplex_megatron.rollout.sglang.source import PATCHED, SUPPORTED, apply_patch, check_release
 
@@ -84,10 +85,11 @@ def test_source_check_mutation_catches_a_renamed_target(tmp_path, monkeypatch):
     assert any("on_idle_renamed" in b for b in bad)
 
 
-def test_register_with_sglangs_own_hook_registry(monkeypatch):
-    """The entry point registers through SGLang's real HookRegistry (its stdlib-only file, loaded from the
+@pytest.mark.parametrize("version", SUPPORTED)
+def test_register_with_sglangs_own_hook_registry(version, monkeypatch):
+    """The entry point registers through the release's real HookRegistry (its stdlib-only file, loaded from the
     wheel) and the hooks it applies wrap a stand-in Scheduler and ModelRunner as SGLang would."""
-    tree = _release("0.5.23")
+    tree = _release(version)
     for name in ("sglang", "sglang.srt", "sglang.srt.plugins", "sglang.srt.managers", "sglang.srt.model_executor"):
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
     spec = importlib.util.spec_from_file_location("sglang.srt.plugins.hook_registry",
@@ -144,3 +146,54 @@ def test_register_with_sglangs_own_hook_registry(monkeypatch):
     finally:
         reg.HookRegistry.reset()
     assert calls == [("forward", False), ("forward", True), ("window", 7), ("drain",), ("idle",), ("bind", "model")]
+
+
+def test_tp_coordinates_of_each_releases_objects():
+    """The hooks read (TP rank, TP size) off what SGLang hands them: own attributes (0.5.12's Scheduler and
+    ModelRunner) or a `ps` ParallelState (0.5.17's, which have no tp_rank / tp_size of their own)."""
+    own = types.SimpleNamespace(tp_rank=1, tp_size=2)
+    held = types.SimpleNamespace(ps=types.SimpleNamespace(tp_rank=3, tp_size=4, pp_rank=0))
+    assert PL.tp_coordinates(own) == (1, 2)
+    assert PL.tp_coordinates(held) == (3, 4)
+
+
+def test_source_check_mutation_catches_missing_tp_coordinates(tmp_path):
+    """Mutation: a 0.5.17 whose ParallelState lost its TP fields is reported for both hooked classes."""
+    tree = tmp_path / "x"
+    shutil.copytree(_release("0.5.17") / "sglang", tree / "sglang", copy_function=os.symlink)  # links: fast
+    f = tree / "sglang/srt/distributed/parallel_state_wrapper.py"
+    text = f.read_text()
+    f.unlink()
+    f.write_text(text.replace("    tp_rank: int\n", "    rank: int\n"))
+    bad = check_release(tree, adapter=False)
+    assert any(b.startswith("Scheduler: no TP coordinates") for b in bad), bad
+    assert any(b.startswith("ModelRunner: no TP coordinates") for b in bad), bad
+
+
+def test_sglang_starts_without_its_vision_embedding_cache(monkeypatch):
+    """SGLang's processes start with SGLANG_ENV (no vision-embedding cache: its weights change in place, and the
+    cache is never cleared), and this process's environment is as it was after the start."""
+    seen = {}
+
+    class Engine:  # stand-in for sglang.Engine: what its processes would inherit
+        def __init__(self, **kwargs):
+            seen.update(env=dict(os.environ), kwargs=kwargs)
+
+    monkeypatch.setenv("SGLANG_VLM_CACHE_SIZE_MB", "100")
+    eng = E.SGLangEngine.__new__(E.SGLangEngine)
+    eng.sg, eng.engine_args = types.SimpleNamespace(Engine=Engine), lambda: {"model_path": "m"}
+    assert isinstance(eng.start_engine(), Engine)
+    assert seen["env"]["SGLANG_VLM_CACHE_SIZE_MB"] == "0" and seen["kwargs"] == {"model_path": "m"}
+    assert os.environ["SGLANG_VLM_CACHE_SIZE_MB"] == "100"
+
+
+def test_adapter_refuses_sglang_without_the_memory_saver(monkeypatch):
+    """SGLang importable but torch-memory-saver missing (SGLang's scheduler would die at start-up on
+    enable_memory_saver): one line naming the package, before any engine starts."""
+    monkeypatch.setitem(sys.modules, "sglang", types.SimpleNamespace(__version__="0.5.17"))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch_memory_saver"
+                        else real(name, *a))
+    with pytest.raises(ValueError, match="pip install torch-memory-saver") as e:
+        E.import_sglang()
+    assert "\n" not in str(e.value)

@@ -20,6 +20,7 @@ break that and is refused).
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import threading
 import time
@@ -36,6 +37,11 @@ from rollplex_megatron.rollout.sglang.weights import LOADER, SGLangShards
 # SGLang's memory outside the rollout phase: its KV cache and CUDA graphs are released (the memory saver keeps
 # their addresses, so the graphs stay valid), its weights are the trainer's and are never released
 ROLLOUT_MEMORY = ("kv_cache", "cuda_graph")
+# what SGLang's processes get in their environment: no vision-embedding cache. SGLang keys it by image hash and
+# never clears it, not even when its weights change (release_memory_occupation flushes the KV cache only); here its
+# weights change in place at every optimizer step, so a recurring image would get the vision tower's output of an
+# earlier step. SGLang sets the same itself for RL (rl_on_policy_target)
+SGLANG_ENV = {"SGLANG_VLM_CACHE_SIZE_MB": "0"}
 BANNED_BIAS = -1e9  # logit bias of the vision placeholder tokens (the embedded sampler bans them too)
 
 
@@ -55,12 +61,17 @@ def import_sglang():
         import sglang
     except ImportError:
         raise ValueError("rollout.engine=sglang needs SGLang in this environment (pip install 'sglang==0.5.23', "
-                         "or 0.5.12 as verl 0.9.1 pins; docs/guides/sglang.md); use rollout.engine=embedded") from None
+                         "0.5.17 for torch 2.11, or 0.5.12 as verl 0.9.1 pins; docs/guides/sglang.md); use "
+                         "rollout.engine=embedded") from None
     version = getattr(sglang, "__version__", "0")
     if _release(version) < MIN_ADAPTER:
         raise ValueError(f"rollout.engine=sglang needs SGLang >= {'.'.join(map(str, MIN_ADAPTER))} (per-sample "
                          f"sampling_seed, deterministic inference); this is {version}. Older releases get the "
                          f"bridge's hooks through patches/sglang/ but not this adapter")
+    if importlib.util.find_spec("torch_memory_saver") is None:  # else SGLang's scheduler dies at start-up
+        raise ValueError("rollout.engine=sglang releases SGLang's KV cache outside the rollout through its memory "
+                         "saver (enable_memory_saver), which needs the torch-memory-saver package (an SGLang "
+                         "dependency): pip install torch-memory-saver")
     return sglang
 
 
@@ -158,12 +169,7 @@ class SGLangEngine:
         self.engine = None
         t0 = time.perf_counter()
         if self.tp_rank == 0:
-            saved = dict(os.environ)  # SGLang sets NCCL and CUDA variables for its children: not for this rank,
-            try:  # whose communicators must match the other training ranks'
-                self.engine = self.sg.Engine(**self.engine_args())
-            finally:
-                os.environ.clear()
-                os.environ.update(saved)
+            self.engine = self.start_engine()
         joiner()
         self.startup_s = time.perf_counter() - t0
         m = cfg.mode
@@ -187,6 +193,18 @@ class SGLangEngine:
                 "enable_deterministic_inference": True, "enable_memory_saver": True}
         args.update(s.engine_args)
         return args
+
+    def start_engine(self):
+        """`sglang.Engine`, its processes started with `SGLANG_ENV`; this process's environment is restored after:
+        SGLang sets NCCL and CUDA variables for its children, not for this rank, whose communicators must match
+        the other training ranks'."""
+        saved = dict(os.environ)
+        try:
+            os.environ.update(SGLANG_ENV)
+            return self.sg.Engine(**self.engine_args())
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
 
     def _accept_and_bind(self) -> None:
         """The scheduler's connection, then this rank's shards as SGLang's parameters (while SGLang loads)."""

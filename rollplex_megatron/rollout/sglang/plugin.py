@@ -34,9 +34,10 @@ _NO_BRIDGE = object()  # a rendezvous without this scheduler's trainer (decided 
 
 def tp_coordinates(obj) -> tuple[int, int]:
     """(TP rank, TP size) of this SGLang process: the object's `tp_rank` / `tp_size` (0.5.12's Scheduler and
-    ModelRunner), else SGLang's runtime context (`get_parallel()`, 0.5.23)."""
-    if hasattr(obj, "tp_rank") and hasattr(obj, "tp_size"):
-        return int(obj.tp_rank), int(obj.tp_size)
+    ModelRunner), its `ps` ParallelState (0.5.17's), else SGLang's runtime context (`get_parallel()`, 0.5.23)."""
+    for holder in (obj, getattr(obj, "ps", None)):
+        if hasattr(holder, "tp_rank") and hasattr(holder, "tp_size"):
+            return int(holder.tp_rank), int(holder.tp_size)
     from sglang.srt.runtime_context import get_parallel
 
     par = get_parallel()

@@ -2,10 +2,11 @@
 
 `check_release(root, with_plugins)` reads an unpacked SGLang release (`root` holds `sglang/`) with `ast` and
 returns every mismatch with what this package hooks and calls: the plugin framework and the three hook
-targets, the scheduler attributes the hooks read, the `Engine` methods and keywords the adapter passes
-(read from the adapter's own source, so a new call is checked without editing a list), the ServerArgs
-and SamplingParams fields it sets, the custom-loader dispatch, the memory tags, the output format it
-parses and the parameter names the weight mapping produces. `apply_patch` applies a `patches/sglang/`
+targets, where the hooks read the TP rank off the Scheduler and ModelRunner, the `Engine` methods and
+keywords the adapter passes (read from the adapter's own source, so a new call is checked without editing a
+list), the ServerArgs and SamplingParams fields it sets, the environment it gives SGLang's processes, the
+custom-loader dispatch, the memory tags, the output format it parses and the parameter names the weight
+mapping produces. `apply_patch` applies a `patches/sglang/`
 diff to such a tree and compiles the patched files.
 """
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 from rollplex_megatron.rollout.sglang import engine as E
 from rollplex_megatron.rollout.sglang import plugin as PL
 
-SUPPORTED = ("0.5.23", "0.5.12")  # with sglang.srt.plugins: the entry point
+SUPPORTED = ("0.5.23", "0.5.17", "0.5.12")  # with sglang.srt.plugins: the entry point
 PATCHED = ("0.5.2",)  # without it: patches/sglang/<version>/
 
 
@@ -159,6 +160,25 @@ def server_args_fields(t: Tree) -> set[str]:
     return out
 
 
+def tp_source(t: Tree, module: str, cls: str) -> bool:
+    """Whether the hooks can read (TP rank, TP size) off `cls`'s objects as `plugin.tp_coordinates` does: its own
+    `tp_rank` / `tp_size` (0.5.12), its `ps` ParallelState (0.5.17), or SGLang's runtime context, which that
+    module's own code reads (0.5.23: a dynamic context object)."""
+    init = t.method(module, cls, "__init__")
+    own = {n.attr for n in ast.walk(init or ast.Module([], []))
+           if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store) and getattr(n.value, "id", None) == "self"}
+    if {"tp_rank", "tp_size"} <= own:
+        return True
+    if "ps" in own and {"tp_rank", "tp_size"} <= t.fields("sglang.srt.distributed.parallel_state_wrapper",
+                                                          "ParallelState"):
+        return True
+    rc = t.module("sglang.srt.runtime_context")
+    has_fn = any(isinstance(n, ast.FunctionDef) and n.name == "get_parallel" for n in (rc.body if rc else []))
+    f = t.file(module)
+    src = f.read_text() if f else ""
+    return has_fn and "get_parallel().tp_rank" in src and "get_parallel().tp_size" in src
+
+
 def check_release(root: Path, with_plugins: bool = True, adapter: bool = True) -> list[str]:
     """Every mismatch between this package and the SGLang release unpacked at `root` (empty: none).
     `with_plugins`: hook through `sglang.srt.plugins` (else the patch's `install_direct`, whose idle method is
@@ -198,15 +218,9 @@ def check_release(root: Path, with_plugins: bool = True, adapter: bool = True) -
          "ForwardMode.is_decode missing")
     need(t.method("sglang.srt.managers.schedule_batch", "ScheduleBatch", "batch_size") is not None,
          "ScheduleBatch.batch_size missing")
-    init = t.method("sglang.srt.managers.scheduler", "Scheduler", "__init__")
-    own = {n.attr for n in ast.walk(init or ast.Module([], []))
-           if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store)}
-    if not {"tp_rank", "tp_size"} <= own:  # 0.5.23: a dynamic context object; SGLang's own code reads both
-        rc = t.module("sglang.srt.runtime_context")
-        has_fn = any(isinstance(n, ast.FunctionDef) and n.name == "get_parallel" for n in (rc.body if rc else []))
-        sched = t.file("sglang.srt.managers.scheduler").read_text()
-        need(has_fn and "get_parallel().tp_rank" in sched and "get_parallel().tp_size" in sched,
-             "neither Scheduler.tp_rank/tp_size nor runtime_context.get_parallel().tp_rank/tp_size")
+    for module, cls in (("sglang.srt.managers.scheduler", "Scheduler"), _split(PL.LOAD_MODEL)[:2]):
+        need(tp_source(t, module, cls), f"{cls}: no TP coordinates for the hooks (neither self.tp_rank/tp_size, nor "
+                                        f"self.ps as a ParallelState, nor runtime_context.get_parallel())")
     if adapter:
         bad += _adapter_mismatches(t, with_plugins)
     return bad
@@ -246,6 +260,10 @@ def _adapter_mismatches(t: Tree, with_plugins: bool) -> list[str]:
     tm_src = tm.read_text() if tm.is_file() else ""
     need('"output_token_logprobs"' in tm_src and '"finish_reason"' in tm_src,
          "meta_info output_token_logprobs / finish_reason not produced by the tokenizer manager")
+    for key in E.SGLANG_ENV:  # the environment the adapter gives SGLang's processes must still mean something
+        used = [f for d in ("managers", "mem_cache") for f in (t.root / "sglang/srt" / d).rglob("*.py")
+                if key in f.read_text()]
+        need(used, f"SGLang no longer reads {key} (the adapter sets it for SGLang's processes: engine.SGLANG_ENV)")
     bp = t.file("sglang.srt.multimodal.processors.base_processor") or \
         t.file("sglang.srt.managers.multimodal_processors.base_processor")
     need(bp is not None and "processor_output" in bp.read_text(), "the 'processor_output' multimodal format is gone")
