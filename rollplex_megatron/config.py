@@ -139,6 +139,10 @@ class VisionConfig:
             )
 
 
+# model fields that one family alone reads (models/<family>/), with that family
+FAMILY_ONLY_FIELDS = {"vision.num_position_embeddings": "qwen3_vl", "vision.deepstack_visual_indexes": "qwen3_vl"}
+
+
 @dataclass(kw_only=True)
 class ModelConfig:
     """Qwen2.5-VL shape: LLM fields, special tokens and the vision tower."""
@@ -199,6 +203,12 @@ class ModelConfig:
         if len(set(ids)) < len(ids):  # a token that is two of them would be read as both
             raise ValueError(f"model.image_token_id, video_token_id, vision_start_token_id and vision_end_token_id "
                              f"must differ, got {ids}")
+        for field, family in FAMILY_ONLY_FIELDS.items():  # another family's model would ignore them silently
+            value = getattr(self.vision, field.removeprefix("vision."))
+            if value and self.family != family:
+                raise ValueError(f"model.{field}={value} is read only by model.family={family}, and "
+                                 f"model.family={self.family} ignores it; drop the setting (or set "
+                                 f"model.family={family})")
 
     @property
     def vision_token_ids(self) -> tuple[int, int, int, int]:

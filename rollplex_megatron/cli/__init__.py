@@ -29,9 +29,10 @@ Commands
                                       a checkpoint's per-data_source scores on a validation set
   generate (--hf-dir DIR | --run DIR [--step N]) data.val_files=[FILE] [--rows K] [val.n=N]
                                       print a checkpoint's responses to the first K rows, for reading
-  make-example DIR [--train-rows N] [--val-rows N] [--videos] [model=...]
-                                      a tiny random Qwen2.5-VL checkpoint with its processor (DIR/model)
-                                      and a multiple-choice dataset in verl's format (DIR/*.parquet)
+  make-example DIR [--train-rows N] [--val-rows N] [--videos] [--family F] [model=...]
+                                      a tiny random Qwen2.5-VL (--family qwen3_vl: Qwen3-VL) checkpoint
+                                      with its processor (DIR/model) and a multiple-choice dataset in
+                                      verl's format (DIR/*.parquet)
 Commands that take Hydra overrides accept e.g. `model=qwen2_5_vl_3b parallel.tp=2`.
 Multi-process commands launch their own local processes when not started by torchrun.
 Errors print one line (`error: ...`); `--debug` anywhere on the line shows the traceback instead.
@@ -61,7 +62,7 @@ from rollplex_megatron.cli.train import main as train_main
 from rollplex_megatron.compat import quiet_known_warnings
 from rollplex_megatron.config import ParallelConfig, check_model_parallel
 from rollplex_megatron.data.dataset import DatasetSource
-from rollplex_megatron.data.example import make_example
+from rollplex_megatron.data.example import TINY_PRESETS, make_example
 from rollplex_megatron.dist import LocalRunError, check_launch, launch_on_ranks, leave_torchrun
 from rollplex_megatron.memory.planner import check_budget, plan_memory
 from rollplex_megatron.recipes import (RECIPES_DIR, check_eval_overrides, load_run_config, override_key,
@@ -317,6 +318,8 @@ def _cmd_make_example(argv: list[str]) -> int:
     ap.add_argument("--val-rows", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--videos", action="store_true", help="every third row a two-frame video")
+    ap.add_argument("--family", choices=sorted(TINY_PRESETS), default=None,
+                    help="model family of the checkpoint: its tiny preset (a model= override is used as given)")
     a, overrides = ap.parse_known_args(argv)
     if a.train_rows < 1 or a.val_rows < 1:
         raise ValueError(f"--train-rows and --val-rows must be >= 1, got {a.train_rows} and {a.val_rows}")
@@ -324,7 +327,12 @@ def _cmd_make_example(argv: list[str]) -> int:
     if other:  # only the model's shape shapes the example
         raise ValueError(f"{other[0]}: make-example reads model overrides only (model=PRESET, model.*); give the "
                          f"others to train")
-    out = make_example(a.out, load_run_config(overrides).model, a.train_rows, a.val_rows, a.seed, a.videos)
+    given = any(override_key(o) == "model" for o in overrides)
+    preset = [f"model={TINY_PRESETS[a.family]}"] if a.family and not given else []
+    model = load_run_config(preset + overrides).model
+    if a.family and model.family != a.family:
+        raise ValueError(f"--family {a.family} but the model overrides give model.family={model.family}; drop one")
+    out = make_example(a.out, model, a.train_rows, a.val_rows, a.seed, a.videos)
     train, val = (next(out.glob(f"{name}.*")) for name in ("train", "val"))  # .parquet, or .jsonl without pyarrow
     print(f"train with: python -m rollplex_megatron train train.init_hf={out / 'model'} data.train_files=[{train}] "
           f"data.val_files=[{val}] train.val_every=50 rollout.max_response_len=4 reward.format_reward=0.5 "

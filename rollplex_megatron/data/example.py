@@ -1,9 +1,10 @@
-"""`make-example DIR`: what a user brings, written offline: a tiny random Qwen2.5-VL checkpoint with
-its processor (tokenizer, chat template, image and video processor configs) in DIR/model, and a
-multiple-choice dataset in verl's RL format in DIR/train.parquet and DIR/val.parquet.
+"""`make-example DIR`: what a user brings, written offline: a tiny random Qwen2.5-VL (or, with a Qwen3-VL
+model config, Qwen3-VL) checkpoint with its processor (tokenizer, chat template, image and video processor
+configs) in DIR/model, and a multiple-choice dataset in verl's RL format in DIR/train.parquet and DIR/val.parquet.
 
-Each row shows one PIL-drawn square (14 px on a 28x28 image by default: one merged vision token)
-and asks which colour it is; the options are always
+Each row shows one PIL-drawn square (half of one merged vision token's side, on an image of one merged vision
+token: 14 px on 28x28 for the tiny Qwen2.5-VL preset, 8 px on 16x16 for the tiny Qwen3-VL one) and asks which
+colour it is; the options are always
 "A red B green C blue D yellow" and the reward is the built-in `multiple_choice` (chance 1/4).
 With `videos=True` every third row is a two-frame video instead (frame lists), and rows vary in
 image size and wording, so prompts are ragged (the tests use that form).
@@ -18,11 +19,14 @@ import json
 import numpy as np
 import torch
 from PIL import Image
-from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+from tokenizers import pre_tokenizers
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 
 from rollplex_megatron.checkpoint.convert import build_atomically, hf_config_from_model
 from rollplex_megatron.config import ModelConfig
-from rollplex_megatron.data.example_files import write_tiny_processor
+from rollplex_megatron.data.example_files import tiny_tokenizer, write_tiny_processor
+from rollplex_megatron.models.registry import model_spec
 
 try:  # parquet output; without pyarrow the rows are written as jsonl with image files beside them
     import pyarrow as pa
@@ -36,14 +40,40 @@ QUESTION = "which colour is the square ? A red B green C blue D yellow . answer 
 LONGER = "look at the picture carefully . " + QUESTION
 WORDS = sorted(set((QUESTION + " " + LONGER + " you are a helpful assistant . system user assistant "
                     "look at the picture carefully video").split()) | set(LETTERS))
+# Qwen3VLProcessor writes a timestamp text before each video run, e.g. "<0.2 seconds>"
+TIMESTAMP_WORDS = ["<", ">", "seconds", *"0123456789"]
+# the tiny model preset of each family (`make-example --family`)
+TINY_PRESETS = {"qwen2_5_vl": "tiny", "qwen3_vl": "qwen3_vl_tiny"}
 
 
 def write_model(path: Path, model: ModelConfig, seed: int) -> None:
-    """A randomly initialised checkpoint of `model`'s shape, with its processor, in `path`."""
+    """A randomly initialised checkpoint of `model`'s shape (its family's transformers class), with its
+    processor, in `path`."""
     torch.manual_seed(seed)
-    hf = Qwen2_5_VLConfig.from_dict(hf_config_from_model(model))
-    Qwen2_5_VLForConditionalGeneration(hf).save_pretrained(str(path))
-    write_tiny_processor(path, WORDS, model, min_pixels=28 * 28, max_pixels=56 * 56)
+    cls = model_spec(model).hf.reference_model
+    cls(cls.config_class.from_dict(hf_config_from_model(model))).save_pretrained(str(path))
+    unit = model.vision.patch_size * model.vision.spatial_merge_size  # one merged vision token's side
+    if model_spec(model).processor.video_run_per_frame:
+        write_qwen3_processor(path, model, unit * unit, 4 * unit * unit)
+    else:
+        write_tiny_processor(path, WORDS, model, min_pixels=unit * unit, max_pixels=4 * unit * unit)
+
+
+def write_qwen3_processor(path: Path, model: ModelConfig, min_pixels: int, max_pixels: int) -> None:
+    """What a Qwen3-VL checkpoint ships for Qwen3VLProcessor, at `model`'s scale: the tokenizer (digits one token
+    each, as Qwen's own, so timestamps of any length tokenise), the image processor config (mean/std 0.5) and
+    Qwen3VLVideoProcessor's config, whose pixel budget bounds a whole clip (here up to 8 frames of max_pixels)."""
+    tok = tiny_tokenizer(WORDS + TIMESTAMP_WORDS, model)
+    tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [tok.backend_tokenizer.pre_tokenizer, pre_tokenizers.Digits(individual_digits=True)])
+    tok.save_pretrained(str(path))
+    v, half = model.vision, [0.5] * 3
+    shape = dict(patch_size=v.patch_size, temporal_patch_size=v.temporal_patch_size, merge_size=v.spatial_merge_size)
+    Qwen2VLImageProcessorPil(min_pixels=min_pixels, max_pixels=max_pixels, image_mean=half, image_std=half,
+                             **shape).save_pretrained(str(path))
+    # cap_pixels_per_frame stated (transformers' current default), so the processor does not warn at every call
+    Qwen3VLVideoProcessor(size={"shortest_edge": min_pixels, "longest_edge": 8 * max_pixels},
+                          cap_pixels_per_frame=False, **shape).save_pretrained(str(path))
 
 
 def _png(rgb, size: tuple[int, int], rng: np.random.Generator, side: int) -> bytes:
@@ -61,12 +91,13 @@ def _png(rgb, size: tuple[int, int], rng: np.random.Generator, side: int) -> byt
 def example_rows(n: int, seed: int, videos: bool = False, ragged: bool = False, image_px: int = 28,
                  square_px: int = 14) -> list[dict]:
     """`n` rows of the colour question in verl's RL format (images as `{"bytes": ...}` dicts of
-    `image_px` squares, or 56x56 / 28x84 / 56x28 when `ragged`)."""
+    `image_px` squares, or 2x2 / 1x3 / 2x1 times `image_px` when `ragged`)."""
     rng = np.random.default_rng(seed)
     rows = []
     for k in range(n):
         colour = list(COLOURS)[int(rng.integers(len(COLOURS)))]
-        size = [(56, 56), (28, 84), (56, 28)][k % 3] if ragged else (image_px, image_px)
+        u = image_px  # ragged: 2x2, 1x3 and 2x1 of it
+        size = [(2 * u, 2 * u), (u, 3 * u), (2 * u, u)][k % 3] if ragged else (u, u)
         text = LONGER if ragged and k % 2 else QUESTION
         row = {"data_source": "multiple_choice", "ability": "vision",
                "reward_model": {"style": "rule", "ground_truth": LETTERS[list(COLOURS).index(colour)]},
@@ -107,10 +138,13 @@ def _save(path: Path, image: dict) -> str:
 
 
 def make_example(out: str | Path, model: ModelConfig, train_rows: int = 512, val_rows: int = 64,
-                 seed: int = 0, videos: bool = False, ragged: bool = False, image_px: int = 28,
-                 square_px: int = 14) -> Path:
+                 seed: int = 0, videos: bool = False, ragged: bool = False, image_px: int | None = None,
+                 square_px: int | None = None) -> Path:
     """Write DIR/model, DIR/train.parquet and DIR/val.parquet (.jsonl without pyarrow); refuses an existing DIR."""
     out = Path(out)
+    # images default to one merged vision token (28 px for Qwen2.5-VL's 14 px patches), the square to half of it
+    image_px = image_px or model.vision.patch_size * model.vision.spatial_merge_size
+    square_px = square_px or image_px // 2
     if out.exists():
         raise FileExistsError(f"{out} exists; make-example writes a new directory (choose another path)")
     if seed < 0:

@@ -1,11 +1,12 @@
-"""Chat messages with images and videos -> a Qwen2.5-VL `Prompt`, as Qwen2_5_VLProcessor builds it.
+"""Chat messages with images and videos -> a `Prompt`, as Qwen2_5_VLProcessor (or Qwen3VLProcessor) builds it.
 
 Legend: T frames, H x W pixels, p = patch size, m = spatial merge, tp = temporal patch.
 A processor directory is what a checkpoint ships next to config.json: tokenizer files and chat
 template, preprocessor_config.json (images, through transformers' PIL image processor) and
 video_preprocessor_config.json (videos, through `envs.vision.video_patches`, because transformers'
-video processor needs torchvision). Messages come in verl's RL form: string contents whose text
-holds `<image>` / `<video>` placeholders, or content lists as the chat template takes them.
+video processor needs torchvision; a family with one placeholder run per temporal patch, Qwen3-VL, through
+`data.frame_runs`, which also writes each run's timestamp text). Messages come in verl's RL form: string
+contents whose text holds `<image>` / `<video>` placeholders, or content lists as the chat template takes them.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from transformers import AutoTokenizer
 from rollplex_megatron.config import ModelConfig
 from rollplex_megatron.envs.vision import CLIP_MEAN, CLIP_STD, sample_frame_indices, smart_resize, video_patches
 from rollplex_megatron.checkpoint.files import atomic_write_text, read_json
+from rollplex_megatron.data.frame_runs import FrameRunVideos, expand_video_text
 from rollplex_megatron.models.registry import model_spec
 from rollplex_megatron.prefix.batch import Prompt
 
@@ -356,7 +358,11 @@ class VLProcessor:
         self.image = PixelSettings(os.path.join(path, "preprocessor_config.json"), min_pixels or ip.size.shortest_edge,
                                    max_pixels or ip.size.longest_edge, ip.patch_size, ip.temporal_patch_size,
                                    ip.merge_size)
-        self.video = video_settings(*read_video_config(path), min_pixels, max_pixels, self.settings.video_defaults)
+        # Qwen3-VL: its own video processor's rules and one timestamped placeholder run per temporal patch
+        self.frame_runs = self.settings.video_run_per_frame
+        self.video = FrameRunVideos(*read_video_config(path), min_pixels, max_pixels, video_fps, min_frames,
+                                    max_frames) if self.frame_runs else \
+            video_settings(*read_video_config(path), min_pixels, max_pixels, self.settings.video_defaults)
         check_settings(self.image, model, min_pixels, max_pixels)
         check_settings(self.video, model, min_pixels, max_pixels)
         vocab = self.tokenizer.get_vocab()
@@ -434,30 +440,53 @@ class VLProcessor:
     def sample(self, total_frames: int, fps: float) -> tuple[torch.Tensor, float]:
         """(frame indices, sampled fps) of a clip of `total_frames` at `fps`, sampled at `video_fps`.
 
-        A clip shorter than one temporal patch keeps every frame (transformers would divide by zero).
+        A clip shorter than one temporal patch keeps every frame (transformers would divide by zero); a Qwen3-VL
+        clip follows Qwen3VLVideoProcessor.sample_frames (`data.frame_runs`).
         """
+        if self.frame_runs:
+            picked = self.video.sample(total_frames, fps)
+            return picked, len(picked) / total_frames * fps  # VideoMetadata.sampled_fps
         tp = self.video.temporal_patch_size
         if total_frames < tp:
             return torch.arange(total_frames), fps
         return sample_frame_indices(total_frames, fps, self.video_fps, self.min_frames, self.max_frames, tp)
 
-    def _template_ids(self, messages: list[dict], n_images: int, n_videos: int) -> torch.Tensor:
-        """Token ids of the chat template's text, one pad token per image / video (checked against the counts)."""
+    def _conversation(self, messages: list[dict], n_images: int, n_videos: int) -> list[dict]:
+        """Chat-template messages, their `<image>` / `<video>` placeholders checked against the counts given."""
         conv, n_img, n_vid = to_content(messages)
         for kind, placed, given in (("image", n_img, n_images), ("video", n_vid, n_videos)):
             if placed != given:
                 raise ValueError(f"the messages have {placed} <{kind}> placeholders but {given} {kind}s were given")
+        return conv
+
+    def _template_ids(self, conv: list[dict], n_images: int, runs: list[str]) -> torch.Tensor:
+        """Token ids of the chat template's text, one pad token per image and per video run (checked against the
+        counts). `runs`: each video's text in place of its pad (a frame-run family), else one entry per video."""
         text = self.tokenizer.apply_chat_template(conv, chat_template=self.chat_template, tokenize=False,
                                                   add_generation_prompt=True)
-        ids = torch.tensor(self.tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
         pads = {f: t for t, f in self.settings.special_tokens.items()}
+        n_videos = len(runs)
+        if self.frame_runs:
+            video = pads["video_token_id"]
+            if text.count(video) != len(runs):
+                raise ValueError(f"the chat template in {self.path} rendered {text.count(video)} {video} tokens for "
+                                 f"{len(runs)} videos")
+            text = expand_video_text(text, video, runs)
+            n_videos = sum(r.count(video) for r in runs)
+        ids = torch.tensor(self.tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
         for kind, field, given in (("image", "image_token_id", n_images), ("video", "video_token_id", n_videos)):
             pad = pads[field]
             rendered = int((ids == getattr(self.model, field)).sum())
             if rendered != given:
                 raise ValueError(f"the chat template in {self.path} rendered {rendered} {pad} tokens for "
-                                 f"{given} {kind}s")
+                                 f"{given} {kind}{' runs' if kind == 'video' and self.frame_runs else 's'}")
         return ids
+
+    def _run_text(self, grid_thw, picked: torch.Tensor, fps: float) -> str:
+        """One video's prompt text in a frame-run family (`data.frame_runs`), with this family's token texts."""
+        t = {f: tok for tok, f in self.settings.special_tokens.items()}
+        names = {"start": t["vision_start_token_id"], "video": t["video_token_id"], "end": t["vision_end_token_id"]}
+        return self.video.run_text(tuple(grid_thw), picked, fps, names)
 
     def _images(self, images: list) -> tuple[torch.Tensor, torch.Tensor]:
         pils = [self.load_image(i) for i in images]
@@ -465,42 +494,62 @@ class VLProcessor:
         out = self.image_processor(images=pils, size=size, return_tensors="pt")
         return out["pixel_values"].float(), out["image_grid_thw"].long()
 
-    def _videos(self, videos: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        rows, grids, seconds = [], [], []
+    def _videos(self, videos: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[str]]:
+        """Pixel rows, grids, seconds per grid step, and each video's prompt text (a frame-run family's runs)."""
+        rows, grids, seconds, runs = [], [], [], []
         s = self.video
         for item in videos:
             frames, fps = self.load_video(item)
             keep, sampled_fps = self.sample(frames.shape[0], fps)
-            r, grid = video_patches(frames[keep], s.patch_size, s.merge_size, s.temporal_patch_size,
-                                    s.min_pixels, s.max_pixels)
+            if self.frame_runs:
+                r, grid = s.patches(frames[keep])
+                runs.append(self._run_text(grid, keep, fps))
+            else:
+                r, grid = video_patches(frames[keep], s.patch_size, s.merge_size, s.temporal_patch_size,
+                                        s.min_pixels, s.max_pixels)
             rows.append(r)
             grids.append(grid)
             # Qwen2_5_VLProcessor._process_videos: temporal_patch_size / VideoMetadata.sampled_fps.
             seconds.append(s.temporal_patch_size / sampled_fps)
-        return torch.cat(rows), torch.tensor(grids, dtype=torch.long), torch.tensor(seconds, dtype=torch.float32)
+        return (torch.cat(rows), torch.tensor(grids, dtype=torch.long), torch.tensor(seconds, dtype=torch.float32),
+                runs)
+
+    def _video_counts(self, grids: list) -> list[int]:
+        """Pad tokens of each video (Qwen2.5-VL), or of each run of each video (a frame-run family)."""
+        if self.frame_runs:
+            return [n for g in grids for n in self.video.tokens(g)]
+        return [self.video.tokens(g) for g in grids]
 
     def build(self, messages: list[dict], images: list, videos: list) -> Prompt:
         """The prompt's token ids (placeholders expanded, generation prompt appended) and pixel tensors."""
-        ids = self._template_ids(messages, len(images), len(videos))
-        prompt = Prompt(ids)
+        conv = self._conversation(messages, len(images), len(videos))
+        runs = [""] * len(videos)
+        if not self.frame_runs:  # the template's pads are checked before any pixel work
+            ids = self._template_ids(conv, len(images), runs)
+        prompt = Prompt(torch.empty(0, dtype=torch.long))
         if images:
             prompt.pixel_values, prompt.image_grid_thw = self._images(images)
         if videos:
-            prompt.pixel_values_videos, prompt.video_grid_thw, prompt.second_per_grid_ts = self._videos(videos)
+            prompt.pixel_values_videos, prompt.video_grid_thw, prompt.second_per_grid_ts, runs = self._videos(videos)
+        if self.frame_runs:  # the runs' timestamps come from the sampled frames
+            ids = self._template_ids(conv, len(images), runs)
         counts = ([self.image.tokens(g) for g in (prompt.image_grid_thw.tolist() if images else [])],
-                  [self.video.tokens(g) for g in (prompt.video_grid_thw.tolist() if videos else [])])
+                  self._video_counts(prompt.video_grid_thw.tolist() if videos else []))
         prompt.input_ids = expand_pads(ids, (self.model.image_token_id, self.model.video_token_id), counts)
         return prompt
 
     def prompt_length(self, messages: list[dict], image_sizes: list[tuple[int, int]],
                       video_shapes: list[tuple[int, int, int, float]]) -> int:
         """len(build(...).input_ids) from image (h, w) and video (T, h, w, fps) sizes, without pixel work."""
-        ids = self._template_ids(messages, len(image_sizes), len(video_shapes))
+        conv = self._conversation(messages, len(image_sizes), len(video_shapes))
         tokens = [self.image.tokens(self.image.grid(1, h, w)) for h, w in image_sizes]
+        grids, runs = [], []
         for t, h, w, fps in video_shapes:
-            kept = len(self.sample(int(t), float(fps))[0])
-            tokens.append(self.video.tokens(self.video.grid(kept, h, w)))
-        return ids.numel() + sum(n - 1 for n in tokens)
+            keep = self.sample(int(t), float(fps))[0]
+            grids.append(self.video.grid(len(keep), h, w))
+            runs.append(self._run_text(grids[-1], keep, float(fps)) if self.frame_runs else "")
+        ids = self._template_ids(conv, len(image_sizes), runs)
+        return ids.numel() + sum(n - 1 for n in tokens + self._video_counts(grids))
 
     def decode(self, tokens: torch.Tensor) -> str:
         """Text of generated tokens, special tokens dropped."""

@@ -92,6 +92,7 @@ class HFCheckpoint(Q25.HFCheckpoint):
     """Lazy, per-tensor view of a Qwen3-VL safetensors checkpoint directory."""
 
     check_model_type = staticmethod(check_model_type)
+    naming_scheme = L.HFNaming
     config_from_hf = staticmethod(model_config_from_hf)
 
     def check_config_shapes(self) -> None:

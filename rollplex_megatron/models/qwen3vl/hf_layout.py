@@ -1,15 +1,34 @@
 """Hugging Face <-> megatron tensor layouts for Qwen3-VL: one `Rule` per megatron parameter, and the HF shapes.
 
-Naming is Qwen2.5-VL's (`HFNaming`: released files and transformers' module tree both read
-`model.language_model.` / `model.visual.`). The rule kinds are shared (models/hf_rules.py); the vision MLP is not
-gated, so its fc1 is a plain row split (zero-padded to a multiple of TP, exact: GELU(0) = 0).
+Naming: Qwen3-VL's released files use transformers' module tree (`model.language_model.` / `model.visual.`), the
+only names transformers 5.24 loads for this family, so that is `HFNaming()` (an export writes it); a file in
+Qwen2.5-VL's older flat scheme (`model.` / `visual.`) is still read. The rule kinds are shared
+(models/hf_rules.py); the vision MLP is not gated, so its fc1 is a plain row split (zero-padded to a multiple of
+TP, exact: GELU(0) = 0).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from rollplex_megatron.config import ModelConfig
 from rollplex_megatron.models.hf_rules import Rule
-from rollplex_megatron.models.qwen25vl.hf_layout import HFNaming
+from rollplex_megatron.models.qwen25vl import hf_layout as Q25
 from rollplex_megatron.models.qwen25vl.hf_layout import _llm_rules as _qwen25_llm_rules
+
+
+@dataclass(frozen=True)
+class HFNaming(Q25.HFNaming):
+    """Name prefixes of a Qwen3-VL checkpoint: transformers' module tree (the released files'), or the flat scheme."""
+
+    llm: str = "model.language_model."
+    vision: str = "model.visual."
+
+    @staticmethod
+    def detect(keys) -> "HFNaming":
+        """Pick the scheme that the checkpoint's tensor names use."""
+        flat = not any(k.startswith("model.language_model.") for k in keys) and any(
+            k.startswith("model.layers.") for k in keys)
+        return HFNaming(llm="model.", vision="visual.") if flat else HFNaming()
 
 
 def model_rules(cfg: ModelConfig, tp: int, pp: int, naming: HFNaming = HFNaming()) -> list[Rule]:

@@ -261,22 +261,49 @@ class Qwen3VLModel(Q25.Qwen25VLModel):
 
     def _layers(self, hidden, position_ids, attention_context, deep=None):
         """This stage's decoder layers (megatron's TransformerBlock.forward, unrolled), each DeepStack level added
-        after the layer it follows, then the final norm on the last stage."""
+        after the layer it follows, then the final norm on the last stage. `megatron.recompute_granularity=full`
+        checkpoints them in the chunks TransformerBlock._checkpointed_forward uses (`recompute_chunks`)."""
         dec = self.language_model.decoder
         rope = self.rotary(position_ids)
         if self._context_rope(attention_context):
             attention_context.rotary, rope = rope_tables(rope, self.config.params_dtype), None
         if hidden is None:
             hidden = dec.input_tensor
-        for layer in dec.layers:
-            hidden, _ = layer(hidden_states=hidden, attention_mask=None, rotary_pos_emb=rope,
-                              packed_seq_params=attention_context)
-            level = layer.layer_number - 1  # global, 0-based
-            if deep is not None and level < len(deep):
-                hidden = hidden + deep[level]
+
+        def chunk(first: int, last: int):
+            def run(hidden, rope, *deep):  # the DeepStack addends are arguments: a checkpoint returns their grads
+                for layer in dec.layers[first:last]:
+                    hidden, _ = layer(hidden_states=hidden, attention_mask=None, rotary_pos_emb=rope,
+                                      packed_seq_params=attention_context)
+                    level = layer.layer_number - 1  # global, 0-based
+                    if level < len(deep):
+                        hidden = hidden + deep[level]
+                return hidden
+            return run
+
+        c = dec.config
+        for first, last, saved in recompute_chunks(c, len(dec.layers), dec.training):
+            run = chunk(first, last)
+            hidden = tensor_parallel.checkpoint(run, c.distribute_saved_activations, hidden, rope, *(deep or ())) \
+                if saved else run(hidden, rope, *(deep or ()))
         if dec.final_layernorm is not None:
             hidden = dec.final_layernorm(hidden)
         return hidden
+
+
+def recompute_chunks(config: TransformerConfig, n_layers: int, training: bool) -> list[tuple[int, int, bool]]:
+    """(first, last, checkpointed) layer ranges of one stage, as megatron's TransformerBlock splits them for
+    `recompute_granularity=full` in training (transformer_block.py, _checkpointed_forward): `uniform`, chunks of
+    recompute_num_layers each checkpointed; `block`, the first recompute_num_layers layers checkpointed one by one.
+    Selective recompute happens inside each layer, as in megatron's own loop."""
+    k = config.recompute_num_layers
+    if config.recompute_granularity != "full" or not training:
+        return [(0, n_layers, False)]
+    if config.recompute_method == "uniform":
+        return [(i, min(i + k, n_layers), True) for i in range(0, n_layers, k)]
+    if config.recompute_method == "block":
+        return [(i, i + 1, True) for i in range(min(k, n_layers))] + ([(k, n_layers, False)] if k < n_layers else [])
+    raise ValueError(f"megatron.recompute_method={config.recompute_method!r} is not uniform or block")
 
 
 def build_model(cfg: ModelConfig, dtype: str | torch.dtype = "float32", megatron: dict | None = None,
