@@ -911,9 +911,11 @@ class DataConfig:
     prompt_key: str = setting("prompt", "column of the chat messages", applies_with=DATASET_ROWS)
     image_key: str = setting("images", "column of the image list", applies_with=DATASET_ROWS)
     video_key: str = setting("videos", "column of the video list", applies_with=DATASET_ROWS)
-    min_pixels: int = setting(0, "per image / video frame after resizing (0: the processor config's)",
+    min_pixels: int = setting(0, "per image / video frame after resizing (Qwen3-VL videos: per sampled clip, "
+                                 "frames x height x width; 0: the processor config's)",
                               applies_with=DATASET_ROWS)
-    max_pixels: int = setting(0, "per image / video frame after resizing (0: the processor config's)",
+    max_pixels: int = setting(0, "per image / video frame after resizing (Qwen3-VL videos: per sampled clip, "
+                                 "frames x height x width; 0: the processor config's)",
                               applies_with=DATASET_ROWS)
     video_fps: float = setting(2.0, "frames sampled per second of a video file (frame lists are taken as sampled at "
                                "this)", applies_with=DATASET_ROWS)
