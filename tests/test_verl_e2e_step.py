@@ -173,4 +173,6 @@ def test_the_rollout_ran_the_prefix_stages_the_scoring_phases_read(runs):
         for phase in ("old_logp", "ref"):
             got = [m[f"rollplex/{phase}_prefix_{k}"] for k in ("from_rollout", "computed", "stale")]
             assert got == [2, 0, 0], (phase, got)  # 2 prompts a step (data.train_batch_size), DP 1
+        # the balancing read each uid's stored prompt and kept it on the rank holding its K/V
+        assert (m["rollplex/rollout_uids_pinned"], m["rollplex/rollout_uids_moved"]) == (2, 0), m
     assert not any(k.startswith("rollplex/") and "prefix" in k for m in full for k in m)

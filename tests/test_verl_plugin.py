@@ -258,6 +258,54 @@ def test_the_trainer_balances_whole_uids_over_dp_ranks(seed, uids, n, dp, pad):
     assert _split_uids(plain.keys, dp) > 0  # the mutation: verl's balancing spreads groups
 
 
+def test_the_trainer_keeps_each_uid_on_the_rank_whose_rollout_holds_its_prompt(monkeypatch):
+    """`rollout.name=rollplex`: the rollout holds each prompt's prefix K/V on the DP rank of the replica that sampled
+    it (held.py); `_balance_batch` places each uid on that rank (read from its stored prompt), so its scoring phases
+    find them. Mutation: the same batch without the rollout's pins puts some uids elsewhere."""
+    import ray
+    import transfer_queue as tq
+    from omegaconf import OmegaConf
+
+    from rollplex_megatron.integrations.verl import trainer as TR
+    from rollplex_megatron.integrations.verl.held import ids_key
+
+    dp, n = 2, 4
+    batch = _verl_batch(5, 6, n, 0)
+    uids = list(dict.fromkeys(TR.row_uid(k) for k in batch.keys))
+    g = torch.Generator().manual_seed(9)
+    prompt = {u: torch.randint(0, 300, (int(torch.randint(5, 40, (1,), generator=g)),), generator=g) for u in uids}
+    owner = {u: int(torch.randint(0, dp, (1,), generator=g)) for u in uids}
+    while sum(owner.values()) != len(uids) // 2:  # an equal split exists: every pin can be honoured
+        owner = {u: int(torch.randint(0, dp, (1,), generator=g)) for u in uids}
+
+    class Worker:  # a worker actor: __ray_call__.remote(fn) -> fn's answer (ray.get is the identity below)
+        def __init__(self, rank, src):
+            self.answer = (rank, src, sorted(ids_key(prompt[u]) for u in uids if owner[u] == rank) if src else [])
+            self.__ray_call__ = type("Call", (), {"remote": lambda _, fn: self.answer})()
+
+    def kv_batch_get(keys, partition_id, select_fields):
+        assert select_fields == ["prompts"] and partition_id == "train"
+        return {"prompts": torch.nested.nested_tensor([prompt[TR.row_uid(k)] for k in keys], layout=torch.jagged)}
+
+    monkeypatch.setattr(ray, "get", lambda refs: list(refs))
+    monkeypatch.setattr(tq, "kv_batch_get", kv_batch_get)
+    t = object.__new__(TR.RollplexTrainer)
+    t.actor_rollout_wg = type("WG", (), {"_dispatch_info": {"actor": [0, 0, 1, 1]},
+                                         "workers": [Worker(0, True), Worker(0, False), Worker(1, True),
+                                                     Worker(1, False)]})()
+    t.use_critic, t.global_steps = False, 1
+    t.tokenizer = type("Tok", (), {"eos_token_id": 0})()
+    t.config = OmegaConf.create({"trainer": {"critic_warmup": 0}, "actor_rollout_ref": {
+        "actor": {"ppo_mini_batch_size": 1}, "rollout": {"n": 1, "name": "rollplex"}}})
+    out = t._balance_batch(batch, {})
+    placed = {TR.row_uid(k): r for r, share in enumerate(_shares(out.keys, dp)) for k in share}
+    assert placed == owner, (placed, owner)
+    t.config.actor_rollout_ref.rollout.name = "sglang"  # mutation: no rollout pins, balancing by length alone
+    plain = {TR.row_uid(k): r for r, share in enumerate(_shares(t._balance_batch(_verl_batch(5, 6, n, 0), {}).keys,
+                                                                 dp)) for k in share}
+    assert plain != owner, plain
+
+
 def test_group_partitions_refuses_what_cannot_split_equally():
     from rollplex_megatron.integrations.verl.trainer import group_partitions
 

@@ -23,9 +23,24 @@ from rollplex_megatron.integrations.verl.batch import same_prompt
 from rollplex_megatron.prefix.batch import Prompt
 
 
+def ids_key(ids: torch.Tensor) -> int:
+    """A prompt's lookup key from its token ids (int64); equality is still checked on the whole prompt."""
+    return zlib.crc32(ids.detach().cpu().to(torch.int64).numpy().tobytes())
+
+
 def prompt_key(prompt: Prompt) -> int:
-    """A prompt's lookup key (its ids); equality is still checked on the whole prompt."""
-    return zlib.crc32(prompt.input_ids.detach().cpu().numpy().tobytes())
+    """`ids_key` of a prompt."""
+    return ids_key(prompt.input_ids)
+
+
+def held_pins(held: list[tuple[int, list[int]]], uid_keys: dict) -> dict:
+    """{uid: DP rank} for each uid whose prompt key ({uid: key}) a rank's rollout holds K/V for ([(DP rank, keys)];
+    the lowest such rank where several replicas sampled the prompt)."""
+    where: dict = {}
+    for rank, keys in sorted(held):
+        for k in keys:
+            where.setdefault(k, rank)
+    return {u: where[k] for u, k in uid_keys.items() if k in where}
 
 
 class HeldPrefixes:

@@ -170,6 +170,18 @@ def worker_generate(worker, batch: list[dict], params: dict, round_: int = 0) ->
                                         getattr(ref, "engine", None) if ref is not None else None)
 
 
+def worker_held_prompts(worker) -> tuple[int, bool, list[int]]:
+    """Run on a worker actor: (its DP rank, whether it writes outputs, the keys of the prompts its rollout holds
+    prefix K/V for), for the trainer to keep each uid on the rank that holds its prompt."""
+    inner = _hybrid_worker(worker)
+    engine, ref = inner.actor.engine, getattr(inner, "ref", None)
+    keys: set = set()
+    for e in (engine, getattr(ref, "engine", None)):
+        if isinstance(getattr(e, "window", None), HeldPrefixes):
+            keys |= set(e.window.entries)
+    return engine.get_data_parallel_rank(), bool(engine.is_mp_src_rank_with_outputs()), sorted(keys)
+
+
 def worker_prefix_stats(worker) -> dict:
     """Run on a worker actor: its engines' last scoring phases' prefix sources, with whether this rank writes
     outputs (one per DP rank counts)."""

@@ -29,8 +29,9 @@ from verl.trainer.ppo.v1.trainer_base import register_trainer
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 from verl.utils.seqlen_balancing import calculate_workload, log_seqlen_unbalance
 
+from rollplex_megatron.integrations.verl.held import held_pins, ids_key
 from rollplex_megatron.integrations.verl.rollout import NAME as ROLLOUT_NAME
-from rollplex_megatron.integrations.verl.rollout import worker_prefix_stats
+from rollplex_megatron.integrations.verl.rollout import worker_held_prompts, worker_prefix_stats
 from rollplex_megatron.integrations.verl.window import window_dir
 from rollplex_megatron.rollout.sglang.protocol import ENV_ADDRESS
 
@@ -79,6 +80,11 @@ def group_partitions(uids: list[str], workloads: list[float], k: int, loose: lis
     return parts
 
 
+def moved_uids(parts: list[list[int]], uids: list[str], pinned: dict) -> int:
+    """How many pinned uids a partition placed on another rank than their pin."""
+    return sum(1 for p, part in enumerate(parts) for u in {uids[i] for i in part} if pinned.get(u, p) != p)
+
+
 class RollplexTrainer(PPOTrainerSync):
     """verl's synchronous PPO trainer with the Rollplex engine's checks (see the module docstring).
 
@@ -111,16 +117,22 @@ class RollplexTrainer(PPOTrainerSync):
         seqlens = torch.tensor([tag["seq_len"] for tag in batch.tags], dtype=torch.int64)
         workloads = calculate_workload(seqlens).tolist()
         uids = [row_uid(k) for k in batch.keys]
-        pinned = self._take_pins(set(uids))
+        # the window's ranks (SGLang) over the rollout's: a rollplex rollout holds each prompt's K/V on the DP rank
+        # of the replica that sampled it
+        rollout_pins = self._rollout_pins(batch, uids)
+        pinned = {**rollout_pins, **self._take_pins(set(uids))}
         parts = group_partitions(uids, workloads, dp_size, [bool(tag.get("is_padding", False)) for tag in batch.tags],
                                  pinned)
         if parts is None:
             log.warning("rollplex trainer: the step's uids do not split into %d equal DP shares; verl's balancing "
                         "spreads some of them over ranks (their prompts are computed on each)", dp_size)
             return super()._balance_batch(batch, metrics, logging_prefix, keep_minibatch)
+        if rollout_pins:  # uids placed elsewhere: their scoring phases compute their prefixes again
+            metrics["rollplex/rollout_uids_pinned"] = len(rollout_pins)
+            metrics["rollplex/rollout_uids_moved"] = moved_uids(parts, uids, rollout_pins)
         if self._window:
-            moved = sum(1 for p, part in enumerate(parts) for u in {uids[i] for i in part} if pinned.get(u, p) != p)
-            metrics["rollplex/window_uids_moved"] = moved  # their reference prefix runs again on another rank
+            # their reference prefix runs again on another rank
+            metrics["rollplex/window_uids_moved"] = moved_uids(parts, uids, pinned)
             metrics["rollplex/window_uids_pinned"] = len(pinned)
             metrics["rollplex/window_failures"] = self.window_failures
         batch.reorder([i for part in parts for i in part])
@@ -140,6 +152,27 @@ class RollplexTrainer(PPOTrainerSync):
         self._window_load: dict = {}  # DP rank -> [uids, prompt tokens] handed out since the last batch
         self._window_stop = threading.Event()
         self.window_failures = 0  # hand-outs that failed (their uids are tried again at the next poll)
+
+    def _rollout_pins(self, batch, uids: list) -> dict:
+        """{uid: DP rank} under `rollout.name=rollplex`: where the rollout holds the prefix K/V of the uid's prompt
+        (read from one stored sample per uid), so its scoring phases find them (`held.py`)."""
+        if self.config.actor_rollout_ref.rollout.get("name") != ROLLOUT_NAME:
+            return {}
+        import ray
+        import transfer_queue as tq
+
+        held = [(dp, keys) for dp, src, keys in ray.get([w.__ray_call__.remote(worker_held_prompts)
+                                                          for w in self.actor_rollout_wg.workers]) if src]
+        first: dict = {}
+        for u, key, tag in zip(uids, batch.keys, batch.tags):
+            if not tag.get("is_padding", False):
+                first.setdefault(u, key)
+        if not first or not any(keys for _, keys in held):
+            return {}
+        data = tq.kv_batch_get(keys=list(first.values()), partition_id=batch.partition_id, select_fields=["prompts"])
+        prompts = data["prompts"]  # jagged; a plain [n, P] tensor when the prompts are one length
+        ids = list(prompts.unbind()) if prompts.is_nested else list(prompts.unbind(0))
+        return held_pins(held, {u: ids_key(x) for u, x in zip(first, ids)})
 
     def _take_pins(self, uids: set) -> dict:
         """The DP rank of each of `uids` the window handed out; this batch consumes them, and forgets the uids of
@@ -299,7 +332,7 @@ class RollplexTrainer(PPOTrainerSync):
         prefix K/V the rollout held (the prefill for old log-probs, the decode window for the reference), those it
         computed itself, and held ones at other weights; nothing under another rollout or when the phase did not
         run this step."""
-        if self.config.actor_rollout_ref.rollout.name != ROLLOUT_NAME:
+        if self.config.actor_rollout_ref.rollout.get("name") != ROLLOUT_NAME:
             return {}
         import ray
 
