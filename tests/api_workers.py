@@ -18,17 +18,19 @@ VOCAB = 256
 
 
 def build_gpt(tp: int, pp: int, tied: bool, parallel_output: bool = True,
-              dtype: torch.dtype = torch.float32) -> GPTModel:
-    """A small GPT stage built the way a Megatron user builds one, with the prefix-attention spec."""
+              dtype: torch.dtype = torch.float32, qk_norm: bool = False) -> GPTModel:
+    """A small GPT stage built the way a Megatron user builds one, with the prefix-attention spec. `qk_norm`: the
+    layer of Qwen3's language model (per-head q/k RMSNorm, no QKV bias) instead of Qwen2.5's (QKV bias)."""
     cfg = TransformerConfig(num_layers=4, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
-                            num_query_groups=2, normalization="RMSNorm", gated_linear_unit=True,
-                            activation_func=F.silu, add_bias_linear=False, add_qkv_bias=True, hidden_dropout=0.0,
+                            num_query_groups=2, normalization="RMSNorm", gated_linear_unit=True, qk_layernorm=qk_norm,
+                            activation_func=F.silu, add_bias_linear=False, add_qkv_bias=not qk_norm,
+                            hidden_dropout=0.0,
                             attention_dropout=0.0, bias_activation_fusion=False, bias_dropout_fusion=False,
                             masked_softmax_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
                             persist_layer_norm=False, use_cpu_initialization=not torch.cuda.is_available(),
                             init_method_std=0.3, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                             params_dtype=dtype, pipeline_dtype=dtype, calculate_per_token_loss=True)
-    spec = rpx.with_prefix_attention(get_gpt_layer_local_spec(normalization="RMSNorm"))
+    spec = rpx.with_prefix_attention(get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_norm))
     return GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=512,
                     pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
                     share_embeddings_and_output_weights=tied, position_embedding_type="rope",
@@ -62,7 +64,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def prefix_vs_full(tp: int, pp: int, tied: bool, seed: int) -> dict:
+def prefix_vs_full(tp: int, pp: int, tied: bool, seed: int, qk_norm: bool = False) -> dict:
     """Per rank: largest relative error of log-probs and of each parameter's gradient, prefix path
     vs full sequences; the same for a wrong response position offset (must be large)."""
     init_parallel(tp, pp, seed)
@@ -71,12 +73,13 @@ def prefix_vs_full(tp: int, pp: int, tied: bool, seed: int) -> dict:
     # gradient on an AMD EPYC, at the bound; in float64 the paths differ by ~1e-6 (the fp32 buffers), a
     # response position off by one by ~1
     torch.set_default_dtype(torch.float64)
-    model = rpx.PrefixGPT(build_gpt(tp, pp, tied, dtype=torch.float64))
+    model = rpx.PrefixGPT(build_gpt(tp, pp, tied, dtype=torch.float64, qk_norm=qk_norm))
     ddp = wrap_ddp(model)
     groups = _batch(seed)
     full_lp, full_g = _run(ddp, groups, "full")
     out = {"stock_forward_err": None, "refuses_gathered_logits": not ps.is_pipeline_last_stage()}
-    gathered = build_gpt(tp, pp, False, parallel_output=False)  # on every rank: untied, no embedding-group sync
+    # on every rank: untied, no embedding-group sync
+    gathered = build_gpt(tp, pp, False, parallel_output=False, qk_norm=qk_norm)
     try:
         rpx.PrefixGPT(gathered)
     except ValueError as e:

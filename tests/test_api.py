@@ -1,8 +1,8 @@
 """The public API on a plain megatron-core GPTModel (local spec, RoPE; not this project's model):
 prefix stage + response stage + prefix backward around megatron's schedule equal full sequences (float64 weights
 and activations, fp32 gradient buffers: `api_workers.prefix_vs_full` says why) within
-the fp32 tolerance of docs/design.md §3, at TP=2 and at TP=2 x PP=2 with tied embeddings; a wrong response position
-is caught."""
+the fp32 tolerance of docs/design.md §3, at TP=2 (Qwen2.5's layer: QKV bias) and at TP=2 x PP=2 with tied
+embeddings and Qwen3's layer (per-head q/k RMSNorm, no QKV bias); a wrong response position is caught."""
 import pytest
 
 from rollplex_megatron.dist import run_local
@@ -11,9 +11,9 @@ from tests import api_workers as W
 TOL = 1e-5  # docs/design.md §3, fp32 on CPU
 
 
-@pytest.mark.parametrize("tp,pp,tied", [(2, 1, False), (2, 2, True)])
-def test_prefix_path_on_a_plain_gpt_model_matches_full_sequences(tp, pp, tied):
-    outs = run_local(W.prefix_vs_full, tp * pp, tp, pp, tied, 11)
+@pytest.mark.parametrize("tp,pp,tied,qk_norm", [(2, 1, False, False), (2, 2, True, True)])
+def test_prefix_path_on_a_plain_gpt_model_matches_full_sequences(tp, pp, tied, qk_norm):
+    outs = run_local(W.prefix_vs_full, tp * pp, tp, pp, tied, 11, qk_norm)
     for o in outs:
         assert o["exact"]["logp"] <= TOL and o["exact"]["grad"] <= TOL, o["exact"]
         assert o["exact"]["grad_norm"] > 1e-3  # gradients exist and are compared
