@@ -5,18 +5,13 @@ tests/test_memory_runtime.py check Qwen2.5-VL's."""
 import dataclasses
 
 import pytest
-import torch
 
-from rollplex_megatron.attention.kv_store import KVStore
 from rollplex_megatron.dist import init_parallel, run_local
-from rollplex_megatron.envs.motion import MotionEnv
 from rollplex_megatron.memory import planner as M
 from rollplex_megatron.models import registry
-from rollplex_megatron.prefix.batch import Group
-from rollplex_megatron.prefix.execution import prefix_forward
 from rollplex_megatron.recipes import load_run_config
-from rollplex_megatron.trainer.runtime import training_model
 from tests.in_turn import case, cases, in_turn
+from tests.test_memory_runtime import saved_prefix_bytes
 
 PRESETS = ("qwen3_vl_2b", "qwen3_vl_4b", "qwen3_vl_8b")
 ACTIVATION_CASES = {
@@ -80,31 +75,15 @@ def test_qwen3_layer_bytes_by_hand():
     assert M.block_activation_bytes(m, 1) == M.block_activation_bytes(m, 1, "triton") == block
 
 
+def _qwen3_fused_norms(cfg) -> int:
+    """FusedRMSNorm modules of a Qwen3-VL build: the LLM's two a layer plus its q/k norms, and the final norm (the
+    vision tower's norms are LayerNorms)."""
+    return 4 * cfg.model.num_layers + 1
+
+
 def _saved_bytes(overrides: list[str]) -> tuple[int, int]:
-    """Bytes autograd saves in one bf16 prefix forward with a graph on a rendered two-frame video prompt
-    (parameters excluded), and the planner's `prefix_graph_bytes` for it (tests/test_memory_runtime.py's count)."""
-    cfg = load_run_config(["dtype=bfloat16", "task=motion_long"] + overrides)
-    init_parallel(1, 1)
-    model = training_model(cfg)  # the trainer's build: train.norm_kernel's RMSNorms
-    rc = M.runtime_cfg(cfg)
-    norm, rope = M.norm_kernel(rc), M.rope_kernel(rc)
-    fused = sum(type(m).__name__ == "FusedRMSNorm" for m in model.modules())
-    assert fused == (4 * cfg.model.num_layers + 1 if norm == "triton" else 0), fused  # LLM, q/k and final norms
-    env = MotionEnv(cfg.task, cfg.model)
-    prompt = env.prompt(env.episode(0))
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen = {}
-
-    def pack(t):
-        s = t.untyped_storage()
-        if s.data_ptr() not in params:
-            seen[(s.data_ptr(), s.nbytes())] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        prefix_forward(model, [Group(prompt, [], torch.zeros(0))], KVStore(), keep_graph=True)
-    n, patches = prompt.input_ids.numel() - 1, prompt.pixel_values_videos.shape[0]
-    return sum(seen.values()), M.prefix_graph_bytes(cfg.model, 1, 1, False, n, patches, norm, rope)
+    """tests/test_memory_runtime.py's count on a Qwen3-VL build."""
+    return saved_prefix_bytes(overrides, _qwen3_fused_norms)
 
 
 @pytest.fixture(scope="module")

@@ -30,6 +30,7 @@ from tests.test_checkpoint import _load_all
 from tests.rollout_workers import _as_lists
 from tests.test_qwen3vl import make_tiny_qwen3vl, sample_inputs
 from tests.test_rollout import _same
+from tests.verl_qwen3vl_workers import drop_prefix_deepstack
 from tests.test_trainer import BASE, STEP1_TOL, TOL, _param_err, _records_close
 
 GREEDY = SamplingParams(top_k=1)
@@ -251,16 +252,7 @@ def _mode_cfg(mode: str, hf: str, *extra):
 def rollplex_without_one_prefix_deepstack(cfg, steps: int) -> dict:
     """Mutation: the prefix stage (the rollout's prefill and rollplex's actor prefix) drops the last DeepStack
     level's injection; the full sequences keep it."""
-    saved = M.Qwen3VLModel.forward_prefix
-
-    def forward_prefix(self, *a, **k):
-        self.embed_deepstack = lambda *x, f=self.embed_deepstack, **y: (lambda e, d: (e, d and d[:-1]))(*f(*x, **y))
-        try:
-            return saved(self, *a, **k)
-        finally:
-            del self.embed_deepstack
-
-    M.Qwen3VLModel.forward_prefix = forward_prefix
+    saved = drop_prefix_deepstack()
     try:
         return TW.run_steps(cfg, steps)
     finally:

@@ -56,9 +56,9 @@ def with_verl_positions(hf_dir: str, cfg):
     return batch
 
 
-def drop_prefix_deepstack() -> None:
-    """Mutation: the prefix stage (the shared engine's only vision pass) drops the last DeepStack level's
-    injection; full sequences keep it."""
+def drop_prefix_deepstack():
+    """Mutation: the prefix stage (the shared engine's only vision pass, the rollout's prefill, rollplex's actor
+    prefix) drops the last DeepStack level's injection; full sequences keep it. Returns the forward it replaced."""
     from rollplex_megatron.models.qwen3vl import model as M
 
     saved = M.Qwen3VLModel.forward_prefix
@@ -71,6 +71,7 @@ def drop_prefix_deepstack() -> None:
             del self.embed_deepstack
 
     M.Qwen3VLModel.forward_prefix = forward_prefix
+    return saved
 
 
 def late_positions(cfg):
