@@ -165,18 +165,16 @@ def worker_generate(worker, batch: list[dict], params: dict, round_: int = 0) ->
     """Run on a worker actor (`__ray_call__`): its rollout over its actor engine (and its reference engine's
     modules for the decode window, when this worker holds one)."""
     inner = _hybrid_worker(worker)
-    ref = getattr(inner, "ref", None)
-    return inner.rollout.generate_batch(inner.actor.engine, batch, params, round_,
-                                        getattr(ref, "engine", None) if ref is not None else None)
+    return inner.rollout.generate_batch(inner.actor.engine, batch, params, round_, _ref_engine(inner))
 
 
 def worker_held_prompts(worker) -> tuple[int, bool, list[int]]:
     """Run on a worker actor: (its DP rank, whether it writes outputs, the keys of the prompts its rollout holds
     prefix K/V for), for the trainer to keep each uid on the rank that holds its prompt."""
     inner = _hybrid_worker(worker)
-    engine, ref = inner.actor.engine, getattr(inner, "ref", None)
+    engine = inner.actor.engine
     keys: set = set()
-    for e in (engine, getattr(ref, "engine", None)):
+    for e in (engine, _ref_engine(inner)):
         if isinstance(getattr(e, "window", None), HeldPrefixes):
             keys |= set(e.window.entries)
     return engine.get_data_parallel_rank(), bool(engine.is_mp_src_rank_with_outputs()), sorted(keys)
@@ -187,12 +185,16 @@ def worker_prefix_stats(worker) -> dict:
     outputs (one per DP rank counts)."""
     inner = _hybrid_worker(worker)
     out = {"src": bool(inner.actor.engine.is_mp_src_rank_with_outputs())}
-    ref = getattr(inner, "ref", None)
-    for role, engine in (("old_logp", inner.actor.engine), ("ref", getattr(ref, "engine", None))):
+    for role, engine in (("old_logp", inner.actor.engine), ("ref", _ref_engine(inner))):
         held = getattr(engine, "window", None)
         if isinstance(held, HeldPrefixes):
             out[role] = dict(held.last)
     return out
+
+
+def _ref_engine(inner):
+    """The reference engine of verl's hybrid worker, None without a reference in this process."""
+    return getattr(getattr(inner, "ref", None), "engine", None)
 
 
 def worker_release(worker) -> int:
