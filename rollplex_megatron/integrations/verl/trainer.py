@@ -29,7 +29,7 @@ from verl.trainer.ppo.v1.trainer_base import register_trainer
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 from verl.utils.seqlen_balancing import calculate_workload, log_seqlen_unbalance
 
-from rollplex_megatron.integrations.verl.held import held_pins, ids_key
+from rollplex_megatron.integrations.verl.held import held_pins, prompt_key
 from rollplex_megatron.integrations.verl.rollout import NAME as ROLLOUT_NAME
 from rollplex_megatron.integrations.verl.rollout import worker_held_prompts, worker_prefix_stats
 from rollplex_megatron.integrations.verl.window import window_dir
@@ -169,10 +169,10 @@ class RollplexTrainer(PPOTrainerSync):
                 first.setdefault(u, key)
         if not first or not any(keys for _, keys in held):
             return {}
+        from rollplex_megatron.integrations.verl.worker import prompts_of
+
         data = tq.kv_batch_get(keys=list(first.values()), partition_id=batch.partition_id, select_fields=["prompts"])
-        prompts = data["prompts"]  # jagged; a plain [n, P] tensor when the prompts are one length
-        ids = list(prompts.unbind()) if prompts.is_nested else list(prompts.unbind(0))
-        return held_pins(held, {u: ids_key(x) for u, x in zip(first, ids)})
+        return held_pins(held, {u: prompt_key(p) for u, p in prompts_of(data, list(first)).items()})
 
     def _take_pins(self, uids: set) -> dict:
         """The DP rank of each of `uids` the window handed out; this batch consumes them, and forgets the uids of
