@@ -1019,7 +1019,7 @@ class RunConfig:
     train: TrainConfig = section(TrainConfig, "GRPO loop")
     megatron: dict[str, Any] = setting({}, "megatron-core TransformerConfig fields for the LLM decoder, passed through "
                                        "as given (e.g. `+megatron.recompute_granularity=selective`); fields the "
-                                       "project sets from other settings are refused")
+                                       "project sets from other settings, and uneven pipeline splits, are refused")
     seed: int = setting(1234, "global seed")
     dtype: str = setting("float32", "compute dtype: float32 or bfloat16")
     run_dir: str = setting("runs", "where runs write their outputs", resumable=True)

@@ -13,6 +13,7 @@ import rollplex_megatron as rpx
 from rollplex_megatron.dist import init_parallel
 from rollplex_megatron.prefix.batch import split_token_values
 from rollplex_megatron.runtime import wrap_ddp
+from tests.numerics import rel_err
 
 VOCAB = 256
 
@@ -60,10 +61,6 @@ def _run(ddp, groups, kind: str, offset: int = 0, pack: int = 0):
     return logp, grads
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
 def prefix_vs_full(tp: int, pp: int, tied: bool, seed: int, qk_norm: bool = False) -> dict:
     """Per rank: largest relative error of log-probs and of each parameter's gradient, prefix path
     vs full sequences; the same for a wrong response position offset (must be large)."""
@@ -87,14 +84,14 @@ def prefix_vs_full(tp: int, pp: int, tied: bool, seed: int, qk_norm: bool = Fals
     for name, offset, pack in (("exact", 0, 0), ("mutant", 1, 0), ("packed", 0, 100)):  # packed: 3 ragged prefixes
         lp, g = _run(ddp, groups, "prefix", offset, pack)
         keys = sorted(full_lp)
-        out[name] = {"logp": _rel(torch.cat([lp[k] for k in keys]), torch.cat([full_lp[k] for k in keys]))
+        out[name] = {"logp": rel_err(torch.cat([lp[k] for k in keys]), torch.cat([full_lp[k] for k in keys]))
                      if keys else 0.0,
-                     "grad": max(_rel(g[n], full_g[n]) for n in full_g), "grad_norm": float(
+                     "grad": max(rel_err(g[n], full_g[n]) for n in full_g), "grad_norm": float(
                          torch.stack([t.norm() for t in g.values()]).norm())}
     if pp == 1:  # PrefixGPT's RoPE at explicit positions = megatron's own forward on one sequence
         ids = torch.cat([groups[1].prompt.input_ids, groups[1].responses[0]])[None]
         with torch.no_grad():
             stock = model.gpt(input_ids=ids, position_ids=None, attention_mask=None)
             ours = model(input_ids=ids, position_ids=torch.arange(ids.shape[1])[None])
-        out["stock_forward_err"] = _rel(ours, stock)
+        out["stock_forward_err"] = rel_err(ours, stock)
     return out

@@ -8,6 +8,8 @@ import tempfile
 import torch
 import torch.distributed as dist
 
+from tests.numerics import rel_err
+
 
 def _full_copy(rt, cfg, src_dir):
     """A rollout model at the rollout layout loaded from a full, independent copy of the training weights
@@ -32,10 +34,6 @@ def _full_copy(rt, cfg, src_dir):
         load_hf_into_model(model, HFCheckpoint(out), cfg.model, ps.get_tensor_model_parallel_rank(),
                            rt.layouts.rollout_tp, 0, 1)
     return model
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 def shared_vs_full_copy(cfg, steps: int, mutant: str = "") -> dict:
@@ -73,7 +71,7 @@ def shared_vs_full_copy(cfg, steps: int, mutant: str = "") -> dict:
         b = b.generate(reqs, rt.sampling)
         toks = [[x.tolist() for x in r.tokens] for r in a.results]
         same_tokens = toks == [[x.tolist() for x in r.tokens] for r in b.results]
-        lp = _rel(torch.cat([x for r in a.results for x in r.logprobs]),
+        lp = rel_err(torch.cat([x for r in a.results for x in r.logprobs]),
                   torch.cat([x for r in b.results for x in r.logprobs])) if same_tokens else float("inf")
         steps_out.append({"same_tokens": same_tokens, "logp_rel": lp, "tokens": toks})
         run_step(rt, mode, step)

@@ -15,6 +15,8 @@ from collections import deque
 
 import torch
 
+from tests.numerics import rel_err
+
 
 class ForwardMode:
     """Stand-in for sglang's ForwardMode: only what the hooks read."""
@@ -217,10 +219,6 @@ def _direct(ref, actor, groups):
     return ref_kv, actor_kv, states
 
 
-def _rel(a, b) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
-
-
 def trainer_kv(cfg, mutation: str = "", steps: int = 2, groups: int = 3, timeout: float = 60.0,
                decode_steps: int = 4) -> dict:
     """A trainer rank: modules and each step's prefix jobs to the stand-in scheduler, K/V compared with
@@ -255,7 +253,7 @@ def trainer_kv(cfg, mutation: str = "", steps: int = 2, groups: int = 3, timeout
                     raise AssertionError(f"step {step}: K/V keys differ: {sorted(got.leaves)} vs {sorted(want.leaves)}")
                 for key in want.leaves:
                     for a, b in zip(got.leaves[key], want.leaves[key]):
-                        out["rel"].append(_rel(a, b))
+                        out["rel"].append(rel_err(a, b))
             out["leaf_grad"].append(all(t.requires_grad for kv in actor_kv.leaves.values() for t in kv)
                                     and not any(t.requires_grad for kv in ref_kv.leaves.values() for t in kv))
             got_states = sorted(states, key=lambda s: s.group)  # appended as results arrived
@@ -596,7 +594,7 @@ def adapter_rollout(cfg) -> dict:
     window.queue.extend(items)
     out = eng.generate(reqs, SamplingParams(temperature=0.7, top_p=0.9, top_k=5), window)
     d_ref, d_actor, _ = _direct(ref, actor, gs)
-    rel = [_rel(a, b) for st, d in ((ref_kv, d_ref), (actor_kv, d_actor)) for k in d.leaves
+    rel = [rel_err(a, b) for st, d in ((ref_kv, d_ref), (actor_kv, d_actor)) for k in d.leaves
            for a, b in zip(st.leaves[k], d.leaves[k])]
     eng.sync_weights()
     eng.shutdown()
@@ -641,7 +639,7 @@ def gpu_ipc(cfg, mutation: str = "") -> dict:
             out["kv_bytes"].append(sum(t.nbytes for kv in ref_kv.leaves.values() for t in kv))
             out["device"] = str(next(t for kv in ref_kv.leaves.values() for t in kv).device)
             d_ref, _, _ = _direct(ref, actor, gs)
-            out["rel"] += [_rel(a, b) for k in d_ref.leaves for a, b in zip(ref_kv.leaves[k], d_ref.leaves[k])]
+            out["rel"] += [rel_err(a, b) for k in d_ref.leaves for a, b in zip(ref_kv.leaves[k], d_ref.leaves[k])]
             del ref_kv
             with torch.no_grad():  # the weights change in place: the scheduler's modules must see it
                 for p in ref.parameters():
@@ -689,7 +687,7 @@ def trainer_kv_tp2(cfg) -> dict:
             out["in_window"] += stats["items_in_window"]
             d_ref, d_actor, _ = _direct(ref, actor, gs)
             for got, want in ((ref_kv, d_ref), (actor_kv, d_actor)):
-                out["rel"] += [_rel(a, b) for k in want.leaves for a, b in zip(got.leaves[k], want.leaves[k])]
+                out["rel"] += [rel_err(a, b) for k in want.leaves for a, b in zip(got.leaves[k], want.leaves[k])]
             with torch.no_grad():
                 for p in actor.parameters():
                     p.add_(0.1 * torch.sin(p))  # the same change on both ranks' shards (no randomness)

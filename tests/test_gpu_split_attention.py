@@ -10,6 +10,7 @@ import torch
 from rollplex_megatron.attention import split
 from rollplex_megatron.attention.decode import flash_varlen_available
 from rollplex_megatron.attention.prefix import PackedLayout, shared_prefix_attention
+from tests.numerics import rel_err
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -44,22 +45,18 @@ def _run(lay, xs, w, kernel, dtype):
     return out.float(), [g.float() for g in grads]
 
 
-def _rel(a, b):
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_flash_split_matches_fp32_math_and_the_masked_path(seed):
     assert flash_varlen_available(torch.bfloat16, "cuda", 128)
     lay, xs, w = _case(seed)
     out, grads = _run(lay, xs, w, "flash", torch.bfloat16)
     ref, ref_grads = _run(lay, xs, w, "math", torch.float32)
-    errs = {"out": _rel(out, ref)} | {n: _rel(g, r) for n, g, r in zip("q k v pk pv".split(), grads, ref_grads)}
+    errs = {"out": rel_err(out, ref)} | {n: rel_err(g, r) for n, g, r in zip("q k v pk pv".split(), grads, ref_grads)}
     assert max(errs.values()) < BF16_TOL, errs
     # the masked SDPA path (today's default) on the same bf16 inputs: the same function
     q, k, v, pk, pv = xs
     masked = shared_prefix_attention(q, torch.cat([pk, k]), torch.cat([pv, v]), lay.allowed().cuda(), None, "sdpa")
-    assert _rel(masked.float(), ref) < BF16_TOL
+    assert rel_err(masked.float(), ref) < BF16_TOL
 
 
 def test_flash_split_without_prefix_matches_fp32_math():
@@ -74,5 +71,5 @@ def test_flash_split_without_prefix_matches_fp32_math():
     leaves32 = [x.detach().float().requires_grad_() for x in xs[:3]]
     ref = split.split_attention(*leaves32, None, None, idx, None, kernel="math")
     ref_grads = torch.autograd.grad((ref * w).sum(), leaves32)
-    errs = [_rel(out.float(), ref)] + [_rel(g.float(), r) for g, r in zip(grads, ref_grads)]
+    errs = [rel_err(out.float(), ref)] + [rel_err(g.float(), r) for g, r in zip(grads, ref_grads)]
     assert max(errs) < BF16_TOL, errs

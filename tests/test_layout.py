@@ -164,3 +164,8 @@ def test_megatron_pass_through_reaches_transformer_config():
         load_run_config(["+megatron.bogus=1"])
     with pytest.raises(ValueError, match="megatron.num_layers is set by this project"):
         load_run_config(["+megatron.num_layers=2"])
+    for field in ("num_layers_in_first_pipeline_stage=1", "pipeline_model_parallel_layout=Et|tttL",
+                  "account_for_loss_in_pipeline_split=true"):  # an uneven split: the weight layout assumes even
+        with pytest.raises(ValueError, match=f"megatron.{field.split('=')[0]} splits the decoder's layers unevenly"):
+            load_run_config([f"+megatron.{field}", "parallel.pp=2"])
+    load_run_config(["+megatron.account_for_loss_in_pipeline_split=false"])  # the default value passes

@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from rollplex_megatron.dist import run_local
 from rollplex_megatron.recipes import load_run_config
 from tests import optim_workers as W
+from tests.numerics import rel_err
 
 # sdpa also on GPU: these tests are about the optimizer and checkpoints, not the attention backend.
 SMALL = ["verify.groups_per_rank=1", "rollout.group_size=2", "verify.responses_per_micro_batch=2",
@@ -25,10 +26,6 @@ TOL = 1e-5  # docs/design.md §3, fp32 on CPU
 
 def _cfg(*extra):
     return load_run_config(SMALL + list(extra))
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 def _identical(a: dict, b: dict) -> list[str]:
@@ -128,10 +125,10 @@ def test_adam_step_tp2_matches_tp1(tiny_hf):
     init = {k: v for f in sorted(Path(tiny_hf).glob("*.safetensors")) for k, v in load_file(f).items()}
     w1, w2 = one["weights"], two["weights"]
     assert w1.keys() == w2.keys() == init.keys()
-    errs = {n: _rel(w2[n], w1[n]) for n in w1}
+    errs = {n: rel_err(w2[n], w1[n]) for n in w1}
     assert max(errs.values()) <= TOL, sorted(errs.items(), key=lambda kv: -kv[1])[:4]
     flat = lambda d: torch.cat([d[n].flatten().float() for n in sorted(d)])  # noqa: E731
-    assert _rel(flat(w1), flat(init)) > 1e-3  # the step moves weights far beyond the tolerance
+    assert rel_err(flat(w1), flat(init)) > 1e-3  # the step moves weights far beyond the tolerance
 
 
 def test_a_full_disk_names_the_filesystem_and_leaves_the_last_checkpoint(tmp_path):

@@ -8,6 +8,7 @@ import copy
 import pytest
 
 from rollplex_megatron.dist import run_local
+from tests.numerics import rel_err
 from tests.parallel_workers import fwd_bwd, hf_named_grads
 
 TOL = 1e-5
@@ -26,10 +27,6 @@ def reference(tiny_hf):
     return res[0]["loss"], hf_named_grads(res, tiny_hf, 1, 1)
 
 
-def _rel(a, b):
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (2, 2)])
 def test_parallel_layouts_match_single_process(tiny_hf, reference, tp, pp):
     ref_loss, ref_grads = reference
@@ -39,7 +36,7 @@ def test_parallel_layouts_match_single_process(tiny_hf, reference, tp, pp):
     assert losses and abs(losses[0] - ref_loss) / abs(ref_loss) <= TOL
     grads = hf_named_grads(res, tiny_hf, tp, pp)
     assert set(grads) == set(ref_grads)
-    errs = {k: _rel(grads[k], ref_grads[k]) for k in ref_grads}
+    errs = {k: rel_err(grads[k], ref_grads[k]) for k in ref_grads}
     worst = max(errs, key=errs.get)
     assert errs[worst] <= TOL, (worst, errs[worst])
     assert all(ref_grads[k].norm() > 0 for k in ref_grads), "a reference gradient is zero"
@@ -54,4 +51,4 @@ def test_gradient_comparison_detects_a_dropped_shard(tiny_hf, reference):
     res[1]["grads"][name].zero_()
     grads = hf_named_grads(res, tiny_hf, 2, 1)
     k = "model.layers.1.self_attn.k_proj.weight"
-    assert _rel(grads[k], ref_grads[k]) > 0.1
+    assert rel_err(grads[k], ref_grads[k]) > 0.1

@@ -6,6 +6,7 @@ import torch
 
 from rollplex_megatron.attention import split
 from rollplex_megatron.attention.prefix import PackedLayout, dense_reference
+from tests.numerics import rel_err
 
 TOL = 1e-5  # docs/design.md §3: fp32 on CPU
 
@@ -33,10 +34,6 @@ def _inputs(gen, lay, nq, ng, d):
     return mk(t, 1, nq, d, m=mag), mk(t, 1, ng, d), mk(t, 1, ng, d, m=3.0), mk(kp, 1, ng, d), mk(kp, 1, ng, d)
 
 
-def _rel(a, b):
-    return float((a - b).detach().norm() / b.detach().norm().clamp_min(1e-30))
-
-
 def _compare(lay, q, k, v, pk, pv, scale, idx=None):
     """Split output and gradients vs the masked float64 reference on the concatenated keys."""
     if idx is None:
@@ -49,7 +46,8 @@ def _compare(lay, q, k, v, pk, pv, scale, idx=None):
     kk, vv = (torch.cat([pk, k]), torch.cat([pv, v])) if has_prefix else (k, v)
     ref = dense_reference(q, kk, vv, lay.allowed(), scale)
     ref_grads = torch.autograd.grad((ref.double() * w.double()).sum(), leaves)
-    errs = {"out": _rel(out, ref)} | {n: _rel(g, r) for n, g, r in zip(("q", "k", "v", "pk", "pv"), grads, ref_grads)}
+    errs = {"out": rel_err(out, ref)} | {n: rel_err(g, r)
+                                         for n, g, r in zip(("q", "k", "v", "pk", "pv"), grads, ref_grads)}
     return errs
 
 

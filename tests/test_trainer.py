@@ -6,6 +6,7 @@ from rollplex_megatron.dist import run_local
 from rollplex_megatron.recipes import load_run_config
 from tests import trainer_workers as W
 from tests.in_turn import case, in_turn
+from tests.numerics import rel_err
 
 TOL = 1e-5  # docs/design.md §3, fp32 on CPU
 # Adam's epsilon is raised from 1e-8 to 1e-6 here: parameters whose gradient is almost zero (the
@@ -32,15 +33,11 @@ def _cfg(mode, *extra, hf=None):
     return load_run_config(over)
 
 
-def _rel(a, b):
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
 def _param_err(run, ref):
     """Largest per-parameter relative difference of the trained weights (docs/design.md §3: parameters after the
     steps stay within the bound)."""
     assert any(float((ref["last"][n] - ref["first"][n]).norm()) > 0 for n in ref["last"])  # it trained
-    errs = {n: _rel(run["last"][n], ref["last"][n]) for n in ref["last"]}
+    errs = {n: rel_err(run["last"][n], ref["last"][n]) for n in ref["last"]}
     return max(errs.values()), max(errs, key=errs.get)
 
 

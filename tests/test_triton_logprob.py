@@ -16,15 +16,12 @@ from rollplex_megatron.rl import triton_logprob as TL
 from rollplex_megatron.rl.grpo import policy_logprob_entropy
 from tests import trainer_workers as W
 from tests.in_turn import case, in_turn
+from tests.numerics import rel_err
 from tests.test_trainer import _param_err, _records_close
 
 GPU = torch.cuda.is_available()
 DEV = "cuda" if GPU else "cpu"
 TOL = 1e-5  # docs/design.md §3, fp32
-
-
-def _rel(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 def _case(seed, vocab, lo=0, full=None):
@@ -70,9 +67,9 @@ def _ref64(logits, labels, banned, mask, temperature, w_lp, w_h):
 def _errors(got, want, ref) -> dict:
     """Per output: the fused path's error against float64 and against the torch path, and the torch path's."""
     names = ("logp", "entropy", "grad")
-    return {"fused": {k: _rel(a, r) for k, a, r in zip(names, got, ref)},
-            "vs_torch": {k: _rel(a, b) for k, a, b in zip(names, got, want)},
-            "torch": {k: _rel(b, r) for k, b, r in zip(names, want, ref)}}
+    return {"fused": {k: rel_err(a, r) for k, a, r in zip(names, got, ref)},
+            "vs_torch": {k: rel_err(a, b) for k, a, b in zip(names, got, want)},
+            "torch": {k: rel_err(b, r) for k, b, r in zip(names, want, ref)}}
 
 
 def _check(e: dict) -> None:

@@ -1,11 +1,11 @@
 """A whole verl 0.9.1 PPO run on CPU: verl's own driver (`main_ppo`, the v1 `rollplex` trainer, Ray, TransferQueue)
 with this project's engine and `rollout.name=rollplex`, 2 steps on 2 CPU ranks (TP=2), fp32, GRPO.
 
-The `make-example` checkpoint is adapted to verl 0.9.1 on transformers 5.24 without torchvision: its video config
-names `RollplexQwen2VLVideoProcessor` (integrations/verl/video.py), the dataset class is `RollplexRLHFDataset`
-(no qwen_vl_utils), and its tokenizer has a one-token newline (verl's Qwen token builder) and plain vision tokens
-(verl's agent loop decodes the prompt dropping special tokens, then the processor counts placeholders). The rows
-are ragged: verl's 3-D position ids break when every sample of a batch has one length.
+The checkpoint and rows are `make-example --verl`'s, as a user gets them (verl 0.9.1 on transformers 5.24 without
+torchvision): its video config names `RollplexQwen2VLVideoProcessor` (integrations/verl/video.py), its tokenizer
+has a one-token newline (verl's Qwen token builder) and plain vision tokens (verl's agent loop decodes the prompt
+dropping special tokens, then the processor counts placeholders), and its rows are ragged (a verl batch whose
+samples all have one length fails). The dataset class is `RollplexRLHFDataset` (no qwen_vl_utils).
 
 Checked: rewards and losses logged for both steps; the rollout's log-probs equal the actor's old log-probs (verl's
 own rollout-vs-training metrics); with a KL loss (the reference in the same workers) the shared run's old
@@ -22,9 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from rollplex_megatron.data.example import WORDS, make_example
-from rollplex_megatron.data.example_files import write_tiny_processor
-from rollplex_megatron.integrations.verl.video import NAME
+from rollplex_megatron.data.example import make_example
 from rollplex_megatron.recipes import load_run_config
 
 TOL = 1e-5
@@ -35,16 +33,8 @@ REWARD = ("def compute_score(data_source, solution_str, ground_truth, extra_info
 
 
 def example(root: Path) -> Path:
-    """The make-example checkpoint and ragged rows, with the processor files verl needs on this machine."""
-    model = load_run_config([]).model
-    out = make_example(root / "ex", model, train_rows=4, val_rows=2, ragged=True)
-    path = str(out / "model")
-    write_tiny_processor(path, WORDS, model, min_pixels=28 * 28, max_pixels=56 * 56, newline=True,
-                         vision_special=False)
-    file = os.path.join(path, "video_preprocessor_config.json")
-    cfg = json.loads(Path(file).read_text())
-    Path(file).write_text(json.dumps({**cfg, "video_processor_type": NAME}))
-    return out
+    """`make-example --verl`'s checkpoint and rows, used as written."""
+    return make_example(root / "ex", load_run_config([]).model, train_rows=4, val_rows=2, verl=True)
 
 
 # Mutation from the third rollout that holds K/V on (the first two are the steps checked; verl's first sleep comes

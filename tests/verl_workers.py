@@ -13,9 +13,7 @@ from pathlib import Path
 
 import torch
 
-
-def _rel(a, b) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+from tests.numerics import rel_err
 
 
 def verl_batch(model_cfg, seed: int, groups: int = 3, g: int = 3, mismatched_uid: bool = False, temperature=0.7,
@@ -135,16 +133,16 @@ def shared_vs_full(hf_dir: str, tp: int, mutation: str = "", mismatched_uid: boo
             out["metrics_" + k] = sorted(o["metrics"])
             params[k] = torch.tensor(e.optimizer_step())  # megatron's grad norm (the clip is far above it)
             out["lens_" + k] = [int(t.numel()) for t in o["model_output"]["log_probs"].unbind()]
-    out["rel"]["log_probs_vs_direct"] = _rel(torch.cat(infer_resp["shared"]), torch.cat(direct))
-    out["rel"]["loss_vs_whole_batch_ppo_loss"] = _rel(loss["shared"], whole_loss["shared"])
+    out["rel"]["log_probs_vs_direct"] = rel_err(torch.cat(infer_resp["shared"]), torch.cat(direct))
+    out["rel"]["loss_vs_whole_batch_ppo_loss"] = rel_err(loss["shared"], whole_loss["shared"])
     s, f = "shared", "full"
-    out["rel"]["log_probs"] = _rel(infer[s]["log_probs"], infer[f]["log_probs"])
-    out["rel"]["entropy"] = _rel(infer[s]["entropy"], infer[f]["entropy"])
-    out["rel"]["loss"] = _rel(loss[s], loss[f])
-    errs = {n: _rel(grads[s][n], grads[f][n]) for n in grads[f]}
+    out["rel"]["log_probs"] = rel_err(infer[s]["log_probs"], infer[f]["log_probs"])
+    out["rel"]["entropy"] = rel_err(infer[s]["entropy"], infer[f]["entropy"])
+    out["rel"]["loss"] = rel_err(loss[s], loss[f])
+    errs = {n: rel_err(grads[s][n], grads[f][n]) for n in grads[f]}
     out["rel"]["grad"] = max(errs.values())
     out["worst_grad_param"] = max(errs, key=errs.get)
-    out["rel"]["optimizer_grad_norm"] = _rel(params[s], params[f])
+    out["rel"]["optimizer_grad_norm"] = rel_err(params[s], params[f])
     out["grad_norm"] = float(torch.stack([g.norm() for g in grads[f].values()]).norm())
     out["full_groups"] = len(B.verl_groups(verl_batch(cfg, 7, mismatched_uid=mismatched_uid)).full)
     return out
@@ -256,7 +254,7 @@ def checkpoint_round_trip(hf_dir: str, root: str) -> dict:
     fresh = new_engine(hf_dir, 1, True)
     step(fresh, 8)
     pa = params(a)
-    rel = lambda e: max(_rel(params(e)[n], pa[n]) for n in pa)  # noqa: E731
+    rel = lambda e: max(rel_err(params(e)[n], pa[n]) for n in pa)  # noqa: E731
     out.update(rel_loaded=rel(b), rel_weights_only=rel(weights_only), rel_fresh=rel(fresh), lr=[lr_a, lr_b])
     a.save_checkpoint(f"{root}/global_step_2/actor", global_step=2, max_ckpt_to_keep=1)
     out["kept"] = sorted(str(p.relative_to(root)) for p in Path(root).rglob("step_*"))
@@ -298,9 +296,9 @@ def dynamic_vs_count(hf_dir: str, budget: int = 7) -> dict:
                      "loss": torch.tensor(o["loss"]).sum(), "grads": grads, "packing": dict(e.last_packing),
                      "lens": [int(n) for n in batch["responses"].offsets().diff().tolist()]}
     c, d, m = got["count"], got["dynamic"], got["twice_overflow"]
-    return {"logp": _rel(d["logp"], c["logp"]), "loss": _rel(d["loss"], c["loss"]),
-            "grad": max(_rel(d["grads"][n], c["grads"][n]) for n in c["grads"]),
-            "mutant_grad": max(_rel(m["grads"][n], c["grads"][n]) for n in c["grads"]),
+    return {"logp": rel_err(d["logp"], c["logp"]), "loss": rel_err(d["loss"], c["loss"]),
+            "grad": max(rel_err(d["grads"][n], c["grads"][n]) for n in c["grads"]),
+            "mutant_grad": max(rel_err(m["grads"][n], c["grads"][n]) for n in c["grads"]),
             "grad_norm": float(torch.stack([t.norm() for t in c["grads"].values()]).norm()),
             "count_packing": c["packing"], "dynamic_packing": d["packing"], "lens": c["lens"], "budget": budget}
 
@@ -382,7 +380,7 @@ def window_cases(hf_dir: str, root: str) -> dict:
         engine.window = None
         want, _ = logp()
         engine.window = window
-        out["rel"] = _rel(got, want)
+        out["rel"] = rel_err(got, want)
         others: list = []  # the same uids and shapes, other token ids and pixels (another seed's prompts)
         verl_batch(cfg, 8, rows_out=others)
         other = prompts_of(tu.list_of_dict_to_tensordict([others[0]]), [uids[0]])[uids[0]]
@@ -390,10 +388,10 @@ def window_cases(hf_dir: str, root: str) -> dict:
         wrong = {uids[0]: other, uids[1]: stored[uids[1]], uids[2]: stored[uids[2]]}
         window.submit(wrong)
         got, out["wrong_window"] = logp()
-        out["rel_wrong"] = _rel(got, want)
+        out["rel_wrong"] = rel_err(got, want)
         window.submit(wrong)
         got, out["trusted_window"] = logp(mutate=True)
-        out["rel_trusted"] = _rel(got, want)
+        out["rel_trusted"] = rel_err(got, want)
         window.submit({"never-scored": stored[uids[0]]})  # e.g. a group dynamic sampling drops
         out["unclaimed"] = (window.take(set()), window.dropped, len(window.received))
         out["steps"] = window.steps

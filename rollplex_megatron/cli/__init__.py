@@ -29,10 +29,11 @@ Commands
                                       a checkpoint's per-data_source scores on a validation set
   generate (--hf-dir DIR | --run DIR [--step N]) data.val_files=[FILE] [--rows K] [val.n=N]
                                       print a checkpoint's responses to the first K rows, for reading
-  make-example DIR [--train-rows N] [--val-rows N] [--videos] [--family F] [model=...]
+  make-example DIR [--train-rows N] [--val-rows N] [--videos] [--family F] [--verl] [model=...]
                                       a tiny random Qwen2.5-VL (--family qwen3_vl: Qwen3-VL) checkpoint
                                       with its processor (DIR/model) and a multiple-choice dataset in
-                                      verl's format (DIR/*.parquet)
+                                      verl's format (DIR/*.parquet); --verl: the variant verl's own
+                                      driver takes (docs/guides/verl.md), not the one for `train`
 Commands that take Hydra overrides accept e.g. `model=qwen2_5_vl_3b parallel.tp=2`.
 Multi-process commands launch their own local processes when not started by torchrun.
 Errors print one line (`error: ...`); `--debug` anywhere on the line shows the traceback instead.
@@ -320,6 +321,9 @@ def _cmd_make_example(argv: list[str]) -> int:
     ap.add_argument("--videos", action="store_true", help="every third row a two-frame video")
     ap.add_argument("--family", choices=sorted(TINY_PRESETS), default=None,
                     help="model family of the checkpoint: its tiny preset (a model= override is used as given)")
+    ap.add_argument("--verl", action="store_true",
+                    help="the variant verl 0.9.1's driver takes as it is (its tokenizer, video processor and "
+                         "ragged rows: docs/guides/verl.md); without it, the example for `train`")
     a, overrides = ap.parse_known_args(argv)
     if a.train_rows < 1 or a.val_rows < 1:
         raise ValueError(f"--train-rows and --val-rows must be >= 1, got {a.train_rows} and {a.val_rows}")
@@ -332,13 +336,24 @@ def _cmd_make_example(argv: list[str]) -> int:
     model = load_run_config(preset + overrides).model
     if a.family and model.family != a.family:
         raise ValueError(f"--family {a.family} but the model overrides give model.family={model.family}; drop one")
-    out = make_example(a.out, model, a.train_rows, a.val_rows, a.seed, a.videos)
-    train, val = (next(out.glob(f"{name}.*")) for name in ("train", "val"))  # .parquet, or .jsonl without pyarrow
-    print(f"train with: python -m rollplex_megatron train train.init_hf={out / 'model'} data.train_files=[{train}] "
-          f"data.val_files=[{val}] train.val_every=50 rollout.max_response_len=4 reward.format_reward=0.5 "
-          f"train.steps=800 optim.lr=5e-4")  # the docs' recipe (its lr named: at lr 1e-3 it collapses)
+    out = make_example(a.out, model, a.train_rows, a.val_rows, a.seed, a.videos, verl=a.verl)
+    print(_example_command(out, a.verl))
     print(out)
     return 0
+
+
+def _example_command(out: Path, verl: bool) -> str:
+    """The line that runs the example `out`: verl's driver with the recipe (`--verl`), else `train`."""
+    train, val = (next(out.glob(f"{name}.*")) for name in ("train", "val"))  # .parquet, or .jsonl without pyarrow
+    if verl:
+        pkg = "pkg://rollplex_megatron.integrations.verl.data"  # the built-in rewards, the PIL dataset class
+        return (f"verl with: bash recipes/verl/run_qwen2_5_vl_rollplex.sh data.train_files={train} "
+                f"data.val_files={val} actor_rollout_ref.model.path={out / 'model'} "
+                f"reward.custom_reward_function.path={pkg} data.custom_cls.path={pkg} "
+                f"data.custom_cls.name=RollplexRLHFDataset")
+    return (f"train with: python -m rollplex_megatron train train.init_hf={out / 'model'} "
+            f"data.train_files=[{train}] data.val_files=[{val}] train.val_every=50 rollout.max_response_len=4 "
+            f"reward.format_reward=0.5 train.steps=800 optim.lr=5e-4")  # the docs' recipe (at lr 1e-3 it collapses)
 
 
 def _checkpoint_args(prog: str, description: str) -> argparse.ArgumentParser:

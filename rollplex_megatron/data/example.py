@@ -6,8 +6,14 @@ Each row shows one PIL-drawn square (half of one merged vision token's side, on 
 token: 14 px on 28x28 for the tiny Qwen2.5-VL preset, 8 px on 16x16 for the tiny Qwen3-VL one) and asks which
 colour it is; the options are always
 "A red B green C blue D yellow" and the reward is the built-in `multiple_choice` (chance 1/4).
-With `videos=True` every third row is a two-frame video instead (frame lists), and rows vary in
+With `videos=True` every third row is a two-frame video instead (frame lists); with `ragged=True` rows vary in
 image size and wording, so prompts are ragged (the tests use that form).
+
+The plain example is what this project's own driver (`train`) reads. `verl=True` (`make-example --verl`) writes
+the variant verl 0.9.1 takes as it is (docs/guides/verl.md): the tokenizer has a one-token newline (verl's Qwen
+token builder) and plain vision placeholders (verl's agent loop decodes a prompt dropping special tokens and the
+processor counts them again), the video config names `RollplexQwen2VLVideoProcessor` (no torchvision needed),
+and the rows are ragged.
 """
 from __future__ import annotations
 
@@ -25,7 +31,8 @@ from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoP
 
 from rollplex_megatron.checkpoint.convert import build_atomically, hf_config_from_model
 from rollplex_megatron.config import ModelConfig
-from rollplex_megatron.data.example_files import tiny_tokenizer, write_tiny_processor
+from rollplex_megatron.data.example_files import QWEN2_VIDEO_PROCESSOR, tiny_tokenizer, write_tiny_processor
+from rollplex_megatron.integrations.verl.video import NAME as VERL_VIDEO_PROCESSOR
 from rollplex_megatron.models.registry import model_spec
 
 try:  # parquet output; without pyarrow the rows are written as jsonl with image files beside them
@@ -46,17 +53,20 @@ TIMESTAMP_WORDS = ["<", ">", "seconds", *"0123456789"]
 TINY_PRESETS = {"qwen2_5_vl": "tiny", "qwen3_vl": "qwen3_vl_tiny"}
 
 
-def write_model(path: Path, model: ModelConfig, seed: int) -> None:
+def write_model(path: Path, model: ModelConfig, seed: int, verl: bool = False) -> None:
     """A randomly initialised checkpoint of `model`'s shape (its family's transformers class), with its
-    processor, in `path`."""
+    processor, in `path` (`verl`: the processor as verl takes it, see the module docstring)."""
     torch.manual_seed(seed)
     cls = model_spec(model).hf.reference_model
     cls(cls.config_class.from_dict(hf_config_from_model(model))).save_pretrained(str(path))
     unit = model.vision.patch_size * model.vision.spatial_merge_size  # one merged vision token's side
     if model_spec(model).processor.video_run_per_frame:
         write_qwen3_processor(path, model, unit * unit, 4 * unit * unit)
-    else:
-        write_tiny_processor(path, WORDS, model, min_pixels=unit * unit, max_pixels=4 * unit * unit)
+        return
+    # verl: a one-token newline, plain vision placeholders and the torchvision-free video processor (docstring)
+    write_tiny_processor(path, WORDS, model, min_pixels=unit * unit, max_pixels=4 * unit * unit, newline=verl,
+                         vision_special=not verl,
+                         video_processor_type=VERL_VIDEO_PROCESSOR if verl else QWEN2_VIDEO_PROCESSOR)
 
 
 def write_qwen3_processor(path: Path, model: ModelConfig, min_pixels: int, max_pixels: int) -> None:
@@ -139,9 +149,16 @@ def _save(path: Path, image: dict) -> str:
 
 def make_example(out: str | Path, model: ModelConfig, train_rows: int = 512, val_rows: int = 64,
                  seed: int = 0, videos: bool = False, ragged: bool = False, image_px: int | None = None,
-                 square_px: int | None = None) -> Path:
-    """Write DIR/model, DIR/train.parquet and DIR/val.parquet (.jsonl without pyarrow); refuses an existing DIR."""
+                 square_px: int | None = None, verl: bool = False) -> Path:
+    """Write DIR/model, DIR/train.parquet and DIR/val.parquet (.jsonl without pyarrow); refuses an existing DIR.
+    `verl`: the variant verl 0.9.1's driver takes as it is, its tokenizer, video processor and ragged rows
+    (docs/guides/verl.md); without it, the example for `train`."""
     out = Path(out)
+    if verl:
+        check_verl_example(model, videos)
+        # verl 0.9.1: a batch whose samples all have one length fails in the engine (its nested [4, S] position
+        # ids come out split along the wrong dimension); ragged rows keep the example's batches apart
+        ragged = True
     # images default to one merged vision token (28 px for Qwen2.5-VL's 14 px patches), the square to half of it
     image_px = image_px or model.vision.patch_size * model.vision.spatial_merge_size
     square_px = square_px or image_px // 2
@@ -151,8 +168,18 @@ def make_example(out: str | Path, model: ModelConfig, train_rows: int = 512, val
         raise ValueError(f"--seed must be >= 0 (numpy takes unsigned seeds), got {seed}")
     def fill(tmp: Path) -> None:  # a failure leaves no half-written DIR
         (tmp / "model").mkdir()
-        write_model(tmp / "model", model, seed)
+        write_model(tmp / "model", model, seed, verl)
         write_rows(tmp / "train.parquet", example_rows(train_rows, seed + 1, videos, ragged, image_px, square_px))
         write_rows(tmp / "val.parquet", example_rows(val_rows, seed + 2, videos, ragged, image_px, square_px))
 
     return build_atomically(out, fill)
+
+
+def check_verl_example(model: ModelConfig, videos: bool) -> None:
+    """Refuse a verl example this project has not run through verl: Qwen3-VL, or rows with videos."""
+    if model_spec(model).processor.video_run_per_frame:
+        raise ValueError(f"make-example --verl: model.family={model.family} has not run through verl's driver here "
+                         f"(Qwen2.5-VL has); drop --verl, or use --family qwen2_5_vl")
+    if videos:
+        raise ValueError("make-example --verl --videos: the verl path here reads image rows only (its dataset class "
+                         "RollplexRLHFDataset refuses videos); drop --videos")

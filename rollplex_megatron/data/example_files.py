@@ -25,6 +25,7 @@ except ImportError:
 
 UNK, PAD, IM_START, IM_END = "<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 DEFAULT_SYSTEM = "You are a helpful assistant."
+QWEN2_VIDEO_PROCESSOR = "Qwen2VLVideoProcessor"  # transformers' class, what a Qwen2.5-VL release names
 # Words the chat template itself writes; the vocabulary always holds them.
 TEMPLATE_WORDS = ("system", "user", "assistant", "You", "are", "a", "helpful", ".")
 
@@ -99,11 +100,13 @@ def tiny_tokenizer(words: list[str], model: ModelConfig, newline: bool = False,
                                    chat_template=CHAT_TEMPLATE, clean_up_tokenization_spaces=False)
 
 
-def video_processor_config(model: ModelConfig, min_pixels: int, max_pixels: int) -> dict:
-    """The fields transformers' Qwen2VLVideoProcessor reads from video_preprocessor_config.json."""
+def video_processor_config(model: ModelConfig, min_pixels: int, max_pixels: int,
+                           video_processor_type: str = QWEN2_VIDEO_PROCESSOR) -> dict:
+    """The fields transformers' Qwen2VLVideoProcessor reads from video_preprocessor_config.json; `AutoProcessor`
+    builds the class `video_processor_type` names (verl on CPU: integrations/verl/video.py's, no torchvision)."""
     v = model.vision
     return {
-        "video_processor_type": "Qwen2VLVideoProcessor", "processor_class": "Qwen2_5_VLProcessor",
+        "video_processor_type": video_processor_type, "processor_class": "Qwen2_5_VLProcessor",
         "size": {"shortest_edge": min_pixels, "longest_edge": max_pixels},
         "patch_size": v.patch_size, "temporal_patch_size": v.temporal_patch_size, "merge_size": v.spatial_merge_size,
         "fps": 2.0, "min_frames": 4, "max_frames": 768, "do_sample_frames": True,
@@ -115,10 +118,11 @@ def video_processor_config(model: ModelConfig, min_pixels: int, max_pixels: int)
 def write_tiny_processor(path: str, words: list[str], model: ModelConfig, min_pixels: int = 56 * 56,
                          max_pixels: int = 28 * 28 * 64, video_min_pixels: int | None = None,
                          video_max_pixels: int | None = None, newline: bool = False,
-                         vision_special: bool = True) -> str:
+                         vision_special: bool = True, video_processor_type: str = QWEN2_VIDEO_PROCESSOR) -> str:
     """Write tokenizer, chat template, preprocessor_config.json and video_preprocessor_config.json to `path`.
 
-    Video pixel limits default to the image ones; `newline`, `vision_special` as in `tiny_tokenizer`. Returns `path`.
+    Video pixel limits default to the image ones; `newline`, `vision_special` as in `tiny_tokenizer`,
+    `video_processor_type` as in `video_processor_config`. Returns `path`.
     """
     os.makedirs(path, exist_ok=True)
     tiny_tokenizer(words, model, newline, vision_special).save_pretrained(path)
@@ -126,7 +130,8 @@ def write_tiny_processor(path: str, words: list[str], model: ModelConfig, min_pi
     Qwen2VLImageProcessorPil(min_pixels=min_pixels, max_pixels=max_pixels, patch_size=v.patch_size,
                              temporal_patch_size=v.temporal_patch_size,
                              merge_size=v.spatial_merge_size).save_pretrained(path)
-    video = video_processor_config(model, video_min_pixels or min_pixels, video_max_pixels or max_pixels)
+    video = video_processor_config(model, video_min_pixels or min_pixels, video_max_pixels or max_pixels,
+                                   video_processor_type)
     with open(os.path.join(path, "video_preprocessor_config.json"), "w") as f:
         json.dump(video, f, indent=2)
     return path

@@ -80,6 +80,12 @@ def _llm_fields(cfg: ModelConfig, dtype: torch.dtype, tp: int, pp: int, meta: bo
     )
 
 
+# TransformerConfig fields that give pipeline stages unequal layer counts (megatron's uneven split)
+UNEVEN_SPLIT_SETTINGS = ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage",
+                         "pipeline_model_parallel_layout", "account_for_embedding_in_pipeline_split",
+                         "account_for_loss_in_pipeline_split")
+
+
 def check_megatron_overrides(cfg: ModelConfig, overrides: dict, llm_fields=None) -> None:
     """`megatron.*` names TransformerConfig fields that no other setting owns (bad input fails here); `llm_fields`:
     the family's own TransformerConfig fields (default this family's)."""
@@ -92,6 +98,11 @@ def check_megatron_overrides(cfg: ModelConfig, overrides: dict, llm_fields=None)
     if owned:
         raise ValueError(f"megatron.{owned[0]} is set by this project from its own settings (model.*, parallel.*, "
                          f"dtype, the loss contract); change those instead")
+    uneven = [k for k in UNEVEN_SPLIT_SETTINGS if overrides.get(k) not in (None, False)]
+    if uneven:
+        raise ValueError(f"megatron.{uneven[0]} splits the decoder's layers unevenly over pipeline stages, which the "
+                         f"weight layout, the memory planner and the KV budget do not follow (each stage holds "
+                         f"model.num_layers / parallel.pp layers); drop it")
 
 
 def llm_transformer_config(cfg: ModelConfig, dtype: torch.dtype, tp: int, pp: int,

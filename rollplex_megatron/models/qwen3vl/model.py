@@ -22,7 +22,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.transformer_block import TransformerBlock
+from megatron.core.transformer.transformer_block import TransformerBlock, get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from rollplex_megatron.attention import SDPACoreAttention
@@ -53,6 +53,28 @@ def check_megatron_overrides(cfg: ModelConfig, overrides: dict) -> None:
         raise ValueError(f"model.vision.num_position_embeddings must be >= 1 for model.family={cfg.family} (Qwen3-VL's "
                          f"learned position table; 2304 in the released checkpoints)")
     Q25.check_megatron_overrides(cfg, overrides, _llm_fields)
+
+
+def first_stage_layers(tc: TransformerConfig) -> int:
+    """LLM layers megatron builds on the first pipeline stage (its `get_num_layers_to_build` at rank 0, uneven
+    splits included)."""
+    layout = tc.pipeline_model_parallel_layout
+    if layout is not None:  # megatron's helper reads a layout at the current rank, whatever pp_rank says
+        return layout.get_num_layers_to_build(pp_rank=0)
+    return get_num_layers_to_build(tc, pp_rank=0)
+
+
+def check_deepstack_stage(cfg: ModelConfig, tc: TransformerConfig) -> None:
+    """DeepStack's levels must lie on the first stage (it holds the vision tower): refused by setting otherwise."""
+    first, levels = first_stage_layers(tc), len(cfg.vision.deepstack_visual_indexes)
+    if levels <= first:
+        return
+    split = [f"megatron.{k}={getattr(tc, k)}" for k in Q25.UNEVEN_SPLIT_SETTINGS if getattr(tc, k) not in (None, False)]
+    fix = f"give the first stage at least {levels} through those settings, or drop them" if split else \
+        "lower parallel.pp"
+    raise ValueError(f"parallel.pp={tc.pipeline_model_parallel_size}{' with ' + ', '.join(split) if split else ''} "
+                     f"leaves {first} LLM layers on the first pipeline stage but DeepStack feeds {levels} "
+                     f"(model.vision.deepstack_visual_indexes, all on the first stage); {fix}")
 
 
 def vision_transformer_config(cfg: ModelConfig, dtype: torch.dtype, tp: int, meta: bool = False) -> TransformerConfig:
@@ -158,9 +180,7 @@ class Qwen3VLModel(Q25.Qwen25VLModel):
         pp = ps.get_pipeline_model_parallel_world_size()
         check_megatron_overrides(cfg, megatron or {})
         tc = TransformerConfig(**_llm_fields(cfg, dtype, tp, pp, meta), **(megatron or {}))
-        if len(cfg.vision.deepstack_visual_indexes) > cfg.num_layers // pp:
-            raise ValueError(f"parallel.pp={pp} leaves {cfg.num_layers // pp} LLM layers on the first stage but "
-                             f"DeepStack feeds {len(cfg.vision.deepstack_visual_indexes)}; lower parallel.pp")
+        check_deepstack_stage(cfg, tc)
         MegatronModule.__init__(self, config=tc)  # Qwen2.5-VL's __init__ builds its own tower and GPT
         self.cfg, self.pre_process, self.post_process = cfg, pre_process, post_process
         self.model_type = ModelType.encoder_or_decoder  # read by megatron's schedules
