@@ -1,7 +1,9 @@
 """Kernel time of one CUDA-graph decode step per case (shared prefix 16 groups x 8 = batch 128, 8 x 8,
 the tail 8 x 1; unshared 128 x 1), for each decode attention and sampling kernel pair (attention:
 math = fp32 torch, flash = varlen flash kernels + torch merge, triton = split-K/V kernels; sampling:
-torch = sampling.py's tensors, triton = the fused draw). Kernel count per step reported.
+torch = sampling.py's tensors, triton = the fused draw). Kernel count per step reported. `nolayer` in a path's
+options runs megatron's layer modules where the engine would run the fused layer path (models/decode_layers.py),
+so one run profiles both.
 
 3B shapes, bf16, random weights, the decode_vs_hf prompt shape (1026 tokens). One eager prefill
 gives a prefix K/V that every group reuses (the numbers do not matter, only the shapes), so no
@@ -25,9 +27,12 @@ def main() -> int:
     ap.add_argument("--preset", default="qwen2_5_vl_3b")
     ap.add_argument("--max-new", type=int, default=128)
     ap.add_argument("--replays", type=int, default=20)
-    ap.add_argument("--paths", default="flash:torch,triton:torch:norope,triton:triton:norope,triton:triton",
+    ap.add_argument("--paths", default="flash:torch,triton:torch:norope,triton:triton:norope,triton:triton:nolayer,"
+                                       "triton:triton",
                     help="decode_attention:sampling_kernel[:opts] to profile; opts joined by +: norope (the Triton "
-                         "attention without the fused RoPE and cache write), nonorm (torch's RMSNorm)")
+                         "attention without the fused RoPE and cache write), nonorm (torch's RMSNorm), nolayer "
+                         "(megatron's layer modules instead of the fused layer path, models/decode_layers.py; "
+                         "norope and nonorm turn it off too)")
     ap.add_argument("--cases", default="shared_16x8,shared_8x8,shared_8x1,unshared_128x1",
                     help="name_GROUPSxSAMPLES: groups sharing one prefix each, samples per group")
     ap.add_argument("--split-halves", action="store_true",
@@ -68,7 +73,8 @@ def main() -> int:
         if name.endswith("_split") and not getattr(model, "_split_halves", False):
             split_halves(model, a.split_only)
         eng = EmbeddedEngine(model, cfg, 4096, a.max_new, kv_cache_gib=60.0, decode_attention=impl,
-                             sampling_kernel=samp, fused_rope="norope" not in opt, fused_norm="nonorm" not in opt)
+                             sampling_kernel=samp, fused_rope="norope" not in opt, fused_norm="nonorm" not in opt,
+                             fused_layer="nolayer" not in opt)
         store = KVStore(leaves={(layer, g): kv for (layer, _), kv in one.leaves.items() for g in range(groups)})
         reqs = [RolloutRequest(prompt, n, a.max_new, (), seed=g) for g in range(groups)]
         cache = DecodeCache.for_wave(store, list(range(groups)), [n] * groups, a.max_new, dtype)
@@ -92,7 +98,8 @@ def main() -> int:
         top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:30]
         rows[name] = {"groups": groups, "samples_per_group": n, "decode_attention": eng.attention,
                       "sampling_kernel": "triton" if dec.fused_sampling else "torch", "fused_rope": eng.fused_rope,
-                      "fused_norm": eng.fused_norm, "step_ms": step_ms,
+                      "fused_norm": eng.fused_norm, "fused_layer": eng.fused_layer, "layer_error": eng.layer_error,
+                      "step_ms": step_ms,
                       "kernel_ms_per_step": total, "kernels_per_step": sum(e.count for e in kernels) / 3,
                       "cuda_graphs": eng.cuda_graphs, "graph_error": eng.graph_error, "window": key[2],
                       "top_kernel_launches_per_step": {e.key[:140]: e.count / 3 for e in top},

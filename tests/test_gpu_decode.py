@@ -1,4 +1,5 @@
-"""GPU-only: the flash decode attention against the fp32 reference path, eager and graph-captured.
+"""GPU-only: the flash decode attention against the fp32 reference path, eager and graph-captured; the decode layer
+path's kernels against the torch ops they replace, and graph decode through it against the module path (bf16).
 
 Marked `gpu`: skipped, with a reason, without CUDA. The CPU suite tests the reference path
 (`test_rollout.py`); these run on the device machine (`benchmarks/gpu_decode_attention.sh`).
@@ -188,3 +189,48 @@ def test_window_items_report_their_gpu_span(tiny_hf, mechanism):
     assert st["window_gpu_s"] + st["after_gpu_s"] > 0
     assert (st["window_gpu_s"] > 0) == (st["items_in_window"] > 0)
     assert (st["after_gpu_s"] > 0) == (st["items_after"] > 0)
+
+
+def test_fused_layer_kernels_equal_the_torch_ops_in_bf16(tmp_path, monkeypatch):
+    """The decode layer path's kernels (models/triton_layer.py) compiled for this GPU, bf16: `add_rms_norm` bit-equal
+    to torch's in-place add followed by the decode norm kernel; `silu_mul` bit-equal to megatron's silu(gate) *
+    (up + offset) on every finite bf16 gate value (libdevice's expf and the IEEE division, as torch's silu kernel).
+    Mutations: the residual add dropped; silu left unrounded before the product."""
+    from rollplex_megatron.models import triton_layer as TL
+    from tests import decode_layer_workers as W
+    from tests.test_decode_layer import _add_norm_case, _every_bf16_gate, _megatron_glu
+    from tests.test_triton_kernels import _mutant
+
+    x, res, w, want_h, want_y = _add_norm_case(torch.bfloat16, rows=64, h=2048)
+    h, y = TL.add_rms_norm(x, res, w, 1e-6)
+    assert x.is_cuda and torch.equal(h, want_h) and torch.equal(y, want_y)
+    fc1 = _every_bf16_gate()
+    for offset in (0.0, 0.5):
+        want, got = _megatron_glu(fc1, offset), TL.silu_mul(fc1, offset)
+        assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num()), offset
+    unrounded = ("    s = _r32(tl.math.div_rn(g, 1.0 + _exp(-g, PRECISE)), dt, RNE)",
+                 "    s = tl.math.div_rn(g, 1.0 + _exp(-g, PRECISE))")
+    monkeypatch.setattr(TL, "_add_rms_norm", _mutant(tmp_path, TL._add_rms_norm, *W.NO_ADD, W.HELPERS))
+    monkeypatch.setattr(TL, "_silu_mul", _mutant(tmp_path, TL._silu_mul, *unrounded, W.HELPERS))
+    assert not torch.equal(TL.add_rms_norm(x, res, w, 1e-6)[1], want_y)
+    assert not torch.equal(TL.silu_mul(fc1, 0.0).nan_to_num(), _megatron_glu(fc1, 0.0).nan_to_num())
+
+
+def test_graph_decode_with_the_fused_layer_path_equals_the_module_path():
+    """bf16, CUDA graphs: the engine's decode through the fused layer path gives the module path's tokens, log-probs
+    and finish reasons bit for bit on tiny Qwen2.5-VL and Qwen3-VL models (the path was captured and replayed);
+    mutation: the add-and-norm kernel dropping the residual changes the rollout."""
+    from tests import decode_layer_workers as W
+    from tests.in_turn import case, in_turn
+
+    params = SamplingParams(0.9)
+    calls = {fam: (W.decode_paths, (fam, "bfloat16", params)) for fam in W.FAMILIES}
+    calls["no_add"] = (W.decode_paths, ("qwen25", "bfloat16", params, 1, "no_add", False, (True,)))
+    out = run_local(in_turn, 1, calls)[0]
+    for fam in W.FAMILIES:
+        res = case(out, fam)
+        assert res[True]["fused_layer"] and not res[False]["fused_layer"] and res[True]["calls"]["silu_mul"] > 0
+        assert res[True]["graph_replays"] > 0 and res[False]["graph_replays"] > 0
+        assert res[True]["results"] == res[False]["results"], fam
+    mutant = case(out, "no_add")[True]["results"]
+    assert [t for t, _, _ in mutant] != [t for t, _, _ in case(out, "qwen25")[False]["results"]]

@@ -176,8 +176,8 @@ def _sin(x, PRECISE: tl.constexpr):
 
 @triton.jit
 def _rope_write_kernel(q_ptr, k_ptr, v_ptr, f_ptr, qo_ptr, rk_ptr, rv_ptr, step_ptr,
-                       stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_fb,
-                       stride_rb, stride_rn, stride_rh, n_q_heads, D: tl.constexpr, PRECISE: tl.constexpr):
+                       stride_qb, stride_qg, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_fb,
+                       stride_rb, stride_rn, stride_rh, n_q_heads, rep, D: tl.constexpr, PRECISE: tl.constexpr):
     b, head = tl.program_id(0), tl.program_id(1)
     d = tl.arange(0, D)
     half: tl.constexpr = D // 2
@@ -189,7 +189,7 @@ def _rope_write_kernel(q_ptr, k_ptr, v_ptr, f_ptr, qo_ptr, rk_ptr, rv_ptr, step_
     rot_d = (d + half) % D
     sign = tl.where(d < half, -1.0, 1.0)
     if head < n_q_heads:
-        base = q_ptr + b * stride_qb + head * stride_qh
+        base = q_ptr + b * stride_qb + (head // rep) * stride_qg + (head % rep) * stride_qh
     else:
         base = k_ptr + b * stride_kb + (head - n_q_heads) * stride_kh
     x = tl.load(base + d).to(tl.float32)
@@ -207,19 +207,21 @@ def _rope_write_kernel(q_ptr, k_ptr, v_ptr, f_ptr, qo_ptr, rk_ptr, rv_ptr, step_
 def triton_rope_and_write(q_BND, k_BND, v_BND, freqs_BD, resp_k_BRND, resp_v_BRND, step) -> torch.Tensor:
     """RoPE on this step's queries and keys (megatron's unfused rotate-half form, same roundings) and
     the keys and values written at response position `step` (a 1-element device tensor) of the cache,
-    in one launch; returns the rotated queries [B, Nq, D]. `freqs_BD`: the step's rotary angles."""
-    b, nq, d = q_BND.shape
-    ng = k_BND.shape[1]
+    in one launch; returns the rotated queries [B, Nq, D]. `freqs_BD`: the step's rotary angles. The queries
+    may also come by KV group, [B, Ng, rep, D] (a view of linear_qkv's output: read in place, no copy)."""
+    q_BGRD = q_BND if q_BND.dim() == 4 else q_BND[:, None]  # by group: one group of all Nq heads when 3-D
+    b, d = q_BND.shape[0], q_BND.shape[-1]
+    rep, nq, ng = q_BGRD.shape[2], q_BGRD.shape[1] * q_BGRD.shape[2], k_BND.shape[1]
     if freqs_BD.shape[-1] != d or resp_k_BRND.stride() != resp_v_BRND.stride():
         raise ValueError("fused RoPE needs rotary over the whole head dim and K/V caches of one layout")
     if any(t.stride(-1) != 1 for t in (q_BND, k_BND, v_BND, freqs_BD, resp_k_BRND)):
         raise ValueError("fused RoPE needs a unit stride on the head dim")
     q_out = torch.empty(b, nq, d, dtype=q_BND.dtype, device=q_BND.device)
     rk = resp_k_BRND
-    _rope_write_kernel[(b, nq + ng)](q_BND, k_BND, v_BND, freqs_BD, q_out, rk, resp_v_BRND, step,
-                                     q_BND.stride(0), q_BND.stride(1), k_BND.stride(0), k_BND.stride(1),
-                                     v_BND.stride(0), v_BND.stride(1), freqs_BD.stride(0),
-                                     rk.stride(0), rk.stride(1), rk.stride(2), nq, D=d, PRECISE=not INTERPRET)
+    _rope_write_kernel[(b, nq + ng)](q_BGRD, k_BND, v_BND, freqs_BD, q_out, rk, resp_v_BRND, step,
+                                     q_BGRD.stride(0), q_BGRD.stride(1), q_BGRD.stride(2), k_BND.stride(0),
+                                     k_BND.stride(1), v_BND.stride(0), v_BND.stride(1), freqs_BD.stride(0),
+                                     rk.stride(0), rk.stride(1), rk.stride(2), nq, rep, D=d, PRECISE=not INTERPRET)
     return q_out
 
 

@@ -44,8 +44,9 @@ class StageModel(Protocol):
     def prefix_inputs(self, prompts, dev) -> dict:
         """`forward_prefix`'s inputs for prompts packed (ids, positions, vision inputs)."""
 
-    def forward_decode(self, input_ids, position_ids, attention_context) -> torch.Tensor:
-        """One decode step at pp=1 with RoPE left to the decode attention: logits [B,1,V/TP]."""
+    def forward_decode(self, input_ids, position_ids, attention_context, fused_layers: bool = False) -> torch.Tensor:
+        """One decode step at pp=1 with RoPE left to the decode attention: logits [B,1,V/TP]; `fused_layers`: the
+        decoder through `models.decode_layers` (each layer's own GEMMs, the glue between them fused)."""
 
     def set_input_tensor(self, input_tensor) -> None:
         """Pipeline hook: the activation received from the previous stage."""

@@ -49,6 +49,7 @@ from rollplex_megatron.attention.triton_decode import (
 )
 from rollplex_megatron.config import ModelConfig, check_sampling_kernel
 from rollplex_megatron.memory.planner import kv_bytes_per_token
+from rollplex_megatron.models.decode_layers import unsupported as decode_layers_unsupported
 from rollplex_megatron.models.registry import model_spec
 from rollplex_megatron.prefix.batch import Group, prompt_positions
 from rollplex_megatron.prefix.execution import mini_batch_starts, p2p_communicator, prefix_forward, unwrap
@@ -205,8 +206,9 @@ class EmbeddedEngine:
 
     def __init__(self, model, cfg: ModelConfig, max_prompt_len: int, max_response_len: int, kv_cache_gib: float,
                  cuda_graphs: bool = True, decode_attention: str = "auto", sampling_kernel: str = "auto",
-                 fused_rope: bool = True, fused_norm: bool = True, prefix_pack_tokens: int = 0,
-                 actor_pack_tokens: int | None = None, keep_decode_state: bool = False, pack_splits: int = 1):
+                 fused_rope: bool = True, fused_norm: bool = True, fused_layer: bool = True,
+                 prefix_pack_tokens: int = 0, actor_pack_tokens: int | None = None, keep_decode_state: bool = False,
+                 pack_splits: int = 1):
         self.model, self.cfg, self.spec = model, cfg, model_spec(cfg)
         self.keep_decode_state = keep_decode_state  # the cache, slot state and graphs outlive a rollout
         self._state: _DecodeState | None = None  # what the last wave left (kept only under keep_decode_state)
@@ -229,6 +231,10 @@ class EmbeddedEngine:
         # the Triton attention also takes RoPE and the cache write (forward_decode); the whole step on one stage
         self.fused_rope = self.attention == "triton" and self.pp == 1 and fused_rope
         self.fused_norm = self.attention == "triton" and fused_norm  # the decode step's RMSNorms as one kernel each
+        # the decoder's layers with the glue between the GEMMs fused (models/decode_layers.py), where it computes
+        # what the modules do; its norms are the fused norm's arithmetic, so it goes with fused_rope and fused_norm
+        self.layer_error = decode_layers_unsupported(unwrap(model)) if self.fused_rope and self.fused_norm else ""
+        self.fused_layer = self.fused_rope and self.fused_norm and fused_layer and not self.layer_error
         self.graph_error = ""  # why CUDA-graph decode was turned off, if it was
         if self.cuda_graphs and self.pp > 1:  # the stage-to-stage sends are not captured
             self.cuda_graphs = False
@@ -515,7 +521,7 @@ class _WaveDecoder:
                             length=length, flash=flash, triton=tri)
         first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
         if self.engine.fused_rope:
-            out = self.m.forward_decode(st["tok"][:n, None], pos, ctx)
+            out = self.m.forward_decode(st["tok"][:n, None], pos, ctx, fused_layers=self.engine.fused_layer)
         else:
             if not first:
                 self.m.set_input_tensor(self.p2p.recv_forward((1, n, self.m.cfg.hidden_size), first))

@@ -26,6 +26,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from rollplex_megatron.attention import SDPACoreAttention
 from rollplex_megatron.attention.prefix import PrefixContext, SegmentContext
 from rollplex_megatron.config import ModelConfig
+from rollplex_megatron.models.decode_layers import decode_layers
 from rollplex_megatron.models.qwen25vl import positions as P
 from rollplex_megatron.models.triton_rope import rope_tables
 from rollplex_megatron.runtime import device, host_constant
@@ -314,20 +315,20 @@ class Qwen25VLModel(MegatronModule):
                                   decoder_input=decoder_input, packed_seq_params=attention_context)
         return self.mask_padded_vocab(out) if self.post_process else out
 
-    def forward_decode(self, input_ids, position_ids, attention_context) -> torch.Tensor:
+    def forward_decode(self, input_ids, position_ids, attention_context, fused_layers: bool = False) -> torch.Tensor:
         """One decode step at pp=1 with RoPE left to the decode attention: logits [B,1,V/TP].
 
         The computation of `forward` on GPTModel's own modules (embedding, decoder, output layer),
         except that the decoder gets no rotary embedding and the step's rotary angles go to the context
         (`attention_context.rope`, [B, D]), whose attention applies them to the queries and keys as it
         writes the cache (one fused kernel instead of megatron's per-layer cos/sin and rotate-half; the same
-        roundings, with CUDA's cos/sin, which differ from torch's in the last bits for large angles)."""
+        roundings, with CUDA's cos/sin, which differ from torch's in the last bits for large angles).
+        `fused_layers`: the decoder's layers through `models.decode_layers` (the same modules' GEMMs, the glue
+        between them fused; where `decode_layers.unsupported` is empty)."""
         lm = self.language_model
         hidden = self.embed(input_ids, None, None, None, None, check=False)
         attention_context.rope = lm.rotary_pos_emb(position_ids, lm.mrope_section)[0, :, 0]
-        hidden = lm.decoder(hidden_states=hidden, attention_mask=None, rotary_pos_emb=None,
-                            packed_seq_params=attention_context)
-        return self._logits(hidden)
+        return self._logits(_decoder(lm.decoder, hidden, attention_context, fused_layers))
 
     def _logits(self, hidden_SBH):
         """GPTModel's output layer (tied weight or its own) on the last stage: masked logits [B,S,V/TP]."""
@@ -377,6 +378,14 @@ class Qwen25VLModel(MegatronModule):
 
 
 VISION_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+
+
+def _decoder(decoder, hidden_1BH, ctx, fused_layers: bool) -> torch.Tensor:
+    """A decode step's decoder (RoPE in the context `ctx`): megatron's TransformerBlock, or with `fused_layers`
+    the same layers' modules with the glue fused (`decode_layers`); final norm included."""
+    if fused_layers:
+        return decode_layers(decoder, hidden_1BH, ctx)
+    return decoder(hidden_states=hidden_1BH, attention_mask=None, rotary_pos_emb=None, packed_seq_params=ctx)
 
 
 def _placeholder_check_then_prefix(m, prompts, ctx, input_tensor):

@@ -248,15 +248,12 @@ class Qwen3VLModel(Q25.Qwen25VLModel):
             self.language_model.decoder.set_input_tensor(input_tensor)
         return self._layers(hidden, position_ids, attention_context, deep)
 
-    def forward_decode(self, input_ids, position_ids, attention_context) -> torch.Tensor:
+    def forward_decode(self, input_ids, position_ids, attention_context, fused_layers: bool = False) -> torch.Tensor:
         """One decode step at pp=1 with RoPE left to the decode attention: logits [B,1,V/TP] (text only: no
-        DeepStack)."""
-        lm = self.language_model
+        DeepStack). `fused_layers`: see Qwen2.5-VL's (the q/k norms stay megatron's)."""
         hidden = self.embed(input_ids, check=False)
         attention_context.rope = self.rotary(position_ids)[0, :, 0]
-        hidden = lm.decoder(hidden_states=hidden, attention_mask=None, rotary_pos_emb=None,
-                            packed_seq_params=attention_context)
-        return self._logits(hidden)
+        return self._logits(Q25._decoder(self.language_model.decoder, hidden, attention_context, fused_layers))
 
     def prefix_stage(self, prompts, ctx, input_tensor=None) -> torch.Tensor:
         """The prefixes (prompt[:-1], vision included) of prompts packed one after another, on this stage."""

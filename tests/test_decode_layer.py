@@ -1,0 +1,167 @@
+"""The decode step's fused layer path (models/decode_layers.py, models/triton_layer.py) against megatron's modules.
+
+On CPU the kernels run under Triton's interpreter (tests/__init__.py); the GPU twins of the kernel tests are in
+tests/test_gpu_decode.py.
+- `add_rms_norm`: the new residual and the normed row bit-equal to torch's add followed by the decode norm kernel
+  (fp32 and bf16, rows of scales 1e-2..1e2, a width that is not a power of two); mutation: the add dropped;
+- `silu_mul`: megatron's silu(gate) * (up + glu_linear_offset) bit-equal in bf16 over every finite bf16 gate value,
+  within an fp32 ulp's rounding in fp32; mutations: silu left unrounded before the product, gate and up swapped;
+- the engine: the same requests decoded through the fused path and through the modules (the Triton attention, the
+  fused RoPE and norms on both) on tiny Qwen2.5-VL and Qwen3-VL models: bf16 bit-equal, fp32 the same tokens and
+  log-probs within 1e-6, and fp32 equal to the full-recompute loop (docs/design.md §3); the fused kernels ran 2 and
+  1 times a layer a step; a model setting the walk does not reproduce keeps the module path; mutation: the
+  add-and-norm kernel dropping the residual changes the rollout; TP=2 (gloo, two ranks): fused equals modules.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rollplex_megatron.dist import run_local
+from rollplex_megatron.models import triton_layer as TL
+from rollplex_megatron.models.triton_layer import add_rms_norm, silu_mul
+from rollplex_megatron.models.triton_norm import triton_rms_norm
+from rollplex_megatron.rollout.sampling import SamplingParams
+from tests import decode_layer_workers as W
+from tests.in_turn import case, cases, in_turn
+from tests.test_rollout import _same
+from tests.test_triton_kernels import _mutant
+
+GPU = torch.cuda.is_available()
+DEV = "cuda" if GPU else "cpu"
+PARAMS = SamplingParams(0.9)
+FP32_TOL = 1e-6  # fused vs modules in fp32: silu's exp is numpy's under the interpreter, torch's is Sleef's (an ulp)
+
+
+def _add_norm_case(dtype, seed=0, rows=9, h=320):
+    """x (the block's output) of rows spanning 1e-2..1e2, a residual, an RMSNorm weight: torch's add, then the
+    decode norm kernel on the sum."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(1, rows, h, generator=g) * torch.logspace(-2, 2, rows)[None, :, None]).to(DEV, dtype)
+    res = (torch.randn(1, rows, h, generator=g) * 3).to(DEV, dtype)
+    w = (1 + 0.3 * torch.randn(h, generator=g)).to(DEV)
+    want_h = x.clone()
+    want_h.add_(res)  # megatron's bias-dropout-add in inference: in place on the block's output
+    return x, res, w, want_h, triton_rms_norm(want_h, w, 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_add_rms_norm_equals_torchs_add_then_the_decode_norm(dtype, tmp_path, monkeypatch):
+    x, res, w, want_h, want_y = _add_norm_case(dtype)
+    h, y = add_rms_norm(x, res, w, 1e-6)
+    assert h.dtype == y.dtype == dtype and h.shape == y.shape == x.shape
+    assert torch.equal(h, want_h) and torch.equal(y, want_y)
+    # mutation: a kernel that skips the residual add
+    monkeypatch.setattr(TL, "_add_rms_norm", _mutant(tmp_path, TL._add_rms_norm, *W.NO_ADD, W.HELPERS))
+    h, y = add_rms_norm(x, res, w, 1e-6)
+    assert not torch.equal(h, want_h) and not torch.equal(y, want_y)
+    with pytest.raises(ValueError, match="residual .* must match x"):
+        add_rms_norm(x, res.float() if dtype != torch.float32 else res.double(), w, 1e-6)
+
+
+def _every_bf16_gate():
+    """fc1 rows [gate | up]: the gate half holds every finite bf16 value once, the up half random of scales
+    1e-3..1e3 with some -0.0 (which `up + 0.0` turns to +0.0)."""
+    bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    gate = bits[torch.isfinite(bits)]
+    gate = torch.cat([gate, gate[: (-gate.numel()) % 256]]).view(-1, 256)
+    g = torch.Generator().manual_seed(1)
+    up = (torch.randn(gate.shape, generator=g) * 10.0 ** torch.randint(-3, 4, gate.shape, generator=g)).bfloat16()
+    up[:, :8] = -0.0
+    return torch.cat([gate, up], -1).to(DEV)
+
+
+def _megatron_glu(fc1, offset):
+    gate, up = torch.chunk(fc1, 2, dim=-1)  # mlp.py `glu`: silu(x_glu) * (x_linear + glu_linear_offset)
+    return F.silu(gate) * (up + offset)
+
+
+@pytest.mark.parametrize("offset", [0.0, 0.5])
+def test_silu_mul_equals_megatrons_gated_activation(offset, tmp_path, monkeypatch):
+    """bf16 bit-equal on every finite gate value (NaN where torch gives NaN); fp32 within 2e-7 relative (the exp's
+    last bit); 3-D input of a width that is not a power of two. Mutations: silu unrounded before the product (bf16),
+    gate and up swapped."""
+    fc1 = _every_bf16_gate()
+    want = _megatron_glu(fc1, offset)
+    got = silu_mul(fc1, offset)
+    assert got.dtype == torch.bfloat16 and torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num(), want.nan_to_num())
+    g = torch.Generator().manual_seed(2)
+    x32 = (torch.randn(1, 5, 2 * 300, generator=g) * 4).to(DEV)
+    got32, want32 = silu_mul(x32, offset), _megatron_glu(x32, offset)
+    assert got32.shape == (1, 5, 300) and float((got32 - want32).norm() / want32.norm()) < 2e-7
+    mutants = {"silu_unrounded": ("    s = _r32(tl.math.div_rn(g, 1.0 + _exp(-g, PRECISE)), dt, RNE)",
+                                  "    s = tl.math.div_rn(g, 1.0 + _exp(-g, PRECISE))"),
+               "gate_from_up": ("    g = _f32(tl.load(x_ptr + row * stride_x + c,",
+                                "    g = _f32(tl.load(x_ptr + row * stride_x + n_cols + c,")}
+    for name, (old, new) in mutants.items():
+        with monkeypatch.context() as m:
+            m.setattr(TL, "_silu_mul", _mutant(tmp_path, TL._silu_mul, old, new, W.HELPERS))
+            assert not torch.equal(silu_mul(fc1, offset).nan_to_num(), want.nan_to_num()), name
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    """Every one-process engine case of this file in one job (`tests.in_turn`), each on a model of its own."""
+    calls = {(fam, dt): (W.decode_paths, (fam, dt, PARAMS, 1, "", dt == "float32"))
+             for fam in W.FAMILIES for dt in ("float32", "bfloat16")}
+    calls["qwen25", "no_add"] = (W.decode_paths, ("qwen25", "bfloat16", PARAMS, 1, "no_add", False, (True,)))
+    calls["unsupported", ""] = (W.unsupported_setting, ())
+    return run_local(in_turn, 1, calls)[0]
+
+
+def _ran_fused(res) -> None:
+    """The fused path ran its kernels at every layer of every step (2 add-and-norms, 1 activation), the module
+    path none."""
+    on, off = res[True], res[False]
+    assert (on["fused_layer"], off["fused_layer"], on["layer_error"]) == (True, False, "")
+    n = on["steps"] * on["layers"]
+    assert on["calls"] == {"add_rms_norm": 2 * n, "silu_mul": n} and n > 0, on["calls"]
+    assert off["calls"] == {}
+
+
+@pytest.mark.parametrize("family", list(W.FAMILIES))
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_layer_decode_equals_the_module_path(one_rank, family, dtype):
+    """bf16: the same tokens, log-probs and finish reasons bit for bit; fp32: the same tokens, log-probs within
+    FP32_TOL, and both equal to the full-recompute loop within docs/design.md §3's fp32 bound."""
+    res = case(one_rank, (family, dtype))
+    _ran_fused(res)
+    fused, modules = res[True]["results"], res[False]["results"]
+    assert sum(len(s) for toks, _, _ in fused for s in toks) > 10
+    if dtype == "bfloat16":
+        assert fused == modules
+    else:
+        _same(fused, modules, FP32_TOL)
+        _same(fused, res["reference"])
+        _same(modules, res["reference"])
+
+
+def test_fused_layer_without_the_residual_add_is_detected(one_rank):
+    """Mutation of the test above: the add-and-norm kernel drops the residual; the rollout changes."""
+    res, modules = case(one_rank, ("qwen25", "no_add")), case(one_rank, ("qwen25", "bfloat16"))[False]["results"]
+    assert res[True]["fused_layer"] and res[True]["calls"]["add_rms_norm"] > 0
+    assert [t for t, _, _ in res[True]["results"]] != [t for t, _, _ in modules]
+
+
+def test_a_setting_the_walk_does_not_reproduce_keeps_the_module_path(one_rank):
+    """megatron.activation_func_clamp_value (the MLP clamps gate and up first): `unsupported` names it and the engine
+    decodes through the modules; a plain model is supported."""
+    res = case(one_rank, ("unsupported", ""))
+    assert res == {"plain": "", "clamped": "megatron.activation_func_clamp_value", "engine": (False, True)}
+
+
+def test_fused_layer_decode_tp2_equals_the_module_path():
+    """TP=2 over gloo (one job, both families): each rank's fused decode equals its module decode (the row-parallel
+    all-reduces run inside linear_proj and linear_fc2 as in the modules), and the ranks agree."""
+    calls = {(fam, dt): (W.decode_paths, (fam, dt, PARAMS, 2)) for fam, dt in (("qwen25", "bfloat16"),
+                                                                                ("qwen3", "float32"))}
+    ranks = run_local(in_turn, 2, calls, False)
+    for key in calls:
+        a, b = cases(ranks, key)
+        for res in (a, b):
+            _ran_fused(res)
+            if key[1] == "bfloat16":
+                assert res[True]["results"] == res[False]["results"]
+            else:
+                _same(res[True]["results"], res[False]["results"], FP32_TOL)
+        assert a[True]["results"] == b[True]["results"]
