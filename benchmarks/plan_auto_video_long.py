@@ -13,8 +13,8 @@ import argparse
 import json
 import sys
 
-from rollplex_megatron.memory.planner import (ahead_phases, auto_release, pack_groups, plan, released, runtime_cfg,
-                                              summarize, workload_shape)
+from rollplex_megatron.memory.auto import ahead_phases, auto_release
+from rollplex_megatron.memory.planner import pack_groups, plan, released, runtime_cfg, summarize, workload_shape
 from rollplex_megatron.recipes import load_run_config
 from rollplex_megatron.runtime import environment_record
 from rollplex_megatron.trainer.runtime import with_pack_tokens, actor_pack_tokens
@@ -114,7 +114,7 @@ def token_rows(model: str, budgets: list[int], pack: int) -> None:
 
 
 def ahead_rows(model: str, tokens: int, pack: int) -> None:
-    """memory.prefetch_ahead's choice (planner.ahead_phases) under memory.plan=phase and the budget, with the fused
+    """memory.prefetch_ahead's choice (auto.ahead_phases) under memory.plan=phase and the budget, with the fused
     norm the GPU runs: at the suite's batching, and for the prefix modes at `tokens` / `pack` (the actor's packs
     lowered as the trainer lowers them); each row has the phases' totals without and with the early classes."""
     rows = []

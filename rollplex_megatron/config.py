@@ -19,7 +19,7 @@ TASK_MAX_OBJECTS = 8  # one colour per object
 # Megatron-LM pads the vocabulary to a multiple of this times TP (--make-vocab-size-divisible-by).
 VOCAB_DIVISIBLE_BY = 128
 
-# workload.micro_batch_tokens and workload.prefix_pack_tokens left to the planner (memory/planner.py auto_size): sized
+# workload.micro_batch_tokens and workload.prefix_pack_tokens left to the planner (memory/auto.py auto_size): sized
 # for the device's free memory at start-up; without a device (CPU) today's fixed values, 0 (off) for both
 AUTO_SIZE = -1
 
@@ -409,7 +409,7 @@ class RolloutConfig:
                                              "refills them and captures nothing; the cache stays allocated in every "
                                              "phase (the memory planner counts it so). true | false | null (the "
                                              "default: auto, kept where the planner finds room for it on the device, "
-                                             "memory/planner.py auto_size; off without a device)", resumable=True)
+                                             "memory/auto.py auto_size; off without a device)", resumable=True)
     decode_attention: str = setting("auto", "triton (CUDA, bf16/fp16: split-K/V kernels that read each group's prefix "
                                     "K/V once) | flash (two varlen flash calls and a torch merge) | math (fp32 torch) "
                                     "| auto (triton, else flash, else math: the first that can run)", resumable=True)
@@ -546,7 +546,7 @@ class WorkloadConfig:
     responses with their prompts, and the planner counts it so. The loss is normalised by global token
     counts, so the packing does not change the update. DP ranks may get different numbers of micro-batches.
     `micro_batch_tokens` and `prefix_pack_tokens` default to -1 (`AUTO_SIZE`): the planner picks them for the
-    device's free memory at start-up (memory/planner.py auto_size); without a device both are 0.
+    device's free memory at start-up (memory/auto.py auto_size); without a device both are 0.
     """
 
     rollout_batch: int = setting(64, "responses per step over all data-parallel ranks (prompts x group size)")
@@ -626,7 +626,7 @@ class MemoryConfig:
     plan: str = setting("auto", "Residency plan (memory/manager.py): keep = everything stays on the device (naive "
                         "colocation); phase = main weights and Adam states offloaded outside the optimizer step, "
                         "gradients freed outside the update, the reference offloaded where unused, the actor prefix "
-                        "recomputed. auto (the default) = release only what the budget needs (memory/planner.py "
+                        "recomputed. auto (the default) = release only what the budget needs (memory/auto.py "
                         "auto_release: a minimal set of RELEASE_ORDER's classes), nothing when everything fits: the "
                         "budget is "
                         "memory.budget_gib, or with 0 the device's free memory at start-up minus "
@@ -637,7 +637,7 @@ class MemoryConfig:
     copy_streams: int = setting(1, "CUDA streams of the residency copies (memory/manager.py): 1 = offloads and "
                                 "prefetches in one queue; 2 = one stream per direction, so a prefetch does not wait "
                                 "for the offloads issued before it")
-    prefetch_ahead: bool = setting(False, "bring a released offload class back one phase early (memory/planner.py "
+    prefetch_ahead: bool = setting(False, "bring a released offload class back one phase early (memory/auto.py "
                                    "ahead_phases): Adam states and master weights during the update, the reference "
                                    "during the phase before its first use, each only where that phase's planned bytes "
                                    "with it stay within memory.budget_gib (0: the device's free memory at start-up "
@@ -649,7 +649,7 @@ class MemoryConfig:
                                   "on the copy streams (memory/stream_optimizer.py), so the optimizer phase holds the "
                                   "bf16 weights, the gradients and memory.optimizer_buckets buckets; the same update, "
                                   "bit for bit. auto (the default) = resident where the run fits the budget with it, "
-                                  "else stream (memory/planner.py auto_size; resident without a device)",
+                                  "else stream (memory/auto.py auto_size; resident without a device)",
                                   resumable=True, applies_with=RELEASING_PLAN)
     optimizer_bucket_mib: float = setting(512.0, "memory.optimizer_step=stream: the streamed bytes (masters and Adam "
                                           "states) of one bucket; a larger parameter is split across buckets",
@@ -1078,7 +1078,7 @@ class RunConfig:
 
     @property
     def auto_sized(self) -> bool:
-        """Whether a size is left to the planner (memory/planner.py auto_size): `workload.micro_batch_tokens` or
+        """Whether a size is left to the planner (memory/auto.py auto_size): `workload.micro_batch_tokens` or
         `workload.prefix_pack_tokens` at -1, `rollout.keep_decode_state` unset, or `memory.optimizer_step=auto`
         under a plan that releases the optimizer's classes."""
         w = self.workload

@@ -7,7 +7,9 @@ import json
 import pytest
 
 from rollplex_megatron.config import AUTO_SIZE
+from rollplex_megatron.memory import auto as A
 from rollplex_megatron.memory import planner as M
+from rollplex_megatron.memory import tensor_bytes as T
 from rollplex_megatron.prefix.batch import pack_responses
 from rollplex_megatron.recipes import load_run_config
 from rollplex_megatron.rollout.window import DecodeWindow, policy_mechanism
@@ -24,7 +26,7 @@ def _shape(cfg):
 
 def _peak(cfg, s, mb, pack, keep):
     """The planner's peak (GiB) of `cfg` at these sizes, as auto sizing judges it."""
-    return M.sized_summary(M.with_settings(M.runtime_cfg(cfg), {MB: mb, PACK: pack, KEEP: keep}), s)["peak_gib"]
+    return A.sized_summary(A.with_settings(M.runtime_cfg(cfg), {MB: mb, PACK: pack, KEEP: keep}), s)["peak_gib"]
 
 
 def test_serial_micro_batches_under_a_token_budget_are_counted_with_their_prompts():
@@ -40,11 +42,11 @@ def test_serial_micro_batches_under_a_token_budget_are_counted_with_their_prompt
     m, norm, rope = cfg.model, M.norm_kernel(cfg), M.rope_kernel(cfg)
     serial = M.summarize(M.plan(cfg, "serial", "keep", "embedded", s), "serial")["classes"]
     assert len(largest) == 32 and s.mb == 1  # the shape's response count: 64 tokens of 64-token responses
-    assert serial["update_activations"]["gib"] * M.GIB >= M.training_forward_bytes(m, 1, 1, False, tokens, patches,
+    assert serial["update_activations"]["gib"] * M.GIB >= T.training_forward_bytes(m, 1, 1, False, tokens, patches,
                                                                                      norm, rope)
-    assert serial["old_logp_workspace"]["gib"] * M.GIB >= M.logits_bytes(m, 1, tokens)
+    assert serial["old_logp_workspace"]["gib"] * M.GIB >= T.logits_bytes(m, 1, tokens)
     rollplex = M.summarize(M.plan(cfg, "rollplex", "keep", "embedded", s), "rollplex")["classes"]
-    assert rollplex["update_activations"]["gib"] * M.GIB == M.training_forward_bytes(m, 1, 1, False, s.mb * s.R, 0,
+    assert rollplex["update_activations"]["gib"] * M.GIB == T.training_forward_bytes(m, 1, 1, False, s.mb * s.R, 0,
                                                                                        norm, rope)
 
 
@@ -57,7 +59,7 @@ def test_auto_size_takes_the_largest_that_fits_giving_up_the_decode_state_then_p
     s = _shape(cfg)
     assert (cfg.workload.micro_batch_tokens, cfg.workload.prefix_pack_tokens, cfg.rollout.keep_decode_state) == \
         (AUTO_SIZE, AUTO_SIZE, None)  # the defaults are auto
-    steps, mbs, packs, keeps = M.size_candidates(cfg, s)
+    steps, mbs, packs, keeps = A.size_candidates(cfg, s)
     assert [c["memory.optimizer_step"] for c in steps] == ["resident", "stream"]
     assert [c[MB] for c in mbs] == [2048, 1024, 512, 256, 128, 64]
     assert [c[PACK] for c in packs] == [1600, 800, 400, 0] and [c[KEEP] for c in keeps] == [True, False]
@@ -67,13 +69,13 @@ def test_auto_size_takes_the_largest_that_fits_giving_up_the_decode_state_then_p
                       ((1024, 800, True), "the pack halves before the micro-batch does"),
                       ((512, 800, False), "all three given up in turn")]:
         budget = _peak(cfg, s, *want)
-        sized, chosen = M.auto_size(cfg, s, budget)
+        sized, chosen = A.auto_size(cfg, s, budget)
         got = (chosen[MB], chosen[PACK], chosen[KEEP])
         assert got == want, why
         assert (sized.workload.micro_batch_tokens, sized.workload.prefix_pack_tokens,
                 sized.rollout.keep_decode_state) == want and chosen["budget_gib"] == budget
     with pytest.raises(ValueError, match=r"at its smallest auto sizes .*to fit: more GPUs"):
-        M.auto_size(cfg, s, _peak(cfg, s, 64, 0, False) * 0.9)
+        A.auto_size(cfg, s, _peak(cfg, s, 64, 0, False) * 0.9)
 
 
 def test_the_optimizer_step_streams_only_where_no_resident_size_fits():
@@ -82,37 +84,37 @@ def test_the_optimizer_step_streams_only_where_no_resident_size_fits():
     keeps the largest sizes; with room it stays resident. A run that sets `resident` is told the stream fits."""
     cfg = load_run_config([*BASE, "model=qwen2_5_vl_3b"])
     s = _shape(cfg)
-    resident = M.with_settings(M.runtime_cfg(cfg), {MB: 64, PACK: 0, KEEP: False, "memory.optimizer_step": "resident"})
-    assert M.sized_summary(resident, s)["phase_gib"]["optimizer"] > 60  # not even the smallest sizes fit
-    sized, chosen = M.auto_size(cfg, s, 60.0)
+    resident = A.with_settings(M.runtime_cfg(cfg), {MB: 64, PACK: 0, KEEP: False, "memory.optimizer_step": "resident"})
+    assert A.sized_summary(resident, s)["phase_gib"]["optimizer"] > 60  # not even the smallest sizes fit
+    sized, chosen = A.auto_size(cfg, s, 60.0)
     assert chosen["memory.optimizer_step"] == "stream" and sized.memory.optimizer_step == "stream"
     assert (chosen[MB], chosen[PACK], chosen[KEEP]) == (2048, 1600, True)  # the stream frees room for everything
-    assert M.auto_size(cfg, s, 1e6)[1]["memory.optimizer_step"] == "resident"
-    assert M.auto_size(cfg, None, None)[0].memory.optimizer_step == "resident"  # no device: resident, as before
+    assert A.auto_size(cfg, s, 1e6)[1]["memory.optimizer_step"] == "resident"
+    assert A.auto_size(cfg, None, None)[0].memory.optimizer_step == "resident"  # no device: resident, as before
     set_resident = load_run_config([*BASE, "model=qwen2_5_vl_3b", "memory.optimizer_step=resident", f"{MB}=512",
                                     f"{PACK}=0", "rollout.keep_decode_state=false", "memory.plan=phase"])
-    assert "memory.optimizer_step=stream" in M.fit_fixes(set_resident, s, 60.0)
+    assert "memory.optimizer_step=stream" in A.fit_fixes(set_resident, s, 60.0)
 
 
 def test_auto_size_without_a_device_keeps_the_fixed_values_and_leaves_set_sizes_alone():
     """No budget (CPU): auto is today's 0, 0, false, so every CPU run computes what it did. A size the user set
     is neither tried nor recorded; serial sizes by count (its micro-batches carry their prompts)."""
     cfg = load_run_config(BASE)
-    sized, chosen = M.auto_size(cfg, None, None)
-    assert chosen == {**M.NO_DEVICE_SIZES, "budget_gib": None}
-    assert sized == M.with_settings(cfg, M.NO_DEVICE_SIZES) and not sized.auto_sized
+    sized, chosen = A.auto_size(cfg, None, None)
+    assert chosen == {**A.NO_DEVICE_SIZES, "budget_gib": None}
+    assert sized == A.with_settings(cfg, A.NO_DEVICE_SIZES) and not sized.auto_sized
     set_keep = load_run_config([*BASE, "rollout.keep_decode_state=false", f"{PACK}=0"])
     s = _shape(set_keep)
-    _, chosen = M.auto_size(set_keep, s, 1e6)
+    _, chosen = A.auto_size(set_keep, s, 1e6)
     assert chosen == {MB: 2048, "memory.optimizer_step": "resident", "budget_gib": 1e6}
-    fixed = M.with_settings(set_keep, {MB: 0, "memory.optimizer_step": "resident"})
-    assert M.auto_size(fixed, s, 1e6) == (fixed, {})
+    fixed = A.with_settings(set_keep, {MB: 0, "memory.optimizer_step": "resident"})
+    assert A.auto_size(fixed, s, 1e6) == (fixed, {})
     serial = load_run_config([*BASE, "mode.name=serial", "workload.responses_per_micro_batch=8",
                               "rollout.keep_decode_state=false", f"{PACK}=0"])
-    counts = {n: M.sized_summary(M.with_settings(M.runtime_cfg(serial), {MB: 0, "workload.responses_per_micro_batch":
+    counts = {n: A.sized_summary(A.with_settings(M.runtime_cfg(serial), {MB: 0, "workload.responses_per_micro_batch":
                                                                          n}), s)["peak_gib"] for n in (8, 4, 2)}
     assert counts[8] > counts[4] > counts[2]
-    _, chosen = M.auto_size(serial, s, counts[4])
+    _, chosen = A.auto_size(serial, s, counts[4])
     assert chosen == {MB: 0, "workload.responses_per_micro_batch": 4, "memory.optimizer_step": "resident",
                       "budget_gib": counts[4]}
 
@@ -128,13 +130,13 @@ def test_a_refusal_names_the_kept_decode_state_when_dropping_it_makes_the_run_fi
     assert _peak(cfg, s, 512, 800, True) > budget >= _peak(cfg, s, 512, 400, True)
     assert _peak(cfg, s, 256, 800, True) > budget  # a smaller micro-batch alone does not fit
     with pytest.raises(ValueError) as e:
-        M.auto_release(cfg, s, budget)
+        A.auto_release(cfg, s, budget)
     msg = str(e.value)
     assert msg.endswith("to fit: rollout.keep_decode_state=false, or workload.prefix_pack_tokens=400"), msg
     with pytest.raises(ValueError, match=r"prefix_pack_tokens=400, or a larger parallel.tp/pp \(2 GPUs here\)$"):
-        M.auto_release(cfg, s, budget, gpus=2)
+        A.auto_release(cfg, s, budget, gpus=2)
     keep = load_run_config([*BASE, *sizes, "memory.plan=keep"])
-    assert "memory.plan=auto" in M.fit_fixes(keep, s, _peak(cfg, s, 512, 800, True))
+    assert "memory.plan=auto" in A.fit_fixes(keep, s, _peak(cfg, s, 512, 800, True))
 
 
 def test_window_auto_is_never_slower_than_after():

@@ -8,9 +8,9 @@ import sys
 import pytest
 import torch
 
-from rollplex_megatron import bench
+from rollplex_megatron import bench, bench_markdown, bench_modes, bench_record, bench_run
 from rollplex_megatron.envs.motion import MotionEnv
-from rollplex_megatron.memory.planner import NO_DEVICE_SIZES
+from rollplex_megatron.memory.auto import NO_DEVICE_SIZES
 from rollplex_megatron.trainer.runtime import drawn_lengths
 
 
@@ -108,7 +108,8 @@ def test_markdown_lists_the_modes_at_their_defaults_first(tiny_bench, tmp_path):
     d["modes"] = {"rollplex[mode.window=after]": m["rollplex[mode.window=after]"], "rollplex:keep": m["rollplex"],
                   "serial[data.x='a|b']": m["serial"], "rollplex": m["rollplex"], "serial": m["serial"]}
     (tmp_path / "bench_tiny.json").write_text(json.dumps(d))
-    rows = [ln.split(" | ")[0] for ln in bench.render_markdown(tmp_path).splitlines() if ln.startswith("| ")][1:]
+    rows = [ln.split(" | ")[0] for ln in bench_markdown.render_markdown(tmp_path).splitlines()
+            if ln.startswith("| ")][1:]
     assert rows == ["| rollplex", "| serial", "| rollplex[mode.window=after]", "| rollplex:keep",
                     "| serial[data.x='a\\|b']"]
 
@@ -179,18 +180,19 @@ def test_modes_parse_with_overrides_split_at_top_level_commas():
     """A mode is its name, at its defaults, or its name with Hydra overrides in brackets; overrides split at
     top-level commas only (a value keeps commas in brackets or quotes); labels are written one way; every malformed
     entry is a one-line error naming it."""
-    assert bench.parse_modes("serial, prefix_shared ,rollplex,rollplex[ mode.window=after , memory.plan=keep ]") == [
+    assert bench_modes.parse_modes("serial, prefix_shared ,rollplex,"
+                                   "rollplex[ mode.window=after , memory.plan=keep ]") == [
         ("serial", ["mode.name=serial"]), ("prefix_shared", ["mode.name=prefix_shared"]),
         ("rollplex", ["mode.name=rollplex"]),
         ("rollplex[mode.window=after,memory.plan=keep]", ["mode.name=rollplex", "mode.window=after",
                                                           "memory.plan=keep"])]
-    got = bench.parse_modes("rollplex[data.train_files=[a,b],mode.window='x,y'],serial[train.norm_kernel=torch]")
+    got = bench_modes.parse_modes("rollplex[data.train_files=[a,b],mode.window='x,y'],serial[train.norm_kernel=torch]")
     assert got == [("rollplex[data.train_files=[a,b],mode.window='x,y']",
                     ["mode.name=rollplex", "data.train_files=[a,b]", "mode.window='x,y'"]),
                    ("serial[train.norm_kernel=torch]", ["mode.name=serial", "train.norm_kernel=torch"])]
-    assert bench.split_top("a={k: [1, 2]},b='it\\'s, x',c=(1,2)") == ["a={k: [1, 2]}", "b='it\\'s, x'", "c=(1,2)"]
-    assert bench.parse_modes("rollplex[]") == [("rollplex", ["mode.name=rollplex"])]  # no override: the defaults
-    assert bench.parse_modes("serial[env:CUDA_DEVICE_MAX_CONNECTIONS=1]") == [
+    assert bench_modes.split_top("a={k: [1, 2]},b='it\\'s, x',c=(1,2)") == ["a={k: [1, 2]}", "b='it\\'s, x'", "c=(1,2)"]
+    assert bench_modes.parse_modes("rollplex[]") == [("rollplex", ["mode.name=rollplex"])]  # no override: the defaults
+    assert bench_modes.parse_modes("serial[env:CUDA_DEVICE_MAX_CONNECTIONS=1]") == [
         ("serial[env:CUDA_DEVICE_MAX_CONNECTIONS=1]", ["mode.name=serial", "env:CUDA_DEVICE_MAX_CONNECTIONS=1"])]
     for bad, want in (("rollplex[mode.window=after", "leaves a bracket open"),
                       ("rollplex[a='x]", "leaves a quote open"),
@@ -209,7 +211,7 @@ def test_modes_parse_with_overrides_split_at_top_level_commas():
                       ("rollplx[a=1]", "unknown mode 'rollplx'"), ("disaggregated", "bench it on its own"),
                       (" , ", "no mode given")):
         with pytest.raises(ValueError) as e:
-            bench.parse_modes(bad)
+            bench_modes.parse_modes(bad)
         assert want in str(e.value) and "\n" not in str(e.value), (bad, str(e.value))
     lens = drawn_lengths(256, 0.8, 1024, 20000, seed=3)
     assert lens == drawn_lengths(256, 0.8, 1024, 20000, seed=3) and max(lens) == 1024 and min(lens) >= 1
@@ -219,29 +221,30 @@ def test_modes_parse_with_overrides_split_at_top_level_commas():
 def test_old_variant_labels_are_read_in_records_and_refused_with_their_new_form():
     """Older records' labels (`rollplex:tokens8192+pack16640+after`) read as the overrides their variants set; a
     command that gives one is refused, in one line, with the whole --modes value that runs the same now."""
-    assert bench.label_spec("rollplex:tokens4096+pack8320+split+keepdecode+memauto+graphs+after") == ("rollplex", (
-        "workload.micro_batch_tokens=4096", "workload.prefix_pack_tokens=8320", "mode.attention_backend=split",
-        "rollout.keep_decode_state=true", "memory.plan=auto", "mode.window_graphs=true", "mode.window=after"))
-    assert bench.label_spec("serial:bound") == ("serial", ("rollout.bound_model=true",))
-    assert bench.label_spec("serial:conn1+keep") == ("serial", ("env:CUDA_DEVICE_MAX_CONNECTIONS=1",
+    assert bench_modes.label_spec("rollplex:tokens4096+pack8320+split+keepdecode+memauto+graphs+after") == (
+        "rollplex", ("workload.micro_batch_tokens=4096", "workload.prefix_pack_tokens=8320",
+                     "mode.attention_backend=split", "rollout.keep_decode_state=true", "memory.plan=auto",
+                     "mode.window_graphs=true", "mode.window=after"))
+    assert bench_modes.label_spec("serial:bound") == ("serial", ("rollout.bound_model=true",))
+    assert bench_modes.label_spec("serial:conn1+keep") == ("serial", ("env:CUDA_DEVICE_MAX_CONNECTIONS=1",
                                                                  "memory.plan=keep"))
-    assert bench.label_spec("rollplex[mode.window=after]") == ("rollplex", ("mode.window=after",))
-    assert bench.label_spec("prefix_shared") == ("prefix_shared", ())
+    assert bench_modes.label_spec("rollplex[mode.window=after]") == ("rollplex", ("mode.window=after",))
+    assert bench_modes.label_spec("prefix_shared") == ("prefix_shared", ())
     with pytest.raises(ValueError) as e:
-        bench.parse_modes("serial,rollplex:tokens8192+pack16640+split+keepdecode+memauto,prefix_shared:conn1")
+        bench_modes.parse_modes("serial,rollplex:tokens8192+pack16640+split+keepdecode+memauto,prefix_shared:conn1")
     assert str(e.value) == (
         "--modes: 'rollplex:tokens8192+pack16640+split+keepdecode+memauto' is a variant label, which bench no longer "
         "takes: a mode carries Hydra overrides in brackets; run --modes \"serial,rollplex[workload.micro_batch_tokens="
         "8192,workload.prefix_pack_tokens=16640,mode.attention_backend=split,rollout.keep_decode_state=true,"
         "memory.plan=auto],prefix_shared[env:CUDA_DEVICE_MAX_CONNECTIONS=1]\"")
     fixed = re.search(r'--modes "(.+)"', str(e.value)).group(1)
-    assert [label for label, _ in bench.parse_modes(fixed)][1] == bench.mode_label(*bench.label_spec(
+    assert [label for label, _ in bench_modes.parse_modes(fixed)][1] == bench_modes.mode_label(*bench_modes.label_spec(
         "rollplex:tokens8192+pack16640+split+keepdecode+memauto"))  # the new form parses to the same overrides
     for bad, want in (("serial:nosuchvariant", "bench takes no variants after ':' (and 'nosuchvariant' was none)"),
                       ("rollplex:tokens0", "'tokens0' was none"), ("rollplex:pack8k", "'pack8k' was none"),
                       ("rollplex:after[a=1]", "give every setting in the brackets: \"rollplex[key=value,...]\"")):
         with pytest.raises(ValueError, match=re.escape(want)):
-            bench.parse_modes(bad)
+            bench_modes.parse_modes(bad)
 
 
 def test_every_suite_composes_and_is_named_on_the_benchmarks_page():
@@ -290,7 +293,7 @@ def test_markdown_says_which_suites_fit_no_device(tmp_path):
     (tmp_path / "plan_auto_b.json").write_text(json.dumps({"what": "3B", "command": "c", "environment": env,
                                                            "rows": [dict(row, fits=True, released=[], peak_gib=1.0,
                                                                                 keep_peak_gib=1.0)]}))
-    md = bench.render_markdown(tmp_path)
+    md = bench_markdown.render_markdown(tmp_path)
     assert "## Does not fit: 7B" in md and "| serial | torch | 134 | 169.9 | 195.7 | needs 169.9 GiB" in md
     assert "| rollplex |" not in md and "3B" not in md
     assert "rollplex (torch norm) needs 195.7 GiB under keep, 80.0 GiB under auto (releases nothing)" in md
@@ -301,7 +304,7 @@ def test_auto_plan_is_compared_with_keep_and_a_changed_suite_is_named():
     settings a run changed from the suite's recipe, from the JSON or, in older JSONs, its command line."""
     med = {"rollplex:tokens8+keep": 2.0, "rollplex:tokens8+memauto": 2.02, "rollplex:memauto": 3.0,
            "prefix_shared:keep": 4.0, "prefix_shared:memauto": 4.4}
-    r = bench.ratios({k: {"steady": {"median_s": v}} for k, v in med.items()})
+    r = bench_record.ratios({k: {"steady": {"median_s": v}} for k, v in med.items()})
     assert r["rollplex:tokens8+memauto/rollplex:tokens8+keep"] == pytest.approx(1.01)
     assert r["prefix_shared:memauto/prefix_shared:keep"] == pytest.approx(1.1)
     assert not any(k.startswith("rollplex:memauto/") for k in r)  # no rollplex:keep ran
@@ -309,7 +312,7 @@ def test_auto_plan_is_compared_with_keep_and_a_changed_suite_is_named():
            "rollplex[memory.plan=auto,workload.micro_batch_tokens=8]": 2.2,
            "rollplex[workload.micro_batch_tokens=8,memory.plan=keep]": 2.0,
            "rollplex[memory.plan=auto,rollout.bound_model=true]": 3.3}  # the pairs are found whatever the order
-    r = bench.ratios({k: {"steady": {"median_s": v}} for k, v in new.items()})
+    r = bench_record.ratios({k: {"steady": {"median_s": v}} for k, v in new.items()})
     assert r["serial[rollout.bound_model=true]/serial"] == pytest.approx(1.1)
     assert r["rollplex[memory.plan=auto,workload.micro_batch_tokens=8]/rollplex[workload.micro_batch_tokens=8,"
              "memory.plan=keep]"] == pytest.approx(1.1)
@@ -318,8 +321,9 @@ def test_auto_plan_is_compared_with_keep_and_a_changed_suite_is_named():
     assert not any(k.startswith("rollplex[memory.plan=auto,rollout.bound_model=true]/rollplex[") for k in r)
     old = {"command": "python -m rollplex_megatron bench video_long --modes rollplex --warmup 1 train.steps=4 "
                       "model.num_layers=24"}
-    assert bench.suite_overrides(old) == ["train.steps=4", "model.num_layers=24"]
-    assert bench.suite_overrides({**old, "overrides": ["workload.rollout_batch=24"]}) == ["workload.rollout_batch=24"]
+    assert bench_markdown.suite_overrides(old) == ["train.steps=4", "model.num_layers=24"]
+    assert bench_markdown.suite_overrides({**old, "overrides": ["workload.rollout_batch=24"]}) == [
+        "workload.rollout_batch=24"]
 
 
 def test_window_cost_compares_with_the_prefix_shared_run_of_the_same_settings():
@@ -333,7 +337,7 @@ def test_window_cost_compares_with_the_prefix_shared_run_of_the_same_settings():
     modes = {"prefix_shared": mode(5.0, False, 20.0), "prefix_shared:pack9+tokens8": mode(3.0, False, 12.0),
              "rollplex": mode(6.5, True, 17.5), "rollplex:tokens8+pack9+stream": mode(4.0, True, 11.0),
              "rollplex:keep": mode(7.0, True, 15.0)}
-    bench.window_cost(modes)
+    bench_record.window_cost(modes)
     assert modes["rollplex"]["window"]["rollout_excess_s"] == pytest.approx(1.5)
     assert modes["rollplex"]["window"]["rollout_excess_vs"] == "prefix_shared"
     assert modes["rollplex"]["window"]["free_window_ratio"] == pytest.approx(20.0 / 16.0)  # 17.5 s less 1.5 s
@@ -346,7 +350,7 @@ def test_window_cost_compares_with_the_prefix_shared_run_of_the_same_settings():
              "prefix_shared[workload.prefix_pack_tokens=9,workload.micro_batch_tokens=8]": mode(3.0, False, 12.0),
              "rollplex[workload.micro_batch_tokens=8,mode.window=stream,workload.prefix_pack_tokens=9]":
                  mode(4.0, True, 11.0), "rollplex[mode.window=after]": mode(6.0, True, 18.0)}
-    bench.window_cost(modes)
+    bench_record.window_cost(modes)
     w = modes["rollplex[workload.micro_batch_tokens=8,mode.window=stream,workload.prefix_pack_tokens=9]"]["window"]
     assert (w["rollout_excess_s"], w["rollout_excess_vs"]) == (
         pytest.approx(1.0), "prefix_shared[workload.prefix_pack_tokens=9,workload.micro_batch_tokens=8]")
@@ -367,7 +371,7 @@ def test_window_ratio_and_its_bound_come_from_the_side_works_gpu_time_alone():
              "rollplex:tokens8+green": mode(4.5, 9.0, "green", 3.0, 1.0), "prefix_shared:tokens8": mode(1.0, 10.0),
              "rollplex:tokens8+interleave": mode(5.0, 9.5, "interleave", 4.0), "prefix_shared:pack9": mode(2.0, 9.0),
              "rollplex:pack9+stream": mode(2.5, 8.0, "stream", 1.0)}
-    bench.window_cost(modes)
+    bench_record.window_cost(modes)
     w = modes["rollplex:stream"]["window"]  # S = 0.75 from the after run, not the stretched 1.5
     assert w["window_ratio"] == pytest.approx(6.75 / 6.25) and w["window_ratio_bound"] == pytest.approx(6.75 / 6.0)
     w = modes["rollplex:after"]["window"]
@@ -390,14 +394,14 @@ def test_graphed_items_are_compared_with_the_decode_without_them_and_their_own_s
              "rollplex:keepdecode+after": mode(7.0, 13.0, "after", 0.0, 1.0),
              "rollplex:keepdecode+graphs+after": mode(6.6, 12.6, "after", 0.0, 0.6),
              "rollplex:keepdecode+graphs+stream": mode(6.2, 12.2, "stream", 0.9, 0.0)}
-    bench.window_cost(modes)
+    bench_record.window_cost(modes)
     w = modes["rollplex:keepdecode+graphs+stream"]["window"]
     assert w["rollout_excess_vs"] == "prefix_shared:keepdecode" and w["rollout_excess_s"] == pytest.approx(0.2)
     assert w["window_ratio"] == pytest.approx(6.6 / 6.2)  # S = 0.6 (graphed, alone), not 1.0 (eager)
     modes = {"prefix_shared": mode(6.0, 14.0), "rollplex[mode.window=after]": mode(7.0, 13.0, "after", 0.0, 1.0),
              "rollplex[mode.window=after,mode.window_graphs=true]": mode(6.6, 12.6, "after", 0.0, 0.6),
              "rollplex[mode.window_graphs=true]": mode(6.2, 12.2, "stream", 0.9, 0.0)}  # the default mechanism
-    bench.window_cost(modes)
+    bench_record.window_cost(modes)
     w = modes["rollplex[mode.window_graphs=true]"]["window"]
     assert w["rollout_excess_vs"] == "prefix_shared" and w["window_ratio"] == pytest.approx(6.6 / 6.2)
 
@@ -417,20 +421,20 @@ def test_a_mode_can_set_its_process_environment(monkeypatch, tmp_path):
         (tmp_path / "metrics.jsonl").write_text(json.dumps(rec) + "\n")
         return subprocess.CompletedProcess(cmd, 0, "", "")
 
-    monkeypatch.setattr(bench.subprocess, "run", fake_run)
+    monkeypatch.setattr(bench_run.subprocess, "run", fake_run)
     monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
-    for label, over in bench.parse_modes("rollplex[env:CUDA_DEVICE_MAX_CONNECTIONS=1],rollplex"):
-        bench.run_mode("tiny", [], over, tmp_path, None)
+    for label, over in bench_modes.parse_modes("rollplex[env:CUDA_DEVICE_MAX_CONNECTIONS=1],rollplex"):
+        bench_run.run_mode("tiny", [], over, tmp_path, None)
     (one, env1), (plain, env0) = seen
     assert env1["CUDA_DEVICE_MAX_CONNECTIONS"] == "1" and "CUDA_DEVICE_MAX_CONNECTIONS" not in env0
     assert not any(a.startswith("env:") for a in one + plain) and "mode.name=rollplex" in one
-    assert bench.split_env(["a=1", "env:X=y=z"]) == (["a=1"], {"X": "y=z"})
+    assert bench_modes.split_env(["a=1", "env:X=y=z"]) == (["a=1"], {"X": "y=z"})
     unset = {"CUDA_DEVICE_MAX_CONNECTIONS": None, "PYTORCH_CUDA_ALLOC_CONF": None}
     d = {"modes": {"rollplex:conn1": {"cuda_env": {**unset, "CUDA_DEVICE_MAX_CONNECTIONS": "1"}},
                    "rollplex": {"cuda_env": unset}}}
-    assert bench.cuda_env_line(d) == ("CUDA environment: CUDA_DEVICE_MAX_CONNECTIONS=1 (rollplex:conn1); "
+    assert bench_markdown.cuda_env_line(d) == ("CUDA environment: CUDA_DEVICE_MAX_CONNECTIONS=1 (rollplex:conn1); "
                                       "none set (rollplex).")
-    assert "not recorded" in bench.cuda_env_line({"modes": {"serial": {}}})
+    assert "not recorded" in bench_markdown.cuda_env_line({"modes": {"serial": {}}})
 
 
 def test_a_mode_runs_from_the_callers_folder_and_a_timeout_is_one_line(tmp_path, monkeypatch):
@@ -443,22 +447,22 @@ def test_a_mode_runs_from_the_callers_folder_and_a_timeout_is_one_line(tmp_path,
         raise subprocess.TimeoutExpired(cmd, kw["timeout"])
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(bench.subprocess, "run", fake_run)
-    with pytest.raises(bench.BenchModeError, match=r"^bench: mode\.name=rollplex ran past --timeout 7 s and was "
+    monkeypatch.setattr(bench_run.subprocess, "run", fake_run)
+    with pytest.raises(bench_run.BenchModeError, match=r"^bench: mode\.name=rollplex ran past --timeout 7 s and was "
                                                    r"stopped; raise --timeout or run fewer steps \(train\.steps\)$"):
-        bench.run_mode("tiny", ["train.init_hf=ex/model"], ["mode.name=rollplex"], tmp_path / "o", 7.0)
+        bench_run.run_mode("tiny", ["train.init_hf=ex/model"], ["mode.name=rollplex"], tmp_path / "o", 7.0)
     assert seen.get("cwd") in (None, str(tmp_path)) and "train.init_hf=ex/model" in seen["cmd"]
-    assert seen["env"]["PYTHONPATH"].split(os.pathsep)[0] == str(bench.ROOT)
+    assert seen["env"]["PYTHONPATH"].split(os.pathsep)[0] == str(bench_run.ROOT)
 
 
 def test_prefix_graph_counters_are_summarised_when_on():
     """mode.window_graphs' per-step counters reach the mode's window record as medians of the steady steps (the
     capture of step 1 stays with the warm-up steps); without the setting there is no such record."""
-    assert bench.prefix_graph_summary([{"items_in_window": 4}, {"items_in_window": 4}]) is None
+    assert bench_record.prefix_graph_summary([{"items_in_window": 4}, {"items_in_window": 4}]) is None
     steps = [{"prefix_graphs_captured": 0, "prefix_graph_replays": r, "prefix_graph_eager": 0,
               "prefix_graph_capture_s": 0.0, "prefix_graph_pool_gib": 0.5} for r in (16, 15, 16)]
-    got = bench.prefix_graph_summary(steps)
+    got = bench_record.prefix_graph_summary(steps)
     assert got == {"prefix_graphs_captured": 0, "prefix_graph_replays": 16, "prefix_graph_eager": 0,
                    "prefix_graph_capture_s": 0.0, "prefix_graph_pool_gib": 0.5}
     steps[1]["prefix_graph_error"] = "capture failed: RuntimeError: x"
-    assert bench.prefix_graph_summary(steps)["error"] == "capture failed: RuntimeError: x"
+    assert bench_record.prefix_graph_summary(steps)["error"] == "capture failed: RuntimeError: x"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from rollplex_megatron import bench
+from rollplex_megatron import bench_markdown, bench_modes
 
 ROOT = Path(__file__).resolve().parents[1]
 DESIGN = ROOT / "docs" / "design.md"
@@ -95,7 +95,7 @@ def test_every_record_the_pages_name_exists():
 
 def test_benchmarks_md_is_the_rendering_of_the_records():
     """BENCHMARKS.md (included in the docs site) is what `bench --render` writes from benchmarks/results/."""
-    assert (ROOT / "BENCHMARKS.md").read_text(encoding="utf-8") == bench.render_markdown(RESULTS), (
+    assert (ROOT / "BENCHMARKS.md").read_text(encoding="utf-8") == bench_markdown.render_markdown(RESULTS), (
         "BENCHMARKS.md is stale: run python -m rollplex_megatron bench --render")
     assert '--8<-- "BENCHMARKS.md"' in (ROOT / "docs" / "benchmarks" / "suites.md").read_text(encoding="utf-8")
 
@@ -107,19 +107,19 @@ def test_the_bench_page_describes_modes_with_overrides_and_maps_every_old_varian
     page = (ROOT / "docs" / "benchmarks" / "index.md").read_text(encoding="utf-8")
     shown = re.findall(r"`((?:serial|prefix_shared|rollplex)\[[^`]*\])`", page)
     shown += [m for m in re.findall(r'--modes "([^"]+)"', page) if "KEY=VALUE" not in m]
-    assert len(shown) >= 4 and all(bench.parse_modes(m) for m in shown)
+    assert len(shown) >= 4 and all(bench_modes.parse_modes(m) for m in shown)
     rows = re.findall(r"^\| (`:.*?) \| (`.*?) \|$", page, re.M)
     listed = {}
     for variants, overrides in rows:  # `:keep`, `:memauto` | `memory.plan=keep`, `memory.plan=auto`
         names, sets = re.findall(r"`:([a-z0-9]+)(?:<N>)?`", variants), re.findall(r"`([^`]+)`", overrides)
         listed.update(zip(names, sets * len(names) if len(sets) == 1 else sets))
-    assert set(listed) == set(bench.OLD_VARIANTS) | set(bench.OLD_SIZED) and len(listed) >= 20
+    assert set(listed) == set(bench_modes.OLD_VARIANTS) | set(bench_modes.OLD_SIZED) and len(listed) >= 20
     for variant, override in listed.items():  # N-taking variants with an N; `<window>` is each window
-        label = f"rollplex:{variant}{'8' if variant in bench.OLD_SIZED else ''}"
+        label = f"rollplex:{variant}{'8' if variant in bench_modes.OLD_SIZED else ''}"
         want = override.replace("=N", "=8").replace("<window>", variant)
-        assert bench.label_spec(label) == ("rollplex", (want,)), label
+        assert bench_modes.label_spec(label) == ("rollplex", (want,)), label
     old = "rollplex:tokens8192+pack16640+split"
     with pytest.raises(ValueError) as e:
-        bench.parse_modes(old)
+        bench_modes.parse_modes(old)
     quoted = re.search(r'refuses a variant label.*?(--modes "[^"]+")', page, re.S).group(1)
     assert str(e.value).endswith(quoted) and old in page

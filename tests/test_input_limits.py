@@ -14,7 +14,7 @@ from rollplex_megatron.data.example_files import write_tiny_processor
 from rollplex_megatron.data.processor import VLProcessor
 from rollplex_megatron.memory import machine
 from rollplex_megatron.memory.machine import check_run_fits
-from rollplex_megatron.memory.planner import machine_need_gib
+from rollplex_megatron.memory.budget import machine_need_gib
 from rollplex_megatron.recipes import load_run_config
 from rollplex_megatron.trainer.runtime import memory_plan
 

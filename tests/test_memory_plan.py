@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from rollplex_megatron.dist import run_local
+from rollplex_megatron.memory import auto as A
 from rollplex_megatron.memory import planner as M
+from rollplex_megatron.memory import tensor_bytes as T
 from rollplex_megatron.recipes import load_run_config
 
 
@@ -38,13 +40,13 @@ def test_parameter_count_equals_the_built_model(stage_params, pp, tie):
     """Exact at TP=1: the fullest pipeline stage's parameters as megatron builds them."""
     cfg = load_run_config([f"model.tie_word_embeddings={tie}"]).model
     counts = stage_params[pp, tie]
-    assert max(counts) == M.params_per_gpu(cfg, 1, pp), (counts, M.params_per_gpu(cfg, 1, pp))
+    assert max(counts) == T.params_per_gpu(cfg, 1, pp), (counts, T.params_per_gpu(cfg, 1, pp))
 
 
 def test_parameter_count_at_tp2_within_replicated_norms():
     cfg = load_run_config([]).model
     counts = run_local(_local_params, 2, 2, 1, False)
-    assert abs(max(counts) - M.params_per_gpu(cfg, 2, 1)) / max(counts) < 0.01
+    assert abs(max(counts) - T.params_per_gpu(cfg, 2, 1)) / max(counts) < 0.01
 
 
 def test_kv_and_class_bytes_by_hand():
@@ -52,21 +54,21 @@ def test_kv_and_class_bytes_by_hand():
                            "workload.responses_per_micro_batch=2", "plan.prefix_tokens=100",
                            "plan.response_tokens=10", "plan.vision_patches=64"])
     m = cfg.model  # tiny: 4 layers, h 64, 4 heads and 2 KV groups of head dim 16, ffn 128
-    assert M.kv_bytes_per_token(m, 1, m.num_layers) == 2 * 4 * 2 * 16 * 2
-    assert M.kv_bytes_per_token(m, 4, m.num_layers) == 2 * 4 * 1 * 16 * 2  # KV heads replicate past TP=2
+    assert T.kv_bytes_per_token(m, 1, m.num_layers) == 2 * 4 * 2 * 16 * 2
+    assert T.kv_bytes_per_token(m, 4, m.num_layers) == 2 * 4 * 1 * 16 * 2  # KV heads replicate past TP=2
     # norms 2 x (8h + 4), QKV and fc1 inputs 2h each, rotary 8D, q and k after rotary, the QKV buffer,
     # attention output and linear_proj input, log-sum-exp per head, MLP 10f
-    assert M.layer_activation_bytes(m, 1, False) == (20 * 64 + 8) + 8 * 16 + 2 * 64 + 2 * 32 + 2 * 128 + 4 * 4 \
+    assert T.layer_activation_bytes(m, 1, False) == (20 * 64 + 8) + 8 * 16 + 2 * 64 + 2 * 32 + 2 * 128 + 4 * 4 \
         + 2 * 64 + 10 * 128
     # the fused norm (train.norm_kernel=triton) keeps its bf16 input and an fp32 rsqrt: 2 x (2h + 4)
-    assert M.layer_activation_bytes(m, 1, False, "triton") == M.layer_activation_bytes(m, 1, False) - 2 * 6 * 64
+    assert T.layer_activation_bytes(m, 1, False, "triton") == T.layer_activation_bytes(m, 1, False) - 2 * 6 * 64
     assert M.norm_kernel(cfg) == "triton"  # train.norm_kernel=auto: a plan is a GPU run's, which takes the kernel
     torch_cfg = load_run_config(["dtype=bfloat16", "train.norm_kernel=torch"])
     assert M.norm_kernel(torch_cfg) == "torch"
     assert M.runtime_cfg(cfg).train.norm_kernel == ("triton" if torch.cuda.is_available() else "torch")  # resolved
     serial = {c.name: c for c in M.serial_plan(cfg)}
     assert serial["rollout_kv"].bytes == 32 * 110 * 512  # 8 prompts x G=4 samples, prompt + response each
-    n = M.params_per_gpu(m, 1, 1)
+    n = T.params_per_gpu(m, 1, 1)
     assert [serial[k].bytes for k in ("actor_weights", "main_weights", "grads", "optimizer_states",
                                       "rollout_weights")] == [2 * n, 4 * n, 4 * n, 8 * n, 2 * n]
     s = M.summarize(M.serial_plan(cfg), "serial")
@@ -80,8 +82,8 @@ def test_kv_and_class_bytes_by_hand():
     assert r["classes"]["rollout_kv"]["gib"] * M.GIB == 8 * (100 + 4 * 10) * 512  # one prefix per group
     assert r["classes"]["actor_prefix_kv"]["gib"] * M.GIB == 8 * 100 * 512 * 2  # fp32 leaves, one per group
     assert M.rope_kernel(cfg) == "triton"  # train.rope_kernel=auto: likewise the GPU run's fused RoPE
-    graph = M.prefix_graph_bytes(m, 1, 1, True, 100, 64, "triton", "triton")
-    want = max(graph, M.training_forward_bytes(m, 1, 1, True, 20, 0, "triton", "triton"))
+    graph = T.prefix_graph_bytes(m, 1, 1, True, 100, 64, "triton", "triton")
+    want = max(graph, T.training_forward_bytes(m, 1, 1, True, 20, 0, "triton", "triton"))
     assert r["classes"]["update_activations"]["gib"] * M.GIB == want
     keep = {c.name: c for c in M.plan(cfg, "rollplex", "keep", "embedded")}
     assert keep["actor_prefix_graph"].bytes == 8 * graph  # every group's graph, kept from the prefill
@@ -206,7 +208,7 @@ def test_prefetch_ahead_takes_what_fits_the_phase_before(mode):
     s = M.workload_shape(cfg)
     base = M.summarize(M.plan(cfg, mode, "phase", "embedded", s), mode)
     ref_before = {"serial": "old_logp", "prefix_shared": "old_logp", "rollplex": "optimizer"}[mode]
-    room = M.ahead_phases(cfg, mode, "phase", s, 1e6)
+    room = A.ahead_phases(cfg, mode, "phase", s, 1e6)
     assert room == {"optimizer_states": "update", "main_weights": "update", "reference_weights": ref_before}
     got = M.summarize(M.plan(cfg, mode, "phase", "embedded", s, room), mode)
     gib = {n: base["classes"][n]["gib"] for n in room}
@@ -215,7 +217,7 @@ def test_prefetch_ahead_takes_what_fits_the_phase_before(mode):
         assert total == pytest.approx(base["phase_gib"][phase] + grown, abs=1e-9), phase
     tight = base["phase_gib"]["update"] + gib["optimizer_states"] - 0.5
     assert gib["main_weights"] < gib["optimizer_states"] - 0.5  # so the masters fit where the states do not
-    some = M.ahead_phases(cfg, mode, "phase", s, tight)
+    some = A.ahead_phases(cfg, mode, "phase", s, tight)
     assert "optimizer_states" not in some and some["main_weights"] == "update"
     assert M.summarize(M.plan(cfg, mode, "phase", "embedded", s, some), mode)["phase_gib"]["update"] <= tight
-    assert M.ahead_phases(cfg, mode, "keep", s, 1e6) == {}  # nothing released, nothing to bring back
+    assert A.ahead_phases(cfg, mode, "keep", s, 1e6) == {}  # nothing released, nothing to bring back

@@ -295,7 +295,8 @@ def saved_prefix_bytes(overrides, fused_norms=_qwen25_fused_norms) -> tuple[int,
     from rollplex_megatron.attention.kv_store import KVStore
     from rollplex_megatron.dist import init_parallel
     from rollplex_megatron.envs.motion import MotionEnv
-    from rollplex_megatron.memory.planner import norm_kernel, prefix_graph_bytes, rope_kernel, runtime_cfg
+    from rollplex_megatron.memory.planner import norm_kernel, rope_kernel, runtime_cfg
+    from rollplex_megatron.memory.tensor_bytes import prefix_graph_bytes
     from rollplex_megatron.prefix.batch import Group
     from rollplex_megatron.prefix.execution import prefix_forward
     from rollplex_megatron.trainer.runtime import training_model

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from rollplex_megatron.memory.planner import AHEAD_CLASSES, phase_before
+from rollplex_megatron.memory.auto import AHEAD_CLASSES, phase_before
 from tests.stream_order import Sim, patched, trainer_steps
 
 MODES = ("serial", "prefix_shared", "rollplex")

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from rollplex_megatron.dist import init_parallel, run_local
-from rollplex_megatron.memory import planner as M
+from rollplex_megatron.memory import tensor_bytes as M
 from rollplex_megatron.models import registry
 from rollplex_megatron.recipes import load_run_config
 from tests.in_turn import case, cases, in_turn

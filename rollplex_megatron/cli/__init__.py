@@ -65,7 +65,8 @@ from rollplex_megatron.config import ParallelConfig, check_model_parallel
 from rollplex_megatron.data.dataset import DatasetSource
 from rollplex_megatron.data.example import TINY_PRESETS, make_example
 from rollplex_megatron.dist import LocalRunError, check_launch, launch_on_ranks, leave_torchrun
-from rollplex_megatron.memory.planner import check_budget, plan_memory
+from rollplex_megatron.memory.budget import check_budget
+from rollplex_megatron.memory.planner import plan_memory
 from rollplex_megatron.recipes import (RECIPES_DIR, check_eval_overrides, load_run_config, override_key,
                                        run_eval_config, to_yaml)
 from rollplex_megatron.runtime import environment_record

@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 
 from rollplex_megatron.dist import train_world
-from rollplex_megatron.memory.planner import GIB, check_machine, machine_need_gib
+from rollplex_megatron.memory.budget import check_machine, machine_need_gib
+from rollplex_megatron.memory.planner import GIB
 
 MEMINFO = Path("/proc/meminfo")
 CGROUP = Path("/sys/fs/cgroup")  # cgroup v2: memory.max and memory.current of this container
@@ -61,7 +62,7 @@ def free_bytes(local_ranks: int) -> tuple[int | None, str]:
 
 
 def batch_text(cfg, source, shape: dict) -> str:
-    """The rank's batch in its settings' terms, and what lowers it (for `planner.check_machine`)."""
+    """The rank's batch in its settings' terms, and what lowers it (for `budget.check_machine`)."""
     length = "task.max_answer_tokens" if source.name == "rendered" else "rollout.max_response_len"
     dp = f" / parallel.dp={cfg.parallel.dp}" if cfg.parallel.dp > 1 else ""
     return (f"a rank's batch is {shape['prompts']} prompts (workload.rollout_batch={cfg.workload.rollout_batch} / "

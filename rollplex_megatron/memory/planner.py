@@ -12,19 +12,23 @@ One function, `plan(cfg, mode, residency, engine)`, models every combination:
   the shape of the task's real prompts (checked against `memory.budget_gib` and the machine's free
   memory, on CPU the host's (`check_machine`, memory/machine.py), before the models are built, and
   against the allocator's per-phase peaks on the GPU).
-Activations are what megatron-core's local layers save for backward in bf16, counted tensor by
-tensor (the count is tested exactly against autograd's saved tensors), with the RMSNorm that runs
+Activations are counted tensor by tensor (memory/tensor_bytes.py) with the RMSNorm that runs
 (`train.norm_kernel`, `norm_kernel`) and the RoPE that runs (`train.rope_kernel`, `rope_kernel`); phase
-workspaces (the loss's
-logits, torch Adam's sqrt buffer) are classes of their one phase.
+workspaces (the loss's logits, torch Adam's sqrt buffer) are classes of their one phase.
+
+The model's tensor sizes are memory/tensor_bytes.py; the checks against a budget and the machine, with the
+errors that name the fix, memory/budget.py; the choices made under a budget (`memory.plan=auto`, the auto sizes,
+`memory.prefetch_ahead`, the settings that would fit) memory/auto.py.
 """
 from __future__ import annotations
 
 from dataclasses import asdict, replace
 
-from rollplex_megatron.config import AUTO_SIZE, ModelConfig, RunConfig
+from rollplex_megatron.config import RunConfig
 from rollplex_megatron.memory.classes import PlanInputs, Shape, TensorClass
-from rollplex_megatron.models.registry import model_spec
+from rollplex_megatron.memory.tensor_bytes import (block_activation_bytes, kv_bytes_per_token, layer_activation_bytes,
+                                                   logits_bytes, params_per_gpu, prefix_graph_bytes,
+                                                   training_forward_bytes, vision_base_bytes)
 from rollplex_megatron.runtime import device, kernel_for
 from rollplex_megatron.trainer.modes import get_mode
 from rollplex_megatron.weights.plan import plan_pairs, rank_pairs, split_gemm_bytes, split_local
@@ -107,49 +111,6 @@ def resident_phases(name: str, mode: str) -> tuple[str, ...]:
     return PHASE_RESIDENCY[name]
 
 
-def param_counts(cfg: ModelConfig, tp: int = 1) -> dict[str, int]:
-    """Parameters of the whole model by part, with the vocabulary and vision MLP padded for `tp`; the family's
-    layer make-up (`ModelSpec.layers`: QKV bias, q/k norms, the vision norm and MLP) from the model seam.
-    `patch_embed`: what every TP rank holds whole (the patch embedding and a learned position table)."""
-    lay = model_spec(cfg).layers
-    h, f, d = cfg.hidden_size, cfg.ffn_hidden_size, cfg.head_dim
-    q, kvd = cfg.num_attention_heads * d, cfg.num_query_groups * d
-    v = cfg.vision
-    vh, vf, fold = v.hidden_size, cfg.padded_vision_ffn(tp), v.spatial_merge_size**2 * v.hidden_size
-    vocab = cfg.padded_vocab_size(tp)
-    layer = h * (q + 2 * kvd) + lay.qkv_bias * (q + 2 * kvd) + q * h + 3 * f * h + 2 * h + lay.qk_norm * 2 * d
-    norm = lambda width: width * (2 if lay.vision_norm == "LayerNorm" else 1)  # noqa: E731 (LayerNorm's bias)
-    mlp = 2 * vf * vh + 2 * vf + vf * vh + vh if lay.vision_gated_mlp else 2 * vf * vh + vf + vh
-    block = 3 * vh * vh + 3 * vh + vh * vh + vh + mlp + 2 * norm(vh)
-    patch = v.in_channels * v.temporal_patch_size * v.patch_size**2 * vh + lay.vision_patch_bias * vh
-    fold_mlp = fold * fold + fold + fold * v.out_hidden_size + v.out_hidden_size
-    # DeepStack's mergers normalise the folded width (after the fold), the main merger each patch (before it)
-    mergers = norm(vh) + fold_mlp + len(v.deepstack_visual_indexes) * (norm(fold) + fold_mlp)
-    return {"patch_embed": patch + v.num_position_embeddings * vh, "vision": v.depth * block + mergers,
-            "embedding": vocab * h, "layer": layer, "final_norm": h,
-            "output": 0 if cfg.tie_word_embeddings else vocab * h}
-
-
-def params_per_gpu(cfg: ModelConfig, tp: int, pp: int) -> int:
-    """Parameters on the fullest GPU: the first stage (vision, embedding) or the last (output).
-
-    Exact at TP=1. At TP>1 the patch embedding counts whole on every rank (it is replicated); the
-    norms and row-parallel biases, also replicated, count as split (under 1% of the tiny model)."""
-    c = param_counts(cfg, tp)
-    layers = c["layer"] * (cfg.num_layers // pp)
-    first = (c["vision"] + c["embedding"] + layers) // tp + c["patch_embed"]
-    if pp == 1:
-        return first + (c["final_norm"] + c["output"]) // tp
-    out = c["embedding"] if cfg.tie_word_embeddings else c["output"]  # tied: the last stage's own copy
-    return max(first, (layers + c["final_norm"] + out) // tp)
-
-
-def kv_bytes_per_token(cfg: ModelConfig, tp: int, layers: int, elem: int = 2) -> int:
-    """K and V of one token over `layers` layers, on one GPU (KV heads replicate past TP)."""
-    heads = max(cfg.num_query_groups // tp, 1)
-    return 2 * layers * heads * cfg.head_dim * elem
-
-
 def norm_kernel(cfg: RunConfig) -> str:
     """The RMSNorm a plan counts: `train.norm_kernel`, `auto` meaning the GPU run's triton (the trainer's own
     plan resolves it on its device first: `runtime_cfg`)."""
@@ -159,95 +120,6 @@ def norm_kernel(cfg: RunConfig) -> str:
 def rope_kernel(cfg: RunConfig) -> str:
     """The RoPE a plan counts: `train.rope_kernel`, `auto` meaning the GPU run's triton (as `norm_kernel`)."""
     return "torch" if cfg.train.rope_kernel == "torch" else "triton"
-
-
-def rope_bytes(head_dim: int, rope: str) -> tuple[int, int]:
-    """What RoPE saves per token: (per layer, once per forward). megatron's rotary saves the cos and sin it
-    casts in every layer, for q and for k (8 D in bf16); the fused kernel (models/triton_rope.py) one cos
-    and one sin table per forward that every layer's q and k share (4 D)."""
-    return (8 * head_dim, 0) if rope == "torch" else (0, 4 * head_dim)
-
-
-def norm_bytes(width: int, norm: str) -> int:
-    """What one RMSNorm saves per row in bf16: torch's composite an fp32 input, its fp32 normalised output
-    and an fp32 rsqrt (8 width + 4); the fused kernel (models/triton_norm.py) the bf16 input and the fp32
-    rsqrt (2 width + 4)."""
-    return (8 if norm == "torch" else 2) * width + 4
-
-
-def layer_activation_bytes(cfg: ModelConfig, tp: int, sp: bool, norm: str = "torch", rope: str = "torch") -> int:
-    """Bytes one decoder layer saves for backward per token in bf16 (megatron-core's local spec).
-
-    Counted from the tensors autograd saves (tests/test_memory_plan.py checks the count exactly, and
-    tests/test_memory_runtime.py against autograd): each RMSNorm's saved tensors (`norm_bytes`, twice);
-    QKV and fc1 keep their bf16 inputs (2h each); a family with q/k norms (Qwen3-VL) saves theirs
-    (`qk_norm_bytes`); rotary keeps cos/sin of q and k (`rope_bytes`); attention keeps
-    q and k after rotary, the fused QKV buffer (v is a view of it), its output and an fp32 log-sum-exp per
-    head; linear_proj's input is that output; fc1's output (2f wide), the SwiGLU halves and fc2's input
-    cost 10f. Sequence parallelism splits the h-wide terms over TP."""
-    h, d = cfg.hidden_size, cfg.head_dim
-    q = cfg.num_attention_heads * d // tp
-    kv_heads = max(cfg.num_query_groups // tp, 1)
-    kv = kv_heads * d
-    heads = cfg.num_attention_heads // tp
-    replicated = (2 * norm_bytes(h, norm) + 4 * h) // (tp if sp else 1)
-    qk_norm = qk_norm_bytes(heads, kv_heads, d, norm) if model_spec(cfg).layers.qk_norm else 0
-    return (replicated + qk_norm + rope_bytes(d, rope)[0] + 2 * q + 2 * kv + 2 * (q + 2 * kv) + 4 * heads + 2 * q
-            + 10 * cfg.ffn_hidden_size // tp)
-
-
-def qk_norm_bytes(heads: int, kv_heads: int, head_dim: int, norm: str) -> int:
-    """What the per-head q and k RMSNorms save per token (`heads`, `kv_heads` on this TP rank): torch's composite
-    its fp32 input and output and rsqrt per head (`norm_bytes`); the fused kernel its bf16 input and an fp32 rsqrt,
-    where k's input is a view of the QKV buffer the attention keeps anyway, and so is q's when each KV group has one
-    query head (with more, megatron's reshape of the grouped q copies it: 2 D per head)."""
-    if norm == "torch":
-        return (heads + kv_heads) * norm_bytes(head_dim, norm)
-    return (2 * head_dim * heads if heads != kv_heads else 0) + 4 * (heads + kv_heads)
-
-
-def vision_norm_bytes(cfg: ModelConfig, width: int, norm: str) -> int:
-    """What one vision norm saves per row: an RMSNorm's (`norm_bytes`), or a LayerNorm's bf16 input and its fp32
-    mean and rstd (no kernel of ours replaces a LayerNorm)."""
-    return norm_bytes(width, norm) if model_spec(cfg).layers.vision_norm == "RMSNorm" else 2 * width + 8
-
-
-def block_activation_bytes(cfg: ModelConfig, tp: int, norm: str = "torch", rope: str = "torch") -> int:
-    """The same for one vision block, per patch: norms and QKV/fc1 inputs replicated, the attention's q/k/v and
-    output in its own layout (windowed: gathered and scattered back) and linear_proj's input (10 vh), and the MLP:
-    SwiGLU's 10 f, or fc1's biased output and fc2's input (4 f) for a GELU MLP."""
-    v = cfg.vision
-    vh, vf = v.hidden_size, cfg.padded_vision_ffn(tp)
-    d, heads = vh // v.num_heads, v.num_heads // tp
-    mlp = (10 if model_spec(cfg).layers.vision_gated_mlp else 4) * vf // tp
-    return 2 * vision_norm_bytes(cfg, vh, norm) + 4 * vh + rope_bytes(d, rope)[0] + (10 * vh) // tp + 4 * heads + mlp
-
-
-def vision_base_bytes(cfg: ModelConfig, tp: int, norm: str = "torch") -> int:
-    """Per patch outside the blocks: the patch embedding's input, a learned position table's blend (4 int64 rows
-    and 4 bf16 weights), the merger (norm, MLP) and each DeepStack merger (the norm over the folded width: its
-    input is a block's output, saved already, so only its statistics; the MLP as the merger's)."""
-    v = cfg.vision
-    vh, m2 = v.hidden_size, v.spatial_merge_size**2
-    pixels = 2 * v.in_channels * v.temporal_patch_size * v.patch_size**2
-    table = 4 * (8 + 2) if v.num_position_embeddings else 0
-    stats = vision_norm_bytes(cfg, m2 * vh, norm) - 2 * m2 * vh  # per merge unit, less the input it shares
-    deepstack = len(v.deepstack_visual_indexes) * (-(-stats // m2) + 2 * vh + 4 * vh // tp)
-    return pixels + table + vision_norm_bytes(cfg, vh, norm) + 2 * vh + 4 * vh // tp + deepstack
-
-
-def prefix_graph_bytes(cfg: ModelConfig, tp: int, pp: int, sp: bool, tokens: int, patches: int,
-                       norm: str = "torch", rope: str = "torch") -> int:
-    """What one prefix forward with a graph saves on the fullest stage (vision on the first); `norm` and
-    `rope`: the RMSNorm and the RoPE that run (torch | triton)."""
-    h = cfg.hidden_size
-    llm = tokens * ((cfg.num_layers // pp) * layer_activation_bytes(cfg, tp, sp, norm, rope)
-                    + rope_bytes(cfg.head_dim, rope)[1])
-    final_norm = tokens * norm_bytes(h, norm) // (tp if sp else 1) if pp == 1 else 0
-    vd = cfg.vision.hidden_size // cfg.vision.num_heads
-    vis = patches * (cfg.vision.depth * block_activation_bytes(cfg, tp, norm, rope) + vision_base_bytes(cfg, tp, norm)
-                     + rope_bytes(vd, rope)[1])
-    return llm + final_norm + vis
 
 
 def window_graph_bytes(cfg: RunConfig, s: Shape) -> int:
@@ -263,19 +135,6 @@ def window_graph_bytes(cfg: RunConfig, s: Shape) -> int:
                         + s.patches * (block_activation_bytes(m, par.tp, norm, rope) + vision_base_bytes(m, par.tp,
                                                                                                        norm)))
     return outputs + transient
-
-
-def logits_bytes(cfg: ModelConfig, tp: int, tokens: int) -> int:
-    """Loss workspace at the end of a forward: bf16 logits, their fp32 copy and the max-shifted fp32
-    logits of megatron's vocab-parallel cross entropy (10 bytes per token and vocabulary entry)."""
-    return tokens * (cfg.vocab_size // tp) * 10
-
-
-def training_forward_bytes(cfg: ModelConfig, tp: int, pp: int, sp: bool, tokens: int, patches: int,
-                           norm: str = "torch", rope: str = "torch") -> int:
-    """A micro-batch's saved activations plus the loss workspace (the update's peak moment)."""
-    out_in = tokens * 2 * cfg.hidden_size // (tp if sp else 1)  # the output layer's input
-    return prefix_graph_bytes(cfg, tp, pp, sp, tokens, patches, norm, rope) + out_in + logits_bytes(cfg, tp, tokens)
 
 
 def workload_shape(cfg: RunConfig, prefix_tokens: int | None = None, patches: int | None = None,
@@ -485,236 +344,6 @@ def runtime_plan(cfg: RunConfig, s: Shape, ahead: dict | None = None) -> list[Te
     return plan(runtime_cfg(cfg), cfg.mode.name, cfg.memory.plan, "embedded", s, ahead)
 
 
-def auto_releasable(cfg: RunConfig) -> tuple[str, ...]:
-    """What `memory.plan=auto` may release, in RELEASE_ORDER: the run's releasable classes, the reference's weights
-    not under mode.window_graphs (its graphs read them where they were captured)."""
-    return tuple(n for n in releasable(cfg) if n != "reference_weights" or not cfg.mode.window_graphs)
-
-
-def auto_release(cfg: RunConfig, s: Shape, budget_gib: float, gpus: int = 1) -> frozenset:
-    """`memory.plan=auto`: the classes to release so the run's peak fits `budget_gib` (none when
-    everything fits). Releases classes in RELEASE_ORDER (the reference's weights not under mode.window_graphs, whose
-    graphs read them where they were captured) until the peak fits, then keeps again, from the
-    last released backwards, every class whose keeping still fits: the set is minimal (keeping any one of
-    its classes goes over the budget), and of the releasable classes it prefers the cheap ones. Raises,
-    naming the class and each setting that would make it fit (`fit_fixes`; `gpus`: this machine's), when even all
-    released do not fit."""
-    rc, mode = runtime_cfg(cfg), cfg.mode.name
-
-    def fits(chosen) -> bool:
-        return summarize(plan(rc, mode, frozenset(chosen), "embedded", s), mode)["peak_gib"] <= budget_gib
-
-    chosen: list[str] = []
-    for name in (None, *auto_releasable(cfg)):
-        if name is not None:
-            chosen.append(name)
-        if fits(chosen):
-            break
-    else:
-        summary = summarize(plan(rc, mode, frozenset(chosen), "embedded", s), mode)
-        kept = "; the reference kept for mode.window_graphs" if cfg.mode.window_graphs else ""
-        check_budget(summary, budget_gib, f"{mode} (memory.plan=auto, everything releasable released{kept})",
-                     runtime=True, fit=lambda: fit_fixes(cfg, s, budget_gib, gpus))
-    for name in reversed(chosen[:-1]):  # e.g. rollplex: the prefix graphs alone, the optimizer states kept
-        if fits([c for c in chosen if c != name]):
-            chosen.remove(name)
-    return frozenset(chosen)
-
-
-# Auto sizes (`workload.micro_batch_tokens`, `workload.prefix_pack_tokens` at -1, `rollout.keep_decode_state` unset,
-# `memory.optimizer_step=auto`): the largest of each that fits, given up in this order: the kept decode state first
-# (it spares a rollout its cache allocation and graph captures, and holds the cache in every phase), then the prefix
-# packs (fewer, larger prefix forwards), then the micro-batch (the update's, the step's longest phase), and last the
-# resident optimizer step (streaming adds host-to-device traffic to the step; it is taken only where no size fits
-# the optimizer phase without it). Without a device budget: these values.
-NO_DEVICE_SIZES = {"workload.micro_batch_tokens": 0, "workload.prefix_pack_tokens": 0,
-                   "rollout.keep_decode_state": False, "memory.optimizer_step": "resident"}
-
-
-def with_settings(cfg: RunConfig, values: dict) -> RunConfig:
-    """`cfg` with the dotted settings `values` ({"workload.prefix_pack_tokens": 0, ...}, one section deep) set."""
-    by_section: dict[str, dict] = {}
-    for key, value in values.items():
-        section, name = key.split(".")
-        by_section.setdefault(section, {})[name] = value
-    return replace(cfg, **{k: replace(getattr(cfg, k), **v) for k, v in by_section.items()})
-
-
-def ladder(top: int, unit: int) -> list[int]:
-    """`unit` x 2^k, largest first, from the first at or above `top` (lowered to `top`) down to `unit` (>= 1)."""
-    out = [max(unit, 1)]
-    while out[-1] < top:
-        out.append(out[-1] * 2)
-    out[-1] = max(out[0], min(out[-1], top))
-    return out[::-1]
-
-
-def is_auto(cfg: RunConfig, key: str) -> bool:
-    """Whether the size `key` (of NO_DEVICE_SIZES) is left to the planner."""
-    if key == "rollout.keep_decode_state":
-        return cfg.rollout.keep_decode_state is None
-    if key == "memory.optimizer_step":
-        return cfg.memory.optimizer_step == "auto" and cfg.memory.plan != "keep"
-    return getattr(cfg.workload, key.split(".")[1]) == AUTO_SIZE
-
-
-def size_candidates(cfg: RunConfig, s: Shape) -> tuple[list[dict], list[dict], list[dict], list[dict]]:
-    """The values auto sizing tries, largest first, per size ([{}]: the size is set): the optimizer step resident,
-    then streamed (not under a fused Adam, which the streamed step does not reproduce); micro-batches of R x 2^k
-    response tokens up to every response of the largest PPO mini-batch (full-sequence modes, whose micro-batches
-    carry their prompts: counts from workload.responses_per_micro_batch halving to 1, with no token budget), packs
-    of P x 2^k prefix tokens (P: the longest prefix) down to two groups, then none; the decode state kept or not
-    (not where this process does not decode: SGLang, the rollout ranks of mode=disaggregated)."""
-    w, groups = cfg.workload, -(-s.prompts // cfg.train.ppo_mini_batches)
-    steps = mbs = packs = keeps = [{}]
-    if is_auto(cfg, "memory.optimizer_step"):
-        ways = ("resident",) if runtime_cfg(cfg).plan.fused_adam else ("resident", "stream")
-        steps = [{"memory.optimizer_step": way} for way in ways]
-    if is_auto(cfg, "workload.micro_batch_tokens"):
-        if get_mode(cfg.mode.name).full_sequences:
-            mbs = [{"workload.micro_batch_tokens": 0, "workload.responses_per_micro_batch": n}
-                   for n in ladder(w.responses_per_micro_batch, 1)]
-        else:
-            mbs = [{"workload.micro_batch_tokens": b} for b in ladder(groups * s.group * s.R, max(s.R, 1))]
-    if is_auto(cfg, "workload.prefix_pack_tokens"):
-        sizes = ladder(groups * s.P, 2 * s.P) if groups > 1 else []
-        packs = [{"workload.prefix_pack_tokens": t} for t in (*sizes, 0)]
-    if is_auto(cfg, "rollout.keep_decode_state"):
-        here = cfg.rollout.engine == "embedded" and not cfg.parallel.rollout_ranks
-        keeps = [{"rollout.keep_decode_state": k} for k in ((True, False) if here else (False,))]
-    return steps, mbs, packs, keeps
-
-
-def sized_summary(rc: RunConfig, s: Shape) -> dict:
-    """The plan of the runtime config `rc` (`runtime_cfg`) at `s` with the micro-batch of its own workload, under
-    memory.plan (auto: everything `auto_release` may release released, its last resort)."""
-    mode, res = rc.mode.name, rc.memory.plan
-    residency = frozenset(auto_releasable(rc)) if res == "auto" else res
-    return summarize(plan(rc, mode, residency, "embedded", replace(s, mb=micro_batch_responses(rc, s.R))), mode)
-
-
-def fits_budget(rc: RunConfig, s: Shape, budget_gib: float) -> bool:
-    """Whether `sized_summary`'s peak is within `budget_gib`."""
-    return sized_summary(rc, s)["peak_gib"] <= budget_gib
-
-
-def admissible(cfg: RunConfig) -> bool:
-    """Whether the config accepts the candidate (e.g. no prefix packs with dynamic sampling in rollplex)."""
-    try:
-        cfg.check_training()
-    except ValueError:
-        return False
-    return True
-
-
-def auto_size(cfg: RunConfig, s: Shape | None, budget_gib: float | None, gpus: int = 1) -> tuple[RunConfig, dict]:
-    """`cfg` with its auto sizes resolved, and what was chosen ({setting: value, "budget_gib": ...}; {} when no size
-    is auto). Without a budget (no device) NO_DEVICE_SIZES; with one, the first of `size_candidates` (the optimizer
-    step outermost, the kept decode state innermost: the order they are given up in) whose run fits under memory.plan
-    (`fits_budget`). Raises, naming each setting that would make the run fit, when even the smallest does not."""
-    if not cfg.auto_sized:
-        return cfg, {}
-    if budget_gib is None:
-        chosen = {k: v for k, v in NO_DEVICE_SIZES.items() if is_auto(cfg, k)}
-        return with_settings(cfg, chosen), {**chosen, "budget_gib": None}
-    rc = runtime_cfg(cfg)
-    steps, mbs, packs, keeps = size_candidates(cfg, s)
-    for chosen in ({**step, **mb, **pack, **keep} for step in steps for mb in mbs for pack in packs for keep in keeps):
-        c = with_settings(cfg, chosen)
-        if admissible(c) and fits_budget(with_settings(rc, chosen), s, budget_gib):
-            return c, {**chosen, "budget_gib": budget_gib}
-    least = {**steps[-1], **mbs[-1], **packs[-1], **keeps[-1]}
-    check_budget(sized_summary(with_settings(rc, least), s), budget_gib, f"{cfg.mode.name} at its smallest auto "
-                 f"sizes ({settings_text(least)}; memory.plan={cfg.memory.plan})", runtime=True,
-                 fit=lambda: fit_fixes(with_settings(cfg, least), s, budget_gib, gpus))
-    raise RuntimeError(f"auto_size: no candidate fits {budget_gib:g} GiB, yet the smallest's plan does")
-
-
-def auto_size_text(chosen: dict, released: list | None = None) -> str:
-    """The start-up line of what `auto_size` chose (and, under memory.plan=auto, what it releases)."""
-    budget = chosen["budget_gib"]
-    why = "no device: the fixed values" if budget is None else f"the largest that fit {gib_text(budget)} GiB"
-    rel = "" if released is None else f"; memory.plan=auto releases {', '.join(released) or 'nothing'}"
-    return f"auto: {settings_text({k: v for k, v in chosen.items() if k != 'budget_gib'})} ({why}{rel})"
-
-
-def settings_text(values: dict) -> str:
-    """Dotted settings as overrides are written (`rollout.keep_decode_state=false workload.prefix_pack_tokens=0`)."""
-    return " ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in values.items())
-
-
-def smaller_settings(cfg: RunConfig, s: Shape) -> list[list[dict]]:
-    """Per setting of `cfg` that shrinks the plan, its smaller values, largest first: the kept decode state off, a
-    smaller prefix pack, a smaller micro-batch (token budget or count; full-sequence modes: counts), memory.plan=auto
-    for keep (its bytes with everything released are phase's), else the streamed optimizer step for a resident one,
-    no window graphs."""
-    w, out = cfg.workload, []
-    if cfg.rollout.keep_decode_state:
-        out.append([{"rollout.keep_decode_state": False}])
-    if w.prefix_pack_tokens > 0:
-        out.append([{"workload.prefix_pack_tokens": t} for t in (*ladder(w.prefix_pack_tokens // 2, 2 * s.P), 0)
-                    if t < w.prefix_pack_tokens])
-    if get_mode(cfg.mode.name).full_sequences or w.micro_batch_tokens <= 0:
-        now = full_sequence_responses(cfg, s) if get_mode(cfg.mode.name).full_sequences else w.responses_per_micro_batch
-        out.append([{"workload.micro_batch_tokens": 0, "workload.responses_per_micro_batch": n}
-                    for n in ladder(max(now // 2, 1), 1) if n < now])
-    else:
-        out.append([{"workload.micro_batch_tokens": b} for b in ladder(w.micro_batch_tokens // 2, max(s.R, 1))
-                    if b < w.micro_batch_tokens])
-    if cfg.memory.plan == "keep":
-        out.append([{"memory.plan": "auto"}])
-    elif cfg.memory.optimizer_step == "resident" and not runtime_cfg(cfg).plan.fused_adam:
-        out.append([{"memory.optimizer_step": "stream"}])
-    if cfg.mode.window_graphs:
-        out.append([{"mode.window_graphs": False}])
-    return [o for o in out if o]
-
-
-def fit_fixes(cfg: RunConfig, s: Shape, budget_gib: float, gpus: int = 1) -> str:
-    """What makes the run of `cfg` fit `budget_gib`: each setting that alone does (at its largest value that does),
-    else all of them together at their smallest; a larger parallel layout where this machine has more GPUs, and as
-    the last resort where nothing else does."""
-    rc, options = runtime_cfg(cfg), smaller_settings(cfg, s)
-    fits = lambda values: fits_budget(with_settings(rc, values), s, budget_gib)  # noqa: E731
-    alone = [next((v for v in values if fits(v)), None) for values in options]
-    out = [settings_text(v) for v in alone if v is not None]
-    least = {k: v for values in options for k, v in values[-1].items()}
-    if not out and options and fits(least):
-        out.append(f"together {settings_text(least)}")
-    if gpus > 1:
-        out.append(f"a larger parallel.tp/pp ({gpus} GPUs here)")
-    elif not out:
-        out.append("more GPUs (a larger parallel.tp/pp) or a smaller model")
-    return ", or ".join(out)
-
-
-AHEAD_CLASSES = ("optimizer_states", "main_weights", "reference_weights")  # offloaded: their prefetch is a copy
-
-
-def phase_before(name: str, mode: str) -> str:
-    """The phase just before the first of `name`'s own phases in `mode`'s step (the step repeats: the optimizer
-    step comes before the next rollout)."""
-    allp, own = phases(mode), resident_phases(name, mode)
-    first = min(allp.index(p) for p in own if p in allp)
-    return allp[first - 1]
-
-
-def ahead_phases(cfg: RunConfig, mode: str, residency, s: Shape, budget_gib: float) -> dict:
-    """`memory.prefetch_ahead`: the released offload classes that come back one phase early, {class: phase}. A
-    class comes back at the entry of `phase_before` its own phases (Adam states and master weights during the
-    update, a reference the rollout reads during the optimizer step) when that phase's planned bytes with it
-    stay within `budget_gib`; the classes are tried in RELEASE_ORDER, each on top of those already taken. Its
-    copy then runs beside that phase's work, and its own phase waits only for what is left of the copy."""
-    rel = released(residency)
-    chosen: dict = {}
-    for name in (n for n in releasable(cfg) if n in AHEAD_CLASSES and n in rel - streamed(cfg, rel)):
-        trial = {**chosen, name: phase_before(name, mode)}
-        summary = summarize(plan(cfg, mode, residency, "embedded", s, trial), mode)
-        if summary["phase_gib"][trial[name]] <= budget_gib:
-            chosen = trial
-    return chosen
-
-
 def rollout_rank_plan(cfg: RunConfig, s: Shape | None = None) -> dict:
     """mode=disaggregated: a rollout rank's bytes (GiB): its own full weight copy at rollout.tp, its
     replica's largest cache wave and one decode step's workspace."""
@@ -740,89 +369,6 @@ def summarize(classes: list[TensorClass], mode: str) -> dict:
     return {"peak_gib": totals[peak], "peak_phase": peak, "phase_gib": totals, "by_phase_gib": by_phase,
             "classes": {c.name: {"gib": c.bytes / GIB, "resident": list(c.resident), "action": c.action,
                                  "note": c.note} for c in classes}}
-
-
-FIXES = {  # what shrinks each class, in the config's terms
-    "optimizer_states": "plan.distributed_optimizer=true (shard over DP) or a larger parallel.tp/pp",
-    "main_weights": "plan.distributed_optimizer=true (shard over DP) or a larger parallel.tp/pp",
-    "optimizer_workspace": "a fused Adam (plan.fused_adam=true where transformer-engine or apex is installed) or "
-                           "a larger parallel.tp/pp",
-    "grads": "a larger parallel.tp/pp",
-    "reference_weights": "a larger parallel.tp/pp",
-    "rollout_kv": "a smaller memory.kv_cache_gib (more waves), fewer prompts per DP rank or a larger parallel.tp",
-    "actor_prefix_graph": "fewer prompts per DP rank",
-    "reference_prefix_graphs": "a smaller mode.window_graph_buckets or workload.prefix_pack_tokens, or "
-                               "mode.window_graphs=false",
-    "actor_prefix_kv": "fewer prompts per DP rank or shorter prompts",
-    "update_activations": "fewer workload.responses_per_micro_batch (or a smaller workload.micro_batch_tokens "
-                          "when set), a smaller workload.prefix_pack_tokens (a recomputed pack's graph), "
-                          "plan.sequence_parallel=true or a larger parallel.tp",
-}
-RUNTIME_FIXES = {  # the trainer honours no plan.* setting: only what its own config changes
-    "optimizer_states": "memory.optimizer_step=stream (streamed from host memory through the step) or a larger "
-                        "parallel.tp/pp",
-    "main_weights": "memory.optimizer_step=stream (streamed from host memory through the step) or a larger "
-                    "parallel.tp/pp",
-    "optimizer_workspace": "memory.optimizer_step=stream (one bucket's workspace) or a larger parallel.tp/pp (or "
-                           "transformer-engine/apex installed: a fused Adam)",
-    "update_activations": "fewer workload.responses_per_micro_batch (or a smaller workload.micro_batch_tokens "
-                          "when set), a smaller workload.prefix_pack_tokens (a recomputed pack's graph) or a "
-                          "larger parallel.tp",
-}
-RELEASED_BY_PHASE_PLAN = {"main_weights", "optimizer_states", "grads", "reference_weights", "actor_prefix_graph"}
-
-
-def gib_text(x: float) -> str:
-    """A GiB figure for a message: one decimal, or three significant digits below 1 GiB (never a bare 0.0)."""
-    return f"{x:.1f}" if x >= 1 else f"{x:.3g}"
-
-
-def check_budget(summary: dict, budget_gib: float, mode: str, runtime: bool = False, fit=None) -> None:
-    """Fail, naming the largest class of the peak phase and what would free it, when over budget.
-
-    `runtime`: the trainer's check (its fixes name only settings the trainer honours); `fit`: a callable giving
-    the settings that would make the run fit (`fit_fixes`), asked only when over, in place of the class's fix."""
-    if budget_gib <= 0 or summary["peak_gib"] <= budget_gib:
-        return
-    phase = summary["peak_phase"]
-    top = max(summary["by_phase_gib"][phase].items(), key=lambda kv: kv[1])
-    fixes = {**FIXES, **RUNTIME_FIXES} if runtime else FIXES
-    fix = fixes.get(top[0], "a larger parallel.tp/pp or a smaller workload")
-    if top[0] in RELEASED_BY_PHASE_PLAN and summary["classes"][top[0]]["action"] == "keep":
-        fix = f"memory.plan=phase (releases it outside its phases), or {fix}"
-    fix = (fit() if fit is not None else "") or fix
-    raise ValueError(f"{mode} plan needs {gib_text(summary['peak_gib'])} GiB in phase {phase!r}, over "
-                     f"memory.budget_gib={budget_gib:g}; the largest class there is {top[0]} ({gib_text(top[1])} "
-                     f"GiB); to fit: {fix}")
-
-
-# Classes the batch does not size: over the machine, the model or its layout is the fix, not the batch.
-MODEL_CLASSES = ("actor_weights", "main_weights", "grads", "optimizer_states", "reference_weights",
-                 "optimizer_workspace", "rollout_weights")
-
-
-def machine_need_gib(summary: dict, cuda: bool) -> float:
-    """What the plan holds at its peak on the memory that backs the device: the peak phase; on CPU, where that is
-    host memory, also the host copies of the classes it offloads (memory/manager.py keeps them all run)."""
-    if cuda:
-        return summary["peak_gib"]
-    return summary["peak_gib"] + sum(c["gib"] for c in summary["classes"].values() if c["action"] == "offload")
-
-
-def check_machine(summary: dict, need_gib: float, free_gib: float, what: str, batch: str) -> None:
-    """Fail when the plan cannot fit the memory this rank has (`free_gib` of `what`), naming the largest class of
-    the peak phase and, when the batch sizes it, the batch's settings (`batch`: the shape and what lowers it)."""
-    if need_gib <= free_gib:
-        return
-    phase = summary["peak_phase"]
-    top, gib = max(summary["by_phase_gib"][phase].items(), key=lambda kv: kv[1])
-    if top in MODEL_CLASSES:
-        fix = f"to fit: {RUNTIME_FIXES.get(top, FIXES.get(top, 'a larger parallel.tp/pp'))}, or a smaller model"
-    else:  # the update's micro-batches have a setting of their own
-        fix = batch + (f"; or {RUNTIME_FIXES[top]}" if top in RUNTIME_FIXES else "")
-    raise ValueError(f"this run needs {gib_text(need_gib)} GiB per rank ({need_gib * GIB:.3g} bytes; peak phase "
-                     f"{phase!r}, largest class {top} {gib_text(gib)} GiB), over the {gib_text(free_gib)} GiB of "
-                     f"{what}; {fix}")
 
 
 def plan_memory(cfg: RunConfig) -> dict:

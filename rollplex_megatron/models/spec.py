@@ -114,7 +114,7 @@ class Decode:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Layers:
-    """The family's layer make-up beyond ModelConfig's sizes: what memory/planner.py counts parameters and saved
+    """The family's layer make-up beyond ModelConfig's sizes: what memory/tensor_bytes.py counts parameters and saved
     activations from (the learned position table and the DeepStack mergers follow from `model.vision`'s
     num_position_embeddings and deepstack_visual_indexes)."""
 

@@ -48,7 +48,7 @@ from rollplex_megatron.attention.triton_decode import (
     triton_shared_prefix_decode_attention,
 )
 from rollplex_megatron.config import ModelConfig, check_sampling_kernel
-from rollplex_megatron.memory.planner import kv_bytes_per_token
+from rollplex_megatron.memory.tensor_bytes import kv_bytes_per_token
 from rollplex_megatron.models.decode_layers import unsupported as decode_layers_unsupported
 from rollplex_megatron.models.registry import model_spec
 from rollplex_megatron.prefix.batch import Group, prompt_positions

@@ -17,9 +17,10 @@ from rollplex_megatron.data import build_source
 from rollplex_megatron.dist import ParallelLayouts, default_group_is_train_world, init_parallel, layouts, train_world
 from rollplex_megatron.memory.machine import check_run_fits
 from rollplex_megatron.memory.manager import MemoryManager
-from rollplex_megatron.memory.planner import (ahead_phases, auto_release, auto_size, auto_size_text, check_budget,
-                                              fit_fixes, gib_text, pack_groups, plan, releasable, released,
-                                              rollout_rank_plan, runtime_cfg, runtime_plan, summarize, workload_shape)
+from rollplex_megatron.memory.auto import ahead_phases, auto_release, auto_size, auto_size_text, fit_fixes
+from rollplex_megatron.memory.budget import check_budget, gib_text
+from rollplex_megatron.memory.planner import (pack_groups, plan, releasable, released, rollout_rank_plan, runtime_cfg,
+                                              runtime_plan, summarize, workload_shape)
 from rollplex_megatron.models.registry import model_spec, open_hf
 from rollplex_megatron.models.triton_norm import norm_kernel_for, use_norm_kernel
 from rollplex_megatron.models.triton_rope import rope_kernel_for, use_rope_kernel
@@ -104,7 +105,7 @@ def run_shape(cfg: RunConfig, source):
 
 
 def auto_sizes(cfg: RunConfig, source) -> tuple[RunConfig, dict]:
-    """The run's sizes left to the planner, resolved (`planner.auto_size`) for this device: with CUDA under
+    """The run's sizes left to the planner, resolved (`auto.auto_size`) for this device: with CUDA under
     `auto_budget_gib` (memory.budget_gib, else the free memory less the margin, the least over the ranks); without,
     the fixed values of a CPU run."""
     if not cfg.auto_sized:
@@ -155,7 +156,7 @@ def memory_plan(cfg: RunConfig, source) -> dict:
 
 
 def _ahead(cfg: RunConfig, rc: RunConfig, residency, shape, budget_gib: float | None) -> dict:
-    """`memory.prefetch_ahead`'s classes (`planner.ahead_phases` over the runtime config `rc`): under `budget_gib`,
+    """`memory.prefetch_ahead`'s classes (`auto.ahead_phases` over the runtime config `rc`): under `budget_gib`,
     else `auto_budget_gib`'s; none when it is off or there is no budget (CPU without memory.budget_gib)."""
     if not cfg.memory.prefetch_ahead:
         return {}
