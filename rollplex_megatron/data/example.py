@@ -156,8 +156,8 @@ def make_example(out: str | Path, model: ModelConfig, train_rows: int = 512, val
     out = Path(out)
     if verl:
         check_verl_example(model, videos)
-        # verl 0.9.1: a batch whose samples all have one length fails in the engine (its nested [4, S] position
-        # ids come out split along the wrong dimension); ragged rows keep the example's batches apart
+        # verl 0.9.1: a batch whose samples all have one length fails in verl's own actor update (its nested
+        # [4, S] position ids are mislabelled, verl issue #7899); ragged rows keep the example's batches apart
         ragged = True
     # images default to one merged vision token (28 px for Qwen2.5-VL's 14 px patches), the square to half of it
     image_px = image_px or model.vision.patch_size * model.vision.spatial_merge_size

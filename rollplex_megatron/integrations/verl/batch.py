@@ -135,16 +135,44 @@ def verl_groups(data, share_prefix: bool = True) -> VerlGroups:
     return VerlGroups(groups, rows, full, p_lens, r_lens, group_uids)
 
 
+def position_rows(pos: torch.Tensor, lengths: list[int]) -> list[torch.Tensor] | None:
+    """Each sample's verl position ids, [axes, lengths[i]], read from the jagged tensor's values and offsets with
+    the samples' lengths (input_ids') as the authority; None for 1-D (text) positions. Raises ValueError when the
+    tensor holds neither of verl's layouts."""
+    # verl 0.9.1 hands two layouts of per-sample [k, S] rows: ragged over tokens (values [k, sum S]), and, when
+    # every S is equal, ragged over the axes (values [B*k, S], rows of k): torch.nested.as_nested_tensor picks
+    # that dim (TransferQueue's AsyncSimpleStorageManager._pack_field_values, verl's left_right_2_no_padding), and
+    # verl's maybe_fix_3d_position_ids then sets _ragged_idx=2 on it, so unbind() splits S by [k] * B (verl
+    # issue #7899). Neither unbind() nor _ragged_idx can be trusted; values, offsets and the lengths can.
+    values, offsets = pos.values(), pos.offsets()
+    if values.dim() != 2:
+        return None
+    starts = offsets[:-1].tolist()
+    sizes = (offsets.diff() if pos.lengths() is None else pos.lengths()).tolist()
+    if len(sizes) != len(lengths):
+        raise ValueError(f"verl batch: {len(sizes)} position_ids rows but {len(lengths)} input_ids rows")
+    ends = [a + n for a, n in zip(starts, sizes)]
+    if sizes == lengths and max(ends, default=0) <= values.shape[1]:  # ragged over tokens
+        return [values[:, a:b] for a, b in zip(starts, ends)]
+    if (len(set(sizes)) == 1 and all(n == values.shape[1] for n in lengths)
+            and max(ends, default=0) <= values.shape[0]):  # equal lengths, ragged over the axes
+        return [values[a:b] for a, b in zip(starts, ends)]
+    raise ValueError(f"verl batch: position_ids (values {tuple(values.shape)}, row sizes {sizes[:4]}) hold no "
+                     f"[axes, tokens] row per sample for input_ids of lengths {lengths[:4]}; verl's position_ids "
+                     f"must hold one row per sample, as long as its input_ids")
+
+
 def check_verl_positions(data, vg: VerlGroups, cfg: ModelConfig) -> None:
     """verl's `position_ids` against the model family's positions of each group's first sample (prompt and
     response); a group's rows share the prompt, so its first stands for all. verl's rows are [4, S] (a text row,
-    then the M-RoPE axes) or [3, S]; a batch without them, or with 1-D text positions, is not checked (the engine
-    computes its own either way). Raises ValueError naming the sample and the first differing token."""
+    then the M-RoPE axes) or [3, S], in either of verl's layouts (`position_rows`); a batch without them, or with
+    1-D text positions, is not checked (the engine computes its own either way). Raises ValueError naming the
+    sample and the first differing token."""
     pos = data.get("position_ids", None)
     if pos is None or not pos.is_nested:
         return
-    rows = list(pos.unbind())
-    if rows[0].dim() != 2 or rows[0].shape[0] < 3:
+    rows = position_rows(pos, [p + r for p, r in zip(vg.prompt_lens, vg.response_lens)])
+    if rows is None or rows[0].shape[0] < 3:
         return
     spec = model_spec(cfg)
     for g, group in enumerate(vg.groups):
@@ -158,6 +186,15 @@ def check_verl_positions(data, vg: VerlGroups, cfg: ModelConfig) -> None:
                              f"positions at token {int(bad[0, 0])} (shapes {tuple(theirs.shape)} vs "
                              f"{tuple(ours.shape)}); the processor verl loaded must be the checkpoint's "
                              f"(actor_rollout_ref.model.path)")
+
+
+def loss_rows(data, samples: list[int]):
+    """The batch's rows `samples` for verl's loss, without `position_ids` (the loss reads none, and verl's
+    index_select_tensor_dict unbinds every nested tensor, which fails on the equal-length layout
+    `position_rows` reads)."""
+    from verl.utils import tensordict_utils as tu
+
+    return tu.index_select_tensor_dict(data.exclude("position_ids"), samples)
 
 
 def full_length(vg: VerlGroups, sample: int, response_values: torch.Tensor) -> torch.Tensor:

@@ -33,7 +33,8 @@ from rollplex_megatron.checkpoint import train_state
 from rollplex_megatron.attention.prefix import PrefixContext
 from rollplex_megatron.config import ATTENTION_BACKENDS, OptimConfig
 from rollplex_megatron.dist import init_parallel
-from rollplex_megatron.integrations.verl.batch import as_nested, check_verl_positions, full_length, verl_groups
+from rollplex_megatron.integrations.verl.batch import (as_nested, check_verl_positions, full_length, loss_rows,
+                                                     verl_groups)
 from rollplex_megatron.models.registry import model_spec, open_hf
 from rollplex_megatron.models.triton_norm import norm_kernel_for, use_norm_kernel
 from rollplex_megatron.models.triton_rope import rope_kernel_for, use_rope_kernel
@@ -316,7 +317,7 @@ class RollplexMegatronEngine(BaseEngine):
             n = mb.label_mask.sum().to(torch.int)
             if loss_function is None:  # log-probs only (verl's compute_log_prob / compute_ref_log_prob)
                 return logp.sum() * 0.0, n, {"loss": torch.tensor(1.0), "logp": logp.detach()}
-            loss, metrics = loss_function(model_output=out, data=tu.index_select_tensor_dict(data, samples),
+            loss, metrics = loss_function(model_output=out, data=loss_rows(data, samples),
                                           dp_group=dp_group)
             # verl's loss is its share of a DP average (x dp_size); megatron's DDP here sums over DP
             # (calculate_per_token_loss), so each rank contributes loss / dp_size
