@@ -416,6 +416,11 @@ class RolloutConfig:
     sampling_kernel: str = setting("auto", "the decode step's draw: triton (one fused pass over the logits: hash, "
                                    "Gumbel-max, log-softmax; temperature only) | torch (sampling.py's tensors) | auto "
                                    "(triton on CUDA when top_k=0 and top_p=1). Same tokens either way.", resumable=True)
+    layer_kernel: str = setting("auto", "the decode step's decoder layers: modules (megatron's TransformerLayer "
+                                "modules) | triton (models/decode_layers.py: each layer's own GEMMs with the glue "
+                                "between them fused, 13 kernels a layer for 18; bf16 bit-equal to modules in the CPU "
+                                "tests; needs decode_attention=triton and pp=1) | auto (modules: triton is not yet "
+                                "run on a GPU, tests/test_gpu_decode.py)", resumable=True)
     length_dist: str = setting("", '"" (off: the model stops) | lognormal: for benchmarks on random weights, which '
                                "never stop by themselves, each request's maximum length is drawn (mean length_mean, "
                                "log-std length_sigma, capped at the source's maximum) from a seeded stream and stop "
@@ -463,6 +468,8 @@ class RolloutConfig:
                              f"got {self.decode_attention!r}")
         if self.sampling_kernel not in ("auto", "triton", "torch"):
             raise ValueError(f"rollout.sampling_kernel must be auto, triton or torch, got {self.sampling_kernel!r}")
+        if self.layer_kernel not in ("auto", "modules", "triton"):
+            raise ValueError(f"rollout.layer_kernel must be auto, modules or triton, got {self.layer_kernel!r}")
         check_sampling_kernel(self.sampling_kernel, self.top_k, self.top_p, "rollout.top_k/top_p")
 
 

@@ -142,8 +142,26 @@ def unsupported_setting() -> dict:
     cfg, model = build("qwen25", "float32")
     config = model.language_model.decoder.config
     plain = DL.unsupported(model)
-    on = EmbeddedEngine(model, cfg.model, 4096, 16, 1.0, decode_attention="triton").fused_layer
+    on = EmbeddedEngine(model, cfg.model, 4096, 16, 1.0, decode_attention="triton", fused_layer=True).fused_layer
     config.activation_func_clamp_value = 7.0
     clamped = DL.unsupported(model)
-    off = EmbeddedEngine(model, cfg.model, 4096, 16, 1.0, decode_attention="triton").fused_layer
+    off = EmbeddedEngine(model, cfg.model, 4096, 16, 1.0, decode_attention="triton", fused_layer=True).fused_layer
     return {"plain": plain, "clamped": clamped, "engine": (off, on)}
+
+
+def layer_kernel_setting() -> dict:
+    """`rollout.layer_kernel` through `EmbeddedEngine.for_run` on the tiny model: triton where the Triton attention
+    runs (interpreted here), modules and auto on megatron's modules; triton under the math attention refused."""
+    cfg, model = build("qwen25", "float32")
+    out = {}
+    for kernel in ("triton", "modules", "auto"):
+        run = load_run_config(FAMILIES["qwen25"] + ["rollout.decode_attention=triton",
+                                                    f"rollout.layer_kernel={kernel}"])
+        out[kernel] = EmbeddedEngine.for_run(model, run).fused_layer
+    try:
+        EmbeddedEngine.for_run(model, load_run_config(FAMILIES["qwen25"] + ["rollout.decode_attention=math",
+                                                                              "rollout.layer_kernel=triton"]))
+        out["math"] = ""
+    except ValueError as e:
+        out["math"] = str(e)
+    return out

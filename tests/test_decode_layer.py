@@ -106,6 +106,7 @@ def one_rank():
              for fam in W.FAMILIES for dt in ("float32", "bfloat16")}
     calls["qwen25", "no_add"] = (W.decode_paths, ("qwen25", "bfloat16", PARAMS, 1, "no_add", False, (True,)))
     calls["unsupported", ""] = (W.unsupported_setting, ())
+    calls["setting", ""] = (W.layer_kernel_setting, ())
     return run_local(in_turn, 1, calls)[0]
 
 
@@ -165,3 +166,11 @@ def test_fused_layer_decode_tp2_equals_the_module_path():
             else:
                 _same(res[True]["results"], res[False]["results"], FP32_TOL)
         assert a[True]["results"] == b[True]["results"]
+
+
+def test_the_layer_kernel_setting_picks_the_path(one_rank):
+    """rollout.layer_kernel reaches the engine: triton fused, modules and auto (the default) not; triton where it
+    cannot run is refused with the setting named."""
+    res = case(one_rank, ("setting", ""))
+    assert (res["triton"], res["modules"], res["auto"]) == (True, False, False), res
+    assert res["math"].startswith("rollout.layer_kernel=triton cannot run here: the decode attention is math"), res

@@ -206,7 +206,7 @@ class EmbeddedEngine:
 
     def __init__(self, model, cfg: ModelConfig, max_prompt_len: int, max_response_len: int, kv_cache_gib: float,
                  cuda_graphs: bool = True, decode_attention: str = "auto", sampling_kernel: str = "auto",
-                 fused_rope: bool = True, fused_norm: bool = True, fused_layer: bool = True,
+                 fused_rope: bool = True, fused_norm: bool = True, fused_layer: bool = False,
                  prefix_pack_tokens: int = 0, actor_pack_tokens: int | None = None, keep_decode_state: bool = False,
                  pack_splits: int = 1):
         self.model, self.cfg, self.spec = model, cfg, model_spec(cfg)
@@ -249,10 +249,15 @@ class EmbeddedEngine:
     def for_run(cls, model, cfg, actor_pack_tokens: int | None = None) -> "EmbeddedEngine":
         """An engine over `model` with a run's rollout, KV-budget and packing settings (`RunConfig`)."""
         r = cfg.rollout
-        return cls(model, cfg.model, r.max_prompt_len, r.max_response_len, cfg.memory.kv_cache_gib, r.cuda_graphs,
-                   r.decode_attention, sampling_kernel=r.sampling_kernel,
-                   prefix_pack_tokens=cfg.workload.prefix_pack_tokens, actor_pack_tokens=actor_pack_tokens,
-                   keep_decode_state=r.keep_decode_state, pack_splits=cfg.train.ppo_mini_batches)
+        eng = cls(model, cfg.model, r.max_prompt_len, r.max_response_len, cfg.memory.kv_cache_gib, r.cuda_graphs,
+                  r.decode_attention, sampling_kernel=r.sampling_kernel, fused_layer=r.layer_kernel == "triton",
+                  prefix_pack_tokens=cfg.workload.prefix_pack_tokens, actor_pack_tokens=actor_pack_tokens,
+                  keep_decode_state=r.keep_decode_state, pack_splits=cfg.train.ppo_mini_batches)
+        if r.layer_kernel == "triton" and not eng.fused_layer:
+            why = eng.layer_error or (f"the decode attention is {eng.attention} (rollout.decode_attention=triton on "
+                                      f"CUDA) at pipeline size {eng.pp} (1 needed)")
+            raise ValueError(f"rollout.layer_kernel=triton cannot run here: {why}; use rollout.layer_kernel=modules")
+        return eng
 
     def generate(self, requests: list[RolloutRequest], params: SamplingParams,
                  hooks: DecodeHooks | None = None, actor_prefix: KVStore | None = None,
