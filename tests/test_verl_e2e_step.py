@@ -4,9 +4,12 @@ with this project's engine and `rollout.name=rollplex`, 2 steps on 2 CPU ranks (
 The checkpoint and rows are `make-example --verl`'s, as a user gets them (verl 0.9.1 on transformers 5.24 without
 torchvision): its video config names `RollplexQwen2VLVideoProcessor` (integrations/verl/video.py), its tokenizer
 has a one-token newline (verl's Qwen token builder) and plain vision tokens (verl's agent loop decodes the prompt
-dropping special tokens, then the processor counts placeholders), and its rows are ragged (a verl batch whose
-samples all have one length fails in verl 0.9.1's actor update, verl issue #7899; tests/test_verl_positions.py
-covers the engine's side). The dataset class is `RollplexRLHFDataset` (no qwen_vl_utils).
+dropping special tokens, then the processor counts placeholders), and its rows are ragged. A batch whose samples
+all have one length fails in verl 0.9.1's own actor update (verl issue #7899); the plugin fixes it
+(integrations/verl/positions.py, checked in-process by tests/test_verl_positions.py) and such a batch trains
+through this driver, but on one the shared run's grad norms left the full-sequence run's by up to 3%
+(docs/guides/verl.md, Known gaps), so these steps keep ragged rows. The dataset class is `RollplexRLHFDataset`
+(no qwen_vl_utils).
 
 Checked: rewards and losses logged for both steps; the rollout's log-probs equal the actor's old log-probs (verl's
 own rollout-vs-training metrics); with a KL loss (the reference in the same workers) the shared run's old

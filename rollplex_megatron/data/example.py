@@ -13,7 +13,9 @@ The plain example is what this project's own driver (`train`) reads. `verl=True`
 the variant verl 0.9.1 takes as it is (docs/guides/verl.md): the tokenizer has a one-token newline (verl's Qwen
 token builder) and plain vision placeholders (verl's agent loop decodes a prompt dropping special tokens and the
 processor counts them again), the video config names `RollplexQwen2VLVideoProcessor` (no torchvision needed),
-and the rows are ragged.
+and the rows are ragged. Batches whose samples have one length train too (this project's verl plugin fixes verl
+issue #7899, integrations/verl/positions.py), but the whole-step test's prefix-shared vs full-sequence check has
+not passed on them (docs/guides/verl.md), so the example keeps ragged rows.
 """
 from __future__ import annotations
 
@@ -156,8 +158,9 @@ def make_example(out: str | Path, model: ModelConfig, train_rows: int = 512, val
     out = Path(out)
     if verl:
         check_verl_example(model, videos)
-        # verl 0.9.1: a batch whose samples all have one length fails in verl's own actor update (its nested
-        # [4, S] position ids are mislabelled, verl issue #7899); ragged rows keep the example's batches apart
+        # equal-length batches train through verl's driver (the plugin fixes verl issue #7899, positions.py), but
+        # there the prefix-shared update's grad norm left the full-sequence one's by up to 3% (docs/guides/verl.md):
+        # ragged rows keep the example on the path whose whole-step test passes
         ragged = True
     # images default to one merged vision token (28 px for Qwen2.5-VL's 14 px patches), the square to half of it
     image_px = image_px or model.vision.patch_size * model.vision.spatial_merge_size

@@ -1,8 +1,10 @@
 """verl's entry point (`verl.plugins: rollplex`): imported by `import verl` in every process, Ray workers
 included. Registers the CPU platform (`platform.py`: used where no accelerator exists), the engine (vendor
 `rollplex`, selected with `VERL_ENGINE_VENDOR=rollplex`), the v1 trainer `rollplex`, the rollout backend
-`rollplex` (`rollout.py`: `actor_rollout_ref.rollout.name=rollplex`) and a Qwen2-VL video processor without
-torchvision (`video.py`). verl swallows plugin import errors (debug log), so each part logs its own failure."""
+`rollplex` (`rollout.py`: `actor_rollout_ref.rollout.name=rollplex`), a Qwen2-VL video processor without
+torchvision (`video.py`), and, where the installed verl has verl issue #7899, a layout-checking
+`maybe_fix_3d_position_ids` (`positions.py`: batches whose samples have one length train). verl swallows plugin
+import errors (debug log), so each part logs its own failure."""
 from __future__ import annotations
 
 import importlib
@@ -27,7 +29,8 @@ def register_engine() -> None:
 def register_all() -> None:
     # the platform first: the others' imports may ask verl for its platform, which it then resolves for good
     for what, fn in (("platform", _register_platform), ("engine", register_engine), ("trainer", _register_trainer),
-                     ("rollout", _register_rollout), ("video processor", _register_video_processor)):
+                     ("rollout", _register_rollout), ("video processor", _register_video_processor),
+                     ("position ids fix", _register_position_fix)):
         try:
             fn()
         except Exception as e:  # verl would hide it: say it at warning level
@@ -50,6 +53,12 @@ def _register_video_processor() -> None:
     from rollplex_megatron.integrations.verl.video import register
 
     register()
+
+
+def _register_position_fix() -> None:
+    from rollplex_megatron.integrations.verl.positions import install
+
+    install()
 
 
 def _register_trainer() -> None:
