@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from tests.sglang_workers import _direct, _rel
+from tests.numerics import rel_err
+from tests.sglang_workers import _direct
 
 REQUESTS = 2  # prompts of the first data batch, G = 2 samples each
 NEW_TOKENS = 32  # per sample, EOS ignored by both engines (no stop tokens: SGLang would also stop at the model's EOS)
@@ -108,7 +109,7 @@ def compare(eng, reqs, sg, em) -> dict:
             pair = [t for _, t in best] == [int(ta[at]), int(tb[at])]  # SGLang's first, the embedded's second
             tie = pair and best[0][0] - best[1][0] <= TIE
             out["ties" if tie else "breaks"].append(case)
-    out["lp_rel"] = _rel(torch.cat(lp_sg), torch.cat(lp_em)) if lp_sg else 0.0
+    out["lp_rel"] = rel_err(torch.cat(lp_sg), torch.cat(lp_em)) if lp_sg else 0.0
     return out
 
 
@@ -131,7 +132,7 @@ def one_rollout(rt, embedded, reqs) -> dict:
     got = rt.engine.generate(reqs, greedy, window)
     want = embedded.generate(reqs, greedy)
     d_ref, d_actor, _ = _direct(rt.ref, X.unwrap(rt.ddp), [Group(r.prompt, [], torch.zeros(0)) for r in reqs])
-    rel = [_rel(a, b) for st, d in ((ref_kv, d_ref), (actor_kv, d_actor)) for k in d.leaves
+    rel = [rel_err(a, b) for st, d in ((ref_kv, d_ref), (actor_kv, d_actor)) for k in d.leaves
            for a, b in zip(st.leaves[k], d.leaves[k])]
     return {"tokens": [[t.tolist() for t in res.tokens] for res in got.results], "kv_rel": rel,
             "jobs_done": len(window.finished), "jobs": 2 * len(reqs), "window": got.stats["sglang_window"],
