@@ -8,6 +8,7 @@ import torch
 
 from rollplex_megatron.dist import run_local
 from tests import verl_workers as W
+from tests.numerics import rel_err
 
 TOL = 1e-5
 # the decode window's overrides, as docs/guides/verl.md gives them
@@ -80,7 +81,7 @@ def test_dp2_gradients_equal_one_rank_on_the_whole_batch(tiny_hf, tp1):
     two = run_local(W.dp_grads, 2, tiny_hf)
     assert [r["world"] for r in two] == [2, 2]
     for r in two:
-        errs = {n: W._rel(r["grads"][n], one["grads"][n]) for n in one["grads"]}
+        errs = {n: rel_err(r["grads"][n], one["grads"][n]) for n in one["grads"]}
         assert max(errs.values()) <= TOL, max(errs.items(), key=lambda kv: kv[1])
 
 
