@@ -17,8 +17,7 @@ from rollplex_megatron.prefix.batch import Prompt
 from rollplex_megatron.recipes import load_run_config
 from rollplex_megatron.rollout.embedded import EmbeddedEngine
 from rollplex_megatron.rollout.engine import RolloutRequest
-from rollplex_megatron.rollout.sampling import request_uniforms, sample_tokens
-from tests.rollout_workers import _as_lists
+from tests.rollout_workers import _as_lists, family_recompute_generate
 
 # power-of-two head dims (the Triton attention's): Qwen2.5-VL tiny's 16; Qwen3-VL tiny's 24 made 32 (its sections
 # follow, summing to D/2), q/k norms and a head dim apart from hidden/heads kept
@@ -102,37 +101,7 @@ def decode_paths(family: str, dtype: str, params, tp: int = 1, mutate: str = "",
                       "layer_error": eng.layer_error, "calls": counts, "steps": res.stats["decode_steps"],
                       "graph_replays": res.stats["graph_replays"], "layers": cfg.model.num_layers}
     if recompute:
-        out["reference"] = recompute_generate(model, cfg, requests(), params)
-    return out
-
-
-def recompute_generate(model, cfg, reqs, params) -> list:
-    """The plain loop for text prompts: every step re-runs each sample's whole sequence, no cache; positions and the
-    logits' gather from the family's spec (tests/test_qwen3vl_runtime.py's loop without vision inputs)."""
-    m, spec, out = cfg.model, registry.model_spec(cfg.model), []
-    for r in reqs:
-        toks, lps, fin = [[] for _ in range(r.n)], [[] for _ in range(r.n)], [None] * r.n
-        step = 0
-        while any(f is None for f in fin):
-            u = request_uniforms(r.seed, r.n, step, m.vocab_size)
-            step += 1
-            active = [j for j in range(r.n) if fin[j] is None]
-            rows = []
-            for j in active:
-                seq = torch.cat([r.prompt.input_ids, torch.tensor(toks[j], dtype=torch.long)])[None]
-                pos, _ = spec.positions.sequence(m, seq, None, None, None)
-                with torch.no_grad():
-                    logits = model(input_ids=seq, position_ids=pos)
-                rows.append(spec.decode.gather_logits(logits[:, -1:], m.vocab_size)[:, 0])
-            full = torch.cat(rows).float()
-            full[:, list(m.vision_token_ids)] = float("-inf")
-            tok, lp = sample_tokens(full, params, u[active])
-            for b, j in enumerate(active):
-                toks[j].append(int(tok[b]))
-                lps[j].append(float(lp[b]))
-                fin[j] = ("stop" if int(tok[b]) in r.stop_token_ids else
-                          "length" if len(toks[j]) >= r.max_new_tokens else None)
-        out.append((toks, lps, fin))
+        out["reference"] = family_recompute_generate(model, cfg, requests(), params)
     return out
 
 

@@ -74,6 +74,42 @@ def recompute_generate(model, cfg, reqs, params):
     return out
 
 
+def family_recompute_generate(model, cfg, reqs, params):
+    """The plain loop of any family: every step re-runs each sample's whole sequence (vision, and DeepStack where
+    the family has it, included), no cache; positions and the logits' gather come from the family's spec, the
+    logits compared in fp32."""
+    from rollplex_megatron.models import registry
+    from rollplex_megatron.rollout.sampling import request_uniforms, sample_tokens
+
+    m, spec, out = cfg.model, registry.model_spec(cfg.model), []
+    for r in reqs:
+        p, step = r.prompt, 0
+        toks, lps, fin = [[] for _ in range(r.n)], [[] for _ in range(r.n)], [None] * r.n
+        while any(f is None for f in fin):
+            u = request_uniforms(r.seed, r.n, step, m.vocab_size)
+            step += 1
+            active = [j for j in range(r.n) if fin[j] is None]
+            rows = []
+            for j in active:
+                seq = torch.cat([p.input_ids, torch.tensor(toks[j], dtype=torch.long)])[None]
+                pos, _ = spec.positions.sequence(m, seq, p.image_grid_thw, p.video_grid_thw, p.second_per_grid_ts)
+                with torch.no_grad():
+                    logits = model(input_ids=seq, position_ids=pos, pixel_values=p.pixel_values,
+                                   image_grid_thw=p.image_grid_thw, pixel_values_videos=p.pixel_values_videos,
+                                   video_grid_thw=p.video_grid_thw)
+                rows.append(spec.decode.gather_logits(logits[:, -1:], m.vocab_size)[:, 0])
+            full = torch.cat(rows).float()
+            full[:, list(m.vision_token_ids)] = float("-inf")
+            tok, lp = sample_tokens(full, params, u[active])
+            for b, j in enumerate(active):
+                toks[j].append(int(tok[b]))
+                lps[j].append(float(lp[b]))
+                fin[j] = ("stop" if int(tok[b]) in r.stop_token_ids else
+                          "length" if len(toks[j]) >= r.max_new_tokens else None)
+        out.append((toks, lps, fin))
+    return out
+
+
 def _as_lists(results):
     return [([t.tolist() for t in r.tokens], [lp.tolist() for lp in r.logprobs], r.finish_reasons)
             for r in results]

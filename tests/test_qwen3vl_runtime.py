@@ -22,12 +22,12 @@ from rollplex_megatron.prefix.batch import Prompt
 from rollplex_megatron.recipes import load_run_config
 from rollplex_megatron.rollout.embedded import EmbeddedEngine
 from rollplex_megatron.rollout.engine import RolloutRequest
-from rollplex_megatron.rollout.sampling import SamplingParams, request_uniforms, sample_tokens
+from rollplex_megatron.rollout.sampling import SamplingParams
 from rollplex_megatron.verify.parity import TOLERANCE
 from tests import trainer_workers as TW
 from tests.in_turn import case, in_turn
 from tests.test_checkpoint import _load_all
-from tests.rollout_workers import _as_lists
+from tests.rollout_workers import _as_lists, family_recompute_generate
 from tests.test_qwen3vl import make_tiny_qwen3vl, sample_inputs
 from tests.test_rollout import _same
 from tests.verl_qwen3vl_workers import drop_prefix_deepstack
@@ -66,38 +66,6 @@ def requests(cfg, stops=tuple(range(20, 60))) -> list[RolloutRequest]:
                            seed=100 + i) for i, kind in enumerate(("image", "video", "both"))]
 
 
-def recompute_generate(model, cfg, reqs, params):
-    """The plain loop: every step re-runs each sample's whole sequence (vision and DeepStack included), no cache;
-    positions and the logits' gather come from the family's spec."""
-    m, spec, out = cfg.model, registry.model_spec(cfg.model), []
-    for r in reqs:
-        p, step = r.prompt, 0
-        toks, lps, fin = [[] for _ in range(r.n)], [[] for _ in range(r.n)], [None] * r.n
-        while any(f is None for f in fin):
-            u = request_uniforms(r.seed, r.n, step, m.vocab_size)
-            step += 1
-            active = [j for j in range(r.n) if fin[j] is None]
-            rows = []
-            for j in active:
-                seq = torch.cat([p.input_ids, torch.tensor(toks[j], dtype=torch.long)])[None]
-                pos, _ = spec.positions.sequence(m, seq, p.image_grid_thw, p.video_grid_thw)
-                with torch.no_grad():
-                    logits = model(input_ids=seq, position_ids=pos, pixel_values=p.pixel_values,
-                                   image_grid_thw=p.image_grid_thw, pixel_values_videos=p.pixel_values_videos,
-                                   video_grid_thw=p.video_grid_thw)
-                rows.append(spec.decode.gather_logits(logits[:, -1:], m.vocab_size)[:, 0])
-            full = torch.cat(rows)
-            full[:, list(m.vision_token_ids)] = float("-inf")
-            tok, lp = sample_tokens(full, params, u[active])
-            for b, j in enumerate(active):
-                toks[j].append(int(tok[b]))
-                lps[j].append(float(lp[b]))
-                fin[j] = ("stop" if int(tok[b]) in r.stop_token_ids else
-                          "length" if len(toks[j]) >= r.max_new_tokens else None)
-        out.append((toks, lps, fin))
-    return out
-
-
 def _engine(model, cfg, mutate: str = "") -> EmbeddedEngine:
     """The engine; `mutate="positions"`: its decode steps run one rotary position late (must fail the tests)."""
     eng = EmbeddedEngine(model, cfg.model, 4096, 64, 1.0)
@@ -113,7 +81,7 @@ def engine_vs_recompute(cfg, hf_dir: str, params: SamplingParams, mutate: str = 
     reqs = requests(cfg)
     with torch.no_grad():
         out = _engine(model, cfg, mutate).generate(reqs, params)
-    return {"engine": _as_lists(out.results), "reference": recompute_generate(model, cfg, reqs, params)}
+    return {"engine": _as_lists(out.results), "reference": family_recompute_generate(model, cfg, reqs, params)}
 
 
 def _drop_prefix_deepstack(model) -> None:
