@@ -17,7 +17,7 @@ from rollplex_megatron.prefix.batch import Prompt
 from rollplex_megatron.recipes import load_run_config
 from rollplex_megatron.rollout.embedded import EmbeddedEngine
 from rollplex_megatron.rollout.engine import RolloutRequest
-from tests.rollout_workers import _as_lists, family_recompute_generate
+from tests.rollout_workers import _as_lists, recompute_generate
 
 # power-of-two head dims (the Triton attention's): Qwen2.5-VL tiny's 16; Qwen3-VL tiny's 24 made 32 (its sections
 # follow, summing to D/2), q/k norms and a head dim apart from hidden/heads kept
@@ -101,7 +101,7 @@ def decode_paths(family: str, dtype: str, params, tp: int = 1, mutate: str = "",
                       "layer_error": eng.layer_error, "calls": counts, "steps": res.stats["decode_steps"],
                       "graph_replays": res.stats["graph_replays"], "layers": cfg.model.num_layers}
     if recompute:
-        out["reference"] = family_recompute_generate(model, cfg, requests(), params)
+        out["reference"] = recompute_generate(model, cfg, requests(), params)
     return out
 
 

@@ -34,47 +34,6 @@ def requests(cfg, n_req: int = 3, seed: int = 5):
 
 
 def recompute_generate(model, cfg, reqs, params):
-    """The plain loop: every step re-runs each sample's whole sequence (vision included), no cache."""
-    from rollplex_megatron.models.qwen25vl.model import gather_vocab_logits
-    from rollplex_megatron.models.qwen25vl.positions import mrope_position_ids
-    from rollplex_megatron.rollout.sampling import request_uniforms, sample_tokens
-
-    m, out = cfg.model, []
-    banned = [m.image_token_id, m.video_token_id, m.vision_start_token_id, m.vision_end_token_id]
-    for r in reqs:
-        p, step = r.prompt, 0
-        toks, lps, fin = [[] for _ in range(r.n)], [[] for _ in range(r.n)], [None] * r.n
-        while any(f is None for f in fin):
-            u = request_uniforms(r.seed, r.n, step, m.vocab_size)
-            step += 1
-            active = [j for j in range(r.n) if fin[j] is None]
-            rows = []
-            for j in active:
-                seq = torch.cat([p.input_ids, torch.tensor(toks[j], dtype=torch.long)])
-                pos, _ = mrope_position_ids(seq[None], p.image_grid_thw, p.video_grid_thw, p.second_per_grid_ts,
-                                            image_token_id=m.image_token_id, video_token_id=m.video_token_id,
-                                            merge=m.vision.spatial_merge_size,
-                                            tokens_per_second=m.vision.tokens_per_second)
-                with torch.no_grad():
-                    logits = model(input_ids=seq[None], position_ids=pos, pixel_values=p.pixel_values,
-                                   image_grid_thw=p.image_grid_thw, pixel_values_videos=p.pixel_values_videos,
-                                   video_grid_thw=p.video_grid_thw)
-                rows.append(gather_vocab_logits(logits[:, -1:], m.vocab_size)[:, 0])
-            full = torch.cat(rows)
-            full[:, banned] = float("-inf")
-            tok, lp = sample_tokens(full, params, u[active])
-            for b, j in enumerate(active):
-                toks[j].append(int(tok[b]))
-                lps[j].append(float(lp[b]))
-                if int(tok[b]) in r.stop_token_ids:
-                    fin[j] = "stop"
-                elif len(toks[j]) >= r.max_new_tokens:
-                    fin[j] = "length"
-        out.append((toks, lps, fin))
-    return out
-
-
-def family_recompute_generate(model, cfg, reqs, params):
     """The plain loop of any family: every step re-runs each sample's whole sequence (vision, and DeepStack where
     the family has it, included), no cache; positions and the logits' gather come from the family's spec, the
     logits compared in fp32."""

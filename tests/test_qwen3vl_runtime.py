@@ -27,7 +27,7 @@ from rollplex_megatron.verify.parity import TOLERANCE
 from tests import trainer_workers as TW
 from tests.in_turn import case, in_turn
 from tests.test_checkpoint import _load_all
-from tests.rollout_workers import _as_lists, family_recompute_generate
+from tests.rollout_workers import _as_lists, recompute_generate
 from tests.test_qwen3vl import make_tiny_qwen3vl, sample_inputs
 from tests.test_rollout import _same
 from tests.verl_qwen3vl_workers import drop_prefix_deepstack
@@ -81,7 +81,7 @@ def engine_vs_recompute(cfg, hf_dir: str, params: SamplingParams, mutate: str = 
     reqs = requests(cfg)
     with torch.no_grad():
         out = _engine(model, cfg, mutate).generate(reqs, params)
-    return {"engine": _as_lists(out.results), "reference": family_recompute_generate(model, cfg, reqs, params)}
+    return {"engine": _as_lists(out.results), "reference": recompute_generate(model, cfg, reqs, params)}
 
 
 def _drop_prefix_deepstack(model) -> None:
