@@ -174,3 +174,28 @@ def test_the_layer_kernel_setting_picks_the_path(one_rank):
     res = case(one_rank, ("setting", ""))
     assert (res["triton"], res["modules"], res["auto"]) == (True, False, False), res
     assert res["math"].startswith("rollout.layer_kernel=triton cannot run here: the decode attention is math"), res
+
+
+def test_decode_kernel_settings_are_checked_before_any_model(monkeypatch):
+    """The run's decode kernel settings are refused from the config alone (Runtime calls this before it builds a
+    model), naming the setting: layer_kernel=triton under the math attention or a pipeline, the Triton sampler and
+    the flash attention where they cannot run; a setting that can run passes."""
+    from rollplex_megatron.recipes import load_run_config
+    from rollplex_megatron.rollout import embedded
+
+    def refused(*overrides):
+        with pytest.raises(ValueError) as e:
+            embedded.check_decode_settings(load_run_config(list(overrides)))
+        return str(e.value)
+
+    assert refused("rollout.decode_attention=math", "rollout.layer_kernel=triton").startswith(
+        "rollout.layer_kernel=triton cannot run here: the decode attention is math")
+    assert "at pipeline size 2 (1 needed)" in refused("rollout.decode_attention=triton", "rollout.layer_kernel=triton",
+                                                       "parallel.pp=2")
+    embedded.check_decode_settings(load_run_config(["rollout.decode_attention=triton", "rollout.layer_kernel=triton"]))
+    if not GPU:
+        assert refused("rollout.decode_attention=flash").startswith("rollout.decode_attention=flash needs CUDA")
+        monkeypatch.setattr(embedded, "TRITON_INTERPRET", False)  # a user's CPU run: no interpreter
+        assert refused("rollout.sampling_kernel=triton").startswith("rollout.sampling_kernel=triton needs CUDA")
+        assert refused("rollout.layer_kernel=triton").startswith(  # auto attention on CPU: math
+            "rollout.layer_kernel=triton cannot run here: the decode attention is math")

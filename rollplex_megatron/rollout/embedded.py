@@ -423,6 +423,21 @@ def check_kv_budget(cfg, source, samples: dict[str, int], whole_layers: bool) ->
                          f"memory.kv_cache_gib or lower {setting} / {length}")
 
 
+def check_decode_settings(cfg) -> None:
+    """The decode kernel settings (`rollout.decode_attention`, `sampling_kernel`, `layer_kernel`) against this
+    device, dtype and `parallel.pp`, before any model is built: a one-line error naming the setting. The engine
+    checks them again on the model it decodes with (and what only the model can tell, decode_layers_unsupported)."""
+    r, dev = cfg.rollout, device()
+    attention = _decode_attention(r.decode_attention, getattr(torch, cfg.dtype), dev, cfg.model.head_dim)
+    if r.sampling_kernel == "triton" and not (fused_sample_available(dev) or TRITON_INTERPRET):
+        raise ValueError(f"rollout.sampling_kernel=triton needs CUDA (here: {torch.device(dev).type}); "
+                         f"use auto or torch")
+    if r.layer_kernel == "triton" and (attention != "triton" or cfg.parallel.pp > 1):
+        raise ValueError(f"rollout.layer_kernel=triton cannot run here: the decode attention is {attention} "
+                         f"(rollout.decode_attention=triton on CUDA) at pipeline size {cfg.parallel.pp} (1 needed); "
+                         f"use rollout.layer_kernel=modules")
+
+
 def _decode_attention(choice: str, dtype, dev, head_dim: int) -> str:
     """The decode attention path: `choice`, or for auto the first of triton, flash, math that can run."""
     can = {"triton": triton_decode_available(dtype, dev, head_dim) or (choice == "triton" and TRITON_INTERPRET),

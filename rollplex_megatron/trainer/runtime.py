@@ -30,7 +30,7 @@ from rollplex_megatron.prefix import execution as X
 from rollplex_megatron.prefix.batch import Group, validate_groups
 from rollplex_megatron.prefix.graphs import PrefixGraphs
 from rollplex_megatron.rl.grpo import GRPOLoss, group_advantages, logprob_kernel_for, loss_weights
-from rollplex_megatron.rollout.embedded import EmbeddedEngine, check_kv_budget
+from rollplex_megatron.rollout.embedded import EmbeddedEngine, check_decode_settings, check_kv_budget
 from rollplex_megatron.rollout.engine import RolloutRequest
 from rollplex_megatron.rollout.sglang.engine import SGLangEngine, import_sglang
 from rollplex_megatron.rollout.disaggregated import RemoteRollout
@@ -271,6 +271,8 @@ class Runtime:
             print(auto_size_text(auto, self.plan["released"] if cfg.memory.plan == "auto" else None), flush=True)
         check_run_fits(cfg, self.source, self.plan)  # over the machine's free memory (CPU: the host's) too
         check_window_graphs(cfg, self.plan["released"], torch.cuda.is_available())
+        if cfg.rollout.engine == "embedded":
+            check_decode_settings(cfg)  # the decode kernels this device can run, before any model
         actor = build_policy(cfg)
         self.ref = None  # train.reference: none where the loss does not read it (kl_coef 0 under auto)
         if cfg.train.uses_reference:
