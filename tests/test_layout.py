@@ -169,3 +169,17 @@ def test_megatron_pass_through_reaches_transformer_config():
         with pytest.raises(ValueError, match=f"megatron.{field.split('=')[0]} splits the decoder's layers unevenly"):
             load_run_config([f"+megatron.{field}", "parallel.pp=2"])
     load_run_config(["+megatron.account_for_loss_in_pipeline_split=false"])  # the default value passes
+
+
+def test_the_cli_imports_no_verl_integration():
+    """The CLI (every command) loads without the verl integration's modules: they import transformers classes a
+    verl run needs (the video processor's VideoProcessorMixin), which older transformers releases lack, and the
+    CLI must start on those. Fails if a module the CLI imports at its top imports integrations/verl/ at its top."""
+    import subprocess
+    import sys
+
+    code = ("import sys, rollplex_megatron.cli, rollplex_megatron.trainer.runtime; "
+            "print(sorted(m for m in sys.modules if m.startswith('rollplex_megatron.integrations.verl')))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.strip().splitlines()[-1] == "[]", p.stdout[-2000:]
