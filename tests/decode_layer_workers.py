@@ -48,12 +48,13 @@ def build(family: str, dtype: str, tp: int = 1):
     return cfg, model
 
 
-def requests(n_req: int = 2) -> list[RolloutRequest]:
-    """Text prompts of different lengths, G and limits; stop tokens end some samples early (the batch shrinks)."""
+def requests(n_req: int = 2, longer: int = 0) -> list[RolloutRequest]:
+    """Text prompts of different lengths, G and limits (`longer` more new tokens each: steps that replay a captured
+    graph); stop tokens end some samples early (the batch shrinks)."""
     g = torch.Generator().manual_seed(3)
     stops = tuple(range(20, 50))
-    return [RolloutRequest(Prompt(torch.randint(0, 300, (9 + 7 * i,), generator=g)), n=2 + i, max_new_tokens=4 + 2 * i,
-                           stop_token_ids=stops, seed=100 + i) for i in range(n_req)]
+    return [RolloutRequest(Prompt(torch.randint(0, 300, (9 + 7 * i,), generator=g)), n=2 + i,
+                           max_new_tokens=4 + 2 * i + longer, stop_token_ids=stops, seed=100 + i) for i in range(n_req)]
 
 
 @contextmanager
@@ -86,22 +87,22 @@ def mutated(mutate: str):
 
 
 def decode_paths(family: str, dtype: str, params, tp: int = 1, mutate: str = "", recompute: bool = False,
-                 paths=(True, False)) -> dict:
+                 paths=(True, False), longer: int = 0) -> dict:
     """The same requests decoded with the fused layer path (True) and megatron's modules (False), each of `paths`:
     results, whether the path was on, the fused kernels' calls and steps; `recompute`: also the full-recompute
     loop's results. `mutate` (see `mutated`) applies to the fused path."""
     cfg, model = build(family, dtype, tp)
     out = {}
     for fused in paths:
-        eng = EmbeddedEngine(model, cfg.model, 4096, 16, 1.0, decode_attention="triton", fused_layer=fused)
+        eng = EmbeddedEngine(model, cfg.model, 4096, 16 + longer, 1.0, decode_attention="triton", fused_layer=fused)
         counts = {}
         with counted_kernels(counts), mutated(mutate) if fused else nullcontext(), torch.no_grad():
-            res = eng.generate(requests(), params)
-        out[fused] = {"results": _as_lists(res.results), "fused_layer": eng.fused_layer,
+            res = eng.generate(requests(longer=longer), params)
+        out[fused] = {"results": _as_lists(res.results), "fused_layer": eng.fused_layer, "graph_error": eng.graph_error,
                       "layer_error": eng.layer_error, "calls": counts, "steps": res.stats["decode_steps"],
                       "graph_replays": res.stats["graph_replays"], "layers": cfg.model.num_layers}
     if recompute:
-        out["reference"] = recompute_generate(model, cfg, requests(), params)
+        out["reference"] = recompute_generate(model, cfg, requests(longer=longer), params)
     return out
 
 
@@ -119,14 +120,17 @@ def unsupported_setting() -> dict:
 
 
 def layer_kernel_setting() -> dict:
-    """`rollout.layer_kernel` through `EmbeddedEngine.for_run` on the tiny model: triton where the Triton attention
-    runs (interpreted here), modules and auto on megatron's modules; triton under the math attention refused."""
+    """`rollout.layer_kernel` through `EmbeddedEngine.for_run` on the tiny model: triton and auto fused where the
+    Triton attention runs (interpreted here), modules on megatron's modules; under the math attention triton
+    refused and auto on the modules."""
     cfg, model = build("qwen25", "float32")
     out = {}
     for kernel in ("triton", "modules", "auto"):
         run = load_run_config(FAMILIES["qwen25"] + ["rollout.decode_attention=triton",
                                                     f"rollout.layer_kernel={kernel}"])
         out[kernel] = EmbeddedEngine.for_run(model, run).fused_layer
+    out["auto_math"] = EmbeddedEngine.for_run(model, load_run_config(FAMILIES["qwen25"] + [
+        "rollout.decode_attention=math", "rollout.layer_kernel=auto"])).fused_layer
     try:
         EmbeddedEngine.for_run(model, load_run_config(FAMILIES["qwen25"] + ["rollout.decode_attention=math",
                                                                               "rollout.layer_kernel=triton"]))

@@ -119,6 +119,31 @@ def verify_dropped(hf_dir: str, tp: int) -> dict:
         M.Qwen3VLModel.embed_deepstack = saved
 
 
+def rotary_copies(hf_dir: str, mutate: bool = False) -> dict:
+    """The LLM rotary of a built model, called three times: how many host-to-device constants each call made after
+    the first (a decode step's CUDA graph may copy none) and whether the angles stayed the same; `mutate`: the
+    inverse frequencies are not kept (every call copies them, the failure the GPU capture reported)."""
+    from rollplex_megatron.dist import init_parallel
+
+    cfg = registry.open_hf(hf_dir).model_config()
+    init_parallel(tp=1, pp=1)
+    model = registry.model_spec(cfg).build(cfg, "float32")
+    copies, own = [], M.host_constant
+    M.host_constant = lambda t, dev: copies.append(1) or own(t, dev)
+    try:
+        pos = torch.arange(12).view(1, 1, 12).expand(3, 2, 12)
+        first = model.rotary(pos)
+        copies.clear()
+        later = []
+        for _ in range(2):
+            if mutate:
+                model._inv_freq.clear()
+            later.append(model.rotary(pos))
+    finally:
+        M.host_constant = own
+    return {"copies_after_first": len(copies), "same": all(torch.equal(first, r) for r in later)}
+
+
 @pytest.fixture(scope="module")
 def tiny_qwen3vl(tmp_path_factory):
     """The tiny untied Qwen3-VL checkpoint."""
@@ -131,6 +156,7 @@ def parity_jobs(tiny_qwen3vl):
     one = {k: (parity, (tiny_qwen3vl, 1, k)) for k in KINDS}
     one["drop"] = (parity, (tiny_qwen3vl, 1, "image", True))
     one["verify_hf"], one["verify_hf_drop"] = (verify_rank, (tiny_qwen3vl, 1, 0)), (verify_dropped, (tiny_qwen3vl, 1))
+    one["rotary"], one["rotary_uncached"] = (rotary_copies, (tiny_qwen3vl,)), (rotary_copies, (tiny_qwen3vl, True))
     two = {k: (parity, (tiny_qwen3vl, 2, k)) for k in KINDS}
     two["verify_hf"] = (verify_rank, (tiny_qwen3vl, 2, 0))
     return {1: run_local(in_turn, 1, one)[0], 2: run_local(in_turn, 2, two, False)}
@@ -246,3 +272,11 @@ def test_prefix_response_matches_full_sequence_with_deepstack(prefix_jobs, tp, p
 def test_prefix_without_one_deepstack_injection_is_detected(prefix_jobs):
     r = prefix_jobs["drop"]
     assert r["max_rel_err_logp"] > 100 * PREFIX_TOL and not r["ok"], r
+
+
+def test_the_llm_rotary_copies_its_frequencies_once(parity_jobs):
+    """A decode step's rotary reads the inverse frequencies kept on the device (no host copy after the first call:
+    a CUDA-graph capture refuses one outside runtime.capture_constants), with the same angles; mutation: not kept,
+    every call copies."""
+    assert case(parity_jobs[1], "rotary") == {"copies_after_first": 0, "same": True}
+    assert case(parity_jobs[1], "rotary_uncached") == {"copies_after_first": 2, "same": True}

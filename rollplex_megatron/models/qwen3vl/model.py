@@ -186,6 +186,7 @@ class Qwen3VLModel(Q25.Qwen25VLModel):
         self.model_type = ModelType.encoder_or_decoder  # read by megatron's schedules
         self.padded_vocab = cfg.padded_vocab_size(tp)
         self.vision = VisionTower(cfg, dtype, tp, meta) if pre_process else None
+        self._inv_freq: dict = {}  # {device: the LLM rotary's inverse frequencies there} (`rotary`)
         # RoPE is ours (interleaved M-RoPE, `rotary`), so GPTModel builds none
         self.language_model = GPTModel(
             config=tc, transformer_layer_spec=layer_spec(True, "RMSNorm", True), vocab_size=self.padded_vocab,
@@ -196,7 +197,14 @@ class Qwen3VLModel(Q25.Qwen25VLModel):
 
     def rotary(self, position_ids_3BS: torch.Tensor) -> torch.Tensor:
         """Interleaved M-RoPE angles [S,B,1,D] of position ids [3,B,S]."""
-        inv = host_constant(P.llm_inv_freq(self.cfg.head_dim, self.cfg.rope_theta), position_ids_3BS.device)
+        dev = position_ids_3BS.device
+        inv = self._inv_freq.get(dev)
+        if inv is None:
+            inv = host_constant(P.llm_inv_freq(self.cfg.head_dim, self.cfg.rope_theta), dev)
+            if not (dev.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+                # kept per device: a decode step's CUDA graph (captured after the step's eager run) copies nothing
+                # from the host; a copy recorded inside a capture is not kept (it is filled only by replays)
+                self._inv_freq[dev] = inv
         return P.mrope_interleaved_freqs(position_ids_3BS, inv, list(self.cfg.mrope_section))
 
     def embed(self, input_ids, pixel_values=None, image_grid_thw=None, pixel_values_videos=None, video_grid_thw=None,
