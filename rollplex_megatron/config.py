@@ -418,9 +418,9 @@ class RolloutConfig:
                                    "(triton on CUDA when top_k=0 and top_p=1). Same tokens either way.", resumable=True)
     layer_kernel: str = setting("auto", "the decode step's decoder layers: modules (megatron's TransformerLayer "
                                 "modules) | triton (models/decode_layers.py: each layer's own GEMMs with the glue "
-                                "between them fused, 13 kernels a layer for 18; bf16 bit-equal to modules in the CPU "
-                                "tests; needs decode_attention=triton and pp=1) | auto (modules: triton is not yet "
-                                "run on a GPU, tests/test_gpu_decode.py)", resumable=True)
+                                "between them fused, 13 kernels a layer for 18; bf16 bit-equal to modules; needs "
+                                "decode_attention=triton and pp=1) | auto (triton where it can run, else modules)",
+                                resumable=True)
     length_dist: str = setting("", '"" (off: the model stops) | lognormal: for benchmarks on random weights, which '
                                "never stop by themselves, each request's maximum length is drawn (mean length_mean, "
                                "log-std length_sigma, capped at the source's maximum) from a seeded stream and stop "

@@ -169,10 +169,10 @@ def test_fused_layer_decode_tp2_equals_the_module_path():
 
 
 def test_the_layer_kernel_setting_picks_the_path(one_rank):
-    """rollout.layer_kernel reaches the engine: triton fused, modules and auto (the default) not; triton where it
-    cannot run is refused with the setting named."""
+    """rollout.layer_kernel reaches the engine: triton and auto (the default) fused, modules not; where it cannot
+    run, triton is refused with the setting named and auto keeps the modules."""
     res = case(one_rank, ("setting", ""))
-    assert (res["triton"], res["modules"], res["auto"]) == (True, False, False), res
+    assert (res["triton"], res["modules"], res["auto"], res["auto_math"]) == (True, False, True, False), res
     assert res["math"].startswith("rollout.layer_kernel=triton cannot run here: the decode attention is math"), res
 
 

@@ -206,7 +206,7 @@ class EmbeddedEngine:
 
     def __init__(self, model, cfg: ModelConfig, max_prompt_len: int, max_response_len: int, kv_cache_gib: float,
                  cuda_graphs: bool = True, decode_attention: str = "auto", sampling_kernel: str = "auto",
-                 fused_rope: bool = True, fused_norm: bool = True, fused_layer: bool = False,
+                 fused_rope: bool = True, fused_norm: bool = True, fused_layer: bool = True,
                  prefix_pack_tokens: int = 0, actor_pack_tokens: int | None = None, keep_decode_state: bool = False,
                  pack_splits: int = 1):
         self.model, self.cfg, self.spec = model, cfg, model_spec(cfg)
@@ -250,7 +250,7 @@ class EmbeddedEngine:
         """An engine over `model` with a run's rollout, KV-budget and packing settings (`RunConfig`)."""
         r = cfg.rollout
         eng = cls(model, cfg.model, r.max_prompt_len, r.max_response_len, cfg.memory.kv_cache_gib, r.cuda_graphs,
-                  r.decode_attention, sampling_kernel=r.sampling_kernel, fused_layer=r.layer_kernel == "triton",
+                  r.decode_attention, sampling_kernel=r.sampling_kernel, fused_layer=r.layer_kernel in ("triton", "auto"),
                   prefix_pack_tokens=cfg.workload.prefix_pack_tokens, actor_pack_tokens=actor_pack_tokens,
                   keep_decode_state=r.keep_decode_state, pack_splits=cfg.train.ppo_mini_batches)
         if r.layer_kernel == "triton" and not eng.fused_layer:
