@@ -44,10 +44,25 @@ def test_serial_micro_batches_under_a_token_budget_are_counted_with_their_prompt
     assert len(largest) == 32 and s.mb == 1  # the shape's response count: 64 tokens of 64-token responses
     assert serial["update_activations"]["gib"] * M.GIB >= T.training_forward_bytes(m, 1, 1, False, tokens, patches,
                                                                                      norm, rope)
-    assert serial["old_logp_workspace"]["gib"] * M.GIB >= T.logits_bytes(m, 1, tokens)
+    assert serial["old_logp_workspace"]["gib"] * M.GIB >= T.score_logits_bytes(m, 1, tokens, M.logprob_kernel(cfg))
     rollplex = M.summarize(M.plan(cfg, "rollplex", "keep", "embedded", s), "rollplex")["classes"]
     assert rollplex["update_activations"]["gib"] * M.GIB == T.training_forward_bytes(m, 1, 1, False, s.mb * s.R, 0,
                                                                                        norm, rope)
+
+
+@pytest.mark.parametrize("kernel,per_logit", [("triton", 4), ("torch", 10)])
+def test_scoring_workspace_counts_the_log_prob_kernels_bytes(kernel, per_logit):
+    """A forward-only scoring pass holds the logits and their contiguous copy with the fused log-prob kernel
+    (4 bytes a logit: the H100 video_long record measured the scoring phases 26-34% under what the torch path's 10
+    bytes planned), torch's fp32 copies without it; the update keeps the training loss's workspace either way."""
+    cfg = load_run_config([*BASE, "mode.name=prefix_shared", f"{MB}=64", f"train.logprob_kernel={kernel}"])
+    s = _shape(cfg)
+    classes = M.summarize(M.plan(cfg, "prefix_shared", "keep", "embedded", s), "prefix_shared")["classes"]
+    tokens, v = s.mb * s.R, cfg.model.vocab_size
+    for ph in ("old_logp", "ref_logp"):
+        assert classes[f"{ph}_workspace"]["gib"] * M.GIB == tokens * v * per_logit
+    assert classes["update_activations"]["gib"] * M.GIB == T.training_forward_bytes(
+        cfg.model, 1, 1, False, tokens, 0, M.norm_kernel(cfg), M.rope_kernel(cfg))  # with 10 bytes a logit
 
 
 def test_auto_size_takes_the_largest_that_fits_giving_up_the_decode_state_then_packs_then_the_micro_batch():

@@ -49,6 +49,7 @@ class PlanInputs:
     prefix_kv: int  # every group's prefix K/V in the compute dtype
     prefix_graph: int  # one group's saved prefix activations
     logits: Callable[[int], int]  # loss workspace of a forward over `tokens`
+    score_logits: Callable[[int], int]  # loss workspace of a forward-only scoring pass over `tokens`
     activations: Callable[[int, int], int]  # a training forward's saved tensors over (tokens, patches)
     rounds: int = 1  # rollout rounds a step may sample (dynamic sampling: 1 + train.max_resample_rounds)
     pack_groups: int = 1  # groups whose prefixes run as one forward (workload.prefix_pack_tokens; one recomputed)

@@ -28,7 +28,7 @@ from rollplex_megatron.config import RunConfig
 from rollplex_megatron.memory.classes import PlanInputs, Shape, TensorClass
 from rollplex_megatron.memory.tensor_bytes import (block_activation_bytes, kv_bytes_per_token, layer_activation_bytes,
                                                    logits_bytes, params_per_gpu, prefix_graph_bytes,
-                                                   training_forward_bytes, vision_base_bytes)
+                                                   score_logits_bytes, training_forward_bytes, vision_base_bytes)
 from rollplex_megatron.runtime import device, kernel_for
 from rollplex_megatron.trainer.modes import get_mode
 from rollplex_megatron.weights.plan import plan_pairs, rank_pairs, split_gemm_bytes, split_local
@@ -120,6 +120,12 @@ def norm_kernel(cfg: RunConfig) -> str:
 def rope_kernel(cfg: RunConfig) -> str:
     """The RoPE a plan counts: `train.rope_kernel`, `auto` meaning the GPU run's triton (as `norm_kernel`)."""
     return "torch" if cfg.train.rope_kernel == "torch" else "triton"
+
+
+def logprob_kernel(cfg: RunConfig) -> str:
+    """The log-prob kernel a plan counts: `train.logprob_kernel`, `auto` meaning the GPU run's triton (as
+    `norm_kernel`)."""
+    return "torch" if cfg.train.logprob_kernel == "torch" else "triton"
 
 
 def window_graph_bytes(cfg: RunConfig, s: Shape) -> int:
@@ -293,6 +299,7 @@ def plan(cfg: RunConfig, mode: str, residency: str, engine: str, s: Shape | None
     inputs = PlanInputs(s, keep, prefix_kv_fp32=s.prompts * s.P * kv32, prefix_kv=s.prompts * s.P * kv_tok,
                         prefix_graph=prefix_graph_bytes(m, par.tp, par.pp, sp, s.P, s.patches, norm, rope),
                         logits=lambda tokens: logits_bytes(m, par.tp, tokens),
+                        score_logits=lambda tokens: score_logits_bytes(m, par.tp, tokens, logprob_kernel(cfg)),
                         activations=lambda tokens, patches: training_forward_bytes(m, par.tp, par.pp, sp, tokens,
                                                                                    patches, norm, rope),
                         rounds=1 + cfg.train.max_resample_rounds if cfg.train.dynamic_sampling else 1,
@@ -333,9 +340,10 @@ def runtime_cfg(cfg: RunConfig) -> RunConfig:
         torch_adam = True
     norm = kernel_for("train.norm_kernel", cfg.train.norm_kernel, device())
     rope = kernel_for("train.rope_kernel", cfg.train.rope_kernel, device())
+    logprob = kernel_for("train.logprob_kernel", cfg.train.logprob_kernel, device())
     return replace(cfg, plan=replace(cfg.plan, sequence_parallel=False, distributed_optimizer=False,
                                      fused_adam=not torch_adam),
-                   train=replace(cfg.train, norm_kernel=norm, rope_kernel=rope))
+                   train=replace(cfg.train, norm_kernel=norm, rope_kernel=rope, logprob_kernel=logprob))
 
 
 def runtime_plan(cfg: RunConfig, s: Shape, ahead: dict | None = None) -> list[TensorClass]:

@@ -144,7 +144,7 @@ def _select(rt, rounds: list, need: int) -> tuple[list, dict]:
 
 def scoring_workspaces(p: PlanInputs, phases: tuple[str, ...], tokens: int) -> list[TensorClass]:
     """One micro-batch's loss workspace per forward-only scoring phase."""
-    return [TensorClass(f"{ph}_workspace", p.logits(tokens), (ph,), "free",
+    return [TensorClass(f"{ph}_workspace", p.score_logits(tokens), (ph,), "free",
                         "one micro-batch's loss workspace (forward only)") for ph in phases]
 
 
