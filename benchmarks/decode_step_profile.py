@@ -18,6 +18,7 @@ import argparse
 import json
 import sys
 import time
+from functools import partial
 
 import torch
 
@@ -32,7 +33,8 @@ def main() -> int:
                     help="decode_attention:sampling_kernel[:opts] to profile; opts joined by +: norope (the Triton "
                          "attention without the fused RoPE and cache write), nonorm (torch's RMSNorm), nolayer "
                          "(megatron's layer modules instead of the fused layer path, models/decode_layers.py; "
-                         "norope and nonorm turn it off too)")
+                         "norope and nonorm turn it off too), noskip (the Triton response kernel runs every block of "
+                         "its split, as before it ended at each length)")
     ap.add_argument("--cases", default="shared_16x8,shared_8x8,shared_8x1,unshared_128x1",
                     help="name_GROUPSxSAMPLES: groups sharing one prefix each, samples per group")
     ap.add_argument("--split-halves", action="store_true",
@@ -49,6 +51,8 @@ def main() -> int:
     from torch.profiler import ProfilerActivity, profile
 
     from rollplex_megatron.attention.kv_store import KVStore
+    from rollplex_megatron.attention.triton_decode import triton_shared_prefix_decode_attention
+    from rollplex_megatron.rollout import embedded
     from rollplex_megatron.prefix.batch import Group
     from rollplex_megatron.prefix.execution import prefix_forward
     from rollplex_megatron.rollout.embedded import DecodeCache, EmbeddedEngine, _DecodeState, _WaveDecoder
@@ -72,6 +76,8 @@ def main() -> int:
     for name, groups, n, impl, samp, opt in cases:
         if name.endswith("_split") and not getattr(model, "_split_halves", False):
             split_halves(model, a.split_only)
+        skip = "noskip" not in opt
+        embedded.triton_shared_prefix_decode_attention = partial(triton_shared_prefix_decode_attention, skip_empty=skip)
         eng = EmbeddedEngine(model, cfg, 4096, a.max_new, kv_cache_gib=60.0, decode_attention=impl,
                              sampling_kernel=samp, fused_rope="norope" not in opt, fused_norm="nonorm" not in opt,
                              fused_layer="nolayer" not in opt)
@@ -99,6 +105,7 @@ def main() -> int:
         rows[name] = {"groups": groups, "samples_per_group": n, "decode_attention": eng.attention,
                       "sampling_kernel": "triton" if dec.fused_sampling else "torch", "fused_rope": eng.fused_rope,
                       "fused_norm": eng.fused_norm, "fused_layer": eng.fused_layer, "layer_error": eng.layer_error,
+                      "skip_empty_response_blocks": skip,
                       "step_ms": step_ms,
                       "kernel_ms_per_step": total, "kernels_per_step": sum(e.count for e in kernels) / 3,
                       "cuda_graphs": eng.cuda_graphs, "graph_error": eng.graph_error, "window": key[2],

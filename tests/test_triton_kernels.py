@@ -68,11 +68,12 @@ def _attention_case(seed, groups, per_group, p_max, rm, ng=2, rep=4, d=32):
     return case
 
 
-def _triton(c, plen=None, group=None, rlen=None):
+def _triton(c, plen=None, group=None, rlen=None, skip_empty=True):
     group = c["group"] if group is None else group
     slot, s_max = group_slots(group, c["pk"].shape[0])
     idx = triton_index(group, slot, s_max, c["plen"] if plen is None else plen, c["rlen"] if rlen is None else rlen)
-    return triton_shared_prefix_decode_attention(c["q"], c["pk"], c["pv"], c["rk"], c["rv"], idx, None)
+    return triton_shared_prefix_decode_attention(c["q"], c["pk"], c["pv"], c["rk"], c["rv"], idx, None,
+                                                 skip_empty=skip_empty)
 
 
 def _reference(c):
@@ -98,6 +99,19 @@ def test_triton_decode_attention_matches_the_math_path(seed, groups, per_group, 
     assert _rel(_triton(c, group=torch.zeros_like(c["group"])), ref) > 2 * TOL
     no_resp = dict(c, rv=torch.zeros_like(c["rv"]))
     assert _rel(_triton(no_resp), ref) > 2 * TOL
+
+
+def test_ending_the_response_loop_at_each_length_gives_the_same_bits():
+    """The response kernel's loop ends at each sample's length (`skip_empty`, the default) or runs every block of
+    its split: the same output bit for bit, with responses of 0 keys, of part of a block, of several blocks and past
+    one split; mutation: a loop that ends one block early (the last keys dropped) changes it."""
+    c = _attention_case(4, 9, 1, 90, RESP_SPLIT + 70)  # 9 groups of one sample
+    c["rlen"] = torch.tensor([0, 1, 63, 64, 65, 130, RESP_SPLIT, RESP_SPLIT + 1, RESP_SPLIT + 70], device=DEV)
+    fixed, skipped = _triton(c, skip_empty=False), _triton(c)
+    assert torch.equal(fixed, skipped)
+    assert _rel(skipped, _reference(c)) < TOL
+    short = _triton(c, rlen=(c["rlen"] - 64).clamp(min=0))  # what a loop one block short would read
+    assert not torch.equal(short, skipped)
 
 
 def test_triton_decode_attention_never_reads_past_the_lengths():

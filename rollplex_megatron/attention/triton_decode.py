@@ -58,27 +58,42 @@ def triton_decode_available(dtype: torch.dtype, device, head_dim: int) -> bool:
 
 
 @triton.jit
+def _block(q, k_base, v_base, stride_kn, start, n_hi, scale, offs_d, m_i, l_i, acc, BLOCK_N: tl.constexpr):
+    """One block of keys [start, start + BLOCK_N) (those at n_hi and past masked) into the online softmax."""
+    offs_n = start + tl.arange(0, BLOCK_N)
+    keep = offs_n < n_hi
+    kv_off = offs_n[:, None] * stride_kn + offs_d[None, :]
+    k = tl.load(k_base + kv_off, mask=keep[:, None], other=0.0)
+    s = tl.dot(q, tl.trans(k)) * scale
+    s = tl.where(keep[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.exp(s - m_new[:, None])
+    alpha = tl.exp(m_i - m_new)
+    v = tl.load(v_base + kv_off, mask=keep[:, None], other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _partial(q, k_base, v_base, stride_kn, n_lo, n_hi, scale, offs_d, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
-             M: tl.constexpr, D: tl.constexpr):
+             M: tl.constexpr, D: tl.constexpr, SKIP: tl.constexpr):
     """Online softmax of q [M, D] over keys [n_lo, n_hi) (n_hi <= n_lo + SPLIT): (row max, row sum,
-    unnormalised output). A fixed trip count; blocks past n_hi load nothing (masked)."""
+    unnormalised output), over a fixed trip count of blocks. Without SKIP every block runs, those past n_hi
+    loading nothing (masked); with SKIP a block that starts at n_hi or past it is skipped (a response split holds
+    few keys or none at a rollout's early steps). A block with no key leaves (max, sum, output) unchanged exactly
+    (its weights are exp(-inf) = 0, the rescale exp(0) = 1), so both give the same bits."""
     m_i = tl.full([M], _NEG, tl.float32)
     l_i = tl.zeros([M], tl.float32)
     acc = tl.zeros([M, D], tl.float32)
     for start in range(0, SPLIT, BLOCK_N):
-        offs_n = n_lo + start + tl.arange(0, BLOCK_N)
-        keep = offs_n < n_hi
-        kv_off = offs_n[:, None] * stride_kn + offs_d[None, :]
-        k = tl.load(k_base + kv_off, mask=keep[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k)) * scale
-        s = tl.where(keep[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        v = tl.load(v_base + kv_off, mask=keep[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        m_i = m_new
+        if SKIP:
+            if n_lo + start < n_hi:
+                m_i, l_i, acc = _block(q, k_base, v_base, stride_kn, n_lo + start, n_hi, scale, offs_d, m_i, l_i,
+                                       acc, BLOCK_N)
+        else:
+            m_i, l_i, acc = _block(q, k_base, v_base, stride_kn, n_lo + start, n_hi, scale, offs_d, m_i, l_i, acc,
+                                   BLOCK_N)
     return m_i, l_i, acc
 
 
@@ -98,7 +113,7 @@ def _prefix_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, plen_ptr, o_ptr, ml_ptr, scale
     n_lo = sp * SPLIT
     n_hi = tl.minimum(n_lo + SPLIT, plen)
     m_i, l_i, acc = _partial(q, k_ptr + g * stride_kg + h * stride_kh, v_ptr + g * stride_kg + h * stride_kh,
-                             stride_kn, n_lo, n_hi, scale, offs_d, SPLIT, BLOCK_N, M, D)
+                             stride_kn, n_lo, n_hi, scale, offs_d, SPLIT, BLOCK_N, M, D, False)
     # workspace [Gr, Ng, splits, rows]: rows of one (group, head) contiguous per split
     n_rows = s_max * REP
     base = (gh * n_splits + sp) * n_rows
@@ -111,7 +126,8 @@ def _prefix_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, plen_ptr, o_ptr, ml_ptr, scale
 @triton.jit
 def _resp_kernel(q_ptr, k_ptr, v_ptr, rlen_ptr, o_ptr, ml_ptr, scale,
                  stride_qb, stride_qh, stride_kb, stride_kn, stride_kh, n_kv_heads, n_splits,
-                 REP: tl.constexpr, M: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr):
+                 REP: tl.constexpr, M: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
+                 SKIP: tl.constexpr):
     bh, sp = tl.program_id(0), tl.program_id(1)
     b, h = bh // n_kv_heads, bh % n_kv_heads
     r = tl.arange(0, M)
@@ -121,7 +137,7 @@ def _resp_kernel(q_ptr, k_ptr, v_ptr, rlen_ptr, o_ptr, ml_ptr, scale,
     n_lo = sp * SPLIT
     n_hi = tl.minimum(n_lo + SPLIT, tl.load(rlen_ptr + b))
     m_i, l_i, acc = _partial(q, k_ptr + b * stride_kb + h * stride_kh, v_ptr + b * stride_kb + h * stride_kh,
-                             stride_kn, n_lo, n_hi, scale, offs_d, SPLIT, BLOCK_N, M, D)
+                             stride_kn, n_lo, n_hi, scale, offs_d, SPLIT, BLOCK_N, M, D, SKIP)
     base = (bh * n_splits + sp) * REP
     keep = r < REP
     tl.store(o_ptr + (base + r)[:, None] * D + offs_d[None, :], acc, mask=keep[:, None])
@@ -230,11 +246,13 @@ def _pow2(n: int, lo: int = 1) -> int:
 
 
 def triton_shared_prefix_decode_attention(q_BND, prefix_k_GrPND, prefix_v_GrPND, resp_k_BRND, resp_v_BRND,
-                                          index: TritonIndex, scale: float | None) -> torch.Tensor:
+                                          index: TritonIndex, scale: float | None,
+                                          skip_empty: bool = True) -> torch.Tensor:
     """`shared_prefix_decode_attention` on Triton kernels; returns [B, Nq*D] in the query dtype.
 
     `prefix_*` are [Gr, P, Ng, D] (keys past `index.prefix_len` never read), `resp_*` [B, Rm, Ng, D]
-    (keys past `index.resp_len` never read); both need a unit stride on D."""
+    (keys past `index.resp_len` never read); both need a unit stride on D. `skip_empty`: the response kernel's
+    loop ends at each sample's length instead of running every block of its split (the same bits, `_partial`)."""
     b, nq, d = q_BND.shape
     n_groups, p, ng = prefix_k_GrPND.shape[:3]
     s_max, rep, rm = index.rows.shape[1], nq // ng, resp_k_BRND.shape[1]
@@ -260,7 +278,7 @@ def triton_shared_prefix_decode_attention(q_BND, prefix_k_GrPND, prefix_v_GrPND,
     rk, rv = resp_k_BRND, resp_v_BRND
     _resp_kernel[(b * ng, r_splits)](
         q, rk, rv, index.resp_len, ro, rml, scale, q.stride(0), q.stride(1), rk.stride(0), rk.stride(1), rk.stride(2),
-        ng, r_splits, REP=rep, M=_pow2(rep, 16), D=d, SPLIT=RESP_SPLIT, BLOCK_N=64)
+        ng, r_splits, REP=rep, M=_pow2(rep, 16), D=d, SPLIT=RESP_SPLIT, BLOCK_N=64, SKIP=skip_empty)
     out = torch.empty(b, nq, d, dtype=q.dtype, device=q.device)
     _merge_kernel[(b, nq)](po, pml, ro, rml, index.group, index.slot, out, out.stride(0), out.stride(1),
                            ng, s_max, p_splits, r_splits, REP=rep, D=d, PS=_pow2(p_splits), RS=_pow2(r_splits))
