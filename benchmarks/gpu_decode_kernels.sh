@@ -2,11 +2,13 @@
 # GPU machine: the decode step's Triton kernels (attention/triton_decode.py, rollout/triton_sampling.py).
 # (1) their tests, compiled (tests/test_triton_kernels.py) and the engine's GPU decode tests
 # (tests/test_gpu_decode.py); (2) one graph decode step's kernels per path pair and case
-# (benchmarks/decode_step_profile.py); (3) with HF=1, engine decode tokens/s of the new pair against
+# (benchmarks/decode_step_profile.py) and each kernel class's bandwidth in it (benchmarks/decode_bandwidth.py,
+# TBPS= the device's bandwidth, default the H100 SXM's 3.35); (3) with HF=1, engine decode tokens/s of the new pair against
 # today's (flash attention, torch sampling) in the same run, and the new pair with the decode state kept
 # between rollouts (benchmarks/decode_vs_hf.py --only-paths --kept).
 #   ROLLPLEX_COMMIT=<sha> [TESTS=1] [PROFILE=1] [HF=1] bash benchmarks/gpu_decode_kernels.sh
-# Writes $OUT/gpu_decode_kernel_tests.txt, decode_step_profile_kernels_3b.json, decode_vs_hf_kernels_3b.json.
+# Writes $OUT/gpu_decode_kernel_tests.txt, decode_step_profile_kernels_3b.json, decode_bandwidth_3b.json,
+# decode_vs_hf_kernels_3b.json.
 set -euo pipefail
 source benchmarks/gpu_env.sh
 if [ "${TESTS:-1}" = 1 ]; then
@@ -17,6 +19,8 @@ run() { python3 -m torch.distributed.run --nproc_per_node 1 "$@" 2>&1 | grep -v 
 if [ "${PROFILE:-1}" = 1 ]; then
   run benchmarks/decode_step_profile.py --paths "${PATHS:-flash:torch,triton:torch,triton:triton}" \
     --out "$out/decode_step_profile_kernels_3b.json"
+  python3 benchmarks/decode_bandwidth.py "$out/decode_step_profile_kernels_3b.json" --tbps "${TBPS:-3.35}" \
+    --out "$out/decode_bandwidth_3b.json" 2>&1 | grep -v -i warn || true
 fi
 if [ "${HF:-0}" = 1 ]; then
   run benchmarks/decode_vs_hf.py --preset qwen2_5_vl_3b --batches 8,64,128 --new-tokens 128 --grid 2,16,16 \
