@@ -24,6 +24,7 @@ import json
 import sys
 import tempfile
 import time
+from functools import partial
 
 import torch
 
@@ -135,17 +136,23 @@ def run_hf(path: str, cfg, ps, G: int, new_tokens: int, dtype) -> dict:
 
 
 def run_engine(model, cfg, ps, G: int, new_tokens: int, shared: bool, kv_gib: float, graphs: bool = True,
-               attention: str = "auto", sampling: str = "auto", kept: bool = False) -> dict:
+               attention: str = "auto", sampling: str = "auto", kept: bool = False, opts: str = "") -> dict:
     """One timed rollout after a warm-up one. `kept`: the engine keeps its decode state
     (rollout.keep_decode_state) and warms up on the same requests, so the timed rollout replays the warm-up's
-    graphs (its capture_s is what a later rollout of a training run pays)."""
-    from rollplex_megatron.rollout.embedded import EmbeddedEngine
+    graphs (its capture_s is what a later rollout of a training run pays). `opts` (joined by +): nolayer
+    (megatron's layer modules instead of the fused layer path), noskip (the Triton response kernel runs every
+    block of its split)."""
+    from rollplex_megatron.attention.triton_decode import triton_shared_prefix_decode_attention
+    from rollplex_megatron.rollout import embedded
     from rollplex_megatron.rollout.engine import RolloutRequest
     from rollplex_megatron.rollout.sampling import SamplingParams
 
-    eng = EmbeddedEngine(model, cfg, max_prompt_len=max(p.input_ids.numel() for p in ps),
-                         max_response_len=new_tokens, kv_cache_gib=kv_gib, cuda_graphs=graphs,
-                         decode_attention=attention, sampling_kernel=sampling, keep_decode_state=kept)
+    embedded.triton_shared_prefix_decode_attention = partial(triton_shared_prefix_decode_attention,
+                                                             skip_empty="noskip" not in opts)
+    eng = embedded.EmbeddedEngine(model, cfg, max_prompt_len=max(p.input_ids.numel() for p in ps),
+                                  max_response_len=new_tokens, kv_cache_gib=kv_gib, cuda_graphs=graphs,
+                                  decode_attention=attention, sampling_kernel=sampling, keep_decode_state=kept,
+                                  fused_layer="nolayer" not in opts)
     if shared:
         reqs = [RolloutRequest(p, G, new_tokens, (), seed=i) for i, p in enumerate(ps)]
     else:
@@ -162,7 +169,8 @@ def run_engine(model, cfg, ps, G: int, new_tokens: int, shared: bool, kv_gib: fl
     st = out.stats
     return {"total_s": total, "prefill_s": st["prefill_s"], "decode_s": st["decode_s"], "waves": st["waves"],
             "decode_steps": st["decode_steps"], "decode_attention": eng.attention, "sampling_kernel": st["sampling"],
-            "fused_rope": eng.fused_rope, "fused_norm": eng.fused_norm,
+            "fused_rope": eng.fused_rope, "fused_norm": eng.fused_norm, "fused_layer": eng.fused_layer,
+            "skip_empty_response_blocks": "noskip" not in opts,
             "cuda_graphs": eng.cuda_graphs, "graph_error": eng.graph_error,
             "graphs_captured": st["graphs_captured"],
             "graph_replays": st["graph_replays"], "capture_s": st["capture_s"], "kept_state": kept,
@@ -181,14 +189,16 @@ def main() -> int:
     ap.add_argument("--text-tokens", type=int, default=64)
     ap.add_argument("--kv-gib", type=float, default=40.0)
     ap.add_argument("--paths", default="auto:auto",
-                    help="engine_shared runs the first decode_attention:sampling_kernel pair; each further pair runs "
-                         "as engine_shared_<attention>_<sampling> in the same run (e.g. triton:triton,flash:torch)")
+                    help="engine_shared runs the first decode_attention:sampling_kernel[:opts] path; each further "
+                         "one runs as engine_shared_<attention>_<sampling>[_<opts>] in the same run (e.g. "
+                         "triton:triton,triton:triton:nolayer,flash:torch); opts joined by +: nolayer (megatron's "
+                         "layer modules), noskip (the response kernel runs every block)")
     ap.add_argument("--only-paths", action="store_true", help="skip the unshared, eager, math and hf runs")
     ap.add_argument("--kept", action="store_true",
                     help="also the first path with rollout.keep_decode_state (a rollout after one of the same shape)")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
-    paths = [tuple(p.split(":")) for p in a.paths.split(",")]
+    paths = [tuple((p + "::").split(":")[:3]) for p in a.paths.split(",")]
 
     from rollplex_megatron.models.qwen25vl.hf import HFCheckpoint, load_hf_into_model
     from rollplex_megatron.dist import init_parallel
@@ -212,16 +222,18 @@ def main() -> int:
             row = {"batch": batch, "groups": len(ps), "group_size": a.group_size,
                    "prompt_tokens": int(ps[0].input_ids.numel()), "new_tokens": a.new_tokens}
             row["engine_shared"] = run_engine(model, cfg, ps, a.group_size, a.new_tokens, True, a.kv_gib,
-                                              attention=paths[0][0], sampling=paths[0][1])
-            for attn, samp in paths[1:]:
-                other = row[f"engine_shared_{attn}_{samp}"] = run_engine(
-                    model, cfg, ps, a.group_size, a.new_tokens, True, a.kv_gib, attention=attn, sampling=samp)
-                row[f"decode_speedup_shared_over_{attn}_{samp}"] = (row["engine_shared"]["decode_tokens_per_s"]
-                                                                   / other["decode_tokens_per_s"])
+                                              attention=paths[0][0], sampling=paths[0][1], opts=paths[0][2])
+            for attn, samp, opts in paths[1:]:
+                name = f"{attn}_{samp}" + (f"_{opts}" if opts else "")
+                other = row[f"engine_shared_{name}"] = run_engine(
+                    model, cfg, ps, a.group_size, a.new_tokens, True, a.kv_gib, attention=attn, sampling=samp,
+                    opts=opts)
+                row[f"decode_speedup_shared_over_{name}"] = (row["engine_shared"]["decode_tokens_per_s"]
+                                                            / other["decode_tokens_per_s"])
             if a.kept:
                 kept = row["engine_shared_kept"] = run_engine(model, cfg, ps, a.group_size, a.new_tokens, True,
                                                               a.kv_gib, attention=paths[0][0], sampling=paths[0][1],
-                                                              kept=True)
+                                                              kept=True, opts=paths[0][2])
                 row["decode_speedup_kept_over_shared"] = (kept["decode_tokens_per_s"]
                                                           / row["engine_shared"]["decode_tokens_per_s"])
             if a.only_paths:

@@ -24,5 +24,6 @@ if [ "${PROFILE:-1}" = 1 ]; then
 fi
 if [ "${HF:-0}" = 1 ]; then
   run benchmarks/decode_vs_hf.py --preset qwen2_5_vl_3b --batches 8,64,128 --new-tokens 128 --grid 2,16,16 \
-    --text-tokens 896 --paths triton:triton,flash:torch --only-paths --kept --out "$out/decode_vs_hf_kernels_3b.json"
+    --text-tokens 896 --paths "${HF_PATHS:-triton:triton,triton:triton:nolayer,triton:triton:noskip}" --only-paths \
+    --kept --out "$out/decode_vs_hf_kernels_3b.json"
 fi
