@@ -3,9 +3,10 @@
 # (1) their tests, compiled (tests/test_triton_kernels.py) and the engine's GPU decode tests
 # (tests/test_gpu_decode.py); (2) one graph decode step's kernels per path pair and case
 # (benchmarks/decode_step_profile.py) and each kernel class's bandwidth in it (benchmarks/decode_bandwidth.py,
-# TBPS= the device's bandwidth, default the H100 SXM's 3.35); (3) with HF=1, engine decode tokens/s of the new pair against
-# today's (flash attention, torch sampling) in the same run, and the new pair with the decode state kept
-# between rollouts (benchmarks/decode_vs_hf.py --only-paths --kept).
+# TBPS= the device's bandwidth, default the H100 SXM's 3.35); (3) with HF=1, engine decode tokens/s of the
+# default path against the module layers (nolayer) and the unskipped response kernel (noskip) in the same run
+# (HF_PATHS= others), and the default path with the decode state kept between rollouts
+# (benchmarks/decode_vs_hf.py --only-paths --kept).
 #   ROLLPLEX_COMMIT=<sha> [TESTS=1] [PROFILE=1] [HF=1] bash benchmarks/gpu_decode_kernels.sh
 # Writes $OUT/gpu_decode_kernel_tests.txt, decode_step_profile_kernels_3b.json, decode_bandwidth_3b.json,
 # decode_vs_hf_kernels_3b.json.
