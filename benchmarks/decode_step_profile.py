@@ -33,8 +33,8 @@ def main() -> int:
                     help="decode_attention:sampling_kernel[:opts] to profile; opts joined by +: norope (the Triton "
                          "attention without the fused RoPE and cache write), nonorm (torch's RMSNorm), nolayer "
                          "(megatron's layer modules instead of the fused layer path, models/decode_layers.py; "
-                         "norope and nonorm turn it off too), noskip (the Triton response kernel runs every block of "
-                         "its split, as before it ended at each length)")
+                         "norope and nonorm turn it off too), skip (the Triton response kernel skips the key blocks "
+                         "past each sample's length, attention/triton_decode.py skip_empty)")
     ap.add_argument("--cases", default="shared_16x8,shared_8x8,shared_8x1,unshared_128x1",
                     help="name_GROUPSxSAMPLES: groups sharing one prefix each, samples per group")
     ap.add_argument("--split-halves", action="store_true",
@@ -76,7 +76,7 @@ def main() -> int:
     for name, groups, n, impl, samp, opt in cases:
         if name.endswith("_split") and not getattr(model, "_split_halves", False):
             split_halves(model, a.split_only)
-        skip = "noskip" not in opt
+        skip = "skip" in opt.split("+")
         embedded.triton_shared_prefix_decode_attention = partial(triton_shared_prefix_decode_attention, skip_empty=skip)
         eng = EmbeddedEngine(model, cfg, 4096, a.max_new, kv_cache_gib=60.0, decode_attention=impl,
                              sampling_kernel=samp, fused_rope="norope" not in opt, fused_norm="nonorm" not in opt,

@@ -4,7 +4,7 @@
 # (tests/test_gpu_decode.py); (2) one graph decode step's kernels per path pair and case
 # (benchmarks/decode_step_profile.py) and each kernel class's bandwidth in it (benchmarks/decode_bandwidth.py,
 # TBPS= the device's bandwidth, default the H100 SXM's 3.35); (3) with HF=1, engine decode tokens/s of the
-# default path against the module layers (nolayer) and the unskipped response kernel (noskip) in the same run
+# default path against the module layers (nolayer) and the response kernel skipping empty key blocks (skip) in the same run
 # (HF_PATHS= others), and the default path with the decode state kept between rollouts
 # (benchmarks/decode_vs_hf.py --only-paths --kept).
 #   ROLLPLEX_COMMIT=<sha> [TESTS=1] [PROFILE=1] [HF=1] bash benchmarks/gpu_decode_kernels.sh
@@ -25,6 +25,6 @@ if [ "${PROFILE:-1}" = 1 ]; then
 fi
 if [ "${HF:-0}" = 1 ]; then
   run benchmarks/decode_vs_hf.py --preset qwen2_5_vl_3b --batches 8,64,128 --new-tokens 128 --grid 2,16,16 \
-    --text-tokens 896 --paths "${HF_PATHS:-triton:triton,triton:triton:nolayer,triton:triton:noskip}" --only-paths \
+    --text-tokens 896 --paths "${HF_PATHS:-triton:triton,triton:triton:nolayer,triton:triton:skip}" --only-paths \
     --kept --out "$out/decode_vs_hf_kernels_3b.json"
 fi

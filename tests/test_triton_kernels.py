@@ -21,9 +21,13 @@ CUDA) in fp32; on the GPU machine the same tests run the compiled kernels, in bf
 """
 import importlib.util
 import inspect
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from rollplex_megatron.attention.decode import group_slots, shared_prefix_decode_attention
 from rollplex_megatron.attention.triton_decode import (
@@ -32,6 +36,7 @@ from rollplex_megatron.attention.triton_decode import (
     triton_index,
     triton_shared_prefix_decode_attention,
 )
+from rollplex_megatron.attention.triton_decode import _block as _real_block
 from rollplex_megatron.attention import triton_decode
 from rollplex_megatron.dist import run_local
 from rollplex_megatron.models import triton_norm as TN
@@ -68,7 +73,7 @@ def _attention_case(seed, groups, per_group, p_max, rm, ng=2, rep=4, d=32):
     return case
 
 
-def _triton(c, plen=None, group=None, rlen=None, skip_empty=True):
+def _triton(c, plen=None, group=None, rlen=None, skip_empty=False):
     group = c["group"] if group is None else group
     slot, s_max = group_slots(group, c["pk"].shape[0])
     idx = triton_index(group, slot, s_max, c["plen"] if plen is None else plen, c["rlen"] if rlen is None else rlen)
@@ -101,17 +106,46 @@ def test_triton_decode_attention_matches_the_math_path(seed, groups, per_group, 
     assert _rel(_triton(no_resp), ref) > 2 * TOL
 
 
-def test_ending_the_response_loop_at_each_length_gives_the_same_bits():
-    """The response kernel's loop ends at each sample's length (`skip_empty`, the default) or runs every block of
-    its split: the same output bit for bit, with responses of 0 keys, of part of a block, of several blocks and past
-    one split; mutation: a loop that ends one block early (the last keys dropped) changes it."""
+BLOCKS: list[int] = []  # the key blocks `_partial` ran, one entry a block (interpreter: plain Python side effects)
+
+
+def _note_block():
+    BLOCKS.append(1)
+
+
+@triton.jit
+def _counted_block(q, k_base, v_base, stride_kn, start, n_hi, scale, offs_d, m_i, l_i, acc, BLOCK_N: tl.constexpr):
+    _note_block()
+    return _real_block(q, k_base, v_base, stride_kn, start, n_hi, scale, offs_d, m_i, l_i, acc, BLOCK_N)
+
+
+def test_skipping_the_empty_response_blocks_gives_the_same_bits(monkeypatch):
+    """`skip_empty`: the response kernel runs only the key blocks that start before each sample's length (counted
+    on CPU, where the interpreter runs the kernels as Python), and gives the output of running every block masked
+    bit for bit, with responses of 0 keys, part of a block, several blocks and past one split; mutation: a skip
+    one block too eager (the last keys dropped) changes it."""
     c = _attention_case(4, 9, 1, 90, RESP_SPLIT + 70)  # 9 groups of one sample
-    c["rlen"] = torch.tensor([0, 1, 63, 64, 65, 130, RESP_SPLIT, RESP_SPLIT + 1, RESP_SPLIT + 70], device=DEV)
-    fixed, skipped = _triton(c, skip_empty=False), _triton(c)
-    assert torch.equal(fixed, skipped)
-    assert _rel(skipped, _reference(c)) < TOL
-    short = _triton(c, rlen=(c["rlen"] - 64).clamp(min=0))  # what a loop one block short would read
-    assert not torch.equal(short, skipped)
+    lens = [0, 1, 63, 64, 65, 130, RESP_SPLIT, RESP_SPLIT + 1, RESP_SPLIT + 70]
+    c["rlen"] = torch.tensor(lens, device=DEV)
+    if not GPU:
+        monkeypatch.setattr(triton_decode, "_block", _counted_block)
+    ran = {}
+    for skip in (False, True):
+        BLOCKS.clear()
+        out = _triton(c, skip_empty=skip)
+        ran[skip] = (out, len(BLOCKS))
+    ng, per_split, splits = 2, RESP_SPLIT // 64, -(-(RESP_SPLIT + 70) // RESP_SPLIT)
+    resp_all = len(lens) * ng * splits * per_split  # every block of every split
+    resp_live = ng * sum(-(-n // 64) for n in lens)  # the blocks holding keys
+    if not GPU:
+        assert ran[False][1] - ran[True][1] == resp_all - resp_live > 0
+    assert torch.equal(ran[False][0], ran[True][0])
+    assert _rel(ran[True][0], _reference(c)) < TOL
+    mutant = _mutant(Path(tempfile.mkdtemp()), triton_decode._partial, "            if n_lo + start < n_hi:",
+                     "            if n_lo + start + BLOCK_N < n_hi:",
+                     "from rollplex_megatron.attention.triton_decode import _NEG, _block")
+    monkeypatch.setattr(triton_decode, "_partial", mutant)
+    assert not torch.equal(_triton(c, skip_empty=True), ran[False][0])
 
 
 def test_triton_decode_attention_never_reads_past_the_lengths():

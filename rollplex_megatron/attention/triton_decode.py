@@ -112,8 +112,9 @@ def _prefix_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, plen_ptr, o_ptr, ml_ptr, scale
     plen = tl.load(plen_ptr + g)
     n_lo = sp * SPLIT
     n_hi = tl.minimum(n_lo + SPLIT, plen)
+    # a group's prefix splits are full but its last: nothing to skip
     m_i, l_i, acc = _partial(q, k_ptr + g * stride_kg + h * stride_kh, v_ptr + g * stride_kg + h * stride_kh,
-                             stride_kn, n_lo, n_hi, scale, offs_d, SPLIT, BLOCK_N, M, D, False)
+                             stride_kn, n_lo, n_hi, scale, offs_d, SPLIT, BLOCK_N, M, D, SKIP=False)
     # workspace [Gr, Ng, splits, rows]: rows of one (group, head) contiguous per split
     n_rows = s_max * REP
     base = (gh * n_splits + sp) * n_rows
@@ -137,7 +138,7 @@ def _resp_kernel(q_ptr, k_ptr, v_ptr, rlen_ptr, o_ptr, ml_ptr, scale,
     n_lo = sp * SPLIT
     n_hi = tl.minimum(n_lo + SPLIT, tl.load(rlen_ptr + b))
     m_i, l_i, acc = _partial(q, k_ptr + b * stride_kb + h * stride_kh, v_ptr + b * stride_kb + h * stride_kh,
-                             stride_kn, n_lo, n_hi, scale, offs_d, SPLIT, BLOCK_N, M, D, SKIP)
+                             stride_kn, n_lo, n_hi, scale, offs_d, SPLIT, BLOCK_N, M, D, SKIP=SKIP)
     base = (bh * n_splits + sp) * REP
     keep = r < REP
     tl.store(o_ptr + (base + r)[:, None] * D + offs_d[None, :], acc, mask=keep[:, None])
@@ -247,12 +248,13 @@ def _pow2(n: int, lo: int = 1) -> int:
 
 def triton_shared_prefix_decode_attention(q_BND, prefix_k_GrPND, prefix_v_GrPND, resp_k_BRND, resp_v_BRND,
                                           index: TritonIndex, scale: float | None,
-                                          skip_empty: bool = True) -> torch.Tensor:
+                                          skip_empty: bool = False) -> torch.Tensor:
     """`shared_prefix_decode_attention` on Triton kernels; returns [B, Nq*D] in the query dtype.
 
     `prefix_*` are [Gr, P, Ng, D] (keys past `index.prefix_len` never read), `resp_*` [B, Rm, Ng, D]
-    (keys past `index.resp_len` never read); both need a unit stride on D. `skip_empty`: the response kernel's
-    loop ends at each sample's length instead of running every block of its split (the same bits, `_partial`)."""
+    (keys past `index.resp_len` never read); both need a unit stride on D. `skip_empty`: the response kernel skips
+    the blocks of its split past each sample's length instead of running them masked (the same bits, `_partial`;
+    off until a GPU profile has timed it: a branch in the loop may cost the compiler its software pipelining)."""
     b, nq, d = q_BND.shape
     n_groups, p, ng = prefix_k_GrPND.shape[:3]
     s_max, rep, rm = index.rows.shape[1], nq // ng, resp_k_BRND.shape[1]
