@@ -183,3 +183,7 @@ def test_the_cli_imports_no_verl_integration():
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stdout.strip().splitlines()[-1] == "[]", p.stdout[-2000:]
+    # nor does make-example at any depth (a function-level import counts): it writes the verl processor's name only
+    graph = import_graph()
+    for mod in ("rollplex_megatron.data.example", "rollplex_megatron.data.example_files"):
+        assert not {m for m in graph[mod] if m.startswith("rollplex_megatron.integrations")}, (mod, graph[mod])

@@ -33,7 +33,8 @@ from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoP
 
 from rollplex_megatron.checkpoint.convert import build_atomically, hf_config_from_model
 from rollplex_megatron.config import ModelConfig
-from rollplex_megatron.data.example_files import QWEN2_VIDEO_PROCESSOR, tiny_tokenizer, write_tiny_processor
+from rollplex_megatron.data.example_files import (QWEN2_VIDEO_PROCESSOR, VERL_VIDEO_PROCESSOR, tiny_tokenizer,
+                                                   write_tiny_processor)
 from rollplex_megatron.models.registry import model_spec
 
 try:  # parquet output; without pyarrow the rows are written as jsonl with image files beside them
@@ -64,10 +65,7 @@ def write_model(path: Path, model: ModelConfig, seed: int, verl: bool = False) -
     if model_spec(model).processor.video_run_per_frame:
         write_qwen3_processor(path, model, unit * unit, 4 * unit * unit)
         return
-    # verl: a one-token newline, plain vision placeholders and the torchvision-free video processor (docstring),
-    # imported here: its transformers classes are a verl run's need, not every CLI command's
-    from rollplex_megatron.integrations.verl.video import NAME as VERL_VIDEO_PROCESSOR
-
+    # verl: a one-token newline, plain vision placeholders and the torchvision-free video processor (docstring)
     write_tiny_processor(path, WORDS, model, min_pixels=unit * unit, max_pixels=4 * unit * unit, newline=verl,
                          vision_special=not verl,
                          video_processor_type=VERL_VIDEO_PROCESSOR if verl else QWEN2_VIDEO_PROCESSOR)

@@ -26,6 +26,8 @@ except ImportError:
 UNK, PAD, IM_START, IM_END = "<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 DEFAULT_SYSTEM = "You are a helpful assistant."
 QWEN2_VIDEO_PROCESSOR = "Qwen2VLVideoProcessor"  # transformers' class, what a Qwen2.5-VL release names
+# integrations/verl/video.py's torchvision-free class, named here so that writing its name imports none of verl's
+VERL_VIDEO_PROCESSOR = "RollplexQwen2VLVideoProcessor"
 # Words the chat template itself writes; the vocabulary always holds them.
 TEMPLATE_WORDS = ("system", "user", "assistant", "You", "are", "a", "helpful", ".")
 

@@ -250,7 +250,7 @@ class EmbeddedEngine:
         """An engine over `model` with a run's rollout, KV-budget and packing settings (`RunConfig`)."""
         r = cfg.rollout
         eng = cls(model, cfg.model, r.max_prompt_len, r.max_response_len, cfg.memory.kv_cache_gib, r.cuda_graphs,
-                  r.decode_attention, sampling_kernel=r.sampling_kernel, fused_layer=r.layer_kernel in ("triton", "auto"),
+                  r.decode_attention, sampling_kernel=r.sampling_kernel, fused_layer=r.layer_kernel != "modules",
                   prefix_pack_tokens=cfg.workload.prefix_pack_tokens, actor_pack_tokens=actor_pack_tokens,
                   keep_decode_state=r.keep_decode_state, pack_splits=cfg.train.ppo_mini_batches)
         if r.layer_kernel == "triton" and not eng.fused_layer:

@@ -19,10 +19,11 @@ from transformers.models.auto.video_processing_auto import AutoVideoProcessor
 from transformers.video_processing_utils import VideoProcessorMixin
 from transformers.video_utils import VideoMetadata, make_batched_metadata, make_batched_videos
 
+from rollplex_megatron.data.example_files import VERL_VIDEO_PROCESSOR
 from rollplex_megatron.data.processor import decode_video
 from rollplex_megatron.envs.vision import CLIP_MEAN, CLIP_STD, sample_frame_indices, smart_resize, video_patches
 
-NAME = "RollplexQwen2VLVideoProcessor"
+NAME = VERL_VIDEO_PROCESSOR  # what a checkpoint's video_processor_type names (make-example --verl writes it)
 
 
 class RollplexVideoConfig(PretrainedConfig):
