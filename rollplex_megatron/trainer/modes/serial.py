@@ -38,6 +38,6 @@ class Serial(Mode):
     @staticmethod
     def memory_classes(p: PlanInputs) -> list[TensorClass]:  # noqa: D102
         s = p.shape
-        return scoring_workspaces(p, ("old_logp", "ref_logp"), s.mb * (s.P + s.R)) + [
+        return scoring_workspaces(p, ("old_logp", "ref_logp"), s.mb * (s.P + s.R), packed=False) + [
             TensorClass("update_activations", p.activations(s.mb * (s.P + s.R), s.mb * s.patches), ("update",),
                         "free", "one micro-batch's whole sequences, vision tower included")]
