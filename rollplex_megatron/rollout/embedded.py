@@ -223,9 +223,7 @@ class EmbeddedEngine:
         self.cuda_graphs = cuda_graphs and torch.cuda.is_available()
         tc = unwrap(model).config
         self.attention = _decode_attention(decode_attention, tc.params_dtype, self.dev, tc.kv_channels)
-        if sampling_kernel == "triton" and not (fused_sample_available(self.dev) or TRITON_INTERPRET):
-            raise ValueError(f"rollout.sampling_kernel=triton needs CUDA (here: {torch.device(self.dev).type}); "
-                             f"use auto or torch")
+        _check_sampling_kernel(sampling_kernel, self.dev)
         self.sampling_kernel = sampling_kernel
         self.pp = ps.get_pipeline_model_parallel_world_size()
         # the Triton attention also takes RoPE and the cache write (forward_decode); the whole step on one stage
@@ -254,9 +252,7 @@ class EmbeddedEngine:
                   prefix_pack_tokens=cfg.workload.prefix_pack_tokens, actor_pack_tokens=actor_pack_tokens,
                   keep_decode_state=r.keep_decode_state, pack_splits=cfg.train.ppo_mini_batches)
         if r.layer_kernel == "triton" and not eng.fused_layer:
-            why = eng.layer_error or (f"the decode attention is {eng.attention} (rollout.decode_attention=triton on "
-                                      f"CUDA) at pipeline size {eng.pp} (1 needed)")
-            raise ValueError(f"rollout.layer_kernel=triton cannot run here: {why}; use rollout.layer_kernel=modules")
+            _layer_kernel_refused(eng.layer_error or _layer_path_needs(eng.attention, eng.pp))
         return eng
 
     def generate(self, requests: list[RolloutRequest], params: SamplingParams,
@@ -429,13 +425,26 @@ def check_decode_settings(cfg) -> None:
     checks them again on the model it decodes with (and what only the model can tell, decode_layers_unsupported)."""
     r, dev = cfg.rollout, device()
     attention = _decode_attention(r.decode_attention, getattr(torch, cfg.dtype), dev, cfg.model.head_dim)
-    if r.sampling_kernel == "triton" and not (fused_sample_available(dev) or TRITON_INTERPRET):
+    _check_sampling_kernel(r.sampling_kernel, dev)
+    if r.layer_kernel == "triton" and (attention != "triton" or cfg.parallel.pp > 1):
+        _layer_kernel_refused(_layer_path_needs(attention, cfg.parallel.pp))
+
+
+def _check_sampling_kernel(kernel: str, dev) -> None:
+    """rollout.sampling_kernel=triton where the fused draw cannot run: refused, naming the setting."""
+    if kernel == "triton" and not (fused_sample_available(dev) or TRITON_INTERPRET):
         raise ValueError(f"rollout.sampling_kernel=triton needs CUDA (here: {torch.device(dev).type}); "
                          f"use auto or torch")
-    if r.layer_kernel == "triton" and (attention != "triton" or cfg.parallel.pp > 1):
-        raise ValueError(f"rollout.layer_kernel=triton cannot run here: the decode attention is {attention} "
-                         f"(rollout.decode_attention=triton on CUDA) at pipeline size {cfg.parallel.pp} (1 needed); "
-                         f"use rollout.layer_kernel=modules")
+
+
+def _layer_path_needs(attention: str, pp: int) -> str:
+    """Why the fused layer path does not run under `attention` at pipeline size `pp`."""
+    return f"the decode attention is {attention} (rollout.decode_attention=triton on CUDA) at pipeline size {pp} " \
+           f"(1 needed)"
+
+
+def _layer_kernel_refused(why: str) -> None:
+    raise ValueError(f"rollout.layer_kernel=triton cannot run here: {why}; use rollout.layer_kernel=modules")
 
 
 def _decode_attention(choice: str, dtype, dev, head_dim: int) -> str:
