@@ -87,7 +87,7 @@ def render_markdown(results: Path) -> str:
                          if launch else "") + ".", ""]
         phases = list(dict.fromkeys(p for m in d["modes"].values() for p in m["phase_median_s"]))
         lines += ["| mode | step (s) | min-max | " + " | ".join(phases) + " | peak GiB | decode tok/s | window |",
-                  "|---" * (5 + len(phases)) + "|"]
+                  "|---" * (6 + len(phases)) + "|"]  # mode, step, min-max, phases, peak, tok/s, window
         for label, m in d["modes"].items():
             s, w = m["steady"], m["window"]
             gpu = w.get("side_work_in_window_gpu_s") if w else None
