@@ -199,3 +199,22 @@ def test_decode_kernel_settings_are_checked_before_any_model(monkeypatch):
         assert refused("rollout.sampling_kernel=triton").startswith("rollout.sampling_kernel=triton needs CUDA")
         assert refused("rollout.layer_kernel=triton").startswith(  # auto attention on CPU: math
             "rollout.layer_kernel=triton cannot run here: the decode attention is math")
+
+
+def test_train_refuses_a_decode_kernel_it_cannot_run_before_building_a_model(tmp_path):
+    """`train` with rollout.layer_kernel=triton on CPU (no Triton interpreter: a user's machine) stops at start-up
+    with the setting named, raised by Runtime's check before any model is built (the traceback `--debug` prints; the
+    engine's own check, after the build, gives the same line from `build_engine`), and leaves no run directory."""
+    import os
+    import subprocess
+    import sys
+
+    runs = tmp_path / "runs"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.run([sys.executable, "-m", "rollplex_megatron", "train", "--debug", "rollout.layer_kernel=triton",
+                        "train.steps=1", f"run_dir={runs}"], capture_output=True, text=True, timeout=300, env=env)
+    assert p.returncode != 0, p.stdout[-2000:]
+    err = p.stderr
+    assert "ValueError: rollout.layer_kernel=triton cannot run here: the decode attention is math" in err, err[-2000:]
+    assert "in check_decode_settings" in err and "build_engine" not in err and "build_policy" not in err, err[-3000:]
+    assert not runs.exists() or not any(runs.iterdir())
