@@ -50,13 +50,15 @@ def test_serial_micro_batches_under_a_token_budget_are_counted_with_their_prompt
                                                                                        norm, rope)
 
 
-@pytest.mark.parametrize("kernel,per_logit", [("triton", 4), ("torch", 10)])
-def test_scoring_workspace_counts_the_log_prob_kernels_bytes(kernel, per_logit):
+@pytest.mark.parametrize("kernel,dtype,per_logit", [("triton", "bfloat16", 4), ("triton", "float32", 8),
+                                                     ("torch", "bfloat16", 10)])
+def test_scoring_workspace_counts_the_log_prob_kernels_bytes(kernel, dtype, per_logit):
     """A forward-only scoring pass over packed rows holds the logits and their contiguous copy with the fused
-    log-prob kernel (4 bytes a logit; counted with torch's 10, the H100 video_long record's scoring phases were
-    planned at 1.26-1.34 of their measured peaks), torch's fp32 copies without it; the update keeps the training
-    loss's workspace either way."""
-    cfg = load_run_config([*BASE, "mode.name=prefix_shared", f"{MB}=64", f"train.logprob_kernel={kernel}"])
+    log-prob kernel (twice the compute dtype's bytes a logit; counted with torch's 10, the H100 video_long record's
+    scoring phases were planned at 1.26-1.34 of their measured peaks), torch's fp32 copies without it; the update
+    keeps the training loss's workspace either way."""
+    cfg = load_run_config([*BASE, "mode.name=prefix_shared", f"{MB}=64", f"train.logprob_kernel={kernel}",
+                           f"dtype={dtype}"])
     s = _shape(cfg)
     classes = M.summarize(M.plan(cfg, "prefix_shared", "keep", "embedded", s), "prefix_shared")["classes"]
     tokens, v = s.mb * s.R, cfg.model.vocab_size

@@ -299,7 +299,7 @@ def plan(cfg: RunConfig, mode: str, residency: str, engine: str, s: Shape | None
     inputs = PlanInputs(s, keep, prefix_kv_fp32=s.prompts * s.P * kv32, prefix_kv=s.prompts * s.P * kv_tok,
                         prefix_graph=prefix_graph_bytes(m, par.tp, par.pp, sp, s.P, s.patches, norm, rope),
                         logits=lambda tokens: logits_bytes(m, par.tp, tokens),
-                        score_logits=lambda tokens: score_logits_bytes(m, par.tp, tokens, logprob_kernel(cfg)),
+                        score_logits=lambda tokens: score_logits_bytes(m, par.tp, tokens, logprob_kernel(cfg), e),
                         activations=lambda tokens, patches: training_forward_bytes(m, par.tp, par.pp, sp, tokens,
                                                                                    patches, norm, rope),
                         rounds=1 + cfg.train.max_resample_rounds if cfg.train.dynamic_sampling else 1,

@@ -147,11 +147,11 @@ def logits_bytes(cfg: ModelConfig, tp: int, tokens: int) -> int:
     return tokens * (cfg.vocab_size // tp) * 10
 
 
-def score_logits_bytes(cfg: ModelConfig, tp: int, tokens: int, kernel: str) -> int:
+def score_logits_bytes(cfg: ModelConfig, tp: int, tokens: int, kernel: str, elem: int = 2) -> int:
     """Loss workspace of a forward-only scoring pass: with the fused log-prob kernel (`kernel="triton"`) the
-    output layer's logits and their [B, S, V] contiguous copy, both live while the copy is made (4 bytes per token
-    and vocabulary entry; the kernel keeps per-row numbers only); with torch's path `logits_bytes`."""
-    return tokens * (cfg.vocab_size // tp) * 4 if kernel == "triton" else logits_bytes(cfg, tp, tokens)
+    output layer's logits and their [B, S, V] contiguous copy in the compute dtype (`elem` bytes), both live while
+    the copy is made (the kernel keeps per-row numbers only); with torch's path `logits_bytes`."""
+    return tokens * (cfg.vocab_size // tp) * 2 * elem if kernel == "triton" else logits_bytes(cfg, tp, tokens)
 
 
 def training_forward_bytes(cfg: ModelConfig, tp: int, pp: int, sp: bool, tokens: int, patches: int,
