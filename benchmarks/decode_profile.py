@@ -73,7 +73,8 @@ def main() -> int:
            "decode_step_gpu_kernel_ms": (gpu_all - gpu_one) / 1e3 / steps,
            "kernel_launches_per_decode_step": (launches_all - launches_one) / steps,
            "top_cpu_ops_self_ms_whole_call": {e.key: round(e.self_cpu_time_total / 1e3, 2) for e in cpu_top},
-           "unshared": a.unshared, "cuda_graphs": eng.cuda_graphs,
+           "unshared": a.unshared, "cuda_graphs": eng.cuda_graphs, "decode_attention": eng.attention,
+           "fused_layer": eng.fused_layer,
            "top_kernels_ms_per_decode_step": dict(sorted(
                ((k[:120], round((t - k_one.get(k, (0, 0))[0]) / 1e3 / steps, 3)) for k, (t, _) in k_all.items()),
                key=lambda kv: -kv[1])[:25]),

@@ -161,7 +161,7 @@ def main() -> int:
         print(json.dumps({"case": name, "decode_alone_s": base, "items_alone_s": t_items}), flush=True)
     res = {"command": "python " + " ".join(sys.argv), "rows": rows, "winners": winners,
            "targets": {"hidden_min": 0.30, "decode_slowdown_max": 0.10}, "window_graphs": a.graphs,
-           "keep_decode_state": a.keep_decode,
+           "keep_decode_state": a.keep_decode, "decode_attention": engine.attention, "fused_layer": engine.fused_layer,
            "prefix_graphs": prefix_graphs.take_stats() if prefix_graphs is not None else None,
            "environment": environment_record()}
     from rollplex_megatron.rollout.window.policy import build_policy
