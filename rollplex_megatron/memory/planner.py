@@ -111,21 +111,25 @@ def resident_phases(name: str, mode: str) -> tuple[str, ...]:
     return PHASE_RESIDENCY[name]
 
 
+def planned_kernel(choice: str) -> str:
+    """The kernel a plan counts for a `train.*_kernel` setting: torch where set so, else triton (`auto` meaning the
+    GPU run's; the trainer's own plan resolves it on its device first: `runtime_cfg`)."""
+    return "torch" if choice == "torch" else "triton"
+
+
 def norm_kernel(cfg: RunConfig) -> str:
-    """The RMSNorm a plan counts: `train.norm_kernel`, `auto` meaning the GPU run's triton (the trainer's own
-    plan resolves it on its device first: `runtime_cfg`)."""
-    return "torch" if cfg.train.norm_kernel == "torch" else "triton"
+    """The RMSNorm a plan counts (`planned_kernel` of `train.norm_kernel`)."""
+    return planned_kernel(cfg.train.norm_kernel)
 
 
 def rope_kernel(cfg: RunConfig) -> str:
-    """The RoPE a plan counts: `train.rope_kernel`, `auto` meaning the GPU run's triton (as `norm_kernel`)."""
-    return "torch" if cfg.train.rope_kernel == "torch" else "triton"
+    """The RoPE a plan counts (`planned_kernel` of `train.rope_kernel`)."""
+    return planned_kernel(cfg.train.rope_kernel)
 
 
 def logprob_kernel(cfg: RunConfig) -> str:
-    """The log-prob kernel a plan counts: `train.logprob_kernel`, `auto` meaning the GPU run's triton (as
-    `norm_kernel`)."""
-    return "torch" if cfg.train.logprob_kernel == "torch" else "triton"
+    """The log-prob kernel a plan counts (`planned_kernel` of `train.logprob_kernel`)."""
+    return planned_kernel(cfg.train.logprob_kernel)
 
 
 def window_graph_bytes(cfg: RunConfig, s: Shape) -> int:
