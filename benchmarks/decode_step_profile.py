@@ -33,8 +33,9 @@ def main() -> int:
                     help="decode_attention:sampling_kernel[:opts] to profile; opts joined by +: norope (the Triton "
                          "attention without the fused RoPE and cache write), nonorm (torch's RMSNorm), nolayer "
                          "(megatron's layer modules instead of the fused layer path, models/decode_layers.py; "
-                         "norope and nonorm turn it off too), skip (the Triton response kernel skips the key blocks "
-                         "past each sample's length, attention/triton_decode.py skip_empty)")
+                         "norope and nonorm turn it off too), noskip (the Triton response kernel runs the key blocks "
+                         "past each sample's length masked instead of skipping them, attention/triton_decode.py "
+                         "skip_empty=False)")
     ap.add_argument("--cases", default="shared_16x8,shared_8x8,shared_8x1,unshared_128x1",
                     help="name_GROUPSxSAMPLES: groups sharing one prefix each, samples per group")
     ap.add_argument("--split-halves", action="store_true",
@@ -76,7 +77,7 @@ def main() -> int:
     for name, groups, n, impl, samp, opt in cases:
         if name.endswith("_split") and not getattr(model, "_split_halves", False):
             split_halves(model, a.split_only)
-        skip = "skip" in opt.split("+")
+        skip = "noskip" not in opt.split("+")
         embedded.triton_shared_prefix_decode_attention = partial(triton_shared_prefix_decode_attention, skip_empty=skip)
         eng = EmbeddedEngine(model, cfg, 4096, a.max_new, kv_cache_gib=60.0, decode_attention=impl,
                              sampling_kernel=samp, fused_rope="norope" not in opt, fused_norm="nonorm" not in opt,
@@ -105,7 +106,7 @@ def main() -> int:
         rows[name] = {"groups": groups, "samples_per_group": n, "decode_attention": eng.attention,
                       "sampling_kernel": "triton" if dec.fused_sampling else "torch", "fused_rope": eng.fused_rope,
                       "fused_norm": eng.fused_norm, "fused_layer": eng.fused_layer, "layer_error": eng.layer_error,
-                      "skip_empty_response_blocks": skip,
+                      "skip_empty_response_blocks": skip and impl == "triton",
                       "step_ms": step_ms,
                       "kernel_ms_per_step": total, "kernels_per_step": sum(e.count for e in kernels) / 3,
                       "cuda_graphs": eng.cuda_graphs, "graph_error": eng.graph_error, "window": key[2],
@@ -115,7 +116,7 @@ def main() -> int:
         print(json.dumps({name: {k: v for k, v in rows[name].items() if not k.startswith("top_")}}), flush=True)
         print(json.dumps(dict(list(rows[name]["top_kernels_ms_per_step"].items())[:8])), flush=True)
         del dec, cache, store
-    res = {"command": "python " + " ".join(sys.argv), "split_only": a.split_only,
+    res = {"command": "python " + " ".join(sys.argv), "preset": a.preset, "split_only": a.split_only,
            "prompt_tokens": int(prompt.input_ids.numel()), "rows": rows,
            "environment": environment_record()}
     if a.out:

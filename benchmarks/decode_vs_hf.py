@@ -64,20 +64,24 @@ def write_checkpoint(preset: str, path: str, dtype: torch.dtype) -> None:
 
 
 def prompts(cfg, groups: int, grid: tuple[int, int, int], text_tokens: int, seed: int = 0):
-    """`groups` distinct video prompts of equal length (Prompt objects)."""
+    """`groups` distinct video prompts of equal length (Prompt objects), in the family's video format (one
+    placeholder run, or one run per frame)."""
+    from rollplex_megatron.models.registry import model_spec
     from rollplex_megatron.prefix.batch import Prompt
 
     g = torch.Generator().manual_seed(seed)
     v = cfg.vision
     t, h, w = grid
     n_patch, n_tok = t * h * w, t * h * w // v.spatial_merge_size**2
+    runs = t if model_spec(cfg).processor.video_run_per_frame else 1
+    start, end = torch.tensor([cfg.vision_start_token_id]), torch.tensor([cfg.vision_end_token_id])
+    video = [x for _ in range(runs) for x in (start, torch.full((n_tok // runs,), cfg.video_token_id), end)]
     width = v.in_channels * v.temporal_patch_size * v.patch_size**2
     out = []
     for _ in range(groups):
         hi = min(cfg.image_token_id, cfg.vision_start_token_id, cfg.vocab_size, 150000)  # ordinary text ids
         text = torch.randint(0, hi, (text_tokens,), generator=g)
-        ids = torch.cat([text[:4], torch.tensor([cfg.vision_start_token_id]),
-                         torch.full((n_tok,), cfg.video_token_id), torch.tensor([cfg.vision_end_token_id]), text[4:]])
+        ids = torch.cat([text[:4], *video, text[4:]])
         out.append(Prompt(ids, pixel_values_videos=torch.randn(n_patch, width, generator=g),
                           video_grid_thw=torch.tensor([list(grid)]), second_per_grid_ts=torch.tensor([1.0])))
     return out
@@ -87,13 +91,13 @@ def random_model(preset: str):
     """One process's parallel state and the preset with random weights (bf16 on GPU, fp32 on CPU),
     in eval mode: (model config, model, on GPU)."""
     from rollplex_megatron.dist import init_parallel
-    from rollplex_megatron.models.qwen25vl import build_model
+    from rollplex_megatron.models.registry import model_spec
     from rollplex_megatron.recipes import load_run_config
 
     gpu = torch.cuda.is_available()
     init_parallel(1, 1, 0, "nccl" if gpu else "gloo")
     cfg = load_run_config([f"model={preset}"]).model
-    return cfg, build_model(cfg, "bfloat16" if gpu else "float32").eval(), gpu
+    return cfg, model_spec(cfg).build(cfg, "bfloat16" if gpu else "float32").eval(), gpu
 
 
 def cuda_kernels(prof) -> list:
@@ -140,15 +144,15 @@ def run_engine(model, cfg, ps, G: int, new_tokens: int, shared: bool, kv_gib: fl
     """One timed rollout after a warm-up one. `kept`: the engine keeps its decode state
     (rollout.keep_decode_state) and warms up on the same requests, so the timed rollout replays the warm-up's
     graphs (its capture_s is what a later rollout of a training run pays). `opts` (joined by +): nolayer
-    (megatron's layer modules instead of the fused layer path), skip (the Triton response kernel skips the key
-    blocks past each sample's length)."""
+    (megatron's layer modules instead of the fused layer path), noskip (the Triton response kernel runs the key
+    blocks past each sample's length masked instead of skipping them)."""
     from rollplex_megatron.attention.triton_decode import triton_shared_prefix_decode_attention
     from rollplex_megatron.rollout import embedded
     from rollplex_megatron.rollout.engine import RolloutRequest
     from rollplex_megatron.rollout.sampling import SamplingParams
 
     embedded.triton_shared_prefix_decode_attention = partial(triton_shared_prefix_decode_attention,
-                                                             skip_empty="skip" in opts.split("+"))
+                                                             skip_empty="noskip" not in opts.split("+"))
     eng = embedded.EmbeddedEngine(model, cfg, max_prompt_len=max(p.input_ids.numel() for p in ps),
                                   max_response_len=new_tokens, kv_cache_gib=kv_gib, cuda_graphs=graphs,
                                   decode_attention=attention, sampling_kernel=sampling, keep_decode_state=kept,
@@ -170,7 +174,7 @@ def run_engine(model, cfg, ps, G: int, new_tokens: int, shared: bool, kv_gib: fl
     return {"total_s": total, "prefill_s": st["prefill_s"], "decode_s": st["decode_s"], "waves": st["waves"],
             "decode_steps": st["decode_steps"], "decode_attention": eng.attention, "sampling_kernel": st["sampling"],
             "fused_rope": eng.fused_rope, "fused_norm": eng.fused_norm, "fused_layer": eng.fused_layer,
-            "skip_empty_response_blocks": "skip" in opts.split("+"),
+            "skip_empty_response_blocks": "noskip" not in opts.split("+"),
             "cuda_graphs": eng.cuda_graphs, "graph_error": eng.graph_error,
             "graphs_captured": st["graphs_captured"],
             "graph_replays": st["graph_replays"], "capture_s": st["capture_s"], "kept_state": kept,
@@ -192,7 +196,7 @@ def main() -> int:
                     help="engine_shared runs the first decode_attention:sampling_kernel[:opts] path; each further "
                          "one runs as engine_shared_<attention>_<sampling>[_<opts>] in the same run (e.g. "
                          "triton:triton,triton:triton:nolayer,flash:torch); opts joined by +: nolayer (megatron's "
-                         "layer modules), skip (the response kernel skips the blocks past each length)")
+                         "layer modules), noskip (the response kernel runs the blocks past each length masked)")
     ap.add_argument("--only-paths", action="store_true", help="skip the unshared, eager, math and hf runs")
     ap.add_argument("--kept", action="store_true",
                     help="also the first path with rollout.keep_decode_state (a rollout after one of the same shape)")

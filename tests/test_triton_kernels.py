@@ -145,6 +145,8 @@ def test_skipping_the_empty_response_blocks_gives_the_same_bits(monkeypatch):
                      "            if n_lo + start + BLOCK_N < n_hi:",
                      "from rollplex_megatron.attention.triton_decode import _NEG, _block")
     monkeypatch.setattr(triton_decode, "_partial", mutant)
+    # a compiled `_resp_kernel` keeps the `_partial` it was built with: a fresh JIT of it picks up the mutant
+    monkeypatch.setattr(triton_decode, "_resp_kernel", triton.jit(triton_decode._resp_kernel.fn))
     assert not torch.equal(_triton(c, skip_empty=True), ran[False][0])
 
 

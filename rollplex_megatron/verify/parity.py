@@ -70,11 +70,12 @@ def position_ids_for(cfg: ModelConfig, inputs: dict) -> torch.Tensor:
     return pos
 
 
-def hf_logits(hf_dir: str, inputs: dict) -> torch.Tensor:
-    """The family's transformers logits [B,S,V] in fp32 on the CPU."""
+def hf_logits(hf_dir: str, inputs: dict, dtype: torch.dtype = torch.float32, device: str = "cpu") -> torch.Tensor:
+    """The family's transformers logits [B,S,V] as fp32 on the CPU (the model run in `dtype` on `device`)."""
     reference = model_spec(open_hf(hf_dir).model_config()).hf.reference_model
-    model = reference.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="sdpa")
+    model = reference.from_pretrained(hf_dir, dtype=dtype, attn_implementation="sdpa").to(device)
     model.eval()
+    inputs = {k: v.to(device, dtype) if k.startswith("pixel") else v.to(device) for k, v in inputs.items()}
     cfg = model.config
     ids = inputs["input_ids"]
     mm = (ids == cfg.image_token_id).int() + 2 * (ids == cfg.video_token_id).int()
@@ -86,25 +87,28 @@ def hf_logits(hf_dir: str, inputs: dict) -> torch.Tensor:
                     image_grid_thw=inputs["image_grid_thw"],
                     pixel_values_videos=inputs["pixel_values_videos"],
                     video_grid_thw=inputs["video_grid_thw"], mm_token_type_ids=mm, **timing)
-    return out.logits.float()
+    return out.logits.float().cpu()
 
 
-def megatron_logits(hf_dir: str, inputs: dict, tp: int) -> torch.Tensor:
-    """The megatron model's logits [B,S,V] (TP-gathered) after loading `hf_dir` (PP=1)."""
+def megatron_logits(hf_dir: str, inputs: dict, tp: int, dtype: str = "float32", after_load=None) -> torch.Tensor:
+    """The megatron model's logits [B,S,V] (TP-gathered) as fp32 on the CPU after loading `hf_dir` (PP=1), the
+    model built in `dtype` on this process's device; `after_load(model)` runs once the weights are in."""
     ckpt = open_hf(hf_dir)
     cfg = ckpt.model_config()
     spec = model_spec(cfg)
     check_model_parallel(cfg, ParallelConfig(tp=tp))
     init_parallel(tp=tp, pp=1)
-    model = spec.build(cfg, "float32")
+    model = spec.build(cfg, dtype)
     spec.hf.load(model, ckpt, cfg, ps.get_tensor_model_parallel_rank(), tp, 0, 1)
+    if after_load is not None:
+        after_load(model)
     model.eval()
     with torch.no_grad():
         logits = model(input_ids=inputs["input_ids"], position_ids=position_ids_for(cfg, inputs),
                        pixel_values=inputs["pixel_values"], image_grid_thw=inputs["image_grid_thw"],
                        pixel_values_videos=inputs["pixel_values_videos"],
                        video_grid_thw=inputs["video_grid_thw"])
-        return spec.decode.gather_logits(logits, cfg.vocab_size).float()
+        return spec.decode.gather_logits(logits, cfg.vocab_size).float().cpu()
 
 
 def verify_rank(hf_dir: str, tp: int, seed: int = 0) -> dict:

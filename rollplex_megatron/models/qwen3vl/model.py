@@ -186,7 +186,7 @@ class Qwen3VLModel(Q25.Qwen25VLModel):
         self.model_type = ModelType.encoder_or_decoder  # read by megatron's schedules
         self.padded_vocab = cfg.padded_vocab_size(tp)
         self.vision = VisionTower(cfg, dtype, tp, meta) if pre_process else None
-        self._inv_freq: dict = {}  # {device: the LLM rotary's inverse frequencies there} (`rotary`)
+        self._rope_tables: dict = {}  # {device: the LLM rotary's inverse frequencies and axes there} (`rotary`)
         # RoPE is ours (interleaved M-RoPE, `rotary`), so GPTModel builds none
         self.language_model = GPTModel(
             config=tc, transformer_layer_spec=layer_spec(True, "RMSNorm", True), vocab_size=self.padded_vocab,
@@ -198,14 +198,16 @@ class Qwen3VLModel(Q25.Qwen25VLModel):
     def rotary(self, position_ids_3BS: torch.Tensor) -> torch.Tensor:
         """Interleaved M-RoPE angles [S,B,1,D] of position ids [3,B,S]."""
         dev = position_ids_3BS.device
-        inv = self._inv_freq.get(dev)
-        if inv is None:
-            inv = host_constant(P.llm_inv_freq(self.cfg.head_dim, self.cfg.rope_theta), dev)
+        tables = self._rope_tables.get(dev)
+        if tables is None:
+            inv = P.llm_inv_freq(self.cfg.head_dim, self.cfg.rope_theta)
+            tables = (host_constant(inv, dev), host_constant(P.mrope_axes(inv.numel(), list(self.cfg.mrope_section)),
+                                                             dev))
             if not (dev.type == "cuda" and torch.cuda.is_current_stream_capturing()):
                 # kept per device: a decode step's CUDA graph (captured after the step's eager run) copies nothing
                 # from the host; a copy recorded inside a capture is not kept (it is filled only by replays)
-                self._inv_freq[dev] = inv
-        return P.mrope_interleaved_freqs(position_ids_3BS, inv, list(self.cfg.mrope_section))
+                self._rope_tables[dev] = tables
+        return P.mrope_interleaved_freqs(position_ids_3BS, *tables)
 
     def embed(self, input_ids, pixel_values=None, image_grid_thw=None, pixel_values_videos=None, video_grid_thw=None,
               check: bool = True) -> torch.Tensor:

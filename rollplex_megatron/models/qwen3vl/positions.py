@@ -21,19 +21,24 @@ import torch
 from rollplex_megatron.models.qwen25vl.positions import vision_cu_seqlens, vision_patch_positions, vision_rotary_freqs
 
 
-def mrope_interleaved_freqs(position_ids_3BS: torch.Tensor, inv_freq: torch.Tensor,
-                            mrope_section: list[int]) -> torch.Tensor:
-    """Rotary angles [S,B,1,D] (megatron's rotate-half layout: the D/2 angles twice) of interleaved M-RoPE.
+def mrope_axes(half: int, mrope_section: list[int]) -> torch.Tensor:
+    """[D/2] the position axis (0 T, 1 H, 2 W) each rotary frequency of interleaved M-RoPE reads.
 
     Frequency i takes the H axis where i % 3 == 1 and i < 3 * sections[1], the W axis where i % 3 == 2 and
     i < 3 * sections[2], else T (HF Qwen3-VL `Qwen3VLTextRotaryEmbedding.recomposition_frequencies`)."""
-    half = inv_freq.numel()
     idx = torch.arange(half)
     axis = torch.zeros(half, dtype=torch.long)
     axis[(idx % 3 == 1) & (idx < 3 * mrope_section[1])] = 1
     axis[(idx % 3 == 2) & (idx < 3 * mrope_section[2])] = 2
-    angles = position_ids_3BS.float()[..., None] * inv_freq.float().to(position_ids_3BS.device)  # [3,B,S,D/2]
-    picked = angles.gather(0, axis.to(angles.device).view(1, 1, 1, half).expand(1, *angles.shape[1:]))[0]
+    return axis
+
+
+def mrope_interleaved_freqs(position_ids_3BS: torch.Tensor, inv_freq: torch.Tensor, axis: torch.Tensor) -> torch.Tensor:
+    """Rotary angles [S,B,1,D] (megatron's rotate-half layout: the D/2 angles twice) of interleaved M-RoPE, from
+    the inverse frequencies [D/2] and `mrope_axes` [D/2], both on the position ids' device."""
+    half = inv_freq.numel()
+    angles = position_ids_3BS.float()[..., None] * inv_freq.float()  # [3,B,S,D/2]
+    picked = angles.gather(0, axis.view(1, 1, 1, half).expand(1, *angles.shape[1:]))[0]
     return torch.cat([picked, picked], dim=-1).transpose(0, 1)[:, :, None, :].contiguous()
 
 
