@@ -165,6 +165,17 @@ def rotary_host_ops(hf_dir: str, mutate: str = "") -> dict:
     return {"host_ops_after_first": len(host.ops), "same": same}
 
 
+def layer_norm_dtypes(hf_dir: str) -> list[str]:
+    """The dtypes of every torch LayerNorm's parameters in a bf16 build of the model."""
+    from rollplex_megatron.dist import init_parallel
+
+    cfg = registry.open_hf(hf_dir).model_config()
+    init_parallel(tp=1, pp=1)
+    model = registry.model_spec(cfg).build(cfg, "bfloat16")
+    return sorted({str(p.dtype) for m in model.modules() if isinstance(m, torch.nn.LayerNorm)
+                   for p in m.parameters()})
+
+
 @pytest.fixture(scope="module")
 def tiny_qwen3vl(tmp_path_factory):
     """The tiny untied Qwen3-VL checkpoint."""
@@ -178,6 +189,7 @@ def parity_jobs(tiny_qwen3vl):
     one["drop"] = (parity, (tiny_qwen3vl, 1, "image", True))
     one["verify_hf"], one["verify_hf_drop"] = (verify_rank, (tiny_qwen3vl, 1, 0)), (verify_dropped, (tiny_qwen3vl, 1))
     one.update({f"rotary{m}": (rotary_host_ops, (tiny_qwen3vl, m)) for m in ("", "uncached", "host_axis")})
+    one["layer_norm_dtypes"] = (layer_norm_dtypes, (tiny_qwen3vl,))
     two = {k: (parity, (tiny_qwen3vl, 2, k)) for k in KINDS}
     two["verify_hf"] = (verify_rank, (tiny_qwen3vl, 2, 0))
     return {1: run_local(in_turn, 1, one)[0], 2: run_local(in_turn, 2, two, False)}
@@ -303,3 +315,10 @@ def test_the_llm_rotary_reads_nothing_from_the_host_after_its_first_call(parity_
     for m in ("uncached", "host_axis"):
         r = case(parity_jobs[1], f"rotary{m}")
         assert r["host_ops_after_first"] > 0 and r["same"], (m, r)
+
+
+def test_a_bf16_build_keeps_its_layer_norms_in_bf16(parity_jobs):
+    """The vision blocks' LayerNorms (megatron's local spec builds torch's with fp32 weights) are in the model's
+    dtype: CUDA's layer_norm takes no weights of another dtype than its input (CPU's does), which stopped the
+    4B shape's first bf16 forward on a GPU."""
+    assert case(parity_jobs[1], "layer_norm_dtypes") == ["torch.bfloat16"]

@@ -133,6 +133,11 @@ class VisionTower(MegatronModule):
         self.pos_embed = torch.nn.Embedding(v.num_position_embeddings, v.hidden_size, dtype=dtype)
         self.blocks = TransformerBlock(config=tc, spec=layer_spec(False, "LayerNorm", False), post_layer_norm=False,
                                        pre_process=True, post_process=False)
+        for m in self.blocks.modules():
+            # megatron's local spec builds torch's LayerNorm with fp32 weights; CUDA's layer_norm takes no weights of
+            # another dtype than its input (CPU's does), so they are held in the tower's dtype, as HF holds them
+            if isinstance(m, torch.nn.LayerNorm):
+                m.to(dtype)
         merger = lambda post: PatchMerger(tc, v.hidden_size, v.out_hidden_size, v.spatial_merge_size, post)  # noqa
         self.merger = merger(False)
         self.deepstack_mergers = torch.nn.ModuleList(merger(True) for _ in v.deepstack_visual_indexes)
