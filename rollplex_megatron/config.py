@@ -630,6 +630,11 @@ class MemoryConfig:
 
     kv_cache_gib: float = setting(8.0, "rollout KV cache budget per GPU; more groups than fit wait (queue)")
     budget_gib: float = setting(0.0, "HBM per GPU the run's plan must fit, checked before models are built; 0: none")
+    cap_gib: float = setting(0.0, "a hard cap on torch's allocator per GPU (torch.cuda."
+                             "set_per_process_memory_fraction), set before any model is built: past it the run stops "
+                             "with an out-of-memory error rather than take memory another process on the GPU needs; "
+                             "0: none. memory.budget_gib is what the plan must fit; the cap bounds what the allocator "
+                             "really reserves")
     plan: str = setting("auto", "Residency plan (memory/manager.py): keep = everything stays on the device (naive "
                         "colocation); phase = main weights and Adam states offloaded outside the optimizer step, "
                         "gradients freed outside the update, the reference offloaded where unused, the actor prefix "
@@ -677,6 +682,8 @@ class MemoryConfig:
             raise ValueError(f"memory.kv_cache_gib must be > 0, got {self.kv_cache_gib}")
         if self.budget_gib < 0:
             raise ValueError(f"memory.budget_gib must be >= 0 (0: no budget), got {self.budget_gib}")
+        if self.cap_gib < 0:
+            raise ValueError(f"memory.cap_gib must be >= 0 (0: no cap), got {self.cap_gib}")
         if self.optimizer_step not in ("resident", "stream", "auto"):
             raise ValueError(f"memory.optimizer_step must be resident, stream or auto, got {self.optimizer_step!r}")
         if not self.optimizer_bucket_mib > 0 or self.optimizer_buckets < 2:

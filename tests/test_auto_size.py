@@ -178,3 +178,27 @@ def test_window_auto_is_never_slower_than_after():
         assert window._resolved == r["mechanism"] == policy_mechanism(r["batch"])[0]
     cfg = load_run_config(BASE)
     assert cfg.mode.window == "auto" and DecodeWindow.from_config(cfg.mode, cfg.parallel).mechanism == "interleave"
+
+
+def test_the_allocator_cap_is_checked_before_any_model(monkeypatch):
+    """memory.cap_gib: negative refused by the config; on a machine without a GPU refused in one line naming it; on a
+    GPU, a cap over the card refused and a cap under it set as the allocator's fraction of the card (the device
+    calls stubbed here; tests/test_gpu_planner_edge.py runs a real one, with a cap that must stop a run)."""
+    from rollplex_megatron.recipes import load_run_config
+    from rollplex_megatron.trainer import runtime
+
+    with pytest.raises(ValueError, match=r"memory.cap_gib must be >= 0"):
+        load_run_config(["memory.cap_gib=-1"])
+    runtime.cap_allocator(0)  # no cap: nothing asked of the device
+    with pytest.raises(ValueError, match=r"memory.cap_gib=3 caps a GPU's allocator and this run has no GPU"):
+        runtime.cap_allocator(3)
+    fractions = []
+    monkeypatch.setattr(runtime.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(runtime.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(runtime.torch.cuda, "get_device_properties",
+                        lambda d: type("P", (), {"total_memory": 80 * 2**30})())
+    monkeypatch.setattr(runtime.torch.cuda, "set_per_process_memory_fraction", fractions.append)
+    with pytest.raises(ValueError, match=r"memory.cap_gib=81 is more than this GPU's 80.0 GiB"):
+        runtime.cap_allocator(81)
+    runtime.cap_allocator(60)
+    assert fractions == [0.75]

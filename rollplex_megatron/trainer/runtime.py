@@ -249,6 +249,19 @@ def check_window_graphs(cfg: RunConfig, released, cuda: bool) -> None:
                          " or auto with room for the reference, or drop the override")
 
 
+def cap_allocator(cap_gib: float) -> None:
+    """`memory.cap_gib`: torch's allocator on this process's GPU stops at `cap_gib` (0: no cap)."""
+    if not cap_gib:
+        return
+    if not torch.cuda.is_available():
+        raise ValueError(f"memory.cap_gib={cap_gib:g} caps a GPU's allocator and this run has no GPU: drop it")
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    if cap_gib * 2**30 > total:
+        raise ValueError(f"memory.cap_gib={cap_gib:g} is more than this GPU's {total / 2**30:.1f} GiB: lower it, "
+                         "or 0 for no cap")
+    torch.cuda.set_per_process_memory_fraction(cap_gib * 2**30 / total)
+
+
 class Runtime:
     """What every mode uses: actor (DDP), reference, optimizer, rollout engine, data source, loss."""
 
@@ -271,6 +284,7 @@ class Runtime:
             print(auto_size_text(auto, self.plan["released"] if cfg.memory.plan == "auto" else None), flush=True)
         check_run_fits(cfg, self.source, self.plan)  # over the machine's free memory (CPU: the host's) too
         check_window_graphs(cfg, self.plan["released"], torch.cuda.is_available())
+        cap_allocator(cfg.memory.cap_gib)
         if cfg.rollout.engine == "embedded":
             check_decode_settings(cfg)  # the decode kernels this device can run, before any model
         actor = build_policy(cfg)
