@@ -14,12 +14,6 @@ export PYTHONPATH=/tmp/site:$PWD
 # and beside it $out/NAME less .txt, plus .json: the command, each test's verdict and the environment (device, versions, commit, date)
 gpu_tests() {
   python3 -m pytest -q -rA -p no:cacheprovider "$1" 2>&1 | grep -v -i warn | tee "$out/$2" | tail -25 || true
-  python3 - "$1" "$out/$2" <<'PY' || true
-import json, re, sys
-from rollplex_megatron.runtime import environment_record
-test, txt = sys.argv[1:]
-verdicts = re.findall(r"^(PASSED|FAILED|ERROR|SKIPPED) (.+)$", open(txt).read(), re.M)
-json.dump({"command": f"python3 -m pytest -q -rA -p no:cacheprovider {test}", "verdicts": [list(v) for v in verdicts],
-           "environment": environment_record()}, open(txt.removesuffix(".txt") + ".json", "w"), indent=1)
-PY
+  python3 benchmarks/pytest_record.py "$out/$2" "$out/${2%.txt}.json" \
+    --command "python3 -m pytest -q -rA -p no:cacheprovider $1" || true
 }
