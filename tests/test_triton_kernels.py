@@ -21,8 +21,6 @@ CUDA) in fp32; on the GPU machine the same tests run the compiled kernels, in bf
 """
 import importlib.util
 import inspect
-import tempfile
-from pathlib import Path
 
 import pytest
 import torch
@@ -73,7 +71,7 @@ def _attention_case(seed, groups, per_group, p_max, rm, ng=2, rep=4, d=32):
     return case
 
 
-def _triton(c, plen=None, group=None, rlen=None, skip_empty=False):
+def _triton(c, plen=None, group=None, rlen=None, skip_empty=True):  # the kernel's default
     group = c["group"] if group is None else group
     slot, s_max = group_slots(group, c["pk"].shape[0])
     idx = triton_index(group, slot, s_max, c["plen"] if plen is None else plen, c["rlen"] if rlen is None else rlen)
@@ -119,7 +117,7 @@ def _counted_block(q, k_base, v_base, stride_kn, start, n_hi, scale, offs_d, m_i
     return _real_block(q, k_base, v_base, stride_kn, start, n_hi, scale, offs_d, m_i, l_i, acc, BLOCK_N)
 
 
-def test_skipping_the_empty_response_blocks_gives_the_same_bits(monkeypatch):
+def test_skipping_the_empty_response_blocks_gives_the_same_bits(monkeypatch, tmp_path):
     """`skip_empty`: the response kernel runs only the key blocks that start before each sample's length (counted
     on CPU, where the interpreter runs the kernels as Python), and gives the output of running every block masked
     bit for bit, with responses of 0 keys, part of a block, several blocks and past one split; mutation: a skip
@@ -141,7 +139,7 @@ def test_skipping_the_empty_response_blocks_gives_the_same_bits(monkeypatch):
         assert ran[False][1] - ran[True][1] == resp_all - resp_live > 0
     assert torch.equal(ran[False][0], ran[True][0])
     assert _rel(ran[True][0], _reference(c)) < TOL
-    mutant = _mutant(Path(tempfile.mkdtemp()), triton_decode._partial, "            if n_lo + start < n_hi:",
+    mutant = _mutant(tmp_path, triton_decode._partial, "            if n_lo + start < n_hi:",
                      "            if n_lo + start + BLOCK_N < n_hi:",
                      "from rollplex_megatron.attention.triton_decode import _NEG, _block")
     monkeypatch.setattr(triton_decode, "_partial", mutant)
