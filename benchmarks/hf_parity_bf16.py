@@ -33,21 +33,16 @@ def write_random_checkpoint(cfg, path: str, seed: int, device: str) -> None:
     """The preset's shapes as the family's transformers model, random O(1)-logit weights, saved in bf16."""
     from rollplex_megatron.models.registry import model_spec
 
+    sys.path.insert(0, ".")  # run from the repository root: the tests' random-weight helper
+    from tests.hf_models import randomise_o1
+
     spec = model_spec(cfg)
     hf_cfg = spec.hf.reference_model.config_class.from_dict(spec.hf.config_to_hf(cfg))
     torch.manual_seed(seed)
     with torch.device(device):
         model = spec.hf.reference_model(hf_cfg)
-    g = torch.Generator(device=device).manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name and name.endswith("weight"):
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g, device=device))
-            elif name.endswith("bias"):
-                p.copy_(0.1 * torch.randn(p.shape, generator=g, device=device))
-            else:
-                fan_in = p[0].numel() if p.dim() > 1 else p.numel()
-                p.copy_(torch.randn(p.shape, generator=g, device=device) / fan_in**0.5)
+    randomise_o1(model, seed, lambda n: "norm" in n and n.endswith("weight"), norm_sd=0.2, bias_sd=0.1, scale=1.0,
+                 device=device)
     model.to(torch.bfloat16).save_pretrained(path)
     del model
 

@@ -12,6 +12,23 @@ TINY_VISION = dict(depth=4, hidden_size=32, intermediate_size=48, num_heads=2, o
 TINY_TOKENS = dict(image_token_id=310, video_token_id=311, vision_start_token_id=312, vision_end_token_id=313)
 
 
+def randomise_o1(model, seed: int, is_norm, norm_sd: float = 0.3, bias_sd: float = 0.2, scale: float = 1.5,
+                 device: str = "cpu") -> None:
+    """Draw `model`'s weights so its logits are O(1) and layout or position mistakes show: norm weights (`is_norm`
+    of the parameter name) 1 + N(0, norm_sd), biases N(0, bias_sd), every other tensor N(0, 1) * scale / sqrt(fan-in),
+    in parameter order from one generator on `device`."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if is_norm(name):
+                p.copy_(1.0 + norm_sd * torch.randn(p.shape, generator=g, device=device))
+            elif name.endswith("bias"):
+                p.copy_(bias_sd * torch.randn(p.shape, generator=g, device=device))
+            else:
+                fan_in = p[0].numel() if p.dim() > 1 else p.numel()
+                p.copy_(torch.randn(p.shape, generator=g, device=device) * (scale / fan_in**0.5))
+
+
 def make_tiny_hf(path, seed: int = 0, tie: bool = False, text=None, vision=None) -> str:
     """Save a random tiny Qwen2_5_VLForConditionalGeneration with O(1) logits to `path`.
 
@@ -25,16 +42,7 @@ def make_tiny_hf(path, seed: int = 0, tie: bool = False, text=None, vision=None)
                            **TINY_TOKENS)
     torch.manual_seed(seed)
     model = Qwen2_5_VLForConditionalGeneration(cfg)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight") or "norm1" in name or "norm2" in name or "ln_q" in name \
-                    or "layernorm" in name:
-                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=g))
-            elif name.endswith("bias"):
-                p.copy_(0.2 * torch.randn(p.shape, generator=g))
-            else:
-                fan_in = p[0].numel() if p.dim() > 1 else p.numel()
-                p.copy_(torch.randn(p.shape, generator=g) * (1.5 / fan_in**0.5))
+    randomise_o1(model, seed, lambda n: n.endswith("norm.weight") or "norm1" in n or "norm2" in n or "ln_q" in n
+                 or "layernorm" in n)
     model.save_pretrained(str(path))
     return str(path)

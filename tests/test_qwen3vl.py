@@ -12,6 +12,7 @@ from rollplex_megatron.models.qwen3vl import model as M
 from rollplex_megatron.models.qwen3vl import positions as P
 from rollplex_megatron.recipes import load_run_config
 from rollplex_megatron.verify.parity import TOLERANCE, megatron_logits, verify_rank
+from tests.hf_models import randomise_o1
 from tests.in_turn import case, cases, in_turn
 
 # head_dim 24 != hidden / heads (16): the LLM's own head dim; a 4x4 learned position table resampled to every grid
@@ -34,16 +35,7 @@ def make_tiny_qwen3vl(path, seed: int = 0, tie: bool = False) -> str:
                         tie_word_embeddings=tie, **TINY_TOKENS)
     torch.manual_seed(seed)
     model = Qwen3VLForConditionalGeneration(cfg)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name and name.endswith("weight"):
-                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=g))
-            elif name.endswith("bias"):
-                p.copy_(0.2 * torch.randn(p.shape, generator=g))
-            else:
-                fan_in = p[0].numel() if p.dim() > 1 else p.numel()
-                p.copy_(torch.randn(p.shape, generator=g) * (1.5 / fan_in**0.5))
+    randomise_o1(model, seed, lambda n: "norm" in n and n.endswith("weight"))
     model.save_pretrained(str(path))
     return str(path)
 
