@@ -1,11 +1,11 @@
 """GPU-only: a configuration the planner accepts does not run out of memory, at the edge of its budget.
 
-The planner (`trainer/runtime.py` `auto_sizes` and `memory_plan`, the calls `train` makes before building a
-model) is asked for the least `memory.budget_gib` it accepts for a short `video_long`-shaped run of the 3B's widths
-(to 0.5 GiB, by bisection: every size left at `auto` and `memory.plan=auto` choose for each budget tried). `train`
-then runs two steps at that budget with torch's allocator capped there (`memory.cap_gib`): it must finish, every
-phase's measured peak within the budget. The mutation: the same run capped 15% under the plan's own peak must stop
-with an out-of-memory error (the cap bites, so the passing run did fit).
+The planner (`trainer/runtime.py` `run_plan`, what `train` runs before building a model) is asked for the least
+`memory.budget_gib` it accepts for a short `video_long`-shaped run of the 3B's widths (to 0.5 GiB, by bisection:
+every size left at `auto` and `memory.plan=auto` choose for each budget tried). `train` then runs two steps at that
+budget with torch's allocator capped there (`memory.cap_gib`): it must finish, every phase's measured peak within
+the budget. The mutation: the same run capped 15% under the plan's own peak must stop with an out-of-memory error
+(the cap bites, so the passing run did fit).
 
 Marked `gpu`: skipped, with a reason, without CUDA (tests/test_memory_plan.py and tests/test_auto_size.py hold the
 planner's choices on CPU); run on the device machine with `benchmarks/gpu_env.sh`'s `gpu_tests`.
@@ -33,12 +33,10 @@ def _plan(budget_gib: float) -> dict:
     """The planner's plan for the run under `budget_gib` (raises ValueError where it refuses)."""
     from rollplex_megatron.data import build_source
     from rollplex_megatron.recipes import load_run_config
-    from rollplex_megatron.trainer.runtime import auto_sizes, memory_plan
+    from rollplex_megatron.trainer.runtime import run_plan
 
     cfg = load_run_config(OVERRIDES + [f"memory.budget_gib={budget_gib:g}"])
-    source = build_source(cfg)
-    cfg, _ = auto_sizes(cfg, source)
-    return memory_plan(cfg, source)
+    return run_plan(cfg, build_source(cfg))[1]
 
 
 def _edge() -> tuple[float, dict]:

@@ -249,6 +249,15 @@ def check_window_graphs(cfg: RunConfig, released, cuda: bool) -> None:
                          " or auto with room for the reference, or drop the override")
 
 
+def run_plan(cfg: RunConfig, source) -> tuple[RunConfig, dict]:
+    """The run's sizes left to the planner resolved for this device (`auto_sizes`) and the plan for them
+    (`memory_plan`, which raises over memory.budget_gib), the choices kept in the plan as `auto_choices`."""
+    cfg, auto = auto_sizes(cfg, source)
+    plan = memory_plan(cfg, source)
+    plan["auto_choices"] = auto
+    return cfg, plan
+
+
 def cap_allocator(cap_gib: float) -> None:
     """`memory.cap_gib`: torch's allocator on this process's GPU stops at `cap_gib` (0: no cap)."""
     if not cap_gib:
@@ -276,10 +285,8 @@ class Runtime:
         # one group of the longest prompt fits the rollout's KV cache; a rollout model of its own (a weights phase)
         # holds every layer
         check_kv_budget(cfg, self.source, samples, cfg.weights_phase is not None)
-        cfg, auto = auto_sizes(cfg, self.source)  # the sizes left to the planner, for this device's free memory
-        self.cfg = cfg
-        self.plan = memory_plan(cfg, self.source)  # over memory.budget_gib: fails here, before any model
-        self.plan["auto_choices"] = auto
+        cfg, self.plan = run_plan(cfg, self.source)  # over memory.budget_gib: fails here, before any model
+        self.cfg, auto = cfg, self.plan["auto_choices"]
         if auto and dist.get_rank() == 0:
             print(auto_size_text(auto, self.plan["released"] if cfg.memory.plan == "auto" else None), flush=True)
         check_run_fits(cfg, self.source, self.plan)  # over the machine's free memory (CPU: the host's) too
