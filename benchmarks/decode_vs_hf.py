@@ -174,7 +174,7 @@ def run_engine(model, cfg, ps, G: int, new_tokens: int, shared: bool, kv_gib: fl
     return {"total_s": total, "prefill_s": st["prefill_s"], "decode_s": st["decode_s"], "waves": st["waves"],
             "decode_steps": st["decode_steps"], "decode_attention": eng.attention, "sampling_kernel": st["sampling"],
             "fused_rope": eng.fused_rope, "fused_norm": eng.fused_norm, "fused_layer": eng.fused_layer,
-            "skip_empty_response_blocks": "noskip" not in opts.split("+"),
+            "skip_empty_response_blocks": "noskip" not in opts.split("+") and eng.attention == "triton",
             "cuda_graphs": eng.cuda_graphs, "graph_error": eng.graph_error,
             "graphs_captured": st["graphs_captured"],
             "graph_replays": st["graph_replays"], "capture_s": st["capture_s"], "kept_state": kept,
