@@ -103,8 +103,11 @@ def megatron_logits(hf_dir: str, inputs: dict, tp: int, dtype: str = "float32", 
     if after_load is not None:
         after_load(model)
     model.eval()
+    device = next(model.parameters()).device
+    position_ids = position_ids_for(cfg, inputs).to(device)
+    inputs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in inputs.items()}
     with torch.no_grad():
-        logits = model(input_ids=inputs["input_ids"], position_ids=position_ids_for(cfg, inputs),
+        logits = model(input_ids=inputs["input_ids"], position_ids=position_ids,
                        pixel_values=inputs["pixel_values"], image_grid_thw=inputs["image_grid_thw"],
                        pixel_values_videos=inputs["pixel_values_videos"],
                        video_grid_thw=inputs["video_grid_thw"])
