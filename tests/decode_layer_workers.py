@@ -59,8 +59,9 @@ def requests(n_req: int = 2, longer: int = 0) -> list[RolloutRequest]:
 
 @contextmanager
 def counted_kernels(counts: dict):
-    """Count the fused layer path's kernel calls (`decode_layers`' add_rms_norm and silu_mul) within the block."""
-    own = {name: getattr(DL, name) for name in ("add_rms_norm", "silu_mul")}
+    """Count the fused layer path's kernel calls (`decode_layers`' add_rms_norm, silu_mul and Qwen3's grouped query
+    norm) within the block."""
+    own = {name: getattr(DL, name) for name in ("add_rms_norm", "silu_mul", "triton_rms_norm_grouped")}
     for name, fn in own.items():
         setattr(DL, name, lambda *a, _n=name, _f=fn: counts.__setitem__(_n, counts.get(_n, 0) + 1) or _f(*a))
     try:

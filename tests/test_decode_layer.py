@@ -99,6 +99,33 @@ def test_silu_mul_equals_megatrons_gated_activation(offset, tmp_path, monkeypatc
             assert not torch.equal(silu_mul(fc1, offset).nan_to_num(), want.nan_to_num()), name
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_grouped_query_norm_reads_linear_qkvs_output_in_place(dtype, tmp_path, monkeypatch):
+    """Qwen3's query norm on the queries as views into linear_qkv's output [1,B,Ng,(rep+2)*D] (rows of scales
+    1e-2..1e2): bit-equal to the decode norm kernel on megatron's copied queries, a new contiguous tensor, the
+    output untouched; rows that are not contiguous within a group are refused. Mutation: the kernel reads the
+    rows at one stride (as before the groups), which takes keys for queries."""
+    from rollplex_megatron.models import triton_norm as TN
+    from rollplex_megatron.models.triton_norm import triton_rms_norm_grouped
+
+    g = torch.Generator().manual_seed(7)
+    b, ng, rep, d = 5, 3, 4, 64
+    mixed = torch.randn(1, b, ng, (rep + 2) * d, generator=g) * torch.logspace(-2, 2, b)[None, :, None, None]
+    mixed = mixed.to(DEV, dtype)
+    before = mixed.clone()
+    q = mixed[..., :rep * d].unflatten(-1, (rep, d))  # the view decode_layers' _split_qkv makes
+    w = (1 + 0.3 * torch.randn(d, generator=g)).to(DEV)
+    want = triton_rms_norm(q.reshape(1, b, ng * rep, d), w, 1e-6)  # megatron's copied queries [1,B,Nq,D]
+    got = triton_rms_norm_grouped(q, w, 1e-6)
+    assert got.shape == q.shape and got.is_contiguous() and torch.equal(mixed, before)
+    assert torch.equal(got.view(want.shape), want)
+    with pytest.raises(ValueError, match="contiguous within a group"):
+        triton_rms_norm_grouped(q.transpose(-1, -2), w, 1e-6)
+    monkeypatch.setattr(TN, "_rms_norm_fwd", _mutant(tmp_path, TN._rms_norm_fwd,
+                                                     "(rows % GROUP) * n_cols", "(rows % GROUP) * stride_x"))
+    assert not torch.equal(triton_rms_norm_grouped(q, w, 1e-6).view(want.shape), want)
+
+
 @pytest.fixture(scope="module")
 def one_rank():
     """Every one-process engine case of this file in one job (`tests.in_turn`), each on a model of its own."""
@@ -110,13 +137,14 @@ def one_rank():
     return run_local(in_turn, 1, calls)[0]
 
 
-def _ran_fused(res) -> None:
-    """The fused path ran its kernels at every layer of every step (2 add-and-norms, 1 activation), the module
-    path none."""
+def _ran_fused(res, family) -> None:
+    """The fused path ran its kernels at every layer of every step (2 add-and-norms, 1 activation, Qwen3's query
+    norm read in place), the module path none."""
     on, off = res[True], res[False]
     assert (on["fused_layer"], off["fused_layer"], on["layer_error"]) == (True, False, "")
     n = on["steps"] * on["layers"]
-    assert on["calls"] == {"add_rms_norm": 2 * n, "silu_mul": n} and n > 0, on["calls"]
+    want = {"add_rms_norm": 2 * n, "silu_mul": n} | ({"triton_rms_norm_grouped": n} if family == "qwen3" else {})
+    assert on["calls"] == want and n > 0, on["calls"]
     assert off["calls"] == {}
 
 
@@ -126,7 +154,7 @@ def test_fused_layer_decode_equals_the_module_path(one_rank, family, dtype):
     """bf16: the same tokens, log-probs and finish reasons bit for bit; fp32: the same tokens, log-probs within
     FP32_TOL, and both equal to the full-recompute loop within docs/design.md §3's fp32 bound."""
     res = case(one_rank, (family, dtype))
-    _ran_fused(res)
+    _ran_fused(res, family)
     fused, modules = res[True]["results"], res[False]["results"]
     assert sum(len(s) for toks, _, _ in fused for s in toks) > 10
     if dtype == "bfloat16":
@@ -160,7 +188,7 @@ def test_fused_layer_decode_tp2_equals_the_module_path():
     for key in calls:
         a, b = cases(ranks, key)
         for res in (a, b):
-            _ran_fused(res)
+            _ran_fused(res, key[0])
             if key[1] == "bfloat16":
                 assert res[True]["results"] == res[False]["results"]
             else:

@@ -229,8 +229,8 @@ def test_fused_rope_and_cache_write_equal_megatrons_rope_and_index_copy():
 
 def test_fused_rms_norm_equals_torchs_and_is_swapped_in_only_for_decode_inputs(monkeypatch):
     """`triton_rms_norm` within rounding of torch.nn.RMSNorm (fp32 on CPU: 1e-5; bf16 on GPU: the bf16
-    bound); under `fused_rms_norms` a [1, B, H] no-grad input on this thread takes the kernel, and an input
-    with autograd, a longer one, or one on another thread takes torch's module unchanged."""
+    bound); under `fused_rms_norms` a [1, B, H] or [1, B, N, D] no-grad input on this thread takes the kernel, and
+    an input with autograd, a longer one, or one on another thread takes torch's module unchanged."""
     import threading
 
     from rollplex_megatron.rollout import triton_norm
@@ -243,20 +243,24 @@ def test_fused_rms_norm_equals_torchs_and_is_swapped_in_only_for_decode_inputs(m
         norm.weight.copy_(torch.randn(320, generator=g) * 2)
     x = (torch.randn(1, 9, 320, generator=g) * torch.logspace(-2, 2, 9)[None, :, None]).to(DEV, dtype)
     want = norm(x)
+    head = torch.nn.RMSNorm(80, eps=1e-6).to(DEV, dtype)
+    head_want = head(x.view(1, 9, 4, 80))
     assert _rel(triton_rms_norm(x, norm.weight, 1e-6), want) < TOL
     # mutation: a wrong epsilon (1e-2 against rows of rms 1e-2) is caught by the same bound
     assert _rel(triton_rms_norm(x, norm.weight, 1e-2), want) > 2 * TOL
     calls = []
     monkeypatch.setattr(triton_norm, "triton_rms_norm", lambda *a: calls.append(1) or triton_rms_norm(*a))
-    with fused_rms_norms(norm):
+    with fused_rms_norms(torch.nn.ModuleList([norm, head])):
         with torch.no_grad():
             assert _rel(norm(x), want) < TOL and len(calls) == 1
+            heads = x.view(1, 9, 4, 80)  # a per-head norm's decode input [1, B, N, D] (Qwen3's q/k): the kernel too
+            assert _rel(head(heads), head_want) < TOL and len(calls) == 2
             norm(x.expand(3, 9, 320))  # a prefix-stage shape
             other = threading.Thread(target=norm, args=(x,))
             other.start()
             other.join()
         norm(x.requires_grad_(True)).sum().backward()  # autograd: torch's module
-    assert len(calls) == 1 and norm.weight.grad is not None
+    assert len(calls) == 2 and norm.weight.grad is not None
     assert "forward" not in vars(norm)  # the module's own forward is back
 
 
@@ -384,7 +388,7 @@ def _swapped_tiny_model():
     with RN.fused_rms_norms(model.language_model), torch.no_grad():
         out["decode_equal"] = torch.equal(norm(x), TN.FusedRMSNorm.forward(norm, x))  # the context's kernel
         out["decode_calls"] = len(calls)
-        norm(torch.randn(1, 1, 3, cfg.hidden_size, device=x.device))  # another shape: FusedRMSNorm's own forward
+        norm(torch.randn(2, 3, cfg.hidden_size, device=x.device))  # a prefix's shape: FusedRMSNorm's own forward
     out["calls"], out["restored"] = len(calls), "forward" not in vars(norm)
     return out
 

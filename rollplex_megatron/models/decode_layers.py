@@ -14,8 +14,10 @@ product, linear_fc2 and the second in-place add. `decode_layers` runs each layer
 apply as in the module path) and its core attention, and fuses the rest (`models/triton_layer.py`): each residual
 add with the norm after it (the pre-MLP norm, the next layer's input norm, after the last layer the final norm),
 the gated activation in one kernel, and the queries read by group from linear_qkv's output (no copy): 13 kernels.
-Left as they are: linear_qkv's bias add (inside the module, which a second thread's prefix stage shares) and
-Qwen3's per-head q/k norms (megatron's `get_query_key_value_tensors`, copy included).
+Qwen3's per-head query and key norms read linear_qkv's output in place (`triton_rms_norm_grouped`: one kernel
+each, where megatron's `get_query_key_value_tensors` copies the queries and torch's composite RMSNorm runs about
+seven kernels per norm; the module path of a decode step runs the same norm kernel, `rollout/triton_norm.py`).
+Left as it is: linear_qkv's bias add (inside the module, which a second thread's prefix stage shares).
 
 Exactness: every kernel rounds where torch's ops round (the adds: one rounding of the fp32 sum; the norms: the
 decode norm kernel's arithmetic; the activation: torch's silu, add and product), so a bf16 step gives the module
@@ -29,7 +31,7 @@ from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP
 
 from rollplex_megatron.models.triton_layer import add_rms_norm, silu_mul
-from rollplex_megatron.models.triton_norm import default_eps, triton_rms_norm
+from rollplex_megatron.models.triton_norm import default_eps, triton_rms_norm, triton_rms_norm_grouped
 
 
 def decode_layers(decoder, hidden_1BH: torch.Tensor, ctx) -> torch.Tensor:
@@ -51,10 +53,11 @@ def _add_norm(x_1BH, residual_1BH, norm):
 
 def _attention(attn, x_1BH, ctx):
     """SelfAttention.forward of a decode step: q, k, v, the context's attention, linear_proj (its all-reduce)."""
-    if _present(attn.q_layernorm) or _present(attn.k_layernorm):  # Qwen3: megatron's split and per-head norms
-        q, k, v = attn.get_query_key_value_tensors(x_1BH)
-    else:
-        q, k, v = _split_qkv(attn, x_1BH)
+    q, k, v = _split_qkv(attn, x_1BH)
+    if _present(attn.q_layernorm):  # Qwen3's per-head norms, read in place from linear_qkv's output
+        q = triton_rms_norm_grouped(q, attn.q_layernorm.weight, default_eps(attn.q_layernorm.eps))
+    if _present(attn.k_layernorm):
+        k = triton_rms_norm(k, attn.k_layernorm.weight, default_eps(attn.k_layernorm.eps))
     out = attn.core_attention(q, k, v, None, packed_seq_params=ctx)
     return attn.linear_proj(out)[0]
 
@@ -108,4 +111,8 @@ def unsupported(model) -> str:
         return "a decoder without layers, an RMSNorm without weight or no final norm on this stage"
     if any(type(layer.mlp) is not MLP or _present(layer.cross_attention) for layer in dec.layers):
         return "a layer other than self-attention and a dense MLP"
+    qk = [n for layer in dec.layers for n in (layer.self_attention.q_layernorm, layer.self_attention.k_layernorm)
+          if _present(n)]
+    if not all(isinstance(n, torch.nn.RMSNorm) and n.weight is not None for n in qk):
+        return "a per-head query or key norm other than torch's RMSNorm with a weight"
     return ""

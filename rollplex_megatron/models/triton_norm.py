@@ -43,12 +43,15 @@ def _cast(v, dt: tl.constexpr, RNE_BF16: tl.constexpr):
 
 @triton.jit
 def _rms_norm_fwd(x_ptr, w_ptr, y_ptr, rstd_ptr, stride_x, stride_y, n_rows, n_cols, eps, BLOCK: tl.constexpr,
-                  ROWS: tl.constexpr, STORE_RSTD: tl.constexpr, RNE_BF16: tl.constexpr):
+                  ROWS: tl.constexpr, STORE_RSTD: tl.constexpr, RNE_BF16: tl.constexpr, GROUP: tl.constexpr = 1):
+    # input row i sits at (i // GROUP) * stride_x + (i % GROUP) * n_cols: GROUP rows of a group back to back
+    # (a KV group's query heads inside linear_qkv's output), groups stride_x apart; GROUP = 1 is a plain stride
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     c = tl.arange(0, BLOCK)
     live = rows < n_rows
     ok = live[:, None] & (c < n_cols)[None, :]
-    x = tl.load(x_ptr + rows[:, None] * stride_x + c[None, :], mask=ok, other=0.0).to(tl.float32)
+    at = (rows // GROUP) * stride_x + (rows % GROUP) * n_cols
+    x = tl.load(x_ptr + at[:, None] + c[None, :], mask=ok, other=0.0).to(tl.float32)
     r = tl.math.rsqrt(tl.sum(x * x, 1) / n_cols + eps)
     w = tl.load(w_ptr + c, mask=c < n_cols, other=0.0).to(tl.float32)
     y = _cast(x * r[:, None] * w[None, :], y_ptr.dtype.element_ty, RNE_BF16)
@@ -98,20 +101,39 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
-def _forward(x_TH: torch.Tensor, weight: torch.Tensor, eps: float, rstd: bool):
+def _forward(x_TH: torch.Tensor, weight: torch.Tensor, eps: float, rstd: bool, group: int = 1,
+             group_stride: int = 0):
+    """The kernel on rows [T, H] (`x_TH` as given, or with `group` > 1 its first row's storage read as groups of
+    `group` contiguous rows `group_stride` apart); y is a new contiguous [T, H]."""
     (t, h), block = x_TH.shape, triton.next_power_of_2(x_TH.shape[1])
     y_TH = torch.empty(x_TH.shape, dtype=x_TH.dtype, device=x_TH.device)
     r_T = torch.empty(t, dtype=torch.float32, device=x_TH.device) if rstd else y_TH
     rows = _tile_rows(block)
-    _rms_norm_fwd[(triton.cdiv(t, rows),)](x_TH, weight, y_TH, r_T, x_TH.stride(0), y_TH.stride(0), t, h, eps,
+    stride = group_stride if group > 1 else x_TH.stride(0)
+    _rms_norm_fwd[(triton.cdiv(t, rows),)](x_TH, weight, y_TH, r_T, stride, y_TH.stride(0), t, h, eps,
                                             BLOCK=block, ROWS=rows, STORE_RSTD=rstd, RNE_BF16=_rne_bf16(x_TH),
-                                            num_warps=_warps(block))
+                                            GROUP=group, num_warps=_warps(block))
     return y_TH, (r_T if rstd else None)
 
 
 def triton_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim of `x` (any leading shape), `weight` [H], without autograd; x's dtype."""
     return _forward(_rows(x), weight, eps, rstd=False)[0].view(x.shape)
+
+
+def triton_rms_norm_grouped(x_GRD: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim of `x_GRD` [..., R, D], a view whose R rows of D are contiguous within each
+    leading index and whose leading indices are evenly strided (the queries of each KV group inside
+    linear_qkv's output), without autograd and without gathering the rows first: a new contiguous tensor of
+    x's shape with `triton_rms_norm`'s values (the same kernel and tile, so the same bits)."""
+    *lead, r, d = x_GRD.shape
+    if x_GRD.stride(-1) != 1 or x_GRD.stride(-2) != d:
+        raise ValueError(f"triton_rms_norm_grouped: rows must be contiguous within a group, strides {x_GRD.stride()}")
+    groups = x_GRD.flatten(0, -3) if lead else x_GRD.unsqueeze(0)  # a view: the leading dims are evenly strided
+    if r == 1 or groups.shape[0] == 1:
+        return triton_rms_norm(x_GRD, weight, eps)
+    rows_TD = groups.as_strided((groups.shape[0] * r, d), (d, 1))  # the pointer and widths only; rows come by group
+    return _forward(rows_TD, weight, eps, rstd=False, group=r, group_stride=groups.stride(0))[0].view(x_GRD.shape)
 
 
 def _programs(rows: int, dev: torch.device) -> int:
