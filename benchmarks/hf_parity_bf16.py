@@ -20,13 +20,11 @@ import tempfile
 
 import torch
 
+from rollplex_megatron.verify.numerics import rel_err
+
 FP32_TOL = 1e-4  # norm-relative, fp32 on both sides
 BF16_TOL = 1e-2  # docs/design.md §3: bf16 outputs within 1e-2 relative
 BF16_SLACK = 1.5
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 def write_random_checkpoint(cfg, path: str, seed: int, device: str) -> None:
@@ -76,8 +74,8 @@ def main() -> int:
                 torch.cuda.empty_cache()
         mutant = parity.megatron_logits(d, inputs, 1, "float32", _scale_final_norm)
     ref = logits["hf_float32"]
-    fp32, mutant_fp32 = _rel(logits["ours_float32"], ref), _rel(mutant, ref)
-    ours_bf16, hf_bf16 = _rel(logits["ours_bfloat16"], ref), _rel(logits["hf_bfloat16"], ref)
+    fp32, mutant_fp32 = rel_err(logits["ours_float32"], ref), rel_err(mutant, ref)
+    ours_bf16, hf_bf16 = rel_err(logits["ours_bfloat16"], ref), rel_err(logits["hf_bfloat16"], ref)
     bf16_bound = max(BF16_TOL, BF16_SLACK * hf_bf16)
     agree = float((logits["ours_bfloat16"].argmax(-1) == logits["hf_bfloat16"].argmax(-1)).float().mean())
     res = {"command": "python " + " ".join(sys.argv), "preset": a.preset,

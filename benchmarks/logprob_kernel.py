@@ -18,6 +18,7 @@ import sys
 import torch
 
 from rollplex_megatron.rl.grpo import policy_logprob_entropy
+from rollplex_megatron.verify.numerics import rel_err
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run as a script from the repo root
 from cuda_timing import time_call, write_result  # noqa: E402
@@ -50,10 +51,6 @@ def _time(kernel, args, repeats: int, warmup: int) -> dict:
     return time_call(lambda: _step(kernel, *args), repeats, warmup)
 
 
-def _rel(a, b) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
-
-
 def main() -> int:
     from rollplex_megatron.dist import init_parallel
     init_parallel()  # the torch path's vocab-parallel cross-entropy reads megatron's TP group (TP 1 here)
@@ -74,7 +71,7 @@ def main() -> int:
             row[kernel] = _time(kernel, args, a.repeats, a.warmup)
         row["speedup"] = row["torch"]["median_ms"] / row["triton"]["median_ms"]
         want, got = _step("torch", *args), _step("triton", *args)
-        row["rel_vs_torch"] = {k: _rel(x, y) for k, x, y in zip(("logp", "entropy", "grad"), got, want)}
+        row["rel_vs_torch"] = {k: rel_err(x, y) for k, x, y in zip(("logp", "entropy", "grad"), got, want)}
         print(json.dumps(row), flush=True)
         rows.append(row)
         del args, want, got

@@ -24,6 +24,7 @@ from rollplex_megatron.attention import split
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run as a script from the repo root
 from cuda_timing import time_call, write_result  # noqa: E402
 from rollplex_megatron.attention.prefix import PackedLayout, shared_prefix_attention
+from rollplex_megatron.verify.numerics import rel_err
 
 NQ, NG, D = 16, 2, 128  # Qwen2.5-VL-3B per TP rank at TP 1
 
@@ -102,10 +103,6 @@ def _pairs(lay) -> dict:
     return {"masked": t * (t + kp), "split": own + pre, "needed": own // 2 + pre}
 
 
-def _rel(a, b) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm())
-
-
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", type=int, nargs="+", default=[4096, 8192])
@@ -130,8 +127,8 @@ def main() -> int:
         want = _masked(lay, *fresh)
         fresh = [x.detach().clone() for x in xs[:5]] + [xs[5]]
         got = _split(lay, *fresh)
-        row["rel_vs_masked"] = {"out": _rel(got[0], want[0])} | {
-            k: _rel(x, y) for k, x, y in zip(("q", "k", "v", "pk", "pv"), got[1], want[1])}
+        row["rel_vs_masked"] = {"out": rel_err(got[0], want[0])} | {
+            k: rel_err(x, y) for k, x, y in zip(("q", "k", "v", "pk", "pv"), got[1], want[1])}
         print(json.dumps(row), flush=True)
         rows.append(row)
         del xs, want, got

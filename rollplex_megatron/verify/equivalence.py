@@ -22,6 +22,7 @@ from rollplex_megatron.prefix import execution as X
 from rollplex_megatron.prefix.batch import Group, Prompt
 from rollplex_megatron.runtime import device, sync, wrap_ddp
 from rollplex_megatron.verify.flops import group_flops
+from rollplex_megatron.verify.numerics import rel_err
 from rollplex_megatron.verify.parity import synthetic_inputs
 
 # docs/design.md §3: fp32 on CPU 1e-5 for all; bf16 loss 1e-3, log-probs 1e-2, and gradients 1e-2
@@ -69,10 +70,6 @@ def _flat(grads: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.cat([grads[n].flatten() for n in sorted(grads)])
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
 def _against_fp32(cfg: RunConfig, model, full_mbs, backend: str, serial: dict, prefix: dict, worst: str) -> dict:
     """Both paths' gradients against the serial step evaluated in fp32 on the same (rounded) weights.
 
@@ -91,16 +88,16 @@ def _against_fp32(cfg: RunConfig, model, full_mbs, backend: str, serial: dict, p
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
     ref = _grads(ddp)
     del ddp, exact
-    e_serial = {n: _rel(serial[n], ref[n]) for n in ref}
-    e_prefix = {n: _rel(prefix[n], ref[n]) for n in ref}
+    e_serial = {n: rel_err(serial[n], ref[n]) for n in ref}
+    e_prefix = {n: rel_err(prefix[n], ref[n]) for n in ref}
     ratio = {n: e_prefix[n] / max(e_serial[n], 1e-30) for n in ref}
     excess = {n: e_prefix[n] - e_serial[n] for n in ref}
     top = max(e_prefix, key=e_prefix.get)
     return {"max_rel_err_grad_prefix": e_prefix[top], "param_prefix": top,
             "max_rel_err_grad_serial": max(e_serial.values()), "param_serial": max(e_serial, key=e_serial.get),
             "serial_err_at_param_prefix": e_serial[top],
-            "rel_err_grad_global_prefix": _rel(_flat(prefix), _flat(ref)),
-            "rel_err_grad_global_serial": _rel(_flat(serial), _flat(ref)),
+            "rel_err_grad_global_prefix": rel_err(_flat(prefix), _flat(ref)),
+            "rel_err_grad_global_serial": rel_err(_flat(serial), _flat(ref)),
             "max_excess_over_serial": max(excess.values()), "param_max_excess": max(excess, key=excess.get),
             "max_ratio_prefix_over_serial": max(ratio.values()), "param_max_ratio": max(ratio, key=ratio.get),
             "worst_pair_param": worst, "worst_pair_errs": [e_prefix[worst], e_serial[worst]]}
@@ -161,13 +158,13 @@ def run_rank(cfg: RunConfig, hf_dir: str | None = None, position_offset: int = 0
 
     errs = torch.zeros(5, dtype=torch.float64, device=dev)
     if full_logp is not None:
-        errs[0] = _rel(pre_logp, full_logp)
+        errs[0] = rel_err(pre_logp, full_logp)
         errs[1] = abs(pre_loss - full_loss) / max(abs(full_loss), 1e-30)
-        errs[3] = _rel(ref_logp, full_logp)
-    grad_errs = {n: _rel(pre_grads[n], full_grads[n]) for n in full_grads}
+        errs[3] = rel_err(ref_logp, full_logp)
+    grad_errs = {n: rel_err(pre_grads[n], full_grads[n]) for n in full_grads}
     worst = max(grad_errs, key=grad_errs.get)
     errs[2] = grad_errs[worst]
-    global_err = _rel(_flat(pre_grads), _flat(full_grads))
+    global_err = rel_err(_flat(pre_grads), _flat(full_grads))
     floor = None
     if cfg.verify.noise_floor:
         # The serial path against itself with one response per micro-batch: how far two serial
@@ -175,9 +172,9 @@ def run_rank(cfg: RunConfig, hf_dir: str | None = None, position_offset: int = 0
         ddp.zero_grad_buffer()
         X.full_sequence_step(ddp, B.full_micro_batches(cfg.model, groups, 1, int(n_tok)), backend=be)
         alt = _grads(ddp)
-        floor_errs = {n: _rel(alt[n], full_grads[n]) for n in full_grads}
+        floor_errs = {n: rel_err(alt[n], full_grads[n]) for n in full_grads}
         floor = {"max_rel_err_grad": max(floor_errs.values()), "param": max(floor_errs, key=floor_errs.get),
-                 "rel_err_grad_global": _rel(_flat(alt), _flat(full_grads)),
+                 "rel_err_grad_global": rel_err(_flat(alt), _flat(full_grads)),
                  "worst_prefix_param_serial_err": floor_errs[worst]}
     fp32_ref = None
     if cfg.verify.fp32_reference and cfg.dtype != "float32":
