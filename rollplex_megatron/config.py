@@ -478,7 +478,8 @@ class MotionTaskConfig:
     """Task shape and difficulty."""
 
     question: str = setting("motion", "motion (which way did it move?) | reach (which way to go to reach it?)")
-    image_size: int = setting(56, "square frame side in pixels (multiple of 28)")
+    image_size: int = setting(56, "square frame side in pixels (a multiple of the model's model.vision.patch_size x "
+                                  "spatial_merge_size: 28 for Qwen2.5-VL, 32 for Qwen3-VL, 16 for qwen3_vl_tiny)")
     frames: int = setting(4, "video frames (even); 1 renders the image variant")
     num_objects: int = setting(3, "target plus distractors (<= 8)")
     object_px: int = setting(8, "square side in pixels")
@@ -490,9 +491,7 @@ class MotionTaskConfig:
     def __post_init__(self) -> None:
         if self.question not in TASK_QUESTIONS:
             raise ValueError(f"task.question must be one of {TASK_QUESTIONS}, got {self.question!r}")
-        if self.image_size % 28:
-            raise ValueError(f"task.image_size ({self.image_size}) must be a multiple of 28 (patch 14 x merge 2)")
-        at_least(self, "task", ("frames", "object_px"), 1)
+        at_least(self, "task", ("image_size", "frames", "object_px"), 1)
         at_least(self, "task", ("jitter_px", "format_reward"), 0)
         if self.question == "motion" and self.step_px < 1:
             raise ValueError(f"task.step_px must be >= 1 (the target's motion per frame is the answer), got "
@@ -1060,6 +1059,12 @@ class RunConfig:
                 raise ValueError("mode.window_graphs=true: rollout.engine=sglang runs the decode window's items in its "
                                  "scheduler, as jobs, where nothing is captured; drop the override")
         m = self.model.vision.spatial_merge_size
+        unit = self.model.vision.patch_size * m
+        if self.data.resolved_source == "rendered" and self.task.image_size % unit:  # the frames the task draws
+            lo = max(unit, self.task.image_size // unit * unit)
+            raise ValueError(f"task.image_size={self.task.image_size} must be a multiple of {unit} for this model "
+                             f"(model.vision.patch_size {self.model.vision.patch_size} x spatial_merge_size {m}): set "
+                             f"task.image_size={lo + unit if lo < self.task.image_size else lo} (or another multiple)")
         for key, owner in (("image_grid", self.smoke), ("video_grid", self.smoke),
                            ("image_grid", self.verify), ("video_grid", self.verify)):
             _, h, w = getattr(owner, key)

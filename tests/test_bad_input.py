@@ -111,6 +111,17 @@ def test_config_errors_name_the_setting(overrides, match):
         load_run_config(overrides)
 
 
+def test_the_rendered_frame_size_is_checked_against_the_models_patches():
+    """task.image_size against the model's patch x merge (28 for Qwen2.5-VL, 16 for qwen3_vl_tiny), naming a size
+    that fits; a size that fits passes."""
+    with pytest.raises(ValueError, match=r"^task.image_size=28 must be a multiple of 16 for this model \(model.vision"
+                                         r".patch_size 8 x spatial_merge_size 2\): set task.image_size=32"):
+        load_run_config(["model=qwen3_vl_tiny", "task.image_size=28"])
+    with pytest.raises(ValueError, match=r"^task.image_size=30 must be a multiple of 28 .*set task.image_size=56 "):
+        load_run_config(["task.image_size=30"])
+    assert load_run_config(["model=qwen3_vl_tiny", "task.image_size=32"]).task.image_size == 32
+
+
 @pytest.mark.parametrize("overrides", [
     ["memory.plan=auto", *FIXED_SIZES, "workload.prefix_pack_tokens=0"],
     ["memory.plan=phase", "memory.prefetch_ahead=true", *FIXED_SIZES, "workload.prefix_pack_tokens=0"],
