@@ -25,7 +25,7 @@ import shlex
 import tempfile
 from pathlib import Path
 
-from rollplex_megatron.bench_markdown import render_markdown
+from rollplex_megatron.bench_markdown import check_page, render_markdown
 from rollplex_megatron.bench_modes import check_modes, file_stem, label_spec, parse_modes, split_env
 from rollplex_megatron.bench_record import planned_vs_measured, ratios, summarize_mode, window_cost
 from rollplex_megatron.bench_run import ROOT, host_launch_us, machine, run_mode
@@ -85,7 +85,9 @@ def main(argv: list[str]) -> int:
         if not any(RESULTS.glob("bench_*.json")):
             raise ValueError(f"bench --render: no bench_*.json under {RESULTS}; nothing to render (BENCHMARKS.md "
                              f"is left as it is)")
-        atomic_write_text(Path(a.md) if a.md else ROOT / "BENCHMARKS.md", render_markdown(RESULTS))
+        md = Path(a.md) if a.md else ROOT / "BENCHMARKS.md"
+        check_page(RESULTS, md)
+        atomic_write_text(md, render_markdown(RESULTS))
         return 0
     if a.warmup < 0:
         raise ValueError(f"bench: --warmup must be >= 0, got {a.warmup}")
@@ -147,6 +149,7 @@ def main(argv: list[str]) -> int:
                                   else out.with_suffix(".md"))
     if a.md and not md.resolve().parent.is_dir():  # before any mode runs (--out's folder is created)
         raise ValueError(f"bench: --md {md}: folder {md.resolve().parent} does not exist; create it first")
+    check_page(out.parent, md, (out,))
     with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
         for i, (label, over) in enumerate(specs):
             print(f"bench {a.suite}: {label} ...", flush=True)
@@ -166,7 +169,7 @@ def main(argv: list[str]) -> int:
             window_cost(modes)
             result["ratios"] = ratios(modes)
             _write(out, result)  # after every mode: a later failure or time-out keeps what ran
-            atomic_write_text(md, render_markdown(out.parent))
+            atomic_write_text(md, render_markdown(out.parent, (out,)))
     for k, v in result["ratios"].items():
         print(f"{k}: {v:.2f}x")
     print(out)

@@ -136,6 +136,10 @@ def test_bench_arguments_are_checked_before_any_mode_runs(tiny_bench, tmp_path, 
 
     (tmp_path / "bad.json").write_text("{")
     (tmp_path / "list.json").write_text("[1, 2]")
+    for folder in ("notes", "odd"):
+        (tmp_path / folder).mkdir()
+    (tmp_path / "notes" / "results.md").write_text("MY NOTES\n")  # a page bench did not write: never replaced
+    (tmp_path / "odd" / "bench_old.json").write_text('{"a": 1}')  # beside --out, so the page would render it
     cases = [(["bench", "tiny", "--warmup", "-1"], "--warmup must be >= 0, got -1"),
              (["bench", "tiny", "--timeout", "-5"], "--timeout must be > 0 seconds, got -5.0"),
              (["bench", "tiny", "--warmup", "1", "--modes", "serial,serial"], "'serial' is given twice"),
@@ -152,6 +156,11 @@ def test_bench_arguments_are_checked_before_any_mode_runs(tiny_bench, tmp_path, 
               "already holds serial; drop it from --modes, or write a new JSON with --out"),
              (["bench", "tiny", "--warmup", "1", "--md", str(tmp_path / "no" / "x.md"), "--out",
                str(tmp_path / "x.json")], "x.md: folder"),
+             (["bench", "tiny", "--warmup", "1", "--modes", "serial", "--out",
+               str(tmp_path / "notes" / "results.json")], "results.md exists and bench did not write it"),
+             (["bench", "tiny", "--warmup", "1", "--modes", "serial", "--out",
+               str(tmp_path / "odd" / "bench_tiny.json")], "bench_old.json is not a bench suite JSON (no suite"),
+             (["bench", "--render", "--md", str(tmp_path / "notes" / "results.md")], "bench did not write it"),
              (["bench", "--render", "tiny"], "bench --render only regenerates BENCHMARKS.md"),
              (["bench", "tiny", "--modes", "serial,rollplex:after"],
               'run --modes "serial,rollplex[mode.window=after]"'),
@@ -166,7 +175,13 @@ def test_bench_arguments_are_checked_before_any_mode_runs(tiny_bench, tmp_path, 
         assert main(argv) == 1, argv
         err = capsys.readouterr().err
         assert want in err and err.startswith("error: ") and err.count("\n") == 1, (argv, err)
-    assert not (tmp_path / "x.json").exists()
+    assert not (tmp_path / "x.json").exists() and (tmp_path / "notes" / "results.md").read_text() == "MY NOTES\n"
+    assert not (tmp_path / "notes" / "results.json").exists() and not (tmp_path / "odd" / "bench_tiny.json").exists()
+    # a suite JSON named otherwise than bench_*.json is on the page written beside it
+    named = tmp_path / "notes" / "results.json"
+    named.write_bytes(tiny_bench.read_bytes())
+    assert f"`{named.name}`" in bench_markdown.render_markdown(named.parent, (named,))
+    assert f"`{named.name}`" not in bench_markdown.render_markdown(named.parent)
     empty = tmp_path / "results"
     empty.mkdir()
     with pytest.MonkeyPatch.context() as mp:
