@@ -1059,12 +1059,6 @@ class RunConfig:
                 raise ValueError("mode.window_graphs=true: rollout.engine=sglang runs the decode window's items in its "
                                  "scheduler, as jobs, where nothing is captured; drop the override")
         m = self.model.vision.spatial_merge_size
-        unit = self.model.vision.patch_size * m
-        if self.data.resolved_source == "rendered" and self.task.image_size % unit:  # the frames the task draws
-            lo = max(unit, self.task.image_size // unit * unit)
-            raise ValueError(f"task.image_size={self.task.image_size} must be a multiple of {unit} for this model "
-                             f"(model.vision.patch_size {self.model.vision.patch_size} x spatial_merge_size {m}): set "
-                             f"task.image_size={lo + unit if lo < self.task.image_size else lo} (or another multiple)")
         for key, owner in (("image_grid", self.smoke), ("video_grid", self.smoke),
                            ("image_grid", self.verify), ("video_grid", self.verify)):
             _, h, w = getattr(owner, key)

@@ -163,6 +163,13 @@ class MotionEnv:
 
     def __init__(self, cfg: MotionTaskConfig, model_cfg):
         self.cfg, self.model_cfg, self.vocab = cfg, model_cfg, TaskVocab()
+        v = model_cfg.vision
+        unit = v.patch_size * v.spatial_merge_size
+        if cfg.image_size % unit:  # the frames must split into whole merged patches
+            up = -(-cfg.image_size // unit) * unit
+            raise ValueError(f"task.image_size={cfg.image_size} must be a multiple of {unit} for this model "
+                             f"(model.vision.patch_size {v.patch_size} x spatial_merge_size {v.spatial_merge_size}): "
+                             f"set task.image_size={up} (or another multiple)")
         ids = sorted(self.vocab.ids.values())
         special = {model_cfg.image_token_id, model_cfg.video_token_id, model_cfg.vision_start_token_id,
                    model_cfg.vision_end_token_id}
