@@ -633,7 +633,7 @@ class MemoryConfig:
                              "set_per_process_memory_fraction), set before any model is built: past it the run stops "
                              "with an out-of-memory error rather than take memory another process on the GPU needs; "
                              "0: none. memory.budget_gib is what the plan must fit; the cap bounds what the allocator "
-                             "really reserves")
+                             "really reserves (a cap under the plan's peak is refused)")
     plan: str = setting("auto", "Residency plan (memory/manager.py): keep = everything stays on the device (naive "
                         "colocation); phase = main weights and Adam states offloaded outside the optimizer step, "
                         "gradients freed outside the update, the reference offloaded where unused, the actor prefix "

@@ -202,3 +202,29 @@ def test_the_allocator_cap_is_checked_before_any_model(monkeypatch):
         runtime.cap_allocator(81)
     runtime.cap_allocator(60)
     assert fractions == [0.75]
+
+
+def test_a_cap_under_the_plans_peak_is_refused_by_the_planner(capsys):
+    """memory.cap_gib under the plan's peak: `run_plan` (what `train` runs before any model) and `plan-memory` refuse
+    it in one line naming the peak's phase and the fixes; a cap at the peak or over passes. Mutation: without the
+    check the same cap plans."""
+    from rollplex_megatron.cli import main
+    from rollplex_megatron.data import build_source
+    from rollplex_megatron.recipes import load_run_config
+    from rollplex_megatron.trainer.runtime import run_plan
+
+    cfg = load_run_config([])
+    peak = run_plan(cfg, build_source(cfg))[1]["peak_gib"]
+    low = load_run_config([f"memory.cap_gib={peak * 0.9:.6g}"])
+    with pytest.raises(ValueError, match=r"^memory.cap_gib=\S+ is under the rollplex plan's peak of \S+ GiB \(phase "
+                                         r"'\w+'\), so the run would stop out of memory there; raise the cap"):
+        run_plan(low, build_source(low))
+    ok = load_run_config([f"memory.cap_gib={peak * 1.01:.6g}"])
+    assert run_plan(ok, build_source(ok))[1]["peak_gib"] == peak
+    assert main(["plan-memory", "memory.cap_gib=0.0001"]) == 1
+    err = capsys.readouterr().err
+    assert "memory.cap_gib=0.0001 is under the rollplex plan's peak" in err and err.count("\n") == 1
+    with pytest.MonkeyPatch.context() as mp:
+        from rollplex_megatron.trainer import runtime
+        mp.setattr(runtime, "check_cap", lambda *a: None)
+        run_plan(low, build_source(low))

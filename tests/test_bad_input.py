@@ -286,8 +286,8 @@ def test_command_arguments_are_checked_before_any_work(tmp_path, tiny_hf, capsys
         (["plan-memory", "plan.response_tokens=512"], "plan.response_tokens=512 is over rollout.max_response_len=256, "
                                                       "which a run of this config would refuse; raise"),
         (["convert", "train-to-hf", "--run", str(compared), "--out", str(tmp_path / "o")],
-         f"{compared} is a --modes comparison; name one of its runs: --run {compared / 'rollplex'}"),
-        (["eval", "--run", str(compared), rows], "is a --modes comparison; name one of its runs"),
+         f"{compared} is not a run but holds runs; name one of them: --run {compared / 'rollplex'}"),
+        (["eval", "--run", str(compared), rows], "is not a run but holds runs; name one of them"),
         (["plan-memory", "memory.plan=keep"], "memory.plan=keep: plan-memory plans serial (memory.plan=keep) against "
                                               "rollplex (memory.plan=phase) side by side"),
         (["plan-memory", "mode=prefix_shared"], "mode=prefix_shared: plan-memory plans serial"),
@@ -377,3 +377,30 @@ def test_validation_files_without_a_validation_period_are_refused():
     load_run_config([*files, "train.val_every=5"]).check_training()
     with pytest.raises(ValueError, match=r"^train\.val_every > 0 needs data\.val_files"):
         load_run_config(["train.val_every=5"]).check_training()
+
+
+def test_eval_of_a_run_checks_its_rows_and_processor_before_exporting_it(tmp_path, monkeypatch, capsys):
+    """`eval`/`generate --run`: a missing rows file and a run that started from no HF checkpoint (so its export
+    has no tokenizer) are one line each, before the checkpoint is exported (the export here fails the test)."""
+    from rollplex_megatron.checkpoint import convert
+    from rollplex_megatron.cli import main
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("{}\n")
+    seen = {}
+    monkeypatch.setattr(convert, "checkpoint_config",
+                        lambda r, step=None: seen.setdefault("yaml", "train:\n  init_hf: ''\ndata:\n  processor: ''\n"))
+    monkeypatch.setattr(convert, "train_to_hf", lambda *a, **k: pytest.fail("exported before the checks"))
+    cases = [(["eval", "--run", str(run), f"data.val_files=[{rows}]"],
+              "started from no HF checkpoint (train.init_hf was empty), so its export has no tokenizer or processor "
+              "to read the rows with: add data.processor=DIR"),
+             (["generate", "--run", str(run), f"data.val_files=[{rows}]"], "add data.processor=DIR"),
+             (["eval", "--run", str(run), f"data.processor={tmp_path}", f"data.val_files=[{tmp_path / 'none.jsonl'}]"],
+              f"data.val_files: {tmp_path / 'none.jsonl'} does not exist; name parquet or jsonl files of rows")]
+    for argv, want in cases:
+        assert main(argv) == 1, argv
+        err = capsys.readouterr().err
+        assert want in err and err.startswith("error: ") and err.count("\n") == 1, (argv, err)
+    assert "yaml" in seen  # the run's own config was read for the processor check

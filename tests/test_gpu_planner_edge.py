@@ -4,8 +4,8 @@ The planner (`trainer/runtime.py` `run_plan`, what `train` runs before building 
 `memory.budget_gib` it accepts for a short `video_long`-shaped run of the 3B's widths (to 0.5 GiB, by bisection:
 every size left at `auto` and `memory.plan=auto` choose for each budget tried). `train` then runs two steps at that
 budget with torch's allocator capped there (`memory.cap_gib`): it must finish, every phase's measured peak within
-the budget. The mutation: the same run capped 15% under the plan's own peak must stop with an out-of-memory error
-(the cap bites, so the passing run did fit).
+the budget. The mutation: the same run capped 15% under the plan's own peak is refused by the planner, and a
+process capped at 2 GiB cannot allocate 3 (the cap bites, so the passing run did fit under it).
 
 Marked `gpu`: skipped, with a reason, without CUDA (tests/test_memory_plan.py and tests/test_auto_size.py hold the
 planner's choices on CPU); run on the device machine with `benchmarks/gpu_env.sh`'s `gpu_tests`.
@@ -82,7 +82,13 @@ def test_the_planners_choice_at_the_edge_of_its_budget_fits(edge, tmp_path):
           f"{plan['released']}, auto {plan.get('auto_choices')}")
 
 
-def test_a_cap_under_the_plans_peak_stops_the_run(edge, tmp_path):
+def test_a_cap_under_the_plans_peak_is_refused_and_a_cap_bites(edge, tmp_path):
+    """The mutation of the test above, in two parts: the same run capped 15% under the plan's peak is refused by
+    the planner before any model; and the cap is real: a process capped at 2 GiB cannot allocate 3 GiB."""
     budget, plan = edge
     p, _ = _train(tmp_path / "mutant", budget, round(0.85 * plan["peak_gib"], 2))
-    assert p.returncode != 0 and "out of memory" in (p.stdout + p.stderr).lower(), p.stderr[-3000:]
+    assert p.returncode != 0 and "is under the rollplex plan's peak" in p.stderr, p.stderr[-3000:]
+    code = ("import torch\nfrom rollplex_megatron.trainer.runtime import cap_allocator\ncap_allocator(2)\n"
+            "torch.empty(3 * 2**30, dtype=torch.uint8, device='cuda')")
+    q = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert q.returncode != 0 and "out of memory" in q.stderr.lower(), q.stderr[-2000:]

@@ -360,7 +360,8 @@ def test_checkpoint_errors_name_model_type_file_and_tensor(tiny_hf, tmp_path):
     llama = _hf_copy(tiny_hf, tmp_path / "llama", lambda c: c.update(model_type="llama",
                                                                         architectures=["LlamaForCausalLM"]))
     with pytest.raises(H.CheckpointError, match=r"model_type 'llama' \(LlamaForCausalLM\) is not supported; "
-                                                 r"supported: qwen2_5_vl"):
+                                                 r"supported: qwen2_5_vl \(Qwen2_5_VLForConditionalGeneration\), "
+                                                 r"qwen3_vl \(Qwen3VLForConditionalGeneration\)$"):
         H.HFCheckpoint(llama)
     qwen2vl = _hf_copy(tiny_hf, tmp_path / "q2vl", lambda c: c.update(model_type="qwen2_vl"))
     with pytest.raises(H.CheckpointError, match="model_type 'qwen2_vl'"):

@@ -135,8 +135,8 @@ def _train_checkpoint(run: Path, step: int | None) -> Path:
         raise H.CheckpointError(f"{run}: no such run directory; name a training run's train.out directory")
     modes = [] if (run / T.CHECKPOINTS).is_dir() else sorted(p.name for p in run.iterdir()
                                                               if (p / T.CHECKPOINTS).is_dir())
-    if modes:  # a --modes comparison: one run per mode folder
-        raise H.CheckpointError(f"{run} is a --modes comparison; name one of its runs: "
+    if modes:  # a folder of runs (a --modes comparison has one per mode)
+        raise H.CheckpointError(f"{run} is not a run but holds runs; name one of them: "
                                 + ", ".join(f"--run {run / m}" for m in modes))
     if step is None:
         # a missing or damaged `latest` next to a complete step names that step and how to publish it

@@ -344,7 +344,7 @@ def check_start(run: Path, resume: bool, steps: int, config_yaml: str, launcher:
         k, old, new = changed[0]
         more = f" (and {', '.join(c[0] for c in changed[1:])})" if len(changed) > 1 else ""
         raise RunDirError(f"train.resume=true: {k} is {new!r} here but {old!r} in {latest.name}{more}; a resumed "
-                          f"run keeps what a step computes (README, Resume: the settings that may change); set "
+                          f"run keeps what a step computes (docs/guides/run-directories.md, Resume); set "
                           f"{k}={old!r} (the checkpoint's) or start a new run with another train.out")
     schedule = _schedule_change(meta["config"], config_yaml, int(meta["step"]))  # after `changed`: a new style is that
     if schedule:

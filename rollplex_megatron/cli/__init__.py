@@ -50,6 +50,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 from hydra.errors import HydraException
+from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from rollplex_megatron.bench import main as bench_main
@@ -65,7 +66,7 @@ from rollplex_megatron.config import ParallelConfig, check_model_parallel
 from rollplex_megatron.data.dataset import DatasetSource
 from rollplex_megatron.data.example import TINY_PRESETS, make_example
 from rollplex_megatron.dist import LocalRunError, check_launch, launch_on_ranks, leave_torchrun
-from rollplex_megatron.memory.budget import check_budget
+from rollplex_megatron.memory.budget import check_budget, check_cap
 from rollplex_megatron.memory.planner import plan_memory
 from rollplex_megatron.recipes import (RECIPES_DIR, check_eval_overrides, load_run_config, override_key,
                                        run_eval_config, to_yaml)
@@ -261,6 +262,7 @@ def _cmd_plan_memory(argv: list[str]) -> int:
         print(json.dumps(res))
     try:
         check_budget(res["rollplex"], budget, "rollplex")
+        check_cap(res["rollplex"], cfg.memory.cap_gib, "rollplex")
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -377,6 +379,17 @@ def _check_checkpoint_args(a) -> None:
         raise ValueError(f"--hf-dir {a.hf_dir} is a training run directory (it has checkpoints/); use --run {a.hf_dir}")
 
 
+def _check_run_processor(a, overrides: list[str]) -> None:
+    """Before an export: a run that started from no HF checkpoint (the built-in task's tiny model) exports no
+    tokenizer or processor, so the rows need `data.processor` from the run or the command line."""
+    run = OmegaConf.create(convert.checkpoint_config(a.run, a.step))
+    given = any(override_key(o) == "data.processor" for o in overrides)
+    if not given and not run.train.init_hf and not run.data.processor:
+        raise ValueError(f"--run {a.run} started from no HF checkpoint (train.init_hf was empty), so its export has no "
+                         f"tokenizer or processor to read the rows with: add data.processor=DIR, a model folder of "
+                         f"the same family with its tokenizer and processor files (e.g. make-example's ex/model)")
+
+
 def _eval_config(a, overrides: list[str], tmp: str):
     """The run config of an eval/generate command: the checkpoint as train.init_hf, the val files as rows; with
     `--run`, the run's reading, answering and scoring settings (`RUN_EVAL_SETTINGS`) where the command line does
@@ -390,6 +403,11 @@ def _eval_config(a, overrides: list[str], tmp: str):
     files = [o.split("=", 1)[1] for o in overrides if o.startswith("data.val_files=")]
     if not files or files[-1].strip() in ("[]", ""):
         raise ValueError("give the rows to answer: data.val_files=[FILE, ...] (parquet or jsonl, verl's format)")
+    if a.run:
+        _check_run_processor(a, overrides)
+    for f in (x.strip().strip("'\"") for x in files[-1].strip().strip("[]").split(",")):
+        if f and not Path(f).is_file():  # before an export of the whole checkpoint
+            raise ValueError(f"data.val_files: {f} does not exist; name parquet or jsonl files of rows")
     hf = a.hf_dir or str(convert.train_to_hf(a.run, f"{tmp}/export", a.step))
     cfg = load_run_config([*overrides, f"train.init_hf={hf}", f"data.train_files={files[-1]}"])  # rows are checked
     from_run = {}

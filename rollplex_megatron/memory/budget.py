@@ -42,6 +42,15 @@ def gib_text(x: float) -> str:
     return f"{x:.1f}" if x >= 1 else f"{x:.3g}"
 
 
+def check_cap(summary: dict, cap_gib: float, mode: str) -> None:
+    """`memory.cap_gib` under the plan's peak: the allocator would stop the run out of memory in that phase."""
+    if cap_gib > 0 and summary["peak_gib"] > cap_gib:
+        raise ValueError(f"memory.cap_gib={cap_gib:g} is under the {mode} plan's peak of "
+                         f"{gib_text(summary['peak_gib'])} GiB (phase {summary['peak_phase']!r}), so the run would "
+                         f"stop out of memory there; raise the cap to at least that, or set "
+                         f"memory.budget_gib={cap_gib:g} so the plan fits under it")
+
+
 def check_budget(summary: dict, budget_gib: float, mode: str, runtime: bool = False, fit=None) -> None:
     """Fail, naming the largest class of the peak phase and what would free it, when over budget.
 

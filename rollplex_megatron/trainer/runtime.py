@@ -18,7 +18,7 @@ from rollplex_megatron.dist import ParallelLayouts, default_group_is_train_world
 from rollplex_megatron.memory.machine import check_run_fits
 from rollplex_megatron.memory.manager import MemoryManager
 from rollplex_megatron.memory.auto import ahead_phases, auto_release, auto_size, auto_size_text, fit_fixes
-from rollplex_megatron.memory.budget import check_budget, gib_text
+from rollplex_megatron.memory.budget import check_budget, check_cap, gib_text
 from rollplex_megatron.memory.planner import (pack_groups, plan, releasable, released, rollout_rank_plan, runtime_cfg,
                                               runtime_plan, summarize, workload_shape)
 from rollplex_megatron.models.registry import model_spec, open_hf
@@ -254,6 +254,7 @@ def run_plan(cfg: RunConfig, source) -> tuple[RunConfig, dict]:
     (`memory_plan`, which raises over memory.budget_gib), the choices kept in the plan as `auto_choices`."""
     cfg, auto = auto_sizes(cfg, source)
     plan = memory_plan(cfg, source)
+    check_cap(plan, cfg.memory.cap_gib, cfg.mode.name)  # a cap under the plan would stop the run where it peaks
     plan["auto_choices"] = auto
     return cfg, plan
 
