@@ -259,6 +259,9 @@ def test_command_arguments_are_checked_before_any_work(tmp_path, tiny_hf, capsys
         (["train", "--modes", "serial,rollplex,serial", "train.steps=1", f"train.out={tmp_path / 'o'}"],
          "--modes: serial given twice"),
         (["train", "train.steps=1", f"run_dir={existing}"], "eval.json is a file; run_dir is the folder new runs"),
+        *([(["train", "train.steps=1", "memory.cap_gib=20", f"train.out={tmp_path / 'capped'}"],
+            "memory.cap_gib=20 caps a GPU's allocator and this run has no GPU: drop it")]
+          if not torch.cuda.is_available() else []),  # refused in this process, before the ranks start
         (["smoke", f"run_dir={existing}"], "eval.json is a file; run_dir is the folder the smoke summary is written"),
         (["train", "--modes", "serial", "train.steps=1", f"train.out={single}"],
          f"train.out={single} holds a run of one mode (config.yaml at its top); --modes trains each mode into "

@@ -218,8 +218,8 @@ def test_decode_kernel_settings_are_checked_before_any_model(monkeypatch):
 
     assert refused("rollout.decode_attention=math", "rollout.layer_kernel=triton").startswith(
         "rollout.layer_kernel=triton cannot run here: the decode attention is math")
-    assert "at pipeline size 2 (1 needed)" in refused("rollout.decode_attention=triton", "rollout.layer_kernel=triton",
-                                                       "parallel.pp=2")
+    assert refused("rollout.decode_attention=triton", "rollout.layer_kernel=triton", "parallel.pp=2") == (
+        "rollout.layer_kernel=triton cannot run here: parallel.pp=2 (it needs 1); use rollout.layer_kernel=modules")
     embedded.check_decode_settings(load_run_config(["rollout.decode_attention=triton", "rollout.layer_kernel=triton"]))
     if not GPU:
         assert refused("rollout.decode_attention=flash").startswith("rollout.decode_attention=flash needs CUDA")

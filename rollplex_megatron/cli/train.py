@@ -34,7 +34,8 @@ from rollplex_megatron.recipes import load_run_config, resumed_config, to_yaml
 from rollplex_megatron.report import plot_runs, read_metrics, summarize
 from rollplex_megatron.rollout.sglang.engine import import_sglang
 from rollplex_megatron.trainer.loop import train_rank
-from rollplex_megatron.trainer.runtime import memory_plan
+from rollplex_megatron.rollout.embedded import check_decode_settings
+from rollplex_megatron.trainer.runtime import cap_allocator, memory_plan
 from rollplex_megatron.trainer.modes import MODES
 from rollplex_megatron.trainer.tracking import check_tracking
 
@@ -193,6 +194,9 @@ def _config(overrides: list[str], modes: list[str] | None) -> RunConfig:
         import_sglang()  # missing or too old: one line before any process starts or the model is built
     source = build_source(cfg)  # bad data settings (a task/model mismatch, ...) fail before any process starts
     if not torch.cuda.is_available():  # CPU: the ranks share this host's memory; a batch it cannot hold fails here
+        cap_allocator(cfg.memory.cap_gib)  # a cap is refused here (no GPU), before the ranks load megatron
+        if cfg.rollout.engine == "embedded":
+            check_decode_settings(cfg)  # the decode kernels a CPU cannot run, likewise
         for name in modes or [cfg.mode.name]:
             mcfg = dataclasses.replace(cfg, mode=dataclasses.replace(cfg.mode, name=name))
             check_run_fits(mcfg, source, memory_plan(mcfg, source))

@@ -438,9 +438,14 @@ def _check_sampling_kernel(kernel: str, dev) -> None:
 
 
 def _layer_path_needs(attention: str, pp: int) -> str:
-    """Why the fused layer path does not run under `attention` at pipeline size `pp`."""
-    return f"the decode attention is {attention} (rollout.decode_attention=triton on CUDA) at pipeline size {pp} " \
-           f"(1 needed)"
+    """Why the fused layer path does not run under `attention` at pipeline size `pp` (what is missing only)."""
+    why = []
+    if attention != "triton":
+        why.append(f"the decode attention is {attention} (it needs rollout.decode_attention=triton, which runs on "
+                   f"CUDA)")
+    if pp > 1:
+        why.append(f"parallel.pp={pp} (it needs 1)")
+    return " and ".join(why)
 
 
 def _layer_kernel_refused(why: str) -> None:
