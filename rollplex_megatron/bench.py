@@ -95,7 +95,8 @@ def main(argv: list[str]) -> int:
         raise ValueError(f"bench: --timeout must be > 0 seconds, got {a.timeout}")
     if not a.suite or not (RECIPES_DIR / "bench" / f"{a.suite}.yaml").exists():
         have = sorted(p.stem for p in (RECIPES_DIR / "bench").glob("*.yaml"))
-        raise ValueError(f"bench: name a suite, one of {have} (recipes/bench/SUITE.yaml)")
+        said = f"no suite {a.suite!r}; " if a.suite else ""
+        raise ValueError(f"bench: {said}name a suite, one of {have} (recipes/bench/SUITE.yaml)")
     specs = parse_modes(a.modes)
     if a.profile_phases and not a.profile:
         raise ValueError("bench: --profile-phases needs --profile")

@@ -162,6 +162,7 @@ def test_bench_arguments_are_checked_before_any_mode_runs(tiny_bench, tmp_path, 
                str(tmp_path / "odd" / "bench_tiny.json")], "bench_old.json is not a bench suite JSON (no suite"),
              (["bench", "--render", "--md", str(tmp_path / "notes" / "results.md")], "bench did not write it"),
              (["bench", "--render", "tiny"], "bench --render only regenerates BENCHMARKS.md"),
+             (["bench", "nosuch"], "bench: no suite 'nosuch'; name a suite, one of ["),
              (["bench", "tiny", "--modes", "serial,rollplex:after"],
               'run --modes "serial,rollplex[mode.window=after]"'),
              # every mode's config composes before the first runs: the unknown key and the mode are named
