@@ -123,7 +123,7 @@ def test_reach_prompt_asks_the_reach_question():
     assert env.reward(ep, torch.tensor([vocab.ids[wrong]])) == cfg.format_reward
 
 
-@pytest.mark.parametrize("kw,match", [({"image_size": 50}, "multiple of 28"), ({"frames": 3}, "even"),
+@pytest.mark.parametrize("kw,match", [({"image_size": 0}, "task.image_size must be >= 1"), ({"frames": 3}, "even"),
                                       ({"num_objects": 9}, "num_objects"), ({"step_px": 20}, "leaves"),
                                       ({"question": "reach", "object_px": 20}, "object_px"),
                                       ({"question": "where"}, "task.question")])

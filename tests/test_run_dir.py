@@ -20,6 +20,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from rollplex_megatron.checkpoint import convert
 from rollplex_megatron.models.qwen25vl import hf as H
+from rollplex_megatron.models.registry import open_hf
 from rollplex_megatron.checkpoint import run_dir as R
 from rollplex_megatron.checkpoint import train_state as T
 from rollplex_megatron.dist import LocalRunError, run_local
@@ -360,9 +361,12 @@ def test_checkpoint_errors_name_model_type_file_and_tensor(tiny_hf, tmp_path):
     llama = _hf_copy(tiny_hf, tmp_path / "llama", lambda c: c.update(model_type="llama",
                                                                         architectures=["LlamaForCausalLM"]))
     with pytest.raises(H.CheckpointError, match=r"model_type 'llama' \(LlamaForCausalLM\) is not supported; "
-                                                 r"supported: qwen2_5_vl \(Qwen2_5_VLForConditionalGeneration\), "
-                                                 r"qwen3_vl \(Qwen3VLForConditionalGeneration\)$"):
+                                                 r"supported: qwen2_5_vl"):
         H.HFCheckpoint(llama)
+    with pytest.raises(H.CheckpointError, match=r"model_type 'llama' \(LlamaForCausalLM\) is not supported; supported: "
+                                                 r"qwen2_5_vl \(Qwen2_5_VLForConditionalGeneration\), qwen3_vl "
+                                                 r"\(Qwen3VLForConditionalGeneration\)$"):
+        open_hf(llama)  # how every command opens a checkpoint: each family's types
     qwen2vl = _hf_copy(tiny_hf, tmp_path / "q2vl", lambda c: c.update(model_type="qwen2_vl"))
     with pytest.raises(H.CheckpointError, match="model_type 'qwen2_vl'"):
         H.HFCheckpoint(qwen2vl)

@@ -26,9 +26,7 @@ def check_model_type(hf: dict, where: str) -> None:
     mt = hf.get("model_type")
     if mt not in SUPPORTED_MODEL_TYPES:
         found = f"model_type {mt!r}" + (f" ({', '.join(hf['architectures'])})" if hf.get("architectures") else "")
-        from rollplex_megatron.models.registry import FAMILIES  # the registry imports this family: at the refusal
-
-        supported = ", ".join(f"{k} ({v})" for s in FAMILIES.values() for k, v in s.hf.model_types.items())
+        supported = ", ".join(f"{k} ({v})" for k, v in SUPPORTED_MODEL_TYPES.items())
         raise CheckpointError(f"{where}: {found} is not supported; supported: {supported}")
 
 
