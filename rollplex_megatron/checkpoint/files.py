@@ -18,6 +18,16 @@ class CheckpointError(ValueError):
     """A checkpoint does not match the model: names the tensor and the numbers."""
 
 
+def check_model_type(hf: dict, where: str, supported: dict[str, str]) -> None:
+    """config.json's `model_type` must be one of `supported` (model_type -> transformers class), checked before any
+    field is read; the refusal names what was found and lists what is supported."""
+    mt = hf.get("model_type") if isinstance(hf, dict) else None
+    if mt not in supported:
+        found = f"model_type {mt!r}" + (f" ({', '.join(hf['architectures'])})" if hf.get("architectures") else "")
+        raise CheckpointError(f"{where}: {found} is not supported; supported: "
+                              + ", ".join(f"{k} ({v})" for k, v in supported.items()))
+
+
 def read_json(path: Path):
     """A checkpoint's JSON file; a truncated or malformed one is a CheckpointError naming it."""
     try:

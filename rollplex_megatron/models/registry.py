@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from rollplex_megatron.checkpoint.files import CheckpointError, read_json
+from rollplex_megatron.checkpoint.files import check_model_type, read_json
 from rollplex_megatron.config import ModelConfig
 from rollplex_megatron.models.qwen25vl.spec import SPEC as QWEN2_5_VL
 from rollplex_megatron.models.qwen3vl.spec import SPEC as QWEN3_VL
@@ -44,9 +44,6 @@ def open_hf(path: str | os.PathLike):
     """A Hugging Face checkpoint directory, opened lazily by the family its config.json names."""
     config = Path(path) / "config.json"
     raw = read_json(config) if config.is_file() else {}
-    mt = raw.get("model_type") if isinstance(raw, dict) else None
-    if mt is not None and not any(mt in s.hf.model_types for s in FAMILIES.values()):  # every family's, listed
-        found = f"model_type {mt!r}" + (f" ({', '.join(raw['architectures'])})" if raw.get("architectures") else "")
-        supported = ", ".join(f"{k} ({v})" for s in FAMILIES.values() for k, v in s.hf.model_types.items())
-        raise CheckpointError(f"{config}: {found} is not supported; supported: {supported}")
+    if isinstance(raw, dict) and raw.get("model_type") is not None:  # an unknown type: every family's listed
+        check_model_type(raw, str(config), {k: v for s in FAMILIES.values() for k, v in s.hf.model_types.items()})
     return hf_family(raw).hf.checkpoint(path)

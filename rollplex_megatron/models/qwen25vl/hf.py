@@ -12,6 +12,7 @@ import torch
 from safetensors import safe_open
 from transformers import Qwen2_5_VLConfig
 
+from rollplex_megatron.checkpoint.files import check_model_type as check_model_type_in
 from rollplex_megatron.checkpoint.files import (INDEX, CheckpointError, atomic_save, atomic_write_text,  # noqa: F401
                                                 load_torch_file, read_json, write_safetensors)
 from rollplex_megatron.config import ModelConfig, VisionConfig
@@ -23,11 +24,7 @@ SUPPORTED_MODEL_TYPES = {"qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
 
 def check_model_type(hf: dict, where: str) -> None:
     """config.json must describe a supported architecture (before any field is read)."""
-    mt = hf.get("model_type")
-    if mt not in SUPPORTED_MODEL_TYPES:
-        found = f"model_type {mt!r}" + (f" ({', '.join(hf['architectures'])})" if hf.get("architectures") else "")
-        supported = ", ".join(f"{k} ({v})" for k, v in SUPPORTED_MODEL_TYPES.items())
-        raise CheckpointError(f"{where}: {found} is not supported; supported: {supported}")
+    check_model_type_in(hf, where, SUPPORTED_MODEL_TYPES)
 
 
 def _text_fields(hf: dict):
