@@ -204,6 +204,11 @@ def expand_home(cfg: RunConfig) -> RunConfig:
 SUBTREE_GROUPS = ("mode", "model", "parallel", "task", "workload", "memory")
 
 
+def override_value(override: str):
+    """The value of one `key=value` override as Hydra parses it (a list for `[a, b]`)."""
+    return OverridesParser.create().parse_override(override).value()
+
+
 def override_key(override: str) -> str:
     """The dotted key a command-line override names: `+a.b=1`, `~a.b` and `a.b=1` all name `a.b`."""
     return override.lstrip("+~").split("=", 1)[0]

@@ -69,7 +69,7 @@ from rollplex_megatron.dist import LocalRunError, check_launch, launch_on_ranks,
 from rollplex_megatron.memory.budget import check_budget, check_cap
 from rollplex_megatron.memory.planner import plan_memory
 from rollplex_megatron.recipes import (RECIPES_DIR, check_eval_overrides, load_run_config, override_key,
-                                       run_eval_config, to_yaml)
+                                       override_value, run_eval_config, to_yaml)
 from rollplex_megatron.runtime import environment_record
 from rollplex_megatron.trainer.validation import eval_rank, generate_rank
 from rollplex_megatron.verify.equivalence import run_rank
@@ -405,8 +405,9 @@ def _eval_config(a, overrides: list[str], tmp: str):
         raise ValueError("give the rows to answer: data.val_files=[FILE, ...] (parquet or jsonl, verl's format)")
     if a.run:
         _check_run_processor(a, overrides)
-    for f in (x.strip().strip("'\"") for x in files[-1].strip().strip("[]").split(",")):
-        if f and not Path(f).is_file():  # before an export of the whole checkpoint
+    val = override_value(f"data.val_files={files[-1]}")
+    for f in (val if isinstance(val, list) else [val]):
+        if not Path(str(f)).expanduser().is_file():  # before an export of the whole checkpoint
             raise ValueError(f"data.val_files: {f} does not exist; name parquet or jsonl files of rows")
     hf = a.hf_dir or str(convert.train_to_hf(a.run, f"{tmp}/export", a.step))
     cfg = load_run_config([*overrides, f"train.init_hf={hf}", f"data.train_files={files[-1]}"])  # rows are checked
