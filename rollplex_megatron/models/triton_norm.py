@@ -102,14 +102,14 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def _forward(x_TH: torch.Tensor, weight: torch.Tensor, eps: float, rstd: bool, group: int = 1,
-             group_stride: int = 0):
-    """The kernel on rows [T, H] (`x_TH` as given, or with `group` > 1 its first row's storage read as groups of
-    `group` contiguous rows `group_stride` apart); y is a new contiguous [T, H]."""
+             group_stride: int | None = None):
+    """The kernel on rows [T, H] (`x_TH`'s rows, or from its first row on groups of `group` contiguous rows
+    `group_stride` apart); y is a new contiguous [T, H]."""
     (t, h), block = x_TH.shape, triton.next_power_of_2(x_TH.shape[1])
     y_TH = torch.empty(x_TH.shape, dtype=x_TH.dtype, device=x_TH.device)
     r_T = torch.empty(t, dtype=torch.float32, device=x_TH.device) if rstd else y_TH
     rows = _tile_rows(block)
-    stride = group_stride if group > 1 else x_TH.stride(0)
+    stride = x_TH.stride(0) if group_stride is None else group_stride
     _rms_norm_fwd[(triton.cdiv(t, rows),)](x_TH, weight, y_TH, r_T, stride, y_TH.stride(0), t, h, eps,
                                             BLOCK=block, ROWS=rows, STORE_RSTD=rstd, RNE_BF16=_rne_bf16(x_TH),
                                             GROUP=group, num_warps=_warps(block))
@@ -130,8 +130,6 @@ def triton_rms_norm_grouped(x_GRD: torch.Tensor, weight: torch.Tensor, eps: floa
     if x_GRD.stride(-1) != 1 or x_GRD.stride(-2) != d:
         raise ValueError(f"triton_rms_norm_grouped: rows must be contiguous within a group, strides {x_GRD.stride()}")
     groups = x_GRD.flatten(0, -3) if lead else x_GRD.unsqueeze(0)  # a view: the leading dims are evenly strided
-    if r == 1 or groups.shape[0] == 1:
-        return triton_rms_norm(x_GRD, weight, eps)
     rows_TD = groups.as_strided((groups.shape[0] * r, d), (d, 1))  # the pointer and widths only; rows come by group
     return _forward(rows_TD, weight, eps, rstd=False, group=r, group_stride=groups.stride(0))[0].view(x_GRD.shape)
 
