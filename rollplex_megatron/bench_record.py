@@ -112,10 +112,12 @@ def summarize_mode(label: str, records: list[dict], warmup: int, recompute: bool
 
 def planned_vs_measured(plan_json: Path, mode: dict) -> dict:
     """The run's plan (its memory_plan.json: what the planner chose and its per-phase GiB) beside the allocator's
-    per-phase peaks of the steady steps: planned over measured per phase (the planner is within 10% where the ratio
-    is in [0.9, 1.1]; over 1 it plans more than ran)."""
+    per-phase peaks of the steady steps, and start-up's (`setup`): planned over measured per phase (the planner is
+    within 10% where the ratio is in [0.9, 1.1]; over 1 it plans more than ran)."""
     plan = json.loads(plan_json.read_text())
-    measured = mode["phase_peak_gib"]
+    # start-up's peak (the allocator's, at the end of the runtime's construction) beside the step phases'
+    measured = {**mode["phase_peak_gib"], **({"setup": plan["measured_setup_gib"]} if "measured_setup_gib" in plan
+                                             else {})}
     return {"auto_choices": plan.get("auto_choices", {}), "released": plan.get("released"),
             "phase_gib": plan["phase_gib"], "peak_gib": plan["peak_gib"], "budget_gib": plan.get("auto_budget_gib"),
             "planned_over_measured": {p: plan["phase_gib"][p] / measured[p] for p in plan["phase_gib"]

@@ -35,6 +35,37 @@ def round_trip(cfg):
     return out
 
 
+def setup_points(cfg, mutant: str = ""):
+    """The runtime's start-up on this rank: the bytes of the actor, DDP's grads, the fp32 masters and the reference
+    on the device at each construction point (each `release_built` call, before it releases, and the end), their
+    full sizes, and what the plan released. `mutant="no_release"`: start-up releases nothing."""
+    from rollplex_megatron.memory import manager as M
+    from rollplex_megatron.trainer.runtime import Runtime
+
+    def held(mm, full: bool = False) -> dict:
+        n = (lambda ts: sum(t.numel() * t.element_size() for t in ts)) if full else \
+            (lambda ts: sum(s.nbytes() for s in M._storages(ts)))
+        ref = mm.classes.get("reference_weights")
+        return {"actor_weights": n(list(mm.ddp.module.parameters())),
+                "grads": n([b.grad_data for b in mm.ddp.buffers]),
+                "main_weights": n(M._main_weights(mm.optimizer)),
+                "reference_weights": n(ref.tensors()) if ref else 0}
+
+    points, orig = [], M.MemoryManager.release_built
+
+    def recording(mm, names):
+        points.append(held(mm))
+        if mutant != "no_release":
+            orig(mm, names)
+    M.MemoryManager.release_built = recording
+    try:
+        rt = Runtime(cfg)
+    finally:
+        M.MemoryManager.release_built = orig
+    points.append(held(rt.memory))
+    return {"points": points, "sizes": held(rt.memory, full=True), "released": sorted(rt.memory.released)}
+
+
 def plan_steps(cfg, steps: int, mutant: str = ""):
     """`steps` steps of cfg.mode under cfg.memory.plan; tokens, records and final weights."""
     from rollplex_megatron.memory import manager as M

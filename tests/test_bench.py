@@ -92,7 +92,7 @@ def test_bench_json_schema_and_markdown(tiny_bench):
         planned = m["planned"]  # the run's memory_plan.json beside the measured peaks (none on CPU: no ratio)
         assert sorted(planned["released"]) == m["memory"]["released"]
         assert planned["peak_gib"] == max(planned["phase_gib"].values())
-        assert set(planned["phase_gib"]) <= set(m["phase_median_s"]) | {"ref_logp", "old_logp"}
+        assert set(planned["phase_gib"]) <= set(m["phase_median_s"]) | {"ref_logp", "old_logp", "setup"}
         assert planned["auto_choices"] == {**NO_DEVICE_SIZES, "budget_gib": None}  # CPU: the fixed sizes
         assert planned["planned_over_measured"] == {p: planned["phase_gib"][p] / g for p, g in
                                                      m["phase_peak_gib"].items() if g and p in planned["phase_gib"]}

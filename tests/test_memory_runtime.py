@@ -35,9 +35,12 @@ def one_rank(tiny_hf):
     """This file's one-process runs without a mutation, in one job (`tests.in_turn`), each on its own fresh
     objects: the offload round trip, the activation counts, the recompute check at TP=PP=1 and the keep-plan
     run and the prefetch-ahead run (compared only with runs of other processes)."""
-    cfg = load_run_config(["model=tiny", "dtype=bfloat16", "mode.name=rollplex", "memory.plan=phase",
-                           "train.reference=always"] + STEPS)  # the reference's weights are one offloaded class
+    base = ["model=tiny", "dtype=bfloat16", "mode.name=rollplex", "train.reference=always"] + STEPS
+    cfg = load_run_config(base + ["memory.plan=phase"])  # the reference's weights are one offloaded class
     calls = {"round_trip": (W.round_trip, (cfg,))}
+    for plan in ("phase", "keep"):
+        calls["setup", plan] = (W.setup_points, (load_run_config(base + [f"memory.plan={plan}"]),))
+    calls["setup", "no_release"] = (W.setup_points, (cfg, "no_release"))
     for i, overrides in enumerate(ACTIVATION_CASES):
         calls["activations", i] = (saved_prefix_bytes, (overrides,))
     calls["recompute", 1, 1] = (W.recompute_vs_saved, (_recompute_cfg(1, 1), tiny_hf))
@@ -56,6 +59,26 @@ def test_offload_round_trip_is_bit_exact_and_frees_the_device_storage(one_rank):
     assert out["grads_zero_after_restore"]
     managed = out["managed"]
     assert managed["optimizer"]["optimizer_states"] > 0 and managed["rollout"]["optimizer_states"] == 0
+
+
+@pytest.mark.parametrize("plan", ["phase", "keep"])
+def test_start_up_holds_what_the_planners_setup_point_counts(one_rank, plan):
+    """The runtime builds the actor, DDP's grads, the masters and the reference in the order the planner counts,
+    releasing each released class as soon as it exists: the fullest construction point holds exactly the
+    planner's `setup` classes (at the real tensors' sizes), and at the end every released class is off the device.
+    Mutation: start-up releasing nothing holds more than the plan's setup point."""
+    from rollplex_megatron.memory.planner import setup_classes
+
+    out = case(one_rank, ("setup", plan))
+    w, rel = out["sizes"], frozenset(out["released"])
+    assert (plan == "phase") == bool(rel) and all(w[n] > 0 for n in w), (rel, w)
+    want = sum(w[n] for n in setup_classes(w, rel, ref=True))
+    assert max(sum(p.values()) for p in out["points"]) == want
+    end = out["points"][-1]
+    assert all(end[n] == 0 for n in rel & set(end)) and end["actor_weights"] == w["actor_weights"]
+    if plan == "phase":
+        mutant = case(one_rank, ("setup", "no_release"))
+        assert max(sum(p.values()) for p in mutant["points"]) > want
 
 
 @pytest.fixture(scope="module")

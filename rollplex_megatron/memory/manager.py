@@ -107,34 +107,63 @@ class MemoryManager:
         if self.cuda:
             d2h = torch.cuda.Stream()
             self.copy_streams = {"d2h": d2h, "h2d": d2h if copy_streams == 1 else torch.cuda.Stream()}
+        self.optimizer = optimizer  # None until built (`set_optimizer`): its classes hold nothing before
         self.classes = {
-            "main_weights": OffloadClass("main_weights", lambda: _main_weights(optimizer)),
-            "optimizer_states": OffloadClass("optimizer_states", lambda: _optimizer_states(optimizer)),
+            "main_weights": OffloadClass("main_weights", lambda: _main_weights(self.optimizer)),
+            "optimizer_states": OffloadClass("optimizer_states", lambda: _optimizer_states(self.optimizer)),
         }
         if reference is not None:  # none without a reference (train.reference)
-            self.classes["reference_weights"] = OffloadClass("reference_weights", lambda: list(reference.parameters()),
-                                                             read_only=True)
+            self.add_reference(reference)
         self.grads_resident = True
         self.phase_bytes: dict[str, dict[str, int]] = {}  # managed bytes per class at each phase's entry
         self.copy_bytes = {"d2h": 0, "h2d": 0}
+        self.host_reserve_s = 0.0  # seconds spent pinning host buffers at start-up (`reserve_host`)
+
+    def set_optimizer(self, optimizer) -> None:
+        """The optimizer whose master weights and Adam states this manager moves (built after the manager)."""
         self.optimizer = optimizer
 
-    def reserve_host(self) -> float:
-        """Allocate every released class's host buffers now (start-up) instead of at its first offload;
-        returns the seconds it took. Pinning host memory runs at about 1.8 GB/s on the H200 machine, so
-        the first offload of Adam's states (which exist only after the first optimizer step) used to
-        add about 16 s to step 2 at 3B (`benchmarks/results/pinned_alloc_probe.json`). Adam's state
-        buffers are sized from the parameters they mirror (exp_avg and exp_avg_sq per parameter, in
+    def add_reference(self, reference) -> None:
+        """Manage the frozen reference model's parameters (built after the manager: `release_built`)."""
+        self.classes["reference_weights"] = OffloadClass("reference_weights", lambda: list(reference.parameters()),
+                                                         read_only=True)
+
+    def release_built(self, names) -> None:
+        """Start-up (trainer/runtime.py): release the classes of `names` this plan releases, right after they were
+        built, so the next one is built without them (what the planner's `setup` point counts): `grads` freed (the
+        first phase that reads them gets them zeroed), an offload class offloaded into the host buffers reserved
+        for it here. Classes the plan keeps stay."""
+        for name in names:
+            if name not in self.released:
+                continue
+            if name == "grads":
+                if self.grads_resident:
+                    self.ddp.offload_grad_buffers(synchronize=False, empty_cache=False)
+                    self.grads_resident = False
+                continue
+            c = self.classes[name]
+            self.reserve_host((name,))
+            if c.resident:
+                self._offload(c)
+
+    def reserve_host(self, names=None) -> float:
+        """Allocate the host buffers of every released class (of `names`; all by default) not reserved yet, now
+        (start-up) instead of at its first offload; returns the seconds it took. Pinning host memory runs at about
+        1.8 GB/s on the H200 machine, so the first offload of Adam's states (which exist only after the first
+        optimizer step) used to add about 16 s to step 2 at 3B (`benchmarks/results/pinned_alloc_probe.json`).
+        Adam's state buffers are sized from the parameters they mirror (exp_avg and exp_avg_sq per parameter, in
         the optimizer's parameter order, the order Adam creates them in)."""
         t0 = time.perf_counter()
         for name, c in self.classes.items():
-            if name not in self.released:
+            if name not in self.released or (names is not None and name not in names) or c.host:
                 continue
             sizes = [st.nbytes() for st in _storages(c.tensors())]
             if name == "optimizer_states" and not sizes:
                 sizes = _adam_state_sizes(self.optimizer)
             c.host = [torch.empty(n, dtype=torch.uint8, pin_memory=self.cuda) for n in sizes]
-        return time.perf_counter() - t0
+        took = time.perf_counter() - t0
+        self.host_reserve_s += took
+        return took
 
     def new_step(self) -> None:
         """Start a step's records (bytes per phase, bytes copied)."""
@@ -296,6 +325,8 @@ class MemoryManager:
 
 
 def _main_weights(optimizer) -> list[torch.Tensor]:
+    if optimizer is None:
+        return []
     out = []
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         for group in getattr(opt, "fp32_from_float16_groups", []):
@@ -304,6 +335,8 @@ def _main_weights(optimizer) -> list[torch.Tensor]:
 
 
 def _optimizer_states(optimizer) -> list[torch.Tensor]:
+    if optimizer is None:
+        return []
     out = []
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         for state in opt.optimizer.state.values():
@@ -314,6 +347,8 @@ def _optimizer_states(optimizer) -> list[torch.Tensor]:
 def _adam_state_sizes(optimizer) -> list[int]:
     """Bytes of Adam's exp_avg and exp_avg_sq per parameter, in the order `_optimizer_states` will
     list them once the first step has created them."""
+    if optimizer is None:
+        return []
     out = []
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         for group in opt.optimizer.param_groups:

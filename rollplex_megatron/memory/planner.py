@@ -83,6 +83,20 @@ def optimizer_step_bytes(cfg: RunConfig, w: dict[str, int], stream: frozenset) -
     return slots, 0 if cfg.plan.fused_adam else 4 * elems
 
 
+def setup_classes(w: dict[str, int], rel: frozenset, ref: bool) -> tuple[str, ...]:
+    """The classes on the device at the fullest point of the runtime's start-up. trainer/runtime.py builds the actor,
+    then DDP's grad buffers, then the optimizer's fp32 masters, then the reference (a copy of the initial actor),
+    and releases each class the plan releases as soon as it exists (`MemoryManager.release_built`); Adam's states
+    appear at the first optimizer step. The points: actor + grads; actor + kept grads + masters; actor + kept grads
+    + kept masters + reference."""
+    grads = () if "grads" in rel else ("grads",)
+    masters = () if "main_weights" in rel else ("main_weights",)
+    points = [("actor_weights", "grads"), ("actor_weights", *grads, "main_weights")]
+    if ref:
+        points.append(("actor_weights", *grads, *masters, "reference_weights"))
+    return max(points, key=lambda names: sum(w[n] for n in names))
+
+
 def phases(mode: str) -> tuple[str, ...]:
     """The phases of one step of `mode`, in order (the mode's declaration)."""
     return get_mode(mode).phases
@@ -321,7 +335,9 @@ def plan(cfg: RunConfig, mode: str, residency: str, engine: str, s: Shape | None
     out.append(TensorClass("optimizer_workspace", adam, ("optimizer",), "free",
                            "torch Adam (foreach) holds sqrt(exp_avg_sq) for every parameter (streamed: one bucket's); "
                            "fused Adam: 0"))
-    return out if ref else without_reference(out, allp)
+    out = out if ref else without_reference(out, allp)
+    at_setup = setup_classes(w, rel, ref)  # start-up: every phase after it holds what it needs
+    return [replace(c, resident=(*c.resident, "setup")) if c.name in at_setup else c for c in out]
 
 
 def serial_plan(cfg: RunConfig, s: Shape | None = None) -> list[TensorClass]:
@@ -372,10 +388,10 @@ def rollout_rank_plan(cfg: RunConfig, s: Shape | None = None) -> dict:
 
 
 def summarize(classes: list[TensorClass], mode: str) -> dict:
-    """Per-phase bytes by class (GiB) and the peak phase, over the phases the classes live in (`mode`'s, less
-    the reference's scoring phase in a run without the reference)."""
+    """Per-phase bytes by class (GiB) and the peak phase, over the phases the classes live in (`setup`, the fullest
+    point of start-up, then `mode`'s, less the reference's scoring phase in a run without the reference)."""
     by_phase = {ph: {c.name: c.bytes / GIB for c in classes if ph in c.resident and c.bytes}
-                for ph in phases(mode) if any(ph in c.resident for c in classes)}
+                for ph in ("setup", *phases(mode)) if any(ph in c.resident for c in classes)}
     totals = {ph: sum(v.values()) for ph, v in by_phase.items()}
     peak = max(totals, key=totals.get)
     return {"peak_gib": totals[peak], "peak_phase": peak, "phase_gib": totals, "by_phase_gib": by_phase,

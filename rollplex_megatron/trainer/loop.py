@@ -138,6 +138,7 @@ def train_rank(cfg: RunConfig) -> dict:
             latest = train_state.latest_checkpoint(run)
             if latest is None:
                 raise FileNotFoundError(f"train.resume=true but {run} has no checkpoint")
+            rt.memory.restore_all()  # start-up released them: the load writes into the device tensors
             start, extra = train_state.load_checkpoint(latest, rt.ddp.module, rt.ref, rt.optimizer)
             restore_scheduler(rt.scheduler, extra, start)
             if rt.engine.weights_phase:  # the rollout model was bound (or sent weights) before the load

@@ -295,16 +295,9 @@ class Runtime:
         cap_allocator(cfg.memory.cap_gib)
         if cfg.rollout.engine == "embedded":
             check_decode_settings(cfg)  # the decode kernels this device can run, before any model
-        actor = build_policy(cfg)
-        self.ref = None  # train.reference: none where the loss does not read it (kl_coef 0 under auto)
-        if cfg.train.uses_reference:
-            self.ref = training_model(cfg)
-            self.ref.load_state_dict(actor.state_dict())  # the reference is the initial policy, frozen
-            self.ref.requires_grad_(False)
-        self.ddp = wrap_ddp(actor)
-        with default_group_is_train_world():
-            self.optimizer = build_optimizer(self.ddp, cfg.optim, bf16=cfg.dtype == "bfloat16")
-        self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
+        # Built in the order the planner's `setup` point counts (memory/planner.py `setup_classes`), each class the
+        # plan releases released as soon as it exists: the actor, DDP's grads, the optimizer's fp32 masters, the
+        # reference (a copy of the initial actor). The run so never holds them all at once, as no phase does.
         rel = frozenset(self.plan["released"])  # what memory.plan releases (auto: what the budget needs)
         if cfg.rollout.engine == "sglang" and "reference_weights" in rel:
             # SGLang's scheduler holds CUDA IPC handles of the reference's parameters: an offload would free
@@ -313,11 +306,29 @@ class Runtime:
             self.plan["released"] = [n for n in self.plan["released"] if n != "reference_weights"]
             self.plan["sglang"] = ("reference_weights kept resident (shared with SGLang's scheduler); the per-phase "
                                    "bytes above were planned with it released")
+        actor = build_policy(cfg)
+        self.ddp = wrap_ddp(actor)
         ahead = {k: v for k, v in self.plan.get("ahead", {}).items() if k in rel}  # SGLang's reference: kept
-        self.memory = MemoryManager(rel, cfg.mode.name, self.ddp, self.optimizer, self.ref, cfg.memory.copy_streams,
-                                    ahead, cfg.memory.optimizer_step, cfg.memory.optimizer_bucket_mib,
+        self.memory = MemoryManager(rel, cfg.mode.name, self.ddp, None, None, cfg.memory.copy_streams, ahead,
+                                    cfg.memory.optimizer_step, cfg.memory.optimizer_bucket_mib,
                                     cfg.memory.optimizer_buckets)
-        self.plan["host_buffers_s"] = self.memory.reserve_host()  # a start-up cost, not step 1's and 2's
+        self.memory.release_built(("grads",))
+        with default_group_is_train_world():
+            self.optimizer = build_optimizer(self.ddp, cfg.optim, bf16=cfg.dtype == "bfloat16")
+        self.memory.set_optimizer(self.optimizer)
+        self.memory.release_built(("main_weights",))
+        self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
+        self.ref = None  # train.reference: none where the loss does not read it (kl_coef 0 under auto)
+        if cfg.train.uses_reference:
+            self.ref = training_model(cfg)
+            self.ref.load_state_dict(actor.state_dict())  # the reference is the initial policy, frozen
+            self.ref.requires_grad_(False)
+            self.memory.add_reference(self.ref)
+            self.memory.release_built(("reference_weights",))
+        self.memory.reserve_host()  # the rest (Adam's states: sized from the parameters they mirror)
+        self.plan["host_buffers_s"] = self.memory.host_reserve_s  # a start-up cost, not step 1's and 2's
+        if torch.cuda.is_available():
+            self.plan["measured_setup_gib"] = torch.cuda.max_memory_allocated() / 2**30
         self.recompute = "actor_prefix_graph" in rel  # the actor prefix keeps no graph
         if cfg.rollout.engine == "sglang":
             import_sglang()  # a one-line error before any SGLang work when it is missing
