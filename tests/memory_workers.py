@@ -66,6 +66,17 @@ def setup_points(cfg, mutant: str = ""):
     return {"points": points, "sizes": held(rt.memory, full=True), "released": sorted(rt.memory.released)}
 
 
+def load_without_holding(cfg):
+    """Mutation of the resume under a release plan: the latest checkpoint of cfg.train.out loaded with the released
+    classes left off the device (raises)."""
+    from rollplex_megatron.checkpoint import train_state
+    from rollplex_megatron.trainer.runtime import Runtime
+
+    rt = Runtime(cfg)
+    latest = train_state.latest_checkpoint(cfg.train.out)
+    return train_state.load_checkpoint(latest, rt.ddp.module, rt.ref, rt.optimizer)
+
+
 def plan_steps(cfg, steps: int, mutant: str = ""):
     """`steps` steps of cfg.mode under cfg.memory.plan; tokens, records and final weights."""
     from rollplex_megatron.memory import manager as M

@@ -21,6 +21,8 @@ Checkpoints are per layout: loading needs the same tp, pp and dp (no resharding)
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import errno
 import json
 import os
@@ -372,8 +374,11 @@ def _load_reference(reference, saved, path) -> None:
         _module(reference).load_state_dict(saved)
 
 
-def load_checkpoint(path, model, reference, optimizer) -> tuple[int, dict]:
-    """Restore this rank's model, reference, optimizer and RNG states; returns (step, extra)."""
+def load_checkpoint(path, model, reference, optimizer, holding=None) -> tuple[int, dict]:
+    """Restore this rank's model, reference, optimizer and RNG states; returns (step, extra). `holding` (the memory
+    manager's `holding`): the reference, then the masters with Adam's states, are on the device only while their
+    own state is loaded."""
+    holding = holding or (lambda names: nullcontext())
     path = Path(path)
     meta = read_meta(path)
     check_layout(meta, path)
@@ -383,7 +388,9 @@ def load_checkpoint(path, model, reference, optimizer) -> tuple[int, dict]:
                          f"{state['ranks']}, but this process is {_ranks()}: the launch orders ranks differently "
                          f"from the run that saved it; launch it as that run was launched")
     _module(model).load_state_dict(state["model"])
-    _load_reference(reference, state.get("reference"), path)
-    optimizer.load_state_dict(state["optimizer"])
+    with holding(("reference_weights",)):
+        _load_reference(reference, state.get("reference"), path)
+    with holding(("main_weights", "optimizer_states")):
+        optimizer.load_state_dict(state["optimizer"])
     set_rng_states(state["rng"])
     return state["step"], state["extra"]

@@ -42,6 +42,7 @@ optimizer step reads and writes their host buffers bucket by bucket (`StreamedSt
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -206,6 +207,25 @@ class MemoryManager:
                     torch.cuda.current_stream().wait_event(c.event)
                     c.event = None
         self.phase_bytes[phase] = self.resident_bytes()
+
+    @contextmanager
+    def holding(self, names):
+        """The classes of `names` on the device within the block (a resume's checkpoint load writes into them), and
+        released again after it where the plan releases them, so a load holds one group of classes at a time."""
+        for name in names:
+            c = self.classes.get(name)
+            if c is not None and not c.resident:
+                self._prefetch(c)
+                if self.cuda:
+                    torch.cuda.current_stream().wait_event(c.event)
+                    c.event = None
+        try:
+            yield
+        finally:
+            for name in names:
+                c = self.classes.get(name)
+                if c is not None and c.resident and name in self.released:
+                    self._offload(c)
 
     def restore_all(self) -> None:
         """Every class back on the device (before a checkpoint is written)."""

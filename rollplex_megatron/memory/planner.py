@@ -83,17 +83,20 @@ def optimizer_step_bytes(cfg: RunConfig, w: dict[str, int], stream: frozenset) -
     return slots, 0 if cfg.plan.fused_adam else 4 * elems
 
 
-def setup_classes(w: dict[str, int], rel: frozenset, ref: bool) -> tuple[str, ...]:
+def setup_classes(w: dict[str, int], rel: frozenset, ref: bool, resume: bool = False) -> tuple[str, ...]:
     """The classes on the device at the fullest point of the runtime's start-up. trainer/runtime.py builds the actor,
     then DDP's grad buffers, then the optimizer's fp32 masters, then the reference (a copy of the initial actor),
     and releases each class the plan releases as soon as it exists (`MemoryManager.release_built`); Adam's states
     appear at the first optimizer step. The points: actor + grads; actor + kept grads + masters; actor + kept grads
-    + kept masters + reference."""
-    grads = () if "grads" in rel else ("grads",)
-    masters = () if "main_weights" in rel else ("main_weights",)
-    points = [("actor_weights", "grads"), ("actor_weights", *grads, "main_weights")]
+    + kept masters + reference. `resume` (train.resume): the checkpoint's load then brings the masters back with
+    Adam's states, which it creates (`MemoryManager.holding`), beside the kept classes."""
+    kept = lambda *names: tuple(n for n in names if n not in rel)  # noqa: E731
+    points = [("actor_weights", "grads"), ("actor_weights", *kept("grads"), "main_weights")]
     if ref:
-        points.append(("actor_weights", *grads, *masters, "reference_weights"))
+        points.append(("actor_weights", *kept("grads", "main_weights"), "reference_weights"))
+    if resume:
+        points.append(("actor_weights", *kept("grads", *(("reference_weights",) if ref else ())), "main_weights",
+                       "optimizer_states"))
     return max(points, key=lambda names: sum(w[n] for n in names))
 
 
@@ -336,7 +339,7 @@ def plan(cfg: RunConfig, mode: str, residency: str, engine: str, s: Shape | None
                            "torch Adam (foreach) holds sqrt(exp_avg_sq) for every parameter (streamed: one bucket's); "
                            "fused Adam: 0"))
     out = out if ref else without_reference(out, allp)
-    at_setup = setup_classes(w, rel, ref)  # start-up: every phase after it holds what it needs
+    at_setup = setup_classes(w, rel, ref, cfg.train.resume)  # start-up: every phase after it holds what it needs
     return [replace(c, resident=(*c.resident, "setup")) if c.name in at_setup else c for c in out]
 
 

@@ -138,8 +138,8 @@ def train_rank(cfg: RunConfig) -> dict:
             latest = train_state.latest_checkpoint(run)
             if latest is None:
                 raise FileNotFoundError(f"train.resume=true but {run} has no checkpoint")
-            rt.memory.restore_all()  # start-up released them: the load writes into the device tensors
-            start, extra = train_state.load_checkpoint(latest, rt.ddp.module, rt.ref, rt.optimizer)
+            # start-up released what the plan releases: each group comes back only while its state is loaded
+            start, extra = train_state.load_checkpoint(latest, rt.ddp.module, rt.ref, rt.optimizer, rt.memory.holding)
             restore_scheduler(rt.scheduler, extra, start)
             if rt.engine.weights_phase:  # the rollout model was bound (or sent weights) before the load
                 rt.sync_rollout_weights()
