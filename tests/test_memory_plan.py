@@ -223,3 +223,20 @@ def test_prefetch_ahead_takes_what_fits_the_phase_before(mode):
     assert "optimizer_states" not in some and some["main_weights"] == "update"
     assert M.summarize(M.plan(cfg, mode, "phase", "embedded", s, some), mode)["phase_gib"]["update"] <= tight
     assert A.ahead_phases(cfg, mode, "keep", s, 1e6) == {}  # nothing released, nothing to bring back
+
+
+def test_the_setup_point_is_the_fullest_point_of_start_up_and_of_a_resume():
+    """Start-up builds actor, grads, masters, reference, releasing each released class at once; a resume brings the
+    masters back with the Adam states its load creates. Sizes of a bf16 actor of n parameters (n = 1)."""
+    w = {"actor_weights": 2, "grads": 4, "main_weights": 4, "optimizer_states": 8, "reference_weights": 2}
+    every = frozenset(M.RELEASE_ORDER)
+    assert sum(w[n] for n in M.setup_classes(w, every, ref=True)) == 6  # actor + grads, or actor + masters
+    assert set(M.setup_classes(w, frozenset(), ref=True)) == {"actor_weights", "grads", "main_weights",
+                                                              "reference_weights"}  # keep: all built stay
+    assert set(M.setup_classes(w, every, ref=True, resume=True)) == {"actor_weights", "main_weights",
+                                                                     "optimizer_states"}
+    kept_grads = M.setup_classes(w, every - {"grads"}, ref=False, resume=True)
+    assert sum(w[n] for n in kept_grads) == 18
+    cfg = load_run_config(["dtype=bfloat16", "memory.plan=phase", "train.reference=always"])
+    setup = M.summarize(M.rollplex_plan(cfg), "rollplex")["by_phase_gib"]["setup"]
+    assert set(setup) == set(M.setup_classes(M._weights(cfg), every, ref=True))
