@@ -1,5 +1,6 @@
 """The user-facing commands end to end, as a user runs them (fresh processes)."""
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -81,3 +82,15 @@ def test_cpu_shims_apply_only_without_cuda():
         assert {"current_device", "synchronize", "rng", "cuda_device_literals"} <= set(names)
         assert applied_shims() == names
         assert torch.zeros(1, device="cuda").device.type == "cpu"
+
+
+def test_the_cli_gives_ranks_expandable_segments_unless_the_user_chose():
+    """Every command sets PYTORCH_CUDA_ALLOC_CONF before any CUDA work (ranks inherit it) where it is unset, and
+    leaves a user's own value as it is."""
+    code = ("import os, sys; from rollplex_megatron.cli import main; main(['--help']); "
+            "sys.stderr.write('ALLOC=' + os.environ.get('PYTORCH_CUDA_ALLOC_CONF', '<unset>'))")
+    env = {k: v for k, v in os.environ.items() if k != "PYTORCH_CUDA_ALLOC_CONF"}
+    outs = [subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True, timeout=300)
+            for e in (env, {**env, "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"})]
+    assert [o.stderr.rsplit("ALLOC=", 1)[-1].strip() for o in outs] == ["expandable_segments:True",
+                                                                      "max_split_size_mb:128"], outs

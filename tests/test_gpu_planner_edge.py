@@ -54,7 +54,7 @@ def _edge() -> tuple[float, dict]:
 
 
 def _train(tmp: Path, budget: float, cap: float) -> tuple[subprocess.CompletedProcess, list[dict]]:
-    cmd = [sys.executable, "-m", "rollplex_megatron", "train", *OVERRIDES, f"memory.budget_gib={budget:g}",
+    cmd = [sys.executable, "-m", "rollplex_megatron", "train", "--debug", *OVERRIDES, f"memory.budget_gib={budget:g}",
            f"memory.cap_gib={cap:g}", f"run_dir={tmp}"]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     runs = [d for d in tmp.iterdir() if (d / "metrics.jsonl").exists()] if tmp.exists() else []

@@ -529,10 +529,22 @@ COMMANDS = {"train": _cmd_train, "smoke": _cmd_smoke, "verify-hf": _cmd_verify_h
             "docs": _cmd_docs}
 
 
+ALLOCATOR_DEFAULT = "expandable_segments:True"
+
+
+def allocator_default() -> None:
+    """torch's CUDA allocator with expandable segments unless the user set PYTORCH_CUDA_ALLOC_CONF (before any CUDA
+    work, so every rank, local or torchrun's, inherits it): the memory plan frees and reallocates GiB-sized classes
+    every step, and the default allocator keeps the freed ranges as reserved fragments that a cap counts
+    (docs/concepts/memory.md)."""
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", ALLOCATOR_DEFAULT)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Dispatch to a command; returns the exit status."""
     argv = sys.argv[1:] if argv is None else argv
     quiet_known_warnings()
+    allocator_default()
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0 if argv else 2
