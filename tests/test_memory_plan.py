@@ -240,3 +240,15 @@ def test_the_setup_point_is_the_fullest_point_of_start_up_and_of_a_resume():
     cfg = load_run_config(["dtype=bfloat16", "memory.plan=phase", "train.reference=always"])
     setup = M.summarize(M.rollplex_plan(cfg), "rollplex")["by_phase_gib"]["setup"]
     assert set(setup) == set(M.setup_classes(M._weights(cfg), every, ref=True))
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_the_update_counts_the_output_layers_weight_gradient(tp):
+    """autograd makes the output layer's weight gradient in the parameters' dtype at the backward's first op, and
+    it lives until DDP's hook adds it to the fp32 main grad (tied embeddings: to the backward's end): the update
+    phase holds one, this rank's vocabulary shard, in every mode; no forward-only phase does."""
+    cfg = load_run_config(["dtype=bfloat16", f"parallel.tp={tp}"])
+    m = cfg.model
+    for mode in ("serial", "prefix_shared", "rollplex"):
+        c = {x.name: x for x in M.plan(cfg, mode, "phase", "embedded")}["output_weight_grad"]
+        assert (c.bytes, c.resident) == (2 * (m.vocab_size // tp) * m.hidden_size, ("update",)), mode

@@ -326,6 +326,11 @@ def plan(cfg: RunConfig, mode: str, residency: str, engine: str, s: Shape | None
                         rounds=1 + cfg.train.max_resample_rounds if cfg.train.dynamic_sampling else 1,
                         pack_groups=pack_groups(cfg, s))
     out += get_mode(mode).memory_classes(inputs)
+    if "update" in allp:
+        out.append(TensorClass("output_weight_grad", e * (m.vocab_size // par.tp) * m.hidden_size, ("update",), "free",
+                               "autograd's gradient of the output layer's weight in the parameters' dtype, made at "
+                               "the first op of the backward (the update's peak) and alive until DDP's hook adds it to "
+                               "the fp32 main grad; with tied embeddings until the embedding's backward"))
     if cfg.mode.window_graphs and mode == "rollplex":  # the captured reference items' pool (prefix/graphs.py)
         out.append(TensorClass("reference_prefix_graphs", window_graph_bytes(cfg, s), allp, "keep",
                                f"mode.window_graphs: the K/V outputs of up to {cfg.mode.window_graph_buckets} captured "
