@@ -12,7 +12,7 @@ set -euo pipefail
 source benchmarks/gpu_env.sh
 suite=$1 modes=$2
 shift 2
-export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+# PYTORCH_CUDA_ALLOC_CONF: the command line sets expandable segments where unset (not for rollout.engine=sglang)
 mkdir -p runs/bench
 name=${BENCH_NAME:-$suite}
 json=runs/bench/bench_$name.json

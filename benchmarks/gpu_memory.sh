@@ -8,7 +8,7 @@
 set -euo pipefail
 source benchmarks/gpu_env.sh
 steps=${STEPS:-3}
-export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+# PYTORCH_CUDA_ALLOC_CONF: the command line sets expandable segments where unset (not for rollout.engine=sglang)
 args=(model=qwen2_5_vl_3b dtype=bfloat16 task=motion_long workload=vlm_gpu memory=h200 rollout.group_size=8
       train.steps=$steps train.save_final=false train.progress=false)
 runs=${RUNS:-"serial:keep rollplex:phase rollplex:keep serial:phase"}

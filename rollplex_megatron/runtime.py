@@ -96,6 +96,25 @@ def _transformer_engine() -> bool:
 
 
 CUDA_ENV = ("CUDA_DEVICE_MAX_CONNECTIONS", "PYTORCH_CUDA_ALLOC_CONF")
+ALLOCATOR_DEFAULT = "expandable_segments:True"
+_DEFAULTED = "ROLLPLEX_ALLOCATOR_DEFAULTED"  # marks PYTORCH_CUDA_ALLOC_CONF as ours, not the user's
+
+
+def allocator_default() -> None:
+    """torch's CUDA allocator with expandable segments unless the user set PYTORCH_CUDA_ALLOC_CONF (every command,
+    before any CUDA work, so every rank, local or torchrun's, inherits it): the memory plan frees and reallocates
+    GiB-sized classes every step, and the default allocator keeps the freed ranges as reserved fragments that a
+    cap counts (docs/concepts/memory.md)."""
+    if "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ALLOCATOR_DEFAULT
+        os.environ[_DEFAULTED] = "1"
+
+
+def drop_allocator_default() -> None:
+    """Undo `allocator_default` (a user's own setting stays): rollout.engine=sglang, whose memory saver refuses
+    expandable segments and whose scheduler maps the trainer's parameters over CUDA IPC. Before any CUDA work."""
+    if os.environ.pop(_DEFAULTED, None):
+        os.environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)
 
 
 def environment_record() -> dict:

@@ -94,3 +94,24 @@ def test_the_cli_gives_ranks_expandable_segments_unless_the_user_chose():
             for e in (env, {**env, "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"})]
     assert [o.stderr.rsplit("ALLOC=", 1)[-1].strip() for o in outs] == ["expandable_segments:True",
                                                                       "max_split_size_mb:128"], outs
+
+
+def test_an_sglang_run_drops_the_allocator_default_but_not_the_users(monkeypatch, tiny_hf):
+    """rollout.engine=sglang: SGLang's memory saver refuses expandable segments, so `train` drops the default it set
+    (before any CUDA work); a user's own PYTORCH_CUDA_ALLOC_CONF stays. Mutation: a run of the embedded engine keeps
+    the default."""
+    from rollplex_megatron import runtime as R
+    from rollplex_megatron.cli import train as T
+
+    monkeypatch.setattr(T, "import_sglang", lambda: None)  # SGLang itself is not needed to read the config
+    for engine, user, want in (("sglang", None, None), ("embedded", None, R.ALLOCATOR_DEFAULT),
+                               ("sglang", "max_split_size_mb:64", "max_split_size_mb:64")):
+        monkeypatch.delenv(R._DEFAULTED, raising=False)
+        if user is None:
+            monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+        else:
+            monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", user)
+        R.allocator_default()
+        model = [f"rollout.sglang.model_path={tiny_hf}"] if engine == "sglang" else []
+        T._config([f"rollout.engine={engine}", *model], None)
+        assert os.environ.get("PYTORCH_CUDA_ALLOC_CONF") == want, (engine, user)

@@ -439,3 +439,19 @@ def test_a_class_ahead_comes_back_once_when_update_and_optimizer_alternate():
     mm.enter("rollout")
     assert resident(ref) and not resident(main)
     assert all(torch.equal(a, b) for a, b in zip(ref, want_ref))
+
+
+def test_holding_a_class_that_held_nothing_waits_for_no_copy():
+    """An fp32 run's optimizer has no master weights: start-up releases an empty class, and a resume's `holding`
+    brings it back with no copy, so it must not wait for a copy event (on CUDA it would wait on None). The manager
+    is told it runs on CUDA; any CUDA call would fail here."""
+    from rollplex_megatron.memory.manager import MemoryManager
+
+    mm = MemoryManager(frozenset({"main_weights"}), "rollplex", None, None, None)
+    mm.release_built(("main_weights",))
+    c = mm.classes["main_weights"]
+    assert (c.resident, c.sizes, c.event) == (False, [], None)
+    mm.cuda = True
+    with mm.holding(("main_weights",)):
+        assert c.resident
+    assert not c.resident

@@ -70,7 +70,7 @@ from rollplex_megatron.memory.budget import check_budget, check_cap
 from rollplex_megatron.memory.planner import plan_memory
 from rollplex_megatron.recipes import (RECIPES_DIR, check_eval_overrides, load_run_config, override_key,
                                        override_value, run_eval_config, to_yaml)
-from rollplex_megatron.runtime import environment_record
+from rollplex_megatron.runtime import allocator_default, environment_record
 from rollplex_megatron.trainer.validation import eval_rank, generate_rank
 from rollplex_megatron.verify.equivalence import run_rank
 from rollplex_megatron.verify.parity import verify_rank
@@ -527,17 +527,6 @@ COMMANDS = {"train": _cmd_train, "smoke": _cmd_smoke, "verify-hf": _cmd_verify_h
             "generate": _cmd_generate, "plan-weights": _cmd_plan_weights,
             "plan-memory": _cmd_plan_memory, "bench": _cmd_bench, "window-policy": _cmd_window_policy,
             "docs": _cmd_docs}
-
-
-ALLOCATOR_DEFAULT = "expandable_segments:True"
-
-
-def allocator_default() -> None:
-    """torch's CUDA allocator with expandable segments unless the user set PYTORCH_CUDA_ALLOC_CONF (before any CUDA
-    work, so every rank, local or torchrun's, inherits it): the memory plan frees and reallocates GiB-sized classes
-    every step, and the default allocator keeps the freed ranges as reserved fragments that a cap counts
-    (docs/concepts/memory.md)."""
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", ALLOCATOR_DEFAULT)
 
 
 def main(argv: list[str] | None = None) -> int:

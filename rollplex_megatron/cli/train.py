@@ -27,6 +27,7 @@ from rollplex_megatron.checkpoint import run_dir as R
 from rollplex_megatron.checkpoint import train_state
 from rollplex_megatron.config import RunConfig
 from rollplex_megatron.data import build_source, source_name
+from rollplex_megatron.runtime import drop_allocator_default
 from rollplex_megatron.dist import LocalRunError, check_launch, exit_with_parent, launch_on_ranks, under_torchrun
 from rollplex_megatron.memory.machine import check_run_fits
 from rollplex_megatron.checkpoint.files import atomic_write_text
@@ -192,6 +193,7 @@ def _config(overrides: list[str], modes: list[str] | None) -> RunConfig:
               f"data.source=rendered to say this is meant", file=sys.stderr)
     if cfg.rollout.engine == "sglang":
         import_sglang()  # missing or too old: one line before any process starts or the model is built
+        drop_allocator_default()  # SGLang's memory saver refuses expandable segments (a user's setting stays)
     source = build_source(cfg)  # bad data settings (a task/model mismatch, ...) fail before any process starts
     if not torch.cuda.is_available():  # CPU: the ranks share this host's memory; a batch it cannot hold fails here
         cap_allocator(cfg.memory.cap_gib)  # a cap is refused here (no GPU), before the ranks load megatron

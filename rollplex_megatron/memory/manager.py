@@ -215,8 +215,8 @@ class MemoryManager:
         for name in names:
             c = self.classes.get(name)
             if c is not None and not c.resident:
-                self._prefetch(c)
-                if self.cuda:
+                self._prefetch(c)  # (a class that held nothing when released copies nothing: no event)
+                if self.cuda and c.event is not None:
                     torch.cuda.current_stream().wait_event(c.event)
                     c.event = None
         try:

@@ -140,6 +140,7 @@ def train_rank(cfg: RunConfig) -> dict:
                 raise FileNotFoundError(f"train.resume=true but {run} has no checkpoint")
             # start-up released what the plan releases: each group comes back only while its state is loaded
             start, extra = train_state.load_checkpoint(latest, rt.ddp.module, rt.ref, rt.optimizer, rt.memory.holding)
+            rt.record_setup_peak()
             restore_scheduler(rt.scheduler, extra, start)
             if rt.engine.weights_phase:  # the rollout model was bound (or sent weights) before the load
                 rt.sync_rollout_weights()

@@ -306,6 +306,8 @@ class Runtime:
             self.plan["released"] = [n for n in self.plan["released"] if n != "reference_weights"]
             self.plan["sglang"] = ("reference_weights kept resident (shared with SGLang's scheduler); the per-phase "
                                    "bytes above were planned with it released")
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()  # start-up's own peak (`measured_setup_gib`)
         actor = build_policy(cfg)
         self.ddp = wrap_ddp(actor)
         ahead = {k: v for k, v in self.plan.get("ahead", {}).items() if k in rel}  # SGLang's reference: kept
@@ -327,8 +329,7 @@ class Runtime:
             self.memory.release_built(("reference_weights",))
         self.memory.reserve_host()  # the rest (Adam's states: sized from the parameters they mirror)
         self.plan["host_buffers_s"] = self.memory.host_reserve_s  # a start-up cost, not step 1's and 2's
-        if torch.cuda.is_available():
-            self.plan["measured_setup_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        self.record_setup_peak()
         self.recompute = "actor_prefix_graph" in rel  # the actor prefix keeps no graph
         if cfg.rollout.engine == "sglang":
             import_sglang()  # a one-line error before any SGLang work when it is missing
@@ -359,6 +360,12 @@ class Runtime:
         self.dev = device()
         self.data_seconds = 0.0
         self.data_cursor = 0  # the data stream's next batch index (the step, unless dynamic sampling resampled)
+
+    def record_setup_peak(self) -> None:
+        """The allocator's peak since start-up began into the plan (`measured_setup_gib`, beside its `setup`
+        entry): after construction, and again after a resume's load, which the planner's point includes."""
+        if torch.cuda.is_available():
+            self.plan["measured_setup_gib"] = torch.cuda.max_memory_allocated() / 2**30
 
     def requests(self, index: int):
         """This rank's rows and rollout requests of the data stream's batch `index` (deterministic in
