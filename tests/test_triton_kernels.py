@@ -525,3 +525,44 @@ def test_trainer_step_with_the_fused_rope_gives_megatrons_update(tiny_hf):
     err, name = _param_err(fused, plain)
     assert err <= TOL, (name, err)
     assert abs(u["grad_norm"] - b["grad_norm"]) > 100 * bound * abs(b["grad_norm"]), (u["grad_norm"], b["grad_norm"])
+
+
+@pytest.mark.parametrize("prefix_split,resp_split", [(64, 128), (128, 64)])
+def test_other_key_splits_match_the_math_path(prefix_split, resp_split):
+    """The programs' grain (`prefix_split` / `resp_split` keys each) changes only the order the terms are summed in:
+    more splits than the default on both parts, with ragged last splits, still match the math path; a split that is
+    not a power of two of at least the key block is refused by name."""
+    c = _attention_case(3, 3, 4, 200, 150)
+    slot, s_max = group_slots(c["group"], c["pk"].shape[0])
+    idx = triton_index(c["group"], slot, s_max, c["plen"], c["rlen"])
+    run = lambda **k: triton_shared_prefix_decode_attention(c["q"], c["pk"], c["pv"], c["rk"], c["rv"], idx,  # noqa
+                                                            None, **k)
+    ref = _reference(c)
+    assert _rel(run(prefix_split=prefix_split, resp_split=resp_split), ref) < TOL
+    no_resp = dict(c, rv=torch.zeros_like(c["rv"]))  # mutation: the response part dropped
+    assert _rel(triton_shared_prefix_decode_attention(no_resp["q"], c["pk"], c["pv"], c["rk"], no_resp["rv"], idx,
+                                                      None, prefix_split=prefix_split, resp_split=resp_split),
+                ref) > 2 * TOL
+    with pytest.raises(ValueError, match="prefix_split=96"):
+        run(prefix_split=96)
+
+
+def test_the_kernel_shapes_benchmark_runs_its_attention_rows():
+    """benchmarks/decode_kernel_shapes.py (a GPU benchmark) at tiny shapes on CPU: every split pair of a case gives
+    the first pair's output up to rounding, with no time off CUDA; a split pair that drops the response part would
+    not (`test_other_key_splits_match_the_math_path`)."""
+    import importlib.util
+    from pathlib import Path
+
+    from rollplex_megatron.recipes import load_run_config
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "decode_kernel_shapes.py"
+    spec = importlib.util.spec_from_file_location("decode_kernel_shapes", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    m = load_run_config(["model=tiny"]).model
+    rows = mod.attention_rows(m, [(2, 3)], 150, 70, [(256, 256), (64, 64), (64, 256)], 3.35, 1, 1, device=DEV)
+    assert [(r["prefix_split"], r["resp_split"]) for r in rows] == [(256, 256), (64, 64), (64, 256)]
+    assert rows[0]["rel_err_vs_first_split"] == 0 and all(r["rel_err_vs_first_split"] < TOL for r in rows)
+    assert all(r["kv_bytes"] == (2 * 2 * 150 + 2 * 6 * 70) * m.num_query_groups * m.head_dim * 2 for r in rows)
+    assert all((r["us"] is None) == (DEV == "cpu") for r in rows)

@@ -248,13 +248,19 @@ def _pow2(n: int, lo: int = 1) -> int:
 
 def triton_shared_prefix_decode_attention(q_BND, prefix_k_GrPND, prefix_v_GrPND, resp_k_BRND, resp_v_BRND,
                                           index: TritonIndex, scale: float | None,
-                                          skip_empty: bool = True) -> torch.Tensor:
+                                          skip_empty: bool = True, prefix_split: int = PREFIX_SPLIT,
+                                          resp_split: int = RESP_SPLIT) -> torch.Tensor:
     """`shared_prefix_decode_attention` on Triton kernels; returns [B, Nq*D] in the query dtype.
 
     `prefix_*` are [Gr, P, Ng, D] (keys past `index.prefix_len` never read), `resp_*` [B, Rm, Ng, D]
     (keys past `index.resp_len` never read); both need a unit stride on D. `skip_empty`: the response kernel skips
     the blocks of its split past each sample's length instead of running them masked (the same bits, `_partial`;
-    on the H100 the response kernel's time fell by about a sixth, docs/concepts/kernels.md)."""
+    on the H100 the response kernel's time fell by about a sixth, docs/concepts/kernels.md). `prefix_split`,
+    `resp_split`: keys per program of each part (powers of two, at least 64: the key block), the programs' grain
+    (`benchmarks/decode_kernel_shapes.py` times them); other splits sum the same terms in another order."""
+    for name, n in (("prefix_split", prefix_split), ("resp_split", resp_split)):
+        if n < 64 or n & (n - 1):
+            raise ValueError(f"{name}={n}: a power of two of at least 64 (the key block)")
     b, nq, d = q_BND.shape
     n_groups, p, ng = prefix_k_GrPND.shape[:3]
     s_max, rep, rm = index.rows.shape[1], nq // ng, resp_k_BRND.shape[1]
@@ -266,7 +272,7 @@ def triton_shared_prefix_decode_attention(q_BND, prefix_k_GrPND, prefix_v_GrPND,
         raise ValueError("triton decode attention needs K and V of the same layout")
     n_rows = s_max * rep
     m_rows = min(_pow2(n_rows, 16), 64)
-    p_splits, r_splits = triton.cdiv(p, PREFIX_SPLIT), triton.cdiv(rm, RESP_SPLIT)
+    p_splits, r_splits = triton.cdiv(p, prefix_split), triton.cdiv(rm, resp_split)
     f32 = dict(dtype=torch.float32, device=q.device)
     po = torch.empty(n_groups * ng * p_splits * n_rows, d, **f32)
     pml = torch.empty(n_groups * ng * p_splits * n_rows, 2, **f32)
@@ -276,11 +282,11 @@ def triton_shared_prefix_decode_attention(q_BND, prefix_k_GrPND, prefix_v_GrPND,
     _prefix_kernel[(n_groups * ng, triton.cdiv(n_rows, m_rows), p_splits)](
         q, pk, pv, index.rows, index.prefix_len, po, pml, scale, q.stride(0), q.stride(1),
         pk.stride(0), pk.stride(1), pk.stride(2), ng, s_max, p_splits,
-        REP=rep, M=m_rows, D=d, SPLIT=PREFIX_SPLIT, BLOCK_N=64)
+        REP=rep, M=m_rows, D=d, SPLIT=prefix_split, BLOCK_N=64)
     rk, rv = resp_k_BRND, resp_v_BRND
     _resp_kernel[(b * ng, r_splits)](
         q, rk, rv, index.resp_len, ro, rml, scale, q.stride(0), q.stride(1), rk.stride(0), rk.stride(1), rk.stride(2),
-        ng, r_splits, REP=rep, M=_pow2(rep, 16), D=d, SPLIT=RESP_SPLIT, BLOCK_N=64, SKIP=skip_empty)
+        ng, r_splits, REP=rep, M=_pow2(rep, 16), D=d, SPLIT=resp_split, BLOCK_N=64, SKIP=skip_empty)
     out = torch.empty(b, nq, d, dtype=q.dtype, device=q.device)
     _merge_kernel[(b, nq)](po, pml, ro, rml, index.group, index.slot, out, out.stride(0), out.stride(1),
                            ng, s_max, p_splits, r_splits, REP=rep, D=d, PS=_pow2(p_splits), RS=_pow2(r_splits))

@@ -1,0 +1,158 @@
+"""The decode step's two kernel classes in isolation, at a preset's shapes (GPU machine): what the step's GEMMs and
+its attention achieve per call, and what the attention's programs' grain changes.
+
+- GEMMs: each linear of a decoder layer (linear_qkv, linear_proj, linear_fc1 with the gated halves, linear_fc2) and
+  the output layer, as `F.linear` in bf16 at M = 8..128 rows (the decode batch): microseconds a call and the weight
+  bytes over that time (TB/s), against the card's bound given by --tbps. The step profile
+  (`decode_step_profile.py`) shows these GEMMs at 2.1-2.4 TB/s on an H100; this says which shapes lose.
+- Attention: `triton_shared_prefix_decode_attention` at the shared-prefix cases of the step profile (groups x
+  samples), one prefix of --prefix tokens a group and --resp response keys a sample, for every pair of
+  `prefix_split` / `resp_split` given: microseconds a call, the K/V bytes read over that time, and the output's
+  norm-relative difference from the default split's (the same terms in another order: rounding only).
+Each figure is the median over --repeats CUDA-graph replays of --calls back-to-back calls (a layer's worth of
+launches, as in the step's graph), timed with CUDA events.
+
+    python benchmarks/decode_kernel_shapes.py --preset qwen2_5_vl_3b --tbps 3.35 --out shapes.json
+    python benchmarks/decode_kernel_shapes.py --check   # CPU: the interpreter, tiny shapes, numbers only
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+import torch
+
+
+def _graph_time_us(fn, calls: int, repeats: int) -> float:
+    """Median microseconds of one call of `fn`, from CUDA-graph replays of `calls` calls."""
+    fn()  # compile / warm
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    g.replay()
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / calls)
+    return statistics.median(times)
+
+
+def gemm_rows(m, rows: list[int], tbps: float, calls: int, repeats: int) -> list[dict]:
+    """Each decode linear of model config `m` at each M: us a call, TB/s of its weight, share of the bound."""
+    h, d = m.hidden_size, m.head_dim
+    shapes = {"linear_qkv": (h, (m.num_attention_heads + 2 * m.num_query_groups) * d),
+              "linear_proj": (m.num_attention_heads * d, h), "linear_fc1": (h, 2 * m.ffn_hidden_size),
+              "linear_fc2": (m.ffn_hidden_size, h), "output_layer": (h, m.vocab_size)}
+    out = []
+    for name, (k, n) in shapes.items():
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5
+        for rows_m in rows:
+            x = torch.randn(rows_m, k, device="cuda", dtype=torch.bfloat16)
+            us = _graph_time_us(lambda x=x, w=w: torch.nn.functional.linear(x, w), calls, repeats)
+            tb = w.numel() * 2 / (us * 1e-6) / 1e12
+            out.append({"linear": name, "m": rows_m, "k": k, "n": n, "us": round(us, 2), "tbps": round(tb, 3),
+                        "of_bound": round(tb / tbps, 3), "bound_us": round(w.numel() * 2 / (tbps * 1e12) * 1e6, 2)})
+        del w
+    return out
+
+
+def attention_case(m, groups: int, per_group: int, prefix: int, resp: int, device: str, seed: int = 0):
+    """Queries, a prefix K/V a group and response K/V a sample at `m`'s heads, bf16, with the index."""
+    from rollplex_megatron.attention.decode import group_slots
+    from rollplex_megatron.attention.triton_decode import triton_index
+
+    g = torch.Generator().manual_seed(seed)
+    b, nq, ng, d = groups * per_group, m.num_attention_heads, m.num_query_groups, m.head_dim
+    mk = lambda *s: torch.randn(*s, generator=g).to(device, torch.bfloat16)  # noqa: E731
+    group = torch.arange(groups).repeat_interleave(per_group).to(device)
+    slot, s_max = group_slots(group, groups)
+    plen = torch.full((groups,), prefix, device=device)
+    rlen = torch.full((b,), resp, device=device)
+    idx = triton_index(group, slot, s_max, plen, rlen)
+    pk, pv, rk, rv = mk(groups, prefix, ng, d), mk(groups, prefix, ng, d), mk(b, resp, ng, d), mk(b, resp, ng, d)
+    kv_bytes = (pk.numel() + pv.numel() + rk.numel() + rv.numel()) * 2
+    return mk(b, nq, d), pk, pv, rk, rv, idx, kv_bytes
+
+
+def attention_rows(m, cases: list[tuple[int, int]], prefix: int, resp: int, splits: list[tuple[int, int]],
+                   tbps: float, calls: int, repeats: int, device: str = "cuda") -> list[dict]:
+    """Each (groups, samples) case at each (prefix_split, resp_split): us a call (None off CUDA), TB/s of its K/V
+    bytes, and the difference from the first split pair's output."""
+    from rollplex_megatron.attention.triton_decode import triton_shared_prefix_decode_attention as attn
+    from rollplex_megatron.verify.numerics import rel_err
+
+    out = []
+    for groups, per_group in cases:
+        q, pk, pv, rk, rv, idx, kv_bytes = attention_case(m, groups, per_group, prefix, resp, device)
+        base = None
+        for ps, rs in splits:
+            call = lambda ps=ps, rs=rs: attn(q, pk, pv, rk, rv, idx, None, prefix_split=ps, resp_split=rs)  # noqa
+            o = call().float()
+            base = o if base is None else base
+            us = _graph_time_us(call, calls, repeats) if device == "cuda" else None
+            row = {"groups": groups, "samples_per_group": per_group, "batch": groups * per_group, "prefix": prefix,
+                   "resp": resp, "prefix_split": ps, "resp_split": rs, "us": None if us is None else round(us, 2),
+                   "kv_bytes": kv_bytes, "rel_err_vs_first_split": float(rel_err(o, base))}
+            if us is not None:
+                row["tbps"] = round(kv_bytes / (us * 1e-6) / 1e12, 3)
+                row["of_bound"] = round(row["tbps"] / tbps, 3)
+            out.append(row)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="qwen2_5_vl_3b")
+    ap.add_argument("--tbps", type=float, default=3.35, help="the card's HBM bound (H100 3.35, H200 4.3 measured)")
+    ap.add_argument("--rows", default="8,16,32,64,128", help="GEMM rows (the decode batch)")
+    ap.add_argument("--cases", default="1x8,8x8,16x8", help="attention: GROUPSxSAMPLES")
+    ap.add_argument("--prefix", type=int, default=1026)
+    ap.add_argument("--resp", type=int, default=256)
+    ap.add_argument("--splits", default="256:256,128:256,64:256,128:64,64:64,512:256",
+                    help="attention: PREFIX_SPLIT:RESP_SPLIT pairs, the first the reference of the difference")
+    ap.add_argument("--calls", type=int, default=36)
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--check", action="store_true",
+                    help="CPU: the attention rows at tiny shapes under the interpreter (no times), then exit")
+    ap.add_argument("--out", default="")
+    a = ap.parse_args(argv)
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    from rollplex_megatron.recipes import load_run_config
+    from rollplex_megatron.runtime import environment_record
+
+    splits = [tuple(int(x) for x in p.split(":")) for p in a.splits.split(",")]
+    cases = [tuple(int(x) for x in c.split("x")) for c in a.cases.split(",")]
+    if a.check:
+        m = load_run_config(["model=tiny"]).model
+        rows = attention_rows(m, [(2, 3)], 150, 70, [(256, 256), (64, 64)], a.tbps, 1, 1, device="cpu")
+        print(json.dumps(rows))
+        return 0
+    m = load_run_config([f"model={a.preset}"]).model
+    result = {"command": "python " + " ".join([os.path.relpath(__file__)] + (argv or sys.argv[1:])),
+              "preset": a.preset, "tbps_bound": a.tbps, "calls_per_graph": a.calls, "repeats": a.repeats,
+              "gemm": gemm_rows(m, [int(r) for r in a.rows.split(",")], a.tbps, a.calls, a.repeats),
+              "attention": attention_rows(m, cases, a.prefix, a.resp, splits, a.tbps, a.calls, a.repeats),
+              "environment": environment_record()}
+    text = json.dumps(result, indent=1)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(text + "\n")
+    for r in result["gemm"]:
+        print(f"{r['linear']:13s} M={r['m']:4d} {r['us']:8.2f} us {r['tbps']:.2f} TB/s ({r['of_bound']:.0%})")
+    for r in result["attention"]:
+        print(f"attention {r['groups']}x{r['samples_per_group']} splits {r['prefix_split']}:{r['resp_split']} "
+              f"{r['us']:8.2f} us {r['tbps']:.2f} TB/s diff {r['rel_err_vs_first_split']:.1e}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
