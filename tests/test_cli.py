@@ -84,16 +84,22 @@ def test_cpu_shims_apply_only_without_cuda():
         assert torch.zeros(1, device="cuda").device.type == "cpu"
 
 
-def test_the_cli_gives_ranks_expandable_segments_unless_the_user_chose():
+def test_the_cli_gives_ranks_expandable_segments_unless_the_user_chose(monkeypatch):
     """Every command sets PYTORCH_CUDA_ALLOC_CONF before any CUDA work (ranks inherit it) where it is unset, and
     leaves a user's own value as it is."""
-    code = ("import os, sys; from rollplex_megatron.cli import main; main(['--help']); "
-            "sys.stderr.write('ALLOC=' + os.environ.get('PYTORCH_CUDA_ALLOC_CONF', '<unset>'))")
-    env = {k: v for k, v in os.environ.items() if k != "PYTORCH_CUDA_ALLOC_CONF"}
-    outs = [subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True, timeout=300)
-            for e in (env, {**env, "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"})]
-    assert [o.stderr.rsplit("ALLOC=", 1)[-1].strip() for o in outs] == ["expandable_segments:True",
-                                                                      "max_split_size_mb:128"], outs
+    from rollplex_megatron import cli
+    from rollplex_megatron import runtime as R
+
+    got = []
+    for user in (None, "max_split_size_mb:128"):
+        monkeypatch.delenv(R._DEFAULTED, raising=False)
+        if user is None:
+            monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+        else:
+            monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", user)
+        assert cli.main(["--help"]) == 0
+        got.append(os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
+    assert got == [R.ALLOCATOR_DEFAULT, "max_split_size_mb:128"]
 
 
 def test_an_sglang_run_drops_the_allocator_default_but_not_the_users(monkeypatch, tiny_hf):
