@@ -138,9 +138,7 @@ class MemoryManager:
             if name not in self.released:
                 continue
             if name == "grads":
-                if self.grads_resident:
-                    self.ddp.offload_grad_buffers(synchronize=False, empty_cache=False)
-                    self.grads_resident = False
+                self._set_grads(False)
                 continue
             c = self.classes[name]
             self.reserve_host((name,))
@@ -192,20 +190,13 @@ class MemoryManager:
         for name, c in self.classes.items():
             if c.resident and not self.resident_in(name, phase, then):
                 self._offload(c)
-        if self.grads_resident and not self.resident_in("grads", phase, then):
-            self.ddp.offload_grad_buffers(synchronize=False, empty_cache=False)
-            self.grads_resident = False
-        if not self.grads_resident and self.resident_in("grads", phase, then):
-            self.ddp.restore_grad_buffers(synchronize=False)  # zeroed, as after zero_grad_buffer
-            self.grads_resident = True
+        self._set_grads(self.resident_in("grads", phase, then))
         for name, c in self.classes.items():
             if not c.resident and self.resident_in(name, phase, then):
                 self._prefetch(c)
-        if self.cuda:
-            for name, c in self.classes.items():  # a class brought back ahead is waited for where it is read
-                if c.resident and c.event is not None and self.needed_in(name, phase):
-                    torch.cuda.current_stream().wait_event(c.event)
-                    c.event = None
+        for name, c in self.classes.items():  # a class brought back ahead is waited for where it is read
+            if c.resident and self.needed_in(name, phase):
+                self._wait(c)
         self.phase_bytes[phase] = self.resident_bytes()
 
     @contextmanager
@@ -215,10 +206,8 @@ class MemoryManager:
         for name in names:
             c = self.classes.get(name)
             if c is not None and not c.resident:
-                self._prefetch(c)  # (a class that held nothing when released copies nothing: no event)
-                if self.cuda and c.event is not None:
-                    torch.cuda.current_stream().wait_event(c.event)
-                    c.event = None
+                self._prefetch(c)
+                self._wait(c)
         try:
             yield
         finally:
@@ -232,15 +221,27 @@ class MemoryManager:
         for c in self.classes.values():
             if not c.resident:
                 self._prefetch(c)
-        if not self.grads_resident:
-            self.ddp.restore_grad_buffers(synchronize=False)
-            self.grads_resident = True
+        self._set_grads(True)
+        for c in self.classes.values():  # the host-to-device copies run on the copy stream
+            self._wait(c)
         if self.cuda:
-            for c in self.classes.values():  # the host-to-device copies run on the copy stream
-                if c.event is not None:
-                    torch.cuda.current_stream().wait_event(c.event)
-                    c.event = None
             torch.cuda.current_stream().synchronize()
+
+    def _set_grads(self, resident: bool) -> None:
+        """DDP's grad buffers freed, or back (zeroed, as after zero_grad_buffer), where they are not so already."""
+        if resident != self.grads_resident:
+            if resident:
+                self.ddp.restore_grad_buffers(synchronize=False)
+            else:
+                self.ddp.offload_grad_buffers(synchronize=False, empty_cache=False)
+            self.grads_resident = resident
+
+    def _wait(self, c: OffloadClass) -> None:
+        """The compute stream waits for class `c`'s last copy, if one ran and is not waited for yet (a class that
+        held nothing when released copies nothing: no event)."""
+        if self.cuda and c.event is not None:
+            torch.cuda.current_stream().wait_event(c.event)
+            c.event = None
 
     def resident_bytes(self) -> dict[str, int]:
         """Device bytes of every managed class now."""
