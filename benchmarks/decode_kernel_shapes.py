@@ -46,22 +46,57 @@ def _graph_time_us(fn, calls: int, repeats: int) -> float:
     return statistics.median(times)
 
 
-def gemm_rows(m, rows: list[int], tbps: float, calls: int, repeats: int) -> list[dict]:
-    """Each decode linear of model config `m` at each M: us a call, TB/s of its weight, share of the bound."""
+# Triton candidates timed beside cuBLAS: (block_n, block_k, split_k, num_warps, num_stages)
+TRITON_CONFIGS = [(16, 256, 1, 4, 4), (32, 256, 1, 4, 4), (32, 128, 1, 4, 4), (64, 128, 1, 4, 3), (16, 256, 2, 4, 4),
+                  (32, 256, 2, 4, 4), (32, 256, 4, 4, 4), (64, 128, 4, 4, 3), (16, 512, 4, 4, 3)]
+RING_BYTES = 512 << 20  # weights cycled through within a graph: well past the L2 (50 MB on an H100), as in a step
+
+
+def _ring(shape, nbytes_each: int, calls: int) -> list[torch.Tensor]:
+    """Distinct bf16 weights enough that a graph of `calls` calls reads each from HBM, not from the L2."""
+    n = max(1, min(calls, -(-RING_BYTES // nbytes_each)))
+    return [torch.randn(*shape, device="cuda", dtype=torch.bfloat16) * shape[-1] ** -0.5 for _ in range(n)]
+
+
+def gemm_rows(m, rows: list[int], tbps: float, calls: int, repeats: int, triton_configs=TRITON_CONFIGS,
+              triton_rows: tuple[int, ...] = (8, 16, 32)) -> list[dict]:
+    """Each decode linear of model config `m` at each M: us a call, TB/s of its weight, share of the bound, for
+    cuBLAS (`F.linear`) and each Triton `small_m_linear` config (with its norm-relative difference from cuBLAS)."""
+    from rollplex_megatron.models.triton_linear import small_m_linear
+    from rollplex_megatron.verify.numerics import rel_err
+
     h, d = m.hidden_size, m.head_dim
     shapes = {"linear_qkv": (h, (m.num_attention_heads + 2 * m.num_query_groups) * d),
               "linear_proj": (m.num_attention_heads * d, h), "linear_fc1": (h, 2 * m.ffn_hidden_size),
               "linear_fc2": (m.ffn_hidden_size, h), "output_layer": (h, m.vocab_size)}
     out = []
     for name, (k, n) in shapes.items():
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5
+        ws = _ring((n, k), n * k * 2, calls)
         for rows_m in rows:
             x = torch.randn(rows_m, k, device="cuda", dtype=torch.bfloat16)
-            us = _graph_time_us(lambda x=x, w=w: torch.nn.functional.linear(x, w), calls, repeats)
-            tb = w.numel() * 2 / (us * 1e-6) / 1e12
-            out.append({"linear": name, "m": rows_m, "k": k, "n": n, "us": round(us, 2), "tbps": round(tb, 3),
-                        "of_bound": round(tb / tbps, 3), "bound_us": round(w.numel() * 2 / (tbps * 1e12) * 1e6, 2)})
-        del w
+            ref = torch.nn.functional.linear(x, ws[0]).float()
+            kernels = [("cublas", None, lambda w: torch.nn.functional.linear(x, w))]
+            for cfg in triton_configs if rows_m in triton_rows else ():
+                bn, bk, sk, nw, ns = cfg
+                kernels.append((f"triton:{bn}x{bk}:s{sk}:w{nw}:st{ns}", cfg, lambda w, bn=bn, bk=bk, sk=sk, nw=nw,
+                                ns=ns: small_m_linear(x, w, block_n=bn, block_k=bk, split_k=sk, num_warps=nw,
+                                                      num_stages=ns)))
+            for label, cfg, fn in kernels:
+                row = {"linear": name, "m": rows_m, "k": k, "n": n, "kernel": label,
+                       "bound_us": round(n * k * 2 / (tbps * 1e12) * 1e6, 2)}
+                try:
+                    diff = float(rel_err(fn(ws[0]).float(), ref))
+                    it = iter(range(1 << 30))
+                    us = _graph_time_us(lambda fn=fn, it=it, ws=ws: fn(ws[next(it) % len(ws)]), calls, repeats)
+                except Exception as e:  # a config this card cannot compile (shared memory): recorded, not fatal
+                    row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                    out.append(row)
+                    continue
+                tb = n * k * 2 / (us * 1e-6) / 1e12
+                row.update(us=round(us, 2), tbps=round(tb, 3), of_bound=round(tb / tbps, 3),
+                           rel_err_vs_cublas=diff)
+                out.append(row)
+        del ws
     return out
 
 
@@ -93,10 +128,15 @@ def attention_rows(m, cases: list[tuple[int, int]], prefix: int, resp: int, spli
     out = []
     for groups, per_group in cases:
         q, pk, pv, rk, rv, idx, kv_bytes = attention_case(m, groups, per_group, prefix, resp, device)
+        # a layer's K/V each call on CUDA (copies past the L2, as the step's layers are), one set elsewhere
+        n_sets = max(1, min(calls, -(-RING_BYTES // kv_bytes))) if device == "cuda" else 1
+        kv = [(pk, pv, rk, rv)] + [tuple(t.clone() for t in (pk, pv, rk, rv)) for _ in range(n_sets - 1)]
         base = None
         for ps, rs in splits:
-            call = lambda ps=ps, rs=rs: attn(q, pk, pv, rk, rv, idx, None, prefix_split=ps, resp_split=rs)  # noqa
-            o = call().float()
+            it = iter(range(1 << 30))
+            call = lambda ps=ps, rs=rs, it=it: attn(q, *kv[next(it) % len(kv)], idx, None,  # noqa: E731
+                                                    prefix_split=ps, resp_split=rs)
+            o = attn(q, pk, pv, rk, rv, idx, None, prefix_split=ps, resp_split=rs).float()
             base = o if base is None else base
             us = _graph_time_us(call, calls, repeats) if device == "cuda" else None
             row = {"groups": groups, "samples_per_group": per_group, "batch": groups * per_group, "prefix": prefix,
@@ -119,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--resp", type=int, default=256)
     ap.add_argument("--splits", default="256:256,128:256,64:256,128:64,64:64,512:256",
                     help="attention: PREFIX_SPLIT:RESP_SPLIT pairs, the first the reference of the difference")
+    ap.add_argument("--triton-rows", default="8,16,32", help="GEMM rows at which the Triton configs are timed")
     ap.add_argument("--calls", type=int, default=36)
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--check", action="store_true",
@@ -139,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     m = load_run_config([f"model={a.preset}"]).model
     result = {"command": "python " + " ".join([os.path.relpath(__file__)] + (argv or sys.argv[1:])),
               "preset": a.preset, "tbps_bound": a.tbps, "calls_per_graph": a.calls, "repeats": a.repeats,
-              "gemm": gemm_rows(m, [int(r) for r in a.rows.split(",")], a.tbps, a.calls, a.repeats),
+              "gemm": gemm_rows(m, [int(r) for r in a.rows.split(",")], a.tbps, a.calls, a.repeats,
+                                triton_rows=tuple(int(r) for r in a.triton_rows.split(","))),
               "attention": attention_rows(m, cases, a.prefix, a.resp, splits, a.tbps, a.calls, a.repeats),
               "environment": environment_record()}
     text = json.dumps(result, indent=1)
@@ -147,7 +189,11 @@ def main(argv: list[str] | None = None) -> int:
         with open(a.out, "w") as f:
             f.write(text + "\n")
     for r in result["gemm"]:
-        print(f"{r['linear']:13s} M={r['m']:4d} {r['us']:8.2f} us {r['tbps']:.2f} TB/s ({r['of_bound']:.0%})")
+        if "error" in r:
+            print(f"{r['linear']:13s} M={r['m']:4d} {r['kernel']:28s} {r['error']}")
+        else:
+            print(f"{r['linear']:13s} M={r['m']:4d} {r['kernel']:28s} {r['us']:8.2f} us {r['tbps']:.2f} TB/s "
+                  f"({r['of_bound']:.0%}) diff {r['rel_err_vs_cublas']:.1e}")
     for r in result["attention"]:
         print(f"attention {r['groups']}x{r['samples_per_group']} splits {r['prefix_split']}:{r['resp_split']} "
               f"{r['us']:8.2f} us {r['tbps']:.2f} TB/s diff {r['rel_err_vs_first_split']:.1e}")

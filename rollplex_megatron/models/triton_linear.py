@@ -1,0 +1,146 @@
+"""Decode GEMMs with few rows as one Triton kernel: y = x @ w.T (+ bias), for the decode step's small M.
+
+Legend: M = rows (the decode batch), K = input features, N = output features, S = K splits.
+
+At decode batch sizes the step's linears are matrix-vector products in all but name: every weight byte is read
+once for M <= 128 rows, so a linear costs its weight's bytes over the card's bandwidth. cuBLAS picks tiles made
+for larger M (the step profile shows the 3B's linear_qkv and linear_proj at about half the H100's bound, and
+linear_fc2 as a split-K GEMM plus a separate reduce). `small_m_linear` tiles N finely (BLOCK_N columns a
+program), streams K in BLOCK_K steps, and with `split_k` > 1 lets S programs share a column block, each summing
+its K range in fp32 into a workspace [S, M, N] that a second kernel adds in a fixed order (deterministic, unlike
+atomics). Its bias, when given, is added as megatron's linear modules add theirs in a decode step: the GEMM's
+result rounded to the dtype first, then the bias added and rounded again.
+
+The sum runs in fp32 in another order than cuBLAS's, so results agree with `F.linear` to the dtype's rounding,
+not bit for bit (tests/test_triton_linear.py: norm-relative, fp32 under the interpreter on CPU, bf16 on a GPU).
+`benchmarks/decode_kernel_shapes.py` times it beside cuBLAS at each decode shape.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from rollplex_megatron.attention.triton_decode import INTERPRET
+
+
+@triton.jit
+def _linear_part(x_ptr, w_ptr, m0, n0, k_lo, M, N, stride_xm, stride_wn, K: tl.constexpr, K_PER: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # the fp32 sum over k in [k_lo, k_lo + K_PER) and below K of x[m0:m0+BM, k] * w[n0:n0+BN, k]: a [BM, BN] tile
+    # (compile-time loop bounds: a model has a handful of K, and runtime ones fail under the interpreter)
+    rm = m0 + tl.arange(0, BLOCK_M)
+    rn = n0 + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K_PER, BLOCK_K):
+        rk = k_lo + k0 + tl.arange(0, BLOCK_K)
+        kin = rk < K
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=(rm[:, None] < M) & kin[None, :], other=0.0)
+        w = tl.load(w_ptr + rn[None, :] * stride_wn + rk[:, None], mask=(rn[None, :] < N) & kin[:, None], other=0.0)
+        acc += tl.dot(x, w, input_precision="ieee")
+    return acc
+
+
+@triton.jit
+def _epilogue(acc, b_ptr, y_ptr, m0, n0, M, N, stride_ym, HAS_BIAS: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # the GEMM's result in the output dtype, then the bias added in fp32 and rounded again (megatron's order)
+    rm = m0 + tl.arange(0, BLOCK_M)
+    rn = n0 + tl.arange(0, BLOCK_N)
+    out_dt = y_ptr.dtype.element_ty
+    y = acc.to(out_dt)
+    if HAS_BIAS:
+        b = tl.load(b_ptr + rn, mask=rn < N, other=0.0)
+        y = (y.to(tl.float32) + b.to(tl.float32)[None, :]).to(out_dt)
+    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], y, mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@triton.jit
+def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, stride_xm, stride_wn, stride_ym, K: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    n0 = tl.program_id(0) * BLOCK_N
+    m0 = tl.program_id(1) * BLOCK_M
+    acc = _linear_part(x_ptr, w_ptr, m0, n0, 0, M, N, stride_xm, stride_wn, K, K, BLOCK_M, BLOCK_N, BLOCK_K)
+    _epilogue(acc, b_ptr, y_ptr, m0, n0, M, N, stride_ym, HAS_BIAS, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def _split_kernel(x_ptr, w_ptr, ws_ptr, M, N, stride_xm, stride_wn, K: tl.constexpr, K_PER: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # split s of column block n: its K range's fp32 partial into ws[s, m, n] ([S, M_pad, N] contiguous)
+    n0 = tl.program_id(0) * BLOCK_N
+    s = tl.program_id(1)
+    m0 = tl.program_id(2) * BLOCK_M
+    m_pad = tl.num_programs(2) * BLOCK_M
+    acc = _linear_part(x_ptr, w_ptr, m0, n0, s * K_PER, M, N, stride_xm, stride_wn, K, K_PER,
+                       BLOCK_M, BLOCK_N, BLOCK_K)
+    rm = m0 + tl.arange(0, BLOCK_M)
+    rn = n0 + tl.arange(0, BLOCK_N)
+    tl.store(ws_ptr + (s * m_pad + rm[:, None]) * N + rn[None, :], acc, mask=rn[None, :] < N)
+
+
+@triton.jit
+def _reduce_kernel(ws_ptr, b_ptr, y_ptr, M, N, stride_ym, S: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # the S partials of one [BM, BN] tile summed in split order, then the epilogue
+    n0 = tl.program_id(0) * BLOCK_N
+    m0 = tl.program_id(1) * BLOCK_M
+    m_pad = tl.num_programs(1) * BLOCK_M
+    rm = m0 + tl.arange(0, BLOCK_M)
+    rn = n0 + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for s in tl.static_range(S):
+        acc += tl.load(ws_ptr + (s * m_pad + rm[:, None]) * N + rn[None, :], mask=rn[None, :] < N, other=0.0)
+    _epilogue(acc, b_ptr, y_ptr, m0, n0, M, N, stride_ym, HAS_BIAS, BLOCK_M, BLOCK_N)
+
+
+def _split_layout(k: int, split_k: int, block_k: int) -> tuple[int, int]:
+    """(K columns a split sums, splits): whole BLOCK_K steps a split, at most `split_k` splits covering K (the last
+    one may be short)."""
+    k_per = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    return k_per, triton.cdiv(k, k_per)
+
+
+def _block_m(m: int) -> int:
+    return 16 if m <= 16 else 32 if m <= 32 else 64
+
+
+def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, block_n: int = 32,
+                   block_k: int = 256, split_k: int = 1, num_warps: int = 4, num_stages: int = 4) -> torch.Tensor:
+    """x [..., K] @ weight[N, K].T (+ bias [N]) -> [..., N] in x's dtype, for few rows (see the module doc).
+
+    `block_n` columns and `block_k` of K per step a program; `split_k` programs per column block (1: one kernel,
+    > 1: partials and a fixed-order reduce). Powers of two, block_n >= 16 and block_k >= 16 (tl.dot's least tile).
+    """
+    k = x.shape[-1]
+    n = weight.shape[0]
+    if weight.shape[1] != k or weight.stride(1) != 1:
+        raise ValueError(f"small_m_linear: weight {tuple(weight.shape)} (unit column stride) does not take "
+                         f"inputs of {k} features")
+    for name, v in (("block_n", block_n), ("block_k", block_k)):
+        if v < 16 or v & (v - 1):
+            raise ValueError(f"small_m_linear: {name}={v} must be a power of two >= 16")
+    if split_k < 1:
+        raise ValueError(f"small_m_linear: split_k={split_k} must be >= 1")
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    y = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    bm = _block_m(m)
+    m_blocks = triton.cdiv(m, bm)
+    n_blocks = triton.cdiv(n, block_n)
+    has_bias = bias is not None
+    b = bias if has_bias else y  # never read without HAS_BIAS
+    launch = {} if INTERPRET else {"num_warps": num_warps, "num_stages": num_stages}
+    if split_k == 1:
+        _linear_kernel[(n_blocks, m_blocks)](x2, weight, b, y, m, n, x2.stride(0), weight.stride(0), y.stride(0), k,
+                                             has_bias, bm, block_n, block_k, **launch)
+    else:
+        k_per, splits = _split_layout(k, split_k, block_k)
+        ws = torch.empty(splits, m_blocks * bm, n, device=x.device, dtype=torch.float32)
+        _split_kernel[(n_blocks, splits, m_blocks)](x2, weight, ws, m, n, x2.stride(0), weight.stride(0), k, k_per,
+                                                    bm, block_n, block_k, **launch)
+        _reduce_kernel[(n_blocks, m_blocks)](ws, b, y, m, n, y.stride(0), splits, has_bias, bm, block_n,
+                                             **({} if INTERPRET else {"num_warps": 4}))
+    return y.reshape(*x.shape[:-1], n)
