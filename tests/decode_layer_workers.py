@@ -59,11 +59,13 @@ def requests(n_req: int = 2, longer: int = 0) -> list[RolloutRequest]:
 
 @contextmanager
 def counted_kernels(counts: dict):
-    """Count the fused layer path's kernel calls (`decode_layers`' add_rms_norm, silu_mul and Qwen3's grouped query
-    norm) within the block."""
-    own = {name: getattr(DL, name) for name in ("add_rms_norm", "silu_mul", "triton_rms_norm_grouped")}
+    """Count the fused layer path's kernel calls (`decode_layers`' add_rms_norm, silu_mul, Qwen3's grouped query
+    norm and, under decode_gemm=triton, small_m_linear) within the block."""
+    own = {name: getattr(DL, name) for name in ("add_rms_norm", "silu_mul", "triton_rms_norm_grouped",
+                                                "small_m_linear")}
     for name, fn in own.items():
-        setattr(DL, name, lambda *a, _n=name, _f=fn: counts.__setitem__(_n, counts.get(_n, 0) + 1) or _f(*a))
+        setattr(DL, name, lambda *a, _n=name, _f=fn, **kw: counts.__setitem__(_n, counts.get(_n, 0) + 1)
+                or _f(*a, **kw))
     try:
         yield
     finally:
@@ -73,7 +75,16 @@ def counted_kernels(counts: dict):
 
 @contextmanager
 def mutated(mutate: str):
-    """`mutate="no_add"`: the add-and-norm kernel drops the residual (normalises the block's output alone)."""
+    """`mutate="no_add"`: the add-and-norm kernel drops the residual (normalises the block's output alone);
+    `"gemm_no_bias"`: the decode GEMM drops its bias (Qwen2.5-VL's linear_qkv has one)."""
+    if mutate == "gemm_no_bias":
+        own = DL.small_m_linear
+        DL.small_m_linear = lambda x, w, bias=None, **kw: own(x, w, **kw)
+        try:
+            yield
+        finally:
+            DL.small_m_linear = own
+        return
     if not mutate:
         yield
         return
@@ -88,20 +99,22 @@ def mutated(mutate: str):
 
 
 def decode_paths(family: str, dtype: str, params, tp: int = 1, mutate: str = "", recompute: bool = False,
-                 paths=(True, False), longer: int = 0) -> dict:
+                 paths=(True, False), longer: int = 0, gemm: str = "torch") -> dict:
     """The same requests decoded with the fused layer path (True) and megatron's modules (False), each of `paths`:
     results, whether the path was on, the fused kernels' calls and steps; `recompute`: also the full-recompute
-    loop's results. `mutate` (see `mutated`) applies to the fused path."""
+    loop's results. `mutate` (see `mutated`) applies to the fused path, `gemm` (rollout.decode_gemm) too."""
     cfg, model = build(family, dtype, tp)
     out = {}
     for fused in paths:
-        eng = EmbeddedEngine(model, cfg.model, 4096, 16 + longer, 1.0, decode_attention="triton", fused_layer=fused)
+        eng = EmbeddedEngine(model, cfg.model, 4096, 16 + longer, 1.0, decode_attention="triton", fused_layer=fused,
+                             decode_gemm=gemm)
         counts = {}
         with counted_kernels(counts), mutated(mutate) if fused else nullcontext(), torch.no_grad():
             res = eng.generate(requests(longer=longer), params)
         out[fused] = {"results": _as_lists(res.results), "fused_layer": eng.fused_layer, "graph_error": eng.graph_error,
                       "layer_error": eng.layer_error, "calls": counts, "steps": res.stats["decode_steps"],
-                      "graph_replays": res.stats["graph_replays"], "layers": cfg.model.num_layers}
+                      "graph_replays": res.stats["graph_replays"], "layers": cfg.model.num_layers,
+                      "gemm": eng.decode_gemm}
     if recompute:
         out["reference"] = recompute_generate(model, cfg, requests(longer=longer), params)
     return out

@@ -11,6 +11,10 @@ tests/test_gpu_decode.py.
   log-probs within 1e-6, and fp32 equal to the full-recompute loop (docs/design.md §3); the fused kernels ran 2 and
   1 times a layer a step; a model setting the walk does not reproduce keeps the module path; mutation: the
   add-and-norm kernel dropping the residual changes the rollout; TP=2 (gloo, two ranks): fused equals modules.
+- `rollout.decode_gemm=triton` (the layer GEMMs as models/triton_linear.py's small_m_linear, 4 a layer a step): fp32
+  decode of both families equals the module path within GEMM rounding and the full-recompute loop, at TP 1 and TP 2
+  (the row-parallel all-reduce done by decode_layers); mutation: the GEMM dropping linear_qkv's bias changes the
+  rollout; the setting is refused with layer_kernel=modules and where the layer path cannot run.
 """
 import pytest
 import torch
@@ -34,6 +38,7 @@ PARAMS = SamplingParams(0.9)
 ENGINE_DTYPES = ("bfloat16",) if GPU else ("float32", "bfloat16")
 FP32_ON_CPU = "fp32 decode with the Triton attention runs under the interpreter on CPU only (the CPU suite runs it)"
 FP32_TOL = 1e-6  # fused vs modules in fp32: silu's exp is numpy's under the interpreter, torch's is Sleef's (an ulp)
+GEMM_TOL = 1e-5  # decode_gemm=triton vs modules in fp32: the GEMMs sum in another order (docs/design.md §3)
 
 
 def _add_norm_case(dtype, seed=0, rows=9, h=320):
@@ -136,6 +141,11 @@ def one_rank():
     calls = {(fam, dt): (W.decode_paths, (fam, dt, PARAMS, 1, "", dt == "float32"))
              for fam in W.FAMILIES for dt in ENGINE_DTYPES}
     calls["qwen25", "no_add"] = (W.decode_paths, ("qwen25", "bfloat16", PARAMS, 1, "no_add", False, (True,)))
+    if not GPU:  # the GEMM's bf16 twin is tests/test_triton_linear.py on the GPU machine (tokens may part in bf16)
+        for fam in W.FAMILIES:
+            calls[fam, "gemm"] = (W.decode_paths, (fam, "float32", PARAMS, 1, "", True, (True, False), 0, "triton"))
+        calls["qwen25", "gemm_no_bias"] = (W.decode_paths, ("qwen25", "float32", PARAMS, 1, "gemm_no_bias", False,
+                                                             (True,), 0, "triton"))
     calls["unsupported", ""] = (W.unsupported_setting, ())
     calls["setting", ""] = (W.layer_kernel_setting, ())
     return run_local(in_turn, 1, calls)[0]
@@ -184,15 +194,55 @@ def test_a_setting_the_walk_does_not_reproduce_keeps_the_module_path(one_rank):
     assert res == {"plain": "", "clamped": "megatron.activation_func_clamp_value", "engine": (False, True)}
 
 
+GEMM_ON_CPU = pytest.mark.skipif(GPU, reason="fp32 engine decode with the Triton attention: the CPU suite's "
+                                "(interpreter); the GEMM's GPU test is tests/test_triton_linear.py")
+
+
+def _gemm_ran(res) -> None:
+    on = res[True]
+    n = on["steps"] * on["layers"]
+    assert (on["gemm"], res[False]["gemm"]) == ("triton", "torch") and n > 0
+    assert on["calls"].get("small_m_linear") == 4 * n, on["calls"]
+    assert "small_m_linear" not in res[False]["calls"]
+
+
+@GEMM_ON_CPU
+@pytest.mark.parametrize("family", list(W.FAMILIES))
+def test_decode_gemm_triton_equals_the_module_path(one_rank, family):
+    """decode_gemm=triton: small_m_linear ran for linear_qkv, linear_proj, linear_fc1 and linear_fc2 at every layer
+    of every step; the same tokens as the modules, log-probs within GEMM_TOL, and the full-recompute loop's."""
+    res = case(one_rank, (family, "gemm"))
+    _gemm_ran(res)
+    assert sum(len(s) for toks, _, _ in res[True]["results"] for s in toks) > 10
+    _same(res[True]["results"], res[False]["results"], GEMM_TOL)
+    _same(res[True]["results"], res["reference"])
+
+
+@GEMM_ON_CPU
+def test_decode_gemm_without_the_bias_is_detected(one_rank):
+    """Mutation of the test above: small_m_linear called without linear_qkv's bias; the rollout changes."""
+    res, modules = case(one_rank, ("qwen25", "gemm_no_bias")), case(one_rank, ("qwen25", "gemm"))[False]["results"]
+    assert res[True]["calls"].get("small_m_linear", 0) > 0
+    with pytest.raises(AssertionError):
+        _same(res[True]["results"], modules, GEMM_TOL)
+
+
 def test_fused_layer_decode_tp2_equals_the_module_path():
     """TP=2 over gloo (one job, both families): each rank's fused decode equals its module decode (the row-parallel
     all-reduces run inside linear_proj and linear_fc2 as in the modules), and the ranks agree."""
-    calls = {(fam, dt): (W.decode_paths, (fam, dt, PARAMS, 2)) for fam, dt in (("qwen25", "bfloat16"),
-                                                                                ("qwen3", "float32"))}
+    calls = {(fam, dt, "torch"): (W.decode_paths, (fam, dt, PARAMS, 2)) for fam, dt in (("qwen25", "bfloat16"),
+                                                                                         ("qwen3", "float32"))}
+    if not GPU:  # decode_gemm=triton: the row-parallel linears' all-reduce by decode_layers
+        calls["qwen25", "float32", "triton"] = (W.decode_paths, ("qwen25", "float32", PARAMS, 2, "", False,
+                                                                 (True, False), 0, "triton"))
     ranks = run_local(in_turn, 2, calls, False)
     for key in calls:
         a, b = cases(ranks, key)
         for res in (a, b):
+            if key[2] == "triton":
+                _gemm_ran(res)
+                _same(res[True]["results"], res[False]["results"], GEMM_TOL)
+                continue
             _ran_fused(res, key[0])
             if key[1] == "bfloat16":
                 assert res[True]["results"] == res[False]["results"]
@@ -226,6 +276,12 @@ def test_decode_kernel_settings_are_checked_before_any_model(monkeypatch):
     assert refused("rollout.decode_attention=triton", "rollout.layer_kernel=triton", "parallel.pp=2") == (
         "rollout.layer_kernel=triton cannot run here: parallel.pp=2 (it needs 1); use rollout.layer_kernel=modules")
     embedded.check_decode_settings(load_run_config(["rollout.decode_attention=triton", "rollout.layer_kernel=triton"]))
+    gemm = refused("rollout.decode_attention=math", "rollout.decode_gemm=triton")
+    assert gemm.startswith("rollout.decode_gemm=triton cannot run here: the decode attention is math"), gemm
+    assert gemm.endswith("; use rollout.decode_gemm=torch"), gemm
+    with pytest.raises(ValueError, match="rollout.decode_gemm=triton runs on the fused layer path"):
+        load_run_config(["rollout.decode_gemm=triton", "rollout.layer_kernel=modules"])
+    embedded.check_decode_settings(load_run_config(["rollout.decode_attention=triton", "rollout.decode_gemm=triton"]))
     if not GPU:
         assert refused("rollout.decode_attention=flash").startswith("rollout.decode_attention=flash needs CUDA")
         monkeypatch.setattr(embedded, "TRITON_INTERPRET", False)  # a user's CPU run: no interpreter

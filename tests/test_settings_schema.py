@@ -14,9 +14,9 @@ from rollplex_megatron.config import RunConfig, flat_settings
 # run_dir.RESUMABLE as written by hand until the metadata replaced it (2026-12): the derived set must equal it
 HAND_RESUMABLE = ("train.steps", "train.save_every", "train.save_final", "train.resume", "train.out",
                   "train.progress", "run_dir", "mode.", "memory.", "rollout.cuda_graphs", "rollout.keep_decode_state",
-                  "rollout.decode_attention", "rollout.sampling_kernel", "rollout.layer_kernel", "train.logprob_kernel",
-                  "train.norm_kernel",
-                  "train.rope_kernel", "workload.prefix_pack_tokens", "parallel.backend", "smoke.", "verify.", "plan.",
+                  "rollout.decode_attention", "rollout.sampling_kernel", "rollout.layer_kernel", "rollout.decode_gemm",
+                  "train.logprob_kernel", "train.norm_kernel", "train.rope_kernel", "workload.prefix_pack_tokens",
+                  "parallel.backend", "smoke.", "verify.", "plan.",
                   "train.val_every", "val.", "data.val_files", "data.prefetch", "train.tensorboard", "train.wandb",
                   "train.profile_step", "train.profile_phases", "data.accept_changed_files",
                   "reward.timeout_s")  # the last one declared resumable in its metadata when it was added

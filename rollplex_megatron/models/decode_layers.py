@@ -19,6 +19,12 @@ each, where megatron's `get_query_key_value_tensors` copies the queries and torc
 seven kernels per norm; the module path of a decode step runs the same norm kernel, `rollout/triton_norm.py`).
 Left as it is: linear_qkv's bias add (inside the module, which a second thread's prefix stage shares).
 
+The GEMMs: the modules' own (cuBLAS), or with `rollout.decode_gemm=triton` (the context's `gemm`) at most
+`SMALL_M` samples a step `models/triton_linear.py`'s `small_m_linear` on each module's weight, with the module's
+bias (and linear_qkv's bias add with it, in the module's rounding order) and its TP all-reduce; a module that
+is not a plain TP linear (the split-GEMM executor's, sequence parallel, a gathered output) keeps its forward.
+That GEMM sums in another order than cuBLAS, so the step equals the modules' within rounding, not bit for bit.
+
 Exactness: every kernel rounds where torch's ops round (the adds: one rounding of the fp32 sum; the norms: the
 decode norm kernel's arithmetic; the activation: torch's silu, add and product), so a bf16 step gives the module
 path's bits; in fp32 on CPU the interpreter's exp (numpy's) can differ from torch's in the last bit.
@@ -28,9 +34,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 from megatron.core.transformer.mlp import MLP
 
 from rollplex_megatron.models.triton_layer import add_rms_norm, silu_mul
+from rollplex_megatron.models.triton_linear import SMALL_M, gemm_config, small_m_linear
 from rollplex_megatron.models.triton_norm import default_eps, triton_rms_norm, triton_rms_norm_grouped
 
 
@@ -42,7 +51,7 @@ def decode_layers(decoder, hidden_1BH: torch.Tensor, ctx) -> torch.Tensor:
     for i, layer in enumerate(layers):
         residual, x = _add_norm(_attention(layer.self_attention, x, ctx), residual, layer.pre_mlp_layernorm)
         after = layers[i + 1].input_layernorm if i + 1 < len(layers) else decoder.final_layernorm
-        residual, x = _add_norm(_mlp(layer.mlp, x), residual, after)
+        residual, x = _add_norm(_mlp(layer.mlp, x, ctx), residual, after)
     return x
 
 
@@ -53,29 +62,65 @@ def _add_norm(x_1BH, residual_1BH, norm):
 
 def _attention(attn, x_1BH, ctx):
     """SelfAttention.forward of a decode step: q, k, v, the context's attention, linear_proj (its all-reduce)."""
-    q, k, v = _split_qkv(attn, x_1BH)
+    q, k, v = _split_qkv(attn, x_1BH, ctx)
     if _present(attn.q_layernorm):  # Qwen3's per-head norms, read in place from linear_qkv's output
         q = triton_rms_norm_grouped(q, attn.q_layernorm.weight, default_eps(attn.q_layernorm.eps))
     if _present(attn.k_layernorm):
         k = triton_rms_norm(k, attn.k_layernorm.weight, default_eps(attn.k_layernorm.eps))
     out = attn.core_attention(q, k, v, None, packed_seq_params=ctx)
-    return attn.linear_proj(out)[0]
+    return _linear(attn.linear_proj, out, ctx)
 
 
-def _split_qkv(attn, x_1BH):
+def _split_qkv(attn, x_1BH, ctx=None):
     """linear_qkv's output as views: queries [1,B,Ng,rep,D] by KV group, keys and values [1,B,Ng,D]
     (megatron's split, without the copy its reshape of the queries to [1,B,Nq,D] makes)."""
-    mixed, _ = attn.linear_qkv(x_1BH)  # [1, B, Ng * (rep + 2) * D], the bias added by the module
+    mixed = _linear(attn.linear_qkv, x_1BH, ctx)  # [1, B, Ng * (rep + 2) * D], the bias added as the module does
     ng, d = attn.num_query_groups_per_partition, attn.hidden_size_per_attention_head
     rep = attn.num_attention_heads_per_partition // ng
     g = mixed.view(*mixed.shape[:2], ng, (rep + 2) * d)
     return g[..., :rep * d].unflatten(-1, (rep, d)), g[..., rep * d:(rep + 1) * d], g[..., (rep + 1) * d:]
 
 
-def _mlp(mlp, x_1BH):
+def _mlp(mlp, x_1BH, ctx=None):
     """megatron's gated MLP: linear_fc1, silu(gate) * (up + glu_linear_offset) in one kernel, linear_fc2."""
-    fc1, _ = mlp.linear_fc1(x_1BH)
-    return mlp.linear_fc2(silu_mul(fc1, mlp.config.glu_linear_offset))[0]
+    fc1 = _linear(mlp.linear_fc1, x_1BH, ctx)
+    return _linear(mlp.linear_fc2, silu_mul(fc1, mlp.config.glu_linear_offset), ctx)
+
+
+def _linear(module, x, ctx):
+    """module(x)'s output (its bias added, as the forward adds it where it does not skip it): the module's forward,
+    or under the context's `gemm == "triton"` and at most SMALL_M rows `small_m_linear` on its weight (see the
+    module doc), where `gemm_gap(module)` is empty."""
+    rows = x.numel() // x.shape[-1]
+    if getattr(ctx, "gemm", "torch") != "triton" or rows > SMALL_M or gemm_gap(module):
+        return module(x)[0]
+    w = module.weight
+    n, k = w.shape
+    cfg = gemm_config(rows, n, k)
+    bias = None if module.skip_bias_add else module.bias
+    if isinstance(module, ColumnParallelLinear):
+        return small_m_linear(x, w, bias, **cfg)
+    y = reduce_from_tensor_model_parallel_region(small_m_linear(x, w, **cfg), group=module.tp_group)
+    return y if bias is None else y + bias
+
+
+def gemm_gap(module) -> str:
+    """Why `_linear` runs `module`'s own forward under `decode_gemm=triton`, or "" where small_m_linear computes it:
+    a column- or row-parallel linear with its own weight, its class's forward (not the split-GEMM executor's or a
+    bound rollout model's), no sequence parallelism, no gathered output, an input already split for a row one."""
+    if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+        return f"{type(module).__name__} is not a megatron tensor-parallel linear"
+    if "forward" in vars(module):
+        return "its forward is replaced (split GEMMs or a bound rollout model)"
+    if module.weight is None or module.weight.stride(-1) != 1:
+        return "no weight of its own with unit column stride"
+    if module.sequence_parallel or getattr(module, "explicit_expert_comm", False):
+        return "sequence parallel or expert communication"
+    if isinstance(module, ColumnParallelLinear) and module.gather_output:
+        return "a gathered output"
+    if isinstance(module, RowParallelLinear) and not module.input_is_parallel:
+        return "an input it scatters itself"
+    return ""
 
 
 def _present(module) -> bool:

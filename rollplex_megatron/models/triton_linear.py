@@ -23,6 +23,18 @@ import triton.language as tl
 
 from rollplex_megatron.attention.triton_decode import INTERPRET
 
+SMALL_M = 32  # rows up to which the decode step may take small_m_linear (rollout.decode_gemm=triton)
+TARGET_PROGRAMS = 264  # programs a launch aims at (two per SM of an H100 / H200, 132 SMs)
+
+
+def gemm_config(m: int, n: int, k: int) -> dict:
+    """small_m_linear's tiling for an [m, k] x [n, k].T GEMM: 32 columns and 256 of K a step per program, K split
+    until the launch has about TARGET_PROGRAMS programs (at most 8 splits, each at least two K steps)."""
+    block_n, block_k = 32, 256
+    programs = triton.cdiv(n, block_n) * triton.cdiv(m, _block_m(m))
+    split = max(1, min(8, triton.cdiv(TARGET_PROGRAMS, programs), k // (2 * block_k)))
+    return {"block_n": block_n, "block_k": block_k, "split_k": split}
+
 
 @triton.jit
 def _linear_part(x_ptr, w_ptr, m0, n0, k_lo, M, N, stride_xm, stride_wn, K: tl.constexpr, K_PER: tl.constexpr,

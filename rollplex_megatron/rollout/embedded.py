@@ -148,6 +148,7 @@ class DecodeContext(AttentionContext):
     flash: FlashIndex | None = None  # varlen offsets when decode attention runs on flash kernels
     triton: TritonIndex | None = None  # indices when decode attention runs on the Triton kernels
     rope: torch.Tensor | None = None  # [n, D] rotary angles when the attention applies RoPE (forward_decode)
+    gemm: str = "torch"  # the fused layer path's GEMMs: torch (the modules') | triton (models/decode_layers.py)
 
     part = None  # decode steps record no phase part (an eager step per layer would cost two timing events)
 
@@ -208,7 +209,7 @@ class EmbeddedEngine:
                  cuda_graphs: bool = True, decode_attention: str = "auto", sampling_kernel: str = "auto",
                  fused_rope: bool = True, fused_norm: bool = True, fused_layer: bool = True,
                  prefix_pack_tokens: int = 0, actor_pack_tokens: int | None = None, keep_decode_state: bool = False,
-                 pack_splits: int = 1):
+                 pack_splits: int = 1, decode_gemm: str = "torch"):
         self.model, self.cfg, self.spec = model, cfg, model_spec(cfg)
         self.keep_decode_state = keep_decode_state  # the cache, slot state and graphs outlive a rollout
         self._state: _DecodeState | None = None  # what the last wave left (kept only under keep_decode_state)
@@ -233,6 +234,7 @@ class EmbeddedEngine:
         # what the modules do; its norms are the fused norm's arithmetic, so it goes with fused_rope and fused_norm
         self.layer_error = decode_layers_unsupported(unwrap(model)) if self.fused_rope and self.fused_norm else ""
         self.fused_layer = self.fused_rope and self.fused_norm and fused_layer and not self.layer_error
+        self.decode_gemm = decode_gemm if self.fused_layer else "torch"  # small_m_linear rides the fused layer path
         self.graph_error = ""  # why CUDA-graph decode was turned off, if it was
         if self.cuda_graphs and self.pp > 1:  # the stage-to-stage sends are not captured
             self.cuda_graphs = False
@@ -250,9 +252,11 @@ class EmbeddedEngine:
         eng = cls(model, cfg.model, r.max_prompt_len, r.max_response_len, cfg.memory.kv_cache_gib, r.cuda_graphs,
                   r.decode_attention, sampling_kernel=r.sampling_kernel, fused_layer=r.layer_kernel != "modules",
                   prefix_pack_tokens=cfg.workload.prefix_pack_tokens, actor_pack_tokens=actor_pack_tokens,
-                  keep_decode_state=r.keep_decode_state, pack_splits=cfg.train.ppo_mini_batches)
-        if r.layer_kernel == "triton" and not eng.fused_layer:
-            _layer_kernel_refused(eng.layer_error or _layer_path_needs(eng.attention, eng.pp))
+                  keep_decode_state=r.keep_decode_state, pack_splits=cfg.train.ppo_mini_batches,
+                  decode_gemm=r.decode_gemm)
+        if (r.layer_kernel == "triton" or r.decode_gemm == "triton") and not eng.fused_layer:
+            _layer_kernel_refused(eng.layer_error or _layer_path_needs(eng.attention, eng.pp),
+                                  "decode_gemm" if r.layer_kernel != "triton" else "layer_kernel")
         return eng
 
     def generate(self, requests: list[RolloutRequest], params: SamplingParams,
@@ -426,8 +430,9 @@ def check_decode_settings(cfg) -> None:
     r, dev = cfg.rollout, device()
     attention = _decode_attention(r.decode_attention, getattr(torch, cfg.dtype), dev, cfg.model.head_dim)
     _check_sampling_kernel(r.sampling_kernel, dev)
-    if r.layer_kernel == "triton" and (attention != "triton" or cfg.parallel.pp > 1):
-        _layer_kernel_refused(_layer_path_needs(attention, cfg.parallel.pp))
+    for name in ("layer_kernel", "decode_gemm"):
+        if getattr(r, name) == "triton" and (attention != "triton" or cfg.parallel.pp > 1):
+            _layer_kernel_refused(_layer_path_needs(attention, cfg.parallel.pp), name)
 
 
 def _check_sampling_kernel(kernel: str, dev) -> None:
@@ -448,8 +453,9 @@ def _layer_path_needs(attention: str, pp: int) -> str:
     return " and ".join(why)
 
 
-def _layer_kernel_refused(why: str) -> None:
-    raise ValueError(f"rollout.layer_kernel=triton cannot run here: {why}; use rollout.layer_kernel=modules")
+def _layer_kernel_refused(why: str, name: str = "layer_kernel") -> None:
+    fix = "rollout.layer_kernel=modules" if name == "layer_kernel" else "rollout.decode_gemm=torch"
+    raise ValueError(f"rollout.{name}=triton cannot run here: {why}; use {fix}")
 
 
 def _decode_attention(choice: str, dtype, dev, head_dim: int) -> str:
@@ -552,7 +558,7 @@ class _WaveDecoder:
         flash = flash_index(c.prefix_len, c.prefix_pad, s_max, length, c.max_new) if how == "flash" else None
         tri = triton_index(group, slot, s_max, c.prefix_len, length) if how == "triton" else None
         ctx = DecodeContext(cache=c, n=n, group=group, step=self.step_t, s_max=s_max, window=window, slot=slot,
-                            length=length, flash=flash, triton=tri)
+                            length=length, flash=flash, triton=tri, gemm=self.engine.decode_gemm)
         first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
         if self.engine.fused_rope:
             out = self.m.forward_decode(st["tok"][:n, None], pos, ctx, fused_layers=self.engine.fused_layer)
