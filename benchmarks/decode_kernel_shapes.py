@@ -2,9 +2,12 @@
 its attention achieve per call, and what the attention's programs' grain changes.
 
 - GEMMs: each linear of a decoder layer (linear_qkv, linear_proj, linear_fc1 with the gated halves, linear_fc2) and
-  the output layer, as `F.linear` in bf16 at M = 8..128 rows (the decode batch): microseconds a call and the weight
-  bytes over that time (TB/s), against the card's bound given by --tbps. The step profile
-  (`decode_step_profile.py`) shows these GEMMs at 2.1-2.4 TB/s on an H100; this says which shapes lose.
+  the output layer, as `F.linear` (cuBLAS) in bf16 at M = 8..128 rows (the decode batch), and beside it at
+  --triton-rows `models/triton_linear.py`'s `small_m_linear` at each tiling of TRITON_CONFIGS (linear_fc1+act:
+  cuBLAS then `silu_mul` against `small_m_gated`): microseconds a call and the weight bytes over that time (TB/s),
+  against the card's bound given by --tbps, with each Triton result's difference from cuBLAS's. Each call reads
+  another copy of the weight (a ring past the L2, as a step's layers do). The step profile
+  (`decode_step_profile.py`) shows these GEMMs at 1.5-2.6 TB/s on an H100; this says which shapes lose.
 - Attention: `triton_shared_prefix_decode_attention` at the shared-prefix cases of the step profile (groups x
   samples), one prefix of --prefix tokens a group and --resp response keys a sample, for every pair of
   `prefix_split` / `resp_split` given: microseconds a call, the K/V bytes read over that time, and the output's
@@ -52,43 +55,59 @@ TRITON_CONFIGS = [(16, 256, 1, 4, 4), (32, 256, 1, 4, 4), (32, 128, 1, 4, 4), (6
 RING_BYTES = 512 << 20  # weights cycled through within a graph: well past the L2 (50 MB on an H100), as in a step
 
 
-def _ring(shape, nbytes_each: int, calls: int) -> list[torch.Tensor]:
-    """Distinct bf16 weights enough that a graph of `calls` calls reads each from HBM, not from the L2."""
-    n = max(1, min(calls, -(-RING_BYTES // nbytes_each)))
-    return [torch.randn(*shape, device="cuda", dtype=torch.bfloat16) * shape[-1] ** -0.5 for _ in range(n)]
+def _ring(shape, nbytes_each: int, calls: int, device: str = "cuda") -> list[torch.Tensor]:
+    """Distinct bf16 weights enough that a graph of `calls` calls reads each from HBM, not from the L2 (one set
+    off CUDA)."""
+    n = max(1, min(calls, -(-RING_BYTES // nbytes_each))) if device == "cuda" else 1
+    return [torch.randn(*shape, device=device, dtype=torch.bfloat16) * shape[-1] ** -0.5 for _ in range(n)]
 
 
 def gemm_rows(m, rows: list[int], tbps: float, calls: int, repeats: int, triton_configs=TRITON_CONFIGS,
-              triton_rows: tuple[int, ...] = (8, 16, 32)) -> list[dict]:
+              triton_rows: tuple[int, ...] = (8, 16, 32), device: str = "cuda") -> list[dict]:
     """Each decode linear of model config `m` at each M: us a call, TB/s of its weight, share of the bound, for
-    cuBLAS (`F.linear`) and each Triton `small_m_linear` config (with its norm-relative difference from cuBLAS)."""
-    from rollplex_megatron.models.triton_linear import small_m_linear
+    cuBLAS (`F.linear`) and each Triton `small_m_linear` config (with its norm-relative difference from cuBLAS);
+    off CUDA (the interpreter) the differences only."""
+    from rollplex_megatron.models.triton_layer import silu_mul
+    from rollplex_megatron.models.triton_linear import small_m_gated, small_m_linear
     from rollplex_megatron.verify.numerics import rel_err
 
     h, d = m.hidden_size, m.head_dim
     shapes = {"linear_qkv": (h, (m.num_attention_heads + 2 * m.num_query_groups) * d),
               "linear_proj": (m.num_attention_heads * d, h), "linear_fc1": (h, 2 * m.ffn_hidden_size),
-              "linear_fc2": (m.ffn_hidden_size, h), "output_layer": (h, m.vocab_size)}
+              "linear_fc1+act": (h, 2 * m.ffn_hidden_size), "linear_fc2": (m.ffn_hidden_size, h),
+              "output_layer": (h, m.vocab_size)}
     out = []
     for name, (k, n) in shapes.items():
-        ws = _ring((n, k), n * k * 2, calls)
+        ws = _ring((n, k), n * k * 2, calls, device)
         for rows_m in rows:
-            x = torch.randn(rows_m, k, device="cuda", dtype=torch.bfloat16)
-            ref = torch.nn.functional.linear(x, ws[0]).float()
-            kernels = [("cublas", None, lambda w: torch.nn.functional.linear(x, w))]
+            x = torch.randn(rows_m, k, device=device, dtype=torch.bfloat16)
+            gated = name == "linear_fc1+act"  # cuBLAS then silu_mul (two launches) against small_m_gated (one)
+            if gated:
+                kernels = [("cublas+silu_mul", None, lambda w: silu_mul(torch.nn.functional.linear(x, w)))]
+                triton_fn = small_m_gated
+            else:
+                kernels = [("cublas", None, lambda w: torch.nn.functional.linear(x, w))]
+                triton_fn = small_m_linear
+            ref = kernels[0][2](ws[0]).float()
             for cfg in triton_configs if rows_m in triton_rows else ():
                 bn, bk, sk, nw, ns = cfg
                 kernels.append((f"triton:{bn}x{bk}:s{sk}:w{nw}:st{ns}", cfg, lambda w, bn=bn, bk=bk, sk=sk, nw=nw,
-                                ns=ns: small_m_linear(x, w, block_n=bn, block_k=bk, split_k=sk, num_warps=nw,
-                                                      num_stages=ns)))
+                                ns=ns, fn=triton_fn: fn(x, w, block_n=bn, block_k=bk, split_k=sk, num_warps=nw,
+                                                        num_stages=ns)))
             for label, cfg, fn in kernels:
                 row = {"linear": name, "m": rows_m, "k": k, "n": n, "kernel": label,
                        "bound_us": round(n * k * 2 / (tbps * 1e12) * 1e6, 2)}
                 try:
                     diff = float(rel_err(fn(ws[0]).float(), ref))
+                    if device != "cuda":
+                        row["rel_err_vs_cublas"] = diff
+                        out.append(row)
+                        continue
                     it = iter(range(1 << 30))
                     us = _graph_time_us(lambda fn=fn, it=it, ws=ws: fn(ws[next(it) % len(ws)]), calls, repeats)
                 except Exception as e:  # a config this card cannot compile (shared memory): recorded, not fatal
+                    if device != "cuda":
+                        raise
                     row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
                     out.append(row)
                     continue

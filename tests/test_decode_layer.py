@@ -11,7 +11,8 @@ tests/test_gpu_decode.py.
   log-probs within 1e-6, and fp32 equal to the full-recompute loop (docs/design.md §3); the fused kernels ran 2 and
   1 times a layer a step; a model setting the walk does not reproduce keeps the module path; mutation: the
   add-and-norm kernel dropping the residual changes the rollout; TP=2 (gloo, two ranks): fused equals modules.
-- `rollout.decode_gemm=triton` (the layer GEMMs as models/triton_linear.py's small_m_linear, 4 a layer a step): fp32
+- `rollout.decode_gemm=triton` (models/triton_linear.py: linear_qkv, linear_proj and linear_fc2 as small_m_linear,
+  linear_fc1 with the activation as small_m_gated, at every layer of every step): fp32
   decode of both families equals the module path within GEMM rounding and the full-recompute loop, at TP 1 and TP 2
   (the row-parallel all-reduce done by decode_layers); mutation: the GEMM dropping linear_qkv's bias changes the
   rollout; the setting is refused with layer_kernel=modules and where the layer path cannot run.
@@ -202,15 +203,17 @@ def _gemm_ran(res) -> None:
     on = res[True]
     n = on["steps"] * on["layers"]
     assert (on["gemm"], res[False]["gemm"]) == ("triton", "torch") and n > 0
-    assert on["calls"].get("small_m_linear") == 4 * n, on["calls"]
-    assert "small_m_linear" not in res[False]["calls"]
+    assert (on["calls"].get("small_m_linear"), on["calls"].get("small_m_gated")) == (3 * n, n), on["calls"]
+    assert "silu_mul" not in on["calls"] and on["calls"]["add_rms_norm"] == 2 * n, on["calls"]
+    assert not {"small_m_linear", "small_m_gated"} & set(res[False]["calls"])
 
 
 @GEMM_ON_CPU
 @pytest.mark.parametrize("family", list(W.FAMILIES))
 def test_decode_gemm_triton_equals_the_module_path(one_rank, family):
-    """decode_gemm=triton: small_m_linear ran for linear_qkv, linear_proj, linear_fc1 and linear_fc2 at every layer
-    of every step; the same tokens as the modules, log-probs within GEMM_TOL, and the full-recompute loop's."""
+    """decode_gemm=triton: small_m_linear ran for linear_qkv, linear_proj and linear_fc2, small_m_gated for
+    linear_fc1 and the activation, at every layer of every step; the same tokens as the modules, log-probs within
+    GEMM_TOL, and the full-recompute loop's."""
     res = case(one_rank, (family, "gemm"))
     _gemm_ran(res)
     assert sum(len(s) for toks, _, _ in res[True]["results"] for s in toks) > 10

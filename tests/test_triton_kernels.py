@@ -566,3 +566,28 @@ def test_the_kernel_shapes_benchmark_runs_its_attention_rows():
     assert rows[0]["rel_err_vs_first_split"] == 0 and all(r["rel_err_vs_first_split"] < TOL for r in rows)
     assert all(r["kv_bytes"] == (2 * 2 * 150 + 2 * 6 * 70) * m.num_query_groups * m.head_dim * 2 for r in rows)
     assert all((r["us"] is None) == (DEV == "cpu") for r in rows)
+
+
+def test_the_kernel_shapes_benchmark_runs_its_gemm_rows():
+    """The same benchmark's GEMM rows at a tiny model's shapes (bf16; the interpreter on CPU, no times): every
+    linear has cuBLAS's row and one per Triton tiling at the Triton rows only, linear_fc1+act included, and each
+    Triton result is cuBLAS's within bf16 rounding (a tiling that dropped part of K would not be)."""
+    import importlib.util
+    from pathlib import Path
+
+    from rollplex_megatron.recipes import load_run_config
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "decode_kernel_shapes.py"
+    spec = importlib.util.spec_from_file_location("decode_kernel_shapes", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    m = load_run_config(["model=tiny"]).model
+    cfgs = [(16, 16, 1, 4, 2), (32, 32, 3, 4, 2)]
+    rows = mod.gemm_rows(m, [3, 40], 3.35, 1, 1, cfgs, triton_rows=(3,), device=DEV)
+    linears = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc1+act", "linear_fc2", "output_layer"]
+    want = [(lin, mm, kern) for lin in linears for mm in (3, 40)
+            for kern in (["cublas+silu_mul" if lin.endswith("+act") else "cublas"]
+                         + (["triton:16x16:s1:w4:st2", "triton:32x32:s3:w4:st2"] if mm == 3 else []))]
+    assert [(r["linear"], r["m"], r["kernel"]) for r in rows] == want
+    assert all("error" not in r and r["rel_err_vs_cublas"] < 1e-2 for r in rows if r["kernel"] != "cublas"), rows
+    assert all((r.get("us") is None) == (DEV == "cpu") for r in rows)

@@ -1,15 +1,19 @@
-"""`small_m_linear` (models/triton_linear.py), the decode GEMM for few rows, against `F.linear` (+ bias).
+"""`small_m_linear` (models/triton_linear.py), the decode GEMM for few rows, against `F.linear` (+ bias), and
+`small_m_gated` (linear_fc1 and the gated activation in one kernel) against `silu_mul` of either GEMM.
 
 On CPU under Triton's interpreter in fp32 (norm-relative 1e-5); on the GPU machine the compiled kernel in bf16
 (the design's 1e-2), with fresh random inputs of ragged sizes: rows 1..40 (one and several row blocks), K not a
 multiple of the K step, N not a multiple of the column block, one kernel and split K (2..5 splits, the last one
 short), with and without a bias. The split sum is in a fixed order, so two calls are bit-equal. Mutations: the last
-K split left out, and a bias added twice, each caught.
+K split left out, and a bias added twice, each caught. `small_m_gated` equals `silu_mul(small_m_linear(...))` bit
+for bit (the same sums, the same roundings; fp32 and bf16) and `silu_mul(F.linear(...))` within the tolerance;
+mutation: gate and up swapped.
 """
 import pytest
 import torch
 
 from rollplex_megatron.models import triton_linear as TL
+from rollplex_megatron.models.triton_layer import silu_mul
 
 GPU = torch.cuda.is_available()
 DEV = "cuda" if GPU else "cpu"
@@ -90,3 +94,34 @@ def test_bad_arguments_are_refused(kw):
         TL.small_m_linear(x, w, **kw)
     with pytest.raises(ValueError, match="does not take"):
         TL.small_m_linear(x, w[:, :32])
+
+
+GATED = [(3, 100, 35, 1, 32, 32, 0.0), (8, 256, 24, 3, 16, 64, 0.5), (20, 64, 33, 2, 32, 16, 0.0)]  # rows, K, F, ...
+
+
+def _gated_worst(dtype, swap=False, seed0=0):
+    worst = 0.0
+    for i, (rows, k, f, split, bn, bk, off) in enumerate(GATED):
+        g = torch.Generator().manual_seed(seed0 + i)
+        x = torch.randn(rows, k, generator=g).to(DEV, dtype)
+        w = (torch.randn(2 * f, k, generator=g) * k ** -0.5).to(DEV, dtype)
+        kw = {"block_n": bn, "block_k": bk, "split_k": split}
+        y = TL.small_m_gated(x, torch.cat([w[f:], w[:f]]) if swap else w, off, **kw)
+        assert y.shape == (rows, f) and y.dtype == dtype
+        if not swap:
+            assert torch.equal(y, silu_mul(TL.small_m_linear(x, w, **kw), off)), (rows, k, f, split)
+        ref = silu_mul(torch.nn.functional.linear(x, w), off)
+        worst = max(worst, _rel(y, ref))
+    return worst
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_small_m_gated_equals_the_gemm_then_silu_mul(dtype):
+    seed = int(torch.randint(0, 1 << 30, ()).item())
+    tol = 1e-2 if dtype == torch.bfloat16 else TOL
+    worst = _gated_worst(dtype, seed0=seed)
+    assert worst < tol, f"seed {seed}: {worst:.2e}"
+
+
+def test_mutation_gate_and_up_swapped_fails():
+    assert _gated_worst(DT, swap=True) > 0.1

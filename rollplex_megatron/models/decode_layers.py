@@ -21,7 +21,8 @@ Left as it is: linear_qkv's bias add (inside the module, which a second thread's
 
 The GEMMs: the modules' own (cuBLAS), or with `rollout.decode_gemm=triton` (the context's `gemm`) at most
 `SMALL_M` samples a step `models/triton_linear.py`'s `small_m_linear` on each module's weight, with the module's
-bias (and linear_qkv's bias add with it, in the module's rounding order) and its TP all-reduce; a module that
+bias (and linear_qkv's bias add with it, in the module's rounding order) and its TP all-reduce, linear_fc1 with
+the gated activation in the same kernel (`small_m_gated`; a split K adds a reducing kernel); a module that
 is not a plain TP linear (the split-GEMM executor's, sequence parallel, a gathered output) keeps its forward.
 That GEMM sums in another order than cuBLAS, so the step equals the modules' within rounding, not bit for bit.
 
@@ -39,7 +40,7 @@ from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_para
 from megatron.core.transformer.mlp import MLP
 
 from rollplex_megatron.models.triton_layer import add_rms_norm, silu_mul
-from rollplex_megatron.models.triton_linear import SMALL_M, gemm_config, small_m_linear
+from rollplex_megatron.models.triton_linear import SMALL_M, gemm_config, small_m_gated, small_m_linear
 from rollplex_megatron.models.triton_norm import default_eps, triton_rms_norm, triton_rms_norm_grouped
 
 
@@ -82,21 +83,32 @@ def _split_qkv(attn, x_1BH, ctx=None):
 
 
 def _mlp(mlp, x_1BH, ctx=None):
-    """megatron's gated MLP: linear_fc1, silu(gate) * (up + glu_linear_offset) in one kernel, linear_fc2."""
-    fc1 = _linear(mlp.linear_fc1, x_1BH, ctx)
-    return _linear(mlp.linear_fc2, silu_mul(fc1, mlp.config.glu_linear_offset), ctx)
+    """megatron's gated MLP: linear_fc1, silu(gate) * (up + glu_linear_offset) in one kernel, linear_fc2; under
+    `_gemm_on` linear_fc1 and the activation as one kernel (`small_m_gated`, the same bits as small_m_linear then
+    silu_mul)."""
+    fc1, offset = mlp.linear_fc1, mlp.config.glu_linear_offset
+    if _gemm_on(fc1, x_1BH, ctx) and (fc1.bias is None or fc1.skip_bias_add):
+        w = fc1.weight
+        act = small_m_gated(x_1BH, w, offset, **gemm_config(x_1BH.numel() // x_1BH.shape[-1], w.shape[0] // 2,
+                                                             w.shape[1]))
+    else:
+        act = silu_mul(_linear(fc1, x_1BH, ctx), offset)
+    return _linear(mlp.linear_fc2, act, ctx)
+
+
+def _gemm_on(module, x, ctx) -> bool:
+    """Whether `module` runs as small_m_linear: the context's gemm is triton, at most SMALL_M rows, no gemm_gap."""
+    return getattr(ctx, "gemm", "torch") == "triton" and x.numel() // x.shape[-1] <= SMALL_M and not gemm_gap(module)
 
 
 def _linear(module, x, ctx):
     """module(x)'s output (its bias added, as the forward adds it where it does not skip it): the module's forward,
     or under the context's `gemm == "triton"` and at most SMALL_M rows `small_m_linear` on its weight (see the
     module doc), where `gemm_gap(module)` is empty."""
-    rows = x.numel() // x.shape[-1]
-    if getattr(ctx, "gemm", "torch") != "triton" or rows > SMALL_M or gemm_gap(module):
+    if not _gemm_on(module, x, ctx):
         return module(x)[0]
     w = module.weight
-    n, k = w.shape
-    cfg = gemm_config(rows, n, k)
+    cfg = gemm_config(x.numel() // x.shape[-1], *w.shape)
     bias = None if module.skip_bias_add else module.bias
     if isinstance(module, ColumnParallelLinear):
         return small_m_linear(x, w, bias, **cfg)
