@@ -1,10 +1,10 @@
 """Each kernel class's share and achieved bandwidth in a recorded decode step profile (`decode_step_profile.py`'s
 JSON), against the step's memory bound. Runs on CPU: it reads the profile and the model preset only.
 
-Classes by kernel name: GEMMs (cuBLAS, nvjet, CUTLASS, their split-K reductions), decode attention (the Triton
-prefix, response and merge kernels), RoPE and cache write, norms and glue (the fused add-and-norm, the decode norm,
-the gated activation, torch's elementwise adds), sampling, and the rest (the step's bookkeeping: indexing, copies,
-reductions). Bytes a step must read, counted for the two classes that move most of them:
+Classes by kernel name: GEMMs (cuBLAS, nvjet, CUTLASS, their split-K reductions, models/triton_linear.py's),
+decode attention (the Triton prefix, response and merge kernels), RoPE and cache write, norms and glue (the fused
+add-and-norm, the decode norm, the gated activation, torch's elementwise adds), sampling, and the rest (the step's
+bookkeeping: indexing, copies, reductions). Bytes a step must read, counted for the two classes that move most of them:
 - GEMMs: every weight of the language model's layers once (q/k/v, output, gated fc1, fc2, with their biases and
   norms) and the LM head, in the compute dtype (`memory/tensor_bytes.py`'s counts); activations are a few MB and
   left out;
@@ -30,7 +30,7 @@ from rollplex_megatron.memory.tensor_bytes import kv_bytes_per_token, param_coun
 from rollplex_megatron.recipes import load_run_config  # noqa: E402
 
 CLASSES = (  # (class, pattern on the kernel's name), first match wins
-    ("gemm", r"nvjet|gemm|cutlass|splitKreduce"),
+    ("gemm", r"nvjet|gemm|cutlass|splitKreduce|^_sml_"),  # _sml_: models/triton_linear.py (decode_gemm=triton)
     ("attention", r"^_prefix_kernel|^_resp_kernel|^_merge_kernel"),
     ("rope_cache_write", r"^_rope_write_kernel"),
     ("norm_glue", r"^_add_rms_norm|^_rms_norm|^_silu_mul|CUDAFunctor_add<c10::BFloat16>"),

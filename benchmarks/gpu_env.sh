@@ -12,8 +12,9 @@ python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /
 export PYTHONPATH=/tmp/site:$PWD
 # gpu_tests TESTFILE NAME: a GPU test file's verdicts, also kept as $out/NAME (a failure is read there, not fatal),
 # and beside it $out/NAME less .txt, plus .json: the command, each test's verdict and the environment (device, versions, commit, date)
+# ($1 may hold several test paths, split by the shell)
 gpu_tests() {
-  python3 -m pytest -q -rA -p no:cacheprovider "$1" 2>&1 | grep -v -i warn | tee "$out/$2" | tail -25 || true
+  python3 -m pytest -q -rA -p no:cacheprovider $1 2>&1 | grep -v -i warn | tee "$out/$2" | tail -25 || true
   python3 benchmarks/pytest_record.py "$out/$2" "$out/${2%.txt}.json" \
     --command "python3 -m pytest -q -rA -p no:cacheprovider $1" || true
 }

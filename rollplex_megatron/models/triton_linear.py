@@ -74,7 +74,7 @@ def _epilogue(acc, b_ptr, y_ptr, m0, n0, M, N, stride_ym, HAS_BIAS: tl.constexpr
 
 
 @triton.jit
-def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, stride_xm, stride_wn, stride_ym, K: tl.constexpr,
+def _sml_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, stride_xm, stride_wn, stride_ym, K: tl.constexpr,
                    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    RNE: tl.constexpr, BITS: tl.constexpr):
     n0 = tl.program_id(0) * BLOCK_N
@@ -84,7 +84,7 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, stride_xm, stride_wn, strid
 
 
 @triton.jit
-def _split_kernel(x_ptr, w_ptr, ws_ptr, M, N, stride_xm, stride_wn, K: tl.constexpr, K_PER: tl.constexpr,
+def _sml_split_kernel(x_ptr, w_ptr, ws_ptr, M, N, stride_xm, stride_wn, K: tl.constexpr, K_PER: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BITS: tl.constexpr):
     # split s of column block n: its K range's fp32 partial into ws[s, m, n] ([S, M_pad, N] contiguous)
     n0 = tl.program_id(0) * BLOCK_N
@@ -99,7 +99,7 @@ def _split_kernel(x_ptr, w_ptr, ws_ptr, M, N, stride_xm, stride_wn, K: tl.conste
 
 
 @triton.jit
-def _reduce_kernel(ws_ptr, b_ptr, y_ptr, M, N, stride_ym, S: tl.constexpr, HAS_BIAS: tl.constexpr,
+def _sml_reduce_kernel(ws_ptr, b_ptr, y_ptr, M, N, stride_ym, S: tl.constexpr, HAS_BIAS: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RNE: tl.constexpr):
     # the S partials of one [BM, BN] tile summed in split order, then the epilogue
     n0 = tl.program_id(0) * BLOCK_N
@@ -129,7 +129,7 @@ def _gated_epilogue(acc_g, acc_u, y_ptr, m0, n0, M, F, stride_ym, offset, BLOCK_
 
 
 @triton.jit
-def _gated_kernel(x_ptr, w_ptr, y_ptr, M, F, stride_xm, stride_wn, stride_ym, offset, K: tl.constexpr,
+def _sml_gated_kernel(x_ptr, w_ptr, y_ptr, M, F, stride_xm, stride_wn, stride_ym, offset, K: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, RNE: tl.constexpr,
                   PRECISE: tl.constexpr, BITS: tl.constexpr):
     n0 = tl.program_id(0) * BLOCK_N
@@ -141,7 +141,7 @@ def _gated_kernel(x_ptr, w_ptr, y_ptr, M, F, stride_xm, stride_wn, stride_ym, of
 
 
 @triton.jit
-def _gated_split_kernel(x_ptr, w_ptr, ws_ptr, M, F, stride_xm, stride_wn, K: tl.constexpr, K_PER: tl.constexpr,
+def _sml_gated_split_kernel(x_ptr, w_ptr, ws_ptr, M, F, stride_xm, stride_wn, K: tl.constexpr, K_PER: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BITS: tl.constexpr):
     # split s: both halves' fp32 partials into ws[s, half, m, n] ([S, 2, M_pad, F] contiguous)
     n0 = tl.program_id(0) * BLOCK_N
@@ -157,7 +157,7 @@ def _gated_split_kernel(x_ptr, w_ptr, ws_ptr, M, F, stride_xm, stride_wn, K: tl.
 
 
 @triton.jit
-def _gated_reduce_kernel(ws_ptr, y_ptr, M, F, stride_ym, offset, S: tl.constexpr, BLOCK_M: tl.constexpr,
+def _sml_gated_reduce_kernel(ws_ptr, y_ptr, M, F, stride_ym, offset, S: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, RNE: tl.constexpr, PRECISE: tl.constexpr):
     n0 = tl.program_id(0) * BLOCK_N
     m0 = tl.program_id(1) * BLOCK_M
@@ -218,14 +218,14 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     xb, wb, b = _bits(x2), _bits(weight), _bits(b)
     launch = {} if INTERPRET else {"num_warps": num_warps, "num_stages": num_stages}
     if split_k == 1:
-        _linear_kernel[(n_blocks, m_blocks)](xb, wb, b, y, m, n, x2.stride(0), weight.stride(0), y.stride(0), k,
+        _sml_linear_kernel[(n_blocks, m_blocks)](xb, wb, b, y, m, n, x2.stride(0), weight.stride(0), y.stride(0), k,
                                              has_bias, bm, block_n, block_k, rne, rne, **launch)
     else:
         k_per, splits = _split_layout(k, split_k, block_k)
         ws = torch.empty(splits, m_blocks * bm, n, device=x.device, dtype=torch.float32)
-        _split_kernel[(n_blocks, splits, m_blocks)](xb, wb, ws, m, n, x2.stride(0), weight.stride(0), k, k_per,
+        _sml_split_kernel[(n_blocks, splits, m_blocks)](xb, wb, ws, m, n, x2.stride(0), weight.stride(0), k, k_per,
                                                     bm, block_n, block_k, rne, **launch)
-        _reduce_kernel[(n_blocks, m_blocks)](ws, b, y, m, n, y.stride(0), splits, has_bias, bm, block_n, rne,
+        _sml_reduce_kernel[(n_blocks, m_blocks)](ws, b, y, m, n, y.stride(0), splits, has_bias, bm, block_n, rne,
                                              **({} if INTERPRET else {"num_warps": 4}))
     return y.reshape(*x.shape[:-1], n)
 
@@ -248,15 +248,15 @@ def small_m_gated(x: torch.Tensor, weight: torch.Tensor, offset: float = 0.0, *,
     rne, precise = _rne_bf16(y), not INTERPRET
     launch = {} if INTERPRET else {"num_warps": num_warps, "num_stages": num_stages}
     if split_k == 1:
-        _gated_kernel[(n_blocks, m_blocks)](_bits(x2), _bits(weight), y, m, f, x2.stride(0), weight.stride(0),
+        _sml_gated_kernel[(n_blocks, m_blocks)](_bits(x2), _bits(weight), y, m, f, x2.stride(0), weight.stride(0),
                                             y.stride(0), float(offset), k, bm, block_n, block_k, rne, precise, rne,
                                             **launch)
     else:
         k_per, splits = _split_layout(k, split_k, block_k)
         ws = torch.empty(splits, 2, m_blocks * bm, f, device=x.device, dtype=torch.float32)
-        _gated_split_kernel[(n_blocks, splits, m_blocks)](_bits(x2), _bits(weight), ws, m, f, x2.stride(0),
+        _sml_gated_split_kernel[(n_blocks, splits, m_blocks)](_bits(x2), _bits(weight), ws, m, f, x2.stride(0),
                                                           weight.stride(0), k, k_per, bm, block_n, block_k, rne,
                                                           **launch)
-        _gated_reduce_kernel[(n_blocks, m_blocks)](ws, y, m, f, y.stride(0), float(offset), splits, bm, block_n, rne,
-                                                   precise, **({} if INTERPRET else {"num_warps": 4}))
+        _sml_gated_reduce_kernel[(n_blocks, m_blocks)](ws, y, m, f, y.stride(0), float(offset), splits, bm, block_n,
+                                                       rne, precise, **({} if INTERPRET else {"num_warps": 4}))
     return y.reshape(*x.shape[:-1], f)
