@@ -10,8 +10,9 @@ its attention achieve per call, and what the attention's programs' grain changes
   (`decode_step_profile.py`) shows these GEMMs at 1.5-2.6 TB/s on an H100; this says which shapes lose.
 - Attention: `triton_shared_prefix_decode_attention` at the shared-prefix cases of the step profile (groups x
   samples), one prefix of --prefix tokens a group and --resp response keys a sample, for every pair of
-  `prefix_split` / `resp_split` given: microseconds a call, the K/V bytes read over that time, and the output's
-  norm-relative difference from the default split's (the same terms in another order: rounding only).
+  `prefix_split` / `resp_split` given (with `one_launch` where asked: both parts in one kernel): microseconds a
+  call, the K/V bytes read over that time, and the output's norm-relative difference from the first split's (the
+  same terms in another order: rounding only; one launch: the same bits).
 Each figure is the median over --repeats CUDA-graph replays of --calls back-to-back calls (a layer's worth of
 launches, as in the step's graph), timed with CUDA events.
 
@@ -151,15 +152,17 @@ def attention_rows(m, cases: list[tuple[int, int]], prefix: int, resp: int, spli
         n_sets = max(1, min(calls, -(-RING_BYTES // kv_bytes))) if device == "cuda" else 1
         kv = [(pk, pv, rk, rv)] + [tuple(t.clone() for t in (pk, pv, rk, rv)) for _ in range(n_sets - 1)]
         base = None
-        for ps, rs in splits:
+        for ps, rs, *one in splits:
+            one = bool(one and one[0])
             it = iter(range(1 << 30))
-            call = lambda ps=ps, rs=rs, it=it: attn(q, *kv[next(it) % len(kv)], idx, None,  # noqa: E731
-                                                    prefix_split=ps, resp_split=rs)
-            o = attn(q, pk, pv, rk, rv, idx, None, prefix_split=ps, resp_split=rs).float()
+            call = lambda ps=ps, rs=rs, one=one, it=it: attn(q, *kv[next(it) % len(kv)], idx, None,  # noqa: E731
+                                                             prefix_split=ps, resp_split=rs, one_launch=one)
+            o = attn(q, pk, pv, rk, rv, idx, None, prefix_split=ps, resp_split=rs, one_launch=one).float()
             base = o if base is None else base
             us = _graph_time_us(call, calls, repeats) if device == "cuda" else None
             row = {"groups": groups, "samples_per_group": per_group, "batch": groups * per_group, "prefix": prefix,
-                   "resp": resp, "prefix_split": ps, "resp_split": rs, "us": None if us is None else round(us, 2),
+                   "resp": resp, "prefix_split": ps, "resp_split": rs, "one_launch": one,
+                   "us": None if us is None else round(us, 2),
                    "kv_bytes": kv_bytes, "rel_err_vs_first_split": float(rel_err(o, base))}
             if us is not None:
                 row["tbps"] = round(kv_bytes / (us * 1e-6) / 1e12, 3)
@@ -176,8 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cases", default="1x8,8x8,16x8", help="attention: GROUPSxSAMPLES")
     ap.add_argument("--prefix", type=int, default=1026)
     ap.add_argument("--resp", type=int, default=256)
-    ap.add_argument("--splits", default="256:256,128:256,64:256,128:64,64:64,512:256",
-                    help="attention: PREFIX_SPLIT:RESP_SPLIT pairs, the first the reference of the difference")
+    ap.add_argument("--splits", default="256:256,256:256:1,128:256,64:256,128:64,128:64:1,64:64,512:256",
+                    help="attention: PREFIX_SPLIT:RESP_SPLIT[:1] (1: one_launch, both parts in one kernel), the first "
+                         "the reference of the difference")
     ap.add_argument("--triton-rows", default="8,16,32", help="GEMM rows at which the Triton configs are timed")
     ap.add_argument("--calls", type=int, default=36)
     ap.add_argument("--repeats", type=int, default=20)
@@ -189,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     from rollplex_megatron.recipes import load_run_config
     from rollplex_megatron.runtime import environment_record
 
-    splits = [tuple(int(x) for x in p.split(":")) for p in a.splits.split(",")]
+    splits = [tuple(int(x) for x in p.split(":")) for p in a.splits.split(",")]  # (prefix, resp[, one_launch])
     cases = [tuple(int(x) for x in c.split("x")) for c in a.cases.split(",")]
     if a.check:
         m = load_run_config(["model=tiny"]).model
@@ -214,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{r['linear']:13s} M={r['m']:4d} {r['kernel']:28s} {r['us']:8.2f} us {r['tbps']:.2f} TB/s "
                   f"({r['of_bound']:.0%}) diff {r['rel_err_vs_cublas']:.1e}")
     for r in result["attention"]:
-        print(f"attention {r['groups']}x{r['samples_per_group']} splits {r['prefix_split']}:{r['resp_split']} "
+        print(f"attention {r['groups']}x{r['samples_per_group']} splits {r['prefix_split']}:{r['resp_split']}"
+              f"{' one launch' if r['one_launch'] else ''} "
               f"{r['us']:8.2f} us {r['tbps']:.2f} TB/s diff {r['rel_err_vs_first_split']:.1e}")
     return 0
 

@@ -547,6 +547,25 @@ def test_other_key_splits_match_the_math_path(prefix_split, resp_split):
         run(prefix_split=96)
 
 
+@pytest.mark.parametrize("splits", [(256, 256), (64, 64)], ids=["default", "fine"])
+def test_one_launch_gives_the_three_launch_bits(splits, tmp_path, monkeypatch):
+    """`one_launch` (the prefix and response programs in one kernel) on uneven groups and ragged prefixes and
+    responses: bit-equal to the separate kernels (each program's arithmetic is theirs) and to the math path within
+    TOL. Mutation: the combined kernel's prefix programs all taking the first key split; caught."""
+    c = _attention_case(5, 3, 4, 600, 300)  # several key splits of each part at either grain
+    slot, s_max = group_slots(c["group"], c["pk"].shape[0])
+    idx = triton_index(c["group"], slot, s_max, c["plen"], c["rlen"])
+    run = lambda **k: triton_shared_prefix_decode_attention(c["q"], c["pk"], c["pv"], c["rk"], c["rv"], idx,  # noqa
+                                                            None, prefix_split=splits[0], resp_split=splits[1], **k)
+    one, three = run(one_launch=True), run()
+    assert torch.equal(one, three)
+    assert _rel(one, _reference(c)) < TOL
+    mutant = _mutant(tmp_path, triton_decode._parts_kernel, "sp = pid % p_splits", "sp = 0",
+                     "from rollplex_megatron.attention.triton_decode import _prefix_part, _resp_part")
+    monkeypatch.setattr(triton_decode, "_parts_kernel", mutant)
+    assert not torch.equal(run(one_launch=True), three)
+
+
 def test_the_kernel_shapes_benchmark_runs_its_attention_rows():
     """benchmarks/decode_kernel_shapes.py (a GPU benchmark) at tiny shapes on CPU: every split pair of a case gives
     the first pair's output up to rounding, with no time off CUDA; a split pair that drops the response part would
@@ -561,8 +580,10 @@ def test_the_kernel_shapes_benchmark_runs_its_attention_rows():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     m = load_run_config(["model=tiny"]).model
-    rows = mod.attention_rows(m, [(2, 3)], 150, 70, [(256, 256), (64, 64), (64, 256)], 3.35, 1, 1, device=DEV)
-    assert [(r["prefix_split"], r["resp_split"]) for r in rows] == [(256, 256), (64, 64), (64, 256)]
+    rows = mod.attention_rows(m, [(2, 3)], 150, 70, [(256, 256), (64, 64), (64, 256), (64, 64, 1)], 3.35, 1, 1,
+                              device=DEV)
+    assert [(r["prefix_split"], r["resp_split"], r["one_launch"]) for r in rows] == [
+        (256, 256, False), (64, 64, False), (64, 256, False), (64, 64, True)]
     assert rows[0]["rel_err_vs_first_split"] == 0 and all(r["rel_err_vs_first_split"] < TOL for r in rows)
     assert all(r["kv_bytes"] == (2 * 2 * 150 + 2 * 6 * 70) * m.num_query_groups * m.head_dim * 2 for r in rows)
     assert all((r["us"] is None) == (DEV == "cpu") for r in rows)

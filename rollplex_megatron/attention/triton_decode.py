@@ -13,7 +13,8 @@ and little else:
   rep query heads as its rows; programs past a sample's length write an empty partial;
 - merge: one program per (sample, query head) combines every partial by its log-sum-exp and
   writes the output in the query dtype.
-Queries are gathered by index (no scatter into a padded copy); three launches per layer. Scores
+Queries are gathered by index (no scatter into a padded copy); three launches per layer, or two with
+`one_launch` (both parts' programs in one kernel, `_parts_kernel`; not the engine's default until timed). Scores
 accumulate in fp32 and the probabilities are cast to the K/V dtype before the P @ V product, as
 flash does. Under TRITON_INTERPRET=1 the kernels run on CPU (the tests' reference check).
 """
@@ -101,7 +102,16 @@ def _partial(q, k_base, v_base, stride_kn, n_lo, n_hi, scale, offs_d, SPLIT: tl.
 def _prefix_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, plen_ptr, o_ptr, ml_ptr, scale,
                    stride_qb, stride_qh, stride_kg, stride_kn, stride_kh, n_kv_heads, s_max, n_splits,
                    REP: tl.constexpr, M: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr):
-    gh, rb, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    _prefix_part(tl.program_id(0), tl.program_id(1), tl.program_id(2), q_ptr, k_ptr, v_ptr, rows_ptr, plen_ptr, o_ptr,
+                 ml_ptr, scale, stride_qb, stride_qh, stride_kg, stride_kn, stride_kh, n_kv_heads, s_max, n_splits,
+                 REP, M, D, SPLIT, BLOCK_N)
+
+
+@triton.jit
+def _prefix_part(gh, rb, sp, q_ptr, k_ptr, v_ptr, rows_ptr, plen_ptr, o_ptr, ml_ptr, scale,
+                 stride_qb, stride_qh, stride_kg, stride_kn, stride_kh, n_kv_heads, s_max, n_splits,
+                 REP: tl.constexpr, M: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr):
+    # one prefix program: (group, KV head) gh, query-row block rb, key split sp
     g, h = gh // n_kv_heads, gh % n_kv_heads
     i = rb * M + tl.arange(0, M)  # query row: slot i // REP, query head h * REP + i % REP
     slot, r = i // REP, i % REP
@@ -129,7 +139,16 @@ def _resp_kernel(q_ptr, k_ptr, v_ptr, rlen_ptr, o_ptr, ml_ptr, scale,
                  stride_qb, stride_qh, stride_kb, stride_kn, stride_kh, n_kv_heads, n_splits,
                  REP: tl.constexpr, M: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
                  SKIP: tl.constexpr):
-    bh, sp = tl.program_id(0), tl.program_id(1)
+    _resp_part(tl.program_id(0), tl.program_id(1), q_ptr, k_ptr, v_ptr, rlen_ptr, o_ptr, ml_ptr, scale, stride_qb,
+               stride_qh, stride_kb, stride_kn, stride_kh, n_kv_heads, n_splits, REP, M, D, SPLIT, BLOCK_N, SKIP)
+
+
+@triton.jit
+def _resp_part(bh, sp, q_ptr, k_ptr, v_ptr, rlen_ptr, o_ptr, ml_ptr, scale,
+               stride_qb, stride_qh, stride_kb, stride_kn, stride_kh, n_kv_heads, n_splits,
+               REP: tl.constexpr, M: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
+               SKIP: tl.constexpr):
+    # one response program: (sample, KV head) bh, key split sp
     b, h = bh // n_kv_heads, bh % n_kv_heads
     r = tl.arange(0, M)
     offs_d = tl.arange(0, D)
@@ -144,6 +163,29 @@ def _resp_kernel(q_ptr, k_ptr, v_ptr, rlen_ptr, o_ptr, ml_ptr, scale,
     tl.store(o_ptr + (base + r)[:, None] * D + offs_d[None, :], acc, mask=keep[:, None])
     tl.store(ml_ptr + 2 * (base + r), m_i, mask=keep)
     tl.store(ml_ptr + 2 * (base + r) + 1, l_i, mask=keep)
+
+
+@triton.jit
+def _parts_kernel(q_ptr, pk_ptr, pv_ptr, rows_ptr, plen_ptr, po_ptr, pml_ptr, rk_ptr, rv_ptr, rlen_ptr, ro_ptr, rml_ptr,
+                  scale, stride_qb, stride_qh, stride_pg, stride_pn, stride_ph, stride_rb, stride_rn, stride_rh,
+                  n_kv_heads, s_max, p_splits, r_splits, p_row_blocks, n_prefix_programs,
+                  REP: tl.constexpr, PM: tl.constexpr, RM: tl.constexpr, D: tl.constexpr, PSPLIT: tl.constexpr,
+                  RSPLIT: tl.constexpr, BLOCK_N: tl.constexpr, SKIP: tl.constexpr):
+    # both parts in one launch (`one_launch`): the first n_prefix_programs programs are the prefix kernel's grid in
+    # its order, the rest the response kernel's; each program does exactly what it does in its own kernel
+    pid = tl.program_id(0)
+    if pid < n_prefix_programs:
+        sp = pid % p_splits
+        rb = (pid // p_splits) % p_row_blocks
+        gh = pid // (p_splits * p_row_blocks)
+        _prefix_part(gh, rb, sp, q_ptr, pk_ptr, pv_ptr, rows_ptr, plen_ptr, po_ptr, pml_ptr, scale, stride_qb,
+                     stride_qh, stride_pg, stride_pn, stride_ph, n_kv_heads, s_max, p_splits, REP, PM, D, PSPLIT,
+                     BLOCK_N)
+    else:
+        rid = pid - n_prefix_programs
+        _resp_part(rid // r_splits, rid % r_splits, q_ptr, rk_ptr, rv_ptr, rlen_ptr, ro_ptr, rml_ptr, scale, stride_qb,
+                   stride_qh, stride_rb, stride_rn, stride_rh, n_kv_heads, r_splits, REP, RM, D, RSPLIT, BLOCK_N,
+                   SKIP)
 
 
 @triton.jit
@@ -249,7 +291,7 @@ def _pow2(n: int, lo: int = 1) -> int:
 def triton_shared_prefix_decode_attention(q_BND, prefix_k_GrPND, prefix_v_GrPND, resp_k_BRND, resp_v_BRND,
                                           index: TritonIndex, scale: float | None,
                                           skip_empty: bool = True, prefix_split: int = PREFIX_SPLIT,
-                                          resp_split: int = RESP_SPLIT) -> torch.Tensor:
+                                          resp_split: int = RESP_SPLIT, one_launch: bool = False) -> torch.Tensor:
     """`shared_prefix_decode_attention` on Triton kernels; returns [B, Nq*D] in the query dtype.
 
     `prefix_*` are [Gr, P, Ng, D] (keys past `index.prefix_len` never read), `resp_*` [B, Rm, Ng, D]
@@ -257,7 +299,9 @@ def triton_shared_prefix_decode_attention(q_BND, prefix_k_GrPND, prefix_v_GrPND,
     the blocks of its split past each sample's length instead of running them masked (the same bits, `_partial`;
     on the H100 the response kernel's time fell by about a sixth, docs/concepts/kernels.md). `prefix_split`,
     `resp_split`: keys per program of each part (powers of two, at least 64: the key block), the programs' grain
-    (`benchmarks/decode_kernel_shapes.py` times them); other splits sum the same terms in another order."""
+    (`benchmarks/decode_kernel_shapes.py` times them); other splits sum the same terms in another order.
+    `one_launch`: the prefix and response programs in one kernel (`_parts_kernel`; each program's arithmetic
+    unchanged, so the same bits), two launches a layer instead of three."""
     for name, n in (("prefix_split", prefix_split), ("resp_split", resp_split)):
         if n < 64 or n & (n - 1):
             raise ValueError(f"{name}={n}: a power of two of at least 64 (the key block)")
@@ -279,14 +323,23 @@ def triton_shared_prefix_decode_attention(q_BND, prefix_k_GrPND, prefix_v_GrPND,
     ro = torch.empty(b * ng * r_splits * rep, d, **f32)
     rml = torch.empty(b * ng * r_splits * rep, 2, **f32)
     pk, pv = prefix_k_GrPND, prefix_v_GrPND
-    _prefix_kernel[(n_groups * ng, triton.cdiv(n_rows, m_rows), p_splits)](
-        q, pk, pv, index.rows, index.prefix_len, po, pml, scale, q.stride(0), q.stride(1),
-        pk.stride(0), pk.stride(1), pk.stride(2), ng, s_max, p_splits,
-        REP=rep, M=m_rows, D=d, SPLIT=prefix_split, BLOCK_N=64)
     rk, rv = resp_k_BRND, resp_v_BRND
-    _resp_kernel[(b * ng, r_splits)](
-        q, rk, rv, index.resp_len, ro, rml, scale, q.stride(0), q.stride(1), rk.stride(0), rk.stride(1), rk.stride(2),
-        ng, r_splits, REP=rep, M=_pow2(rep, 16), D=d, SPLIT=resp_split, BLOCK_N=64, SKIP=skip_empty)
+    row_blocks = triton.cdiv(n_rows, m_rows)
+    if one_launch:
+        n_pre = n_groups * ng * row_blocks * p_splits
+        _parts_kernel[(n_pre + b * ng * r_splits,)](
+            q, pk, pv, index.rows, index.prefix_len, po, pml, rk, rv, index.resp_len, ro, rml, scale, q.stride(0),
+            q.stride(1), pk.stride(0), pk.stride(1), pk.stride(2), rk.stride(0), rk.stride(1), rk.stride(2), ng, s_max,
+            p_splits, r_splits, row_blocks, n_pre, REP=rep, PM=m_rows, RM=_pow2(rep, 16), D=d, PSPLIT=prefix_split,
+            RSPLIT=resp_split, BLOCK_N=64, SKIP=skip_empty)
+    else:
+        _prefix_kernel[(n_groups * ng, row_blocks, p_splits)](
+            q, pk, pv, index.rows, index.prefix_len, po, pml, scale, q.stride(0), q.stride(1),
+            pk.stride(0), pk.stride(1), pk.stride(2), ng, s_max, p_splits,
+            REP=rep, M=m_rows, D=d, SPLIT=prefix_split, BLOCK_N=64)
+        _resp_kernel[(b * ng, r_splits)](
+            q, rk, rv, index.resp_len, ro, rml, scale, q.stride(0), q.stride(1), rk.stride(0), rk.stride(1),
+            rk.stride(2), ng, r_splits, REP=rep, M=_pow2(rep, 16), D=d, SPLIT=resp_split, BLOCK_N=64, SKIP=skip_empty)
     out = torch.empty(b, nq, d, dtype=q.dtype, device=q.device)
     _merge_kernel[(b, nq)](po, pml, ro, rml, index.group, index.slot, out, out.stride(0), out.stride(1),
                            ng, s_max, p_splits, r_splits, REP=rep, D=d, PS=_pow2(p_splits), RS=_pow2(r_splits))
