@@ -2,10 +2,12 @@
 `small_m_gated` (linear_fc1 and the gated activation in one kernel) against `silu_mul` of either GEMM.
 
 On CPU under Triton's interpreter in fp32 (norm-relative 1e-5); on the GPU machine the compiled kernel in bf16
-(the design's 1e-2), with fresh random inputs of ragged sizes: rows 1..40 (one and several row blocks), K not a
-multiple of the K step, N not a multiple of the column block, one kernel and split K (2..5 splits, the last one
-short), with and without a bias. The split sum is in a fixed order, so two calls are bit-equal. Mutations: the last
-K split left out, and a bias added twice, each caught. `small_m_gated` equals `silu_mul(small_m_linear(...))` bit
+(the design's 1e-2), with fresh random inputs of ragged sizes: rows 1..130 (one and several row blocks), K not a
+multiple of the K step, N not a multiple of the column block, one kernel and split K (2..5 splits, some with a short
+last one), with and without a bias. The split sum is in a fixed order, so two calls are bit-equal. The bias is added
+after the GEMM's rounding, as megatron's linear adds it (bf16, an exactly summable GEMM: bit-equal to matmul then
+the add). Mutation: the last K split left out, caught; and the check tells a doubled bias from the right one.
+`small_m_gated` equals `silu_mul(small_m_linear(...))` bit
 for bit (the same sums, the same roundings; fp32 and bf16) and `silu_mul(F.linear(...))` within the tolerance;
 mutation: gate and up swapped.
 """
@@ -36,6 +38,7 @@ CASES = [  # rows, K, N, bias, split_k, block_n, block_k
     (8, 256, 48, False, 3, 16, 64),
     (20, 64, 33, True, 2, 32, 16),
     (40, 96, 20, True, 5, 16, 16),
+    (130, 300, 40, True, 3, 16, 32),  # three row blocks, a short last split
 ]
 
 
@@ -80,11 +83,38 @@ def test_mutation_short_split_fails(monkeypatch):
     assert _worst(split_cases) > 10 * TOL
 
 
-def test_mutation_bias_twice_fails():
+def test_the_check_tells_a_doubled_bias():
     rows, k, n, _, split, bn, bk = CASES[1]
     x, w, b = _case(3, rows, k, n, True)
     y = TL.small_m_linear(x, w, b, block_n=bn, block_k=bk, split_k=split)
     assert _rel(y, _ref(x, w, 2 * b)) > 10 * TOL  # the check tells a doubled bias from the right one
+
+
+@pytest.mark.parametrize("split", [1, 3])
+def test_the_bias_is_added_after_the_gemms_rounding(split):
+    """bf16 with small integer inputs (every product and sum exact in fp32): the GEMM's result is exact, so the only
+    rounding is where the bias goes: megatron's order (the GEMM rounded to bf16, then the bias added and rounded)
+    bit for bit, and not the fused order (the bias added to the fp32 sum, one rounding) on this case, which the two
+    tell apart."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randint(-8, 9, (5, 96), generator=g).to(DEV, torch.bfloat16)
+    w = torch.randint(-8, 9, (48, 96), generator=g).to(DEV, torch.bfloat16)
+    b = (torch.randn(48, generator=g) * 300).to(DEV, torch.bfloat16)
+    y = TL.small_m_linear(x, w, b, block_n=16, block_k=32, split_k=split)
+    exact = x.float() @ w.float().T  # integers below 2^24: exact
+    megatron = (exact.to(torch.bfloat16).float() + b.float()).to(torch.bfloat16)
+    fused = (exact + b.float()).to(torch.bfloat16)
+    assert not torch.equal(megatron, fused)  # the case separates the two orders
+    assert torch.equal(y, megatron)
+
+
+def test_bad_bias_is_refused():
+    x, w, _ = _case(0, 2, 64, 32, False)
+    for bias in (torch.zeros(31, device=DEV, dtype=DT), torch.zeros(32, device=DEV, dtype=torch.float64)):
+        with pytest.raises(ValueError, match="small_m_linear: bias"):
+            TL.small_m_linear(x, w, bias)
+    strided = torch.randn(64, device=DEV, dtype=DT)[::2]  # made contiguous, not read with the wrong stride
+    assert _rel(TL.small_m_linear(x, w, strided), _ref(x, w, strided)) < TOL
 
 
 @pytest.mark.parametrize("kw", [{"block_n": 24}, {"block_k": 8}, {"split_k": 0}])
@@ -96,7 +126,8 @@ def test_bad_arguments_are_refused(kw):
         TL.small_m_linear(x, w[:, :32])
 
 
-GATED = [(3, 100, 35, 1, 32, 32, 0.0), (8, 256, 24, 3, 16, 64, 0.5), (20, 64, 33, 2, 32, 16, 0.0)]  # rows, K, F, ...
+GATED = [(3, 100, 35, 1, 32, 32, 0.0), (8, 256, 24, 3, 16, 64, 0.5), (20, 64, 33, 2, 32, 16, 0.0),  # rows, K, F..
+         (70, 200, 20, 3, 16, 32, 0.0)]  # two row blocks, K not a multiple of the K step, a short last split
 
 
 def _gated_worst(dtype, swap=False, seed0=0):

@@ -122,8 +122,9 @@ def gemm_gap(module) -> str:
     bound rollout model's), no sequence parallelism, no gathered output, an input already split for a row one."""
     if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
         return f"{type(module).__name__} is not a megatron tensor-parallel linear"
-    if "forward" in vars(module):
-        return "its forward is replaced (split GEMMs or a bound rollout model)"
+    if "forward" in vars(module) or type(module).forward not in (ColumnParallelLinear.forward,
+                                                                 RowParallelLinear.forward):
+        return "its forward is not megatron's ColumnParallelLinear / RowParallelLinear one (split GEMMs, a subclass)"
     if module.weight is None or module.weight.stride(-1) != 1:
         return "no weight of its own with unit column stride"
     if module.sequence_parallel or getattr(module, "explicit_expert_comm", False):

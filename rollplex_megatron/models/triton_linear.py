@@ -3,7 +3,8 @@
 Legend: M = rows (the decode batch), K = input features, N = output features, S = K splits.
 
 At decode batch sizes the step's linears are matrix-vector products in all but name: every weight byte is read
-once for M <= 128 rows, so a linear costs its weight's bytes over the card's bandwidth. cuBLAS picks tiles made
+once per block of up to 64 rows (once a step at the tail's batch sizes), so a linear costs its weight's bytes
+over the card's bandwidth. cuBLAS picks tiles made
 for larger M (the step profile shows the 3B's linear_qkv and linear_proj at about half the H100's bound, and
 linear_fc2 as a split-K GEMM plus a separate reduce). `small_m_linear` tiles N finely (BLOCK_N columns a
 program), streams K in BLOCK_K steps, and with `split_k` > 1 lets S programs share a column block, each summing
@@ -33,7 +34,7 @@ def gemm_config(m: int, n: int, k: int) -> dict:
     """small_m_linear's tiling for an [m, k] x [n, k].T GEMM: 32 columns and 256 of K a step per program, K split
     until the launch has about TARGET_PROGRAMS programs (at most 8 splits, each at least two K steps)."""
     block_n, block_k = 32, 256
-    programs = triton.cdiv(n, block_n) * triton.cdiv(m, _block_m(m))
+    programs = max(1, triton.cdiv(n, block_n) * triton.cdiv(m, _block_m(m)))
     split = max(1, min(8, triton.cdiv(TARGET_PROGRAMS, programs), k // (2 * block_k)))
     return {"block_n": block_n, "block_k": block_k, "split_k": split}
 
@@ -186,6 +187,8 @@ def _block_m(m: int) -> int:
 
 def _check(x: torch.Tensor, weight: torch.Tensor, block_n: int, block_k: int, split_k: int, what: str):
     k = x.shape[-1]
+    if weight.dtype != x.dtype:
+        raise ValueError(f"{what}: weight {weight.dtype} and input {x.dtype} must share a dtype")
     if weight.shape[1] != k or weight.stride(1) != 1:
         raise ValueError(f"{what}: weight {tuple(weight.shape)} (unit column stride) does not take inputs of {k} "
                          f"features")
@@ -207,6 +210,10 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     """
     k, n = x.shape[-1], weight.shape[0]
     x2 = _check(x, weight, block_n, block_k, split_k, "small_m_linear")
+    if bias is not None:
+        if bias.shape != (n,) or bias.dtype != x.dtype:
+            raise ValueError(f"small_m_linear: bias {bias.dtype} {tuple(bias.shape)} must be {x.dtype} ({n},)")
+        bias = bias.contiguous()
     m = x2.shape[0]
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
     bm = _block_m(m)
