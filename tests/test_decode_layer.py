@@ -310,3 +310,38 @@ def test_train_refuses_a_decode_kernel_it_cannot_run_before_building_a_model(tmp
     assert "ValueError: rollout.layer_kernel=triton cannot run here: the decode attention is math" in err, err[-2000:]
     assert "in check_decode_settings" in err and "build_engine" not in err and "build_policy" not in err, err[-3000:]
     assert not runs.exists() or not any(runs.iterdir())
+
+
+def test_gemm_gap_keeps_forwards_it_does_not_reproduce():
+    """`gemm_gap` (decode_gemm=triton's guard): a plain column- or row-parallel linear is taken; a subclass with its
+    own forward (megatron's ColumnParallelLinearGathered gathers its output), a forward replaced on the instance
+    (the split-GEMM executor), a gathered output, sequence parallelism and a strided weight keep the module's
+    forward, each named."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    from rollplex_megatron.models.decode_layers import gemm_gap
+
+    def bare(cls, **attrs):
+        m = torch.nn.Module.__new__(cls)
+        torch.nn.Module.__init__(m)
+        m.weight = torch.nn.Parameter(torch.zeros(4, 8))
+        for k, v in ({"sequence_parallel": False, "explicit_expert_comm": False, "gather_output": False,
+                      "input_is_parallel": True} | attrs).items():
+            setattr(m, k, v)
+        return m
+
+    class Gathered(ColumnParallelLinear):
+        def forward(self, x):
+            return super().forward(x)
+
+    assert gemm_gap(bare(ColumnParallelLinear)) == "" and gemm_gap(bare(RowParallelLinear)) == ""
+    assert "not megatron's" in gemm_gap(bare(Gathered))
+    replaced = bare(RowParallelLinear)
+    replaced.forward = lambda x: (x, None)
+    assert "not megatron's" in gemm_gap(replaced)
+    assert gemm_gap(bare(ColumnParallelLinear, gather_output=True)) == "a gathered output"
+    assert gemm_gap(bare(RowParallelLinear, sequence_parallel=True)) == "sequence parallel or expert communication"
+    strided = bare(ColumnParallelLinear)
+    strided.weight = torch.nn.Parameter(torch.zeros(8, 4).t())
+    assert gemm_gap(strided) == "no weight of its own with unit column stride"
+    assert "not a megatron tensor-parallel linear" in gemm_gap(torch.nn.Linear(8, 4))
