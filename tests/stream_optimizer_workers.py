@@ -108,7 +108,7 @@ def _start() -> float:
 def _equal(runs) -> dict:
     """Bit-for-bit equality of the weights and of the optimizers' state dicts (masters, Adam states and steps)."""
     for *_, mm in runs:
-        mm.restore_all()  # the checkpoint writer's order: offloaded classes back before the state is read
+        mm.restore_all()  # offloaded classes back before the state is read
     (ma, _, _, oa, _), (mb, _, _, ob, _) = runs
     weights = all(torch.equal(a, b) for a, b in zip(ma.parameters(), mb.parameters()))
     return {"weights": weights, "state_dict": _same(oa.state_dict(), ob.state_dict())}

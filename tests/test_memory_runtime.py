@@ -455,3 +455,44 @@ def test_holding_a_class_that_held_nothing_waits_for_no_copy():
     with mm.holding(("main_weights",)):
         assert c.resident
     assert not c.resident
+
+
+def test_the_host_reader_gives_released_tensors_their_values():
+    """A checkpoint is written with released classes read from their host buffers (`host_reader`): views at storage
+    offsets inside one flat buffer (as megatron's masters are) and whole tensors read back their values from before
+    the release, a resident tensor its own; the device storage stays released. A class released without a host
+    copy is refused by name. Mutation: reading each view from its buffer's start (its storage offset dropped)."""
+    from types import SimpleNamespace
+
+    from rollplex_megatron.memory import manager as M
+
+    g = torch.Generator().manual_seed(5)
+    flat = torch.randn(100, generator=g)
+    main = [flat[:30].view(5, 6), flat[30:100].view(7, 10)]  # views into one storage
+    ref = [torch.randn(9, generator=g).to(torch.bfloat16), torch.randn(4, 3, generator=g).to(torch.bfloat16)]
+    want = {id(t): t.clone() for t in main + ref}
+    optimizer = SimpleNamespace(fp32_from_float16_groups=[main], optimizer=SimpleNamespace(state={}, param_groups=[]))
+    mm = M.MemoryManager(frozenset({"main_weights", "reference_weights"}), "rollplex",
+                         SimpleNamespace(buffers=[], expert_parallel_buffers=[]), optimizer,
+                         SimpleNamespace(parameters=lambda: ref))
+    mm.enter("rollout")  # rollplex's rollout: masters released, the reference held
+    mm.enter("update")  # the update: both released
+    assert all(t.untyped_storage().nbytes() == 0 for t in ref)
+    read = mm.host_reader()
+    assert all(torch.equal(read(t), want[id(t)]) for t in ref)  # the reference from its host copy
+    mm.enter("rollout")
+    assert all(t.untyped_storage().nbytes() == 0 for t in main)
+    read = mm.host_reader()
+    for t in main + ref:
+        assert torch.equal(read(t), want[id(t)])
+    assert all(t.untyped_storage().nbytes() == 0 for t in main)  # nothing came back
+    loose = torch.arange(3.0)
+    assert read(loose) is loose or torch.equal(read(loose), loose)
+    with pytest.MonkeyPatch.context() as mp:  # the mutation
+        mp.setattr(M, "_host_view", lambda h, t: h.view(t.dtype)[:t.numel()].view(t.shape))
+        wrong = mm.host_reader()
+        assert torch.equal(wrong(main[0]), want[id(main[0])])  # at offset 0 the mutant is right
+        assert not torch.equal(wrong(main[1]), want[id(main[1])])
+    mm.classes["main_weights"].host_valid = False
+    with pytest.raises(RuntimeError, match="memory class main_weights is released without a current host copy"):
+        mm.host_reader()

@@ -668,12 +668,16 @@ def test_a_resume_under_the_phase_plan_equals_the_uninterrupted_run(tmp_path):
     """memory.plan=phase releases the masters, Adam's states, the reference and the grads at start-up; a resume
     brings each group back only while its checkpoint state loads (`MemoryManager.holding`). 1 step + resume + 1
     equals 2 uninterrupted steps bit for bit (model, reference, masters and Adam's states of the last checkpoint).
-    Mutation: the load with nothing brought back writes into released storage and fails."""
+    Each save writes the released classes from their host copies (`MemoryManager.host_reader`): the phase plan's
+    checkpoints equal, bit for bit, those of memory.plan=keep, which holds everything on the device. Mutation: the
+    load with nothing brought back writes into released storage and fails."""
     plan = ["memory.plan=phase", "train.reference=always", "train.save_every=1"]
-    full, part = tmp_path / "full", tmp_path / "part"
-    a, b = _cmds(["train", *SMALL, *plan, "train.steps=2", f"train.out={full}"],
-                 ["train", *SMALL, *plan, "train.steps=1", f"train.out={part}"])
-    assert a.returncode == 0 and b.returncode == 0, (a.stderr[-3000:], b.stderr[-3000:])
+    full, part, keep = tmp_path / "full", tmp_path / "part", tmp_path / "keep"
+    a, b, c = _cmds(["train", *SMALL, *plan, "train.steps=2", f"train.out={full}"],
+                    ["train", *SMALL, *plan, "train.steps=1", f"train.out={part}"],
+                    ["train", *SMALL, *plan, "memory.plan=keep", "train.steps=2", f"train.out={keep}"])
+    assert a.returncode == 0 and b.returncode == 0 and c.returncode == 0, (a.stderr[-3000:], b.stderr[-3000:],
+                                                                           c.stderr[-3000:])
     p = _train(*plan, "train.steps=2", "train.resume=true", f"train.out={part}")
     assert p.returncode == 0, p.stderr[-3000:]
     states = [T.read_rank_state(T.latest_checkpoint(r) / T.rank_file_name(0)) for r in (full, part)]
@@ -684,9 +688,11 @@ def test_a_resume_under_the_phase_plan_equals_the_uninterrupted_run(tmp_path):
             return {key: x}
         items = x.items() if isinstance(x, dict) else enumerate(x) if isinstance(x, (list, tuple)) else ()
         return {k: v for i, y in items for k, v in flat(y, f"{key}/{i}").items()}
-    want, got = (flat({k: s[k] for k in ("model", "reference", "optimizer")}) for s in states)
-    assert want.keys() == got.keys() and len(want) > 10
+    kept = T.read_rank_state(T.latest_checkpoint(keep) / T.rank_file_name(0))
+    want, got, held = (flat({k: s[k] for k in ("model", "reference", "optimizer")}) for s in (*states, kept))
+    assert want.keys() == got.keys() == held.keys() and len(want) > 10
     assert [k for k in want if not torch.equal(want[k], got[k])] == []
+    assert [k for k in want if not torch.equal(want[k], held[k])] == []
     # the mutation: the load's classes left released
     from tests import memory_workers
 

@@ -252,18 +252,22 @@ def _publish(root: Path, tmp: Path, step: int, meta: dict) -> Path:
 
 
 def save_checkpoint(run_dir, step: int, model, reference, optimizer, extra: dict | None = None,
-                    config_yaml: str = "", data: dict | None = None) -> Path:
-    """Collective: write this rank's state and publish `step_<N>` atomically; returns its path."""
+                    config_yaml: str = "", data: dict | None = None, host=None) -> Path:
+    """Collective: write this rank's state and publish `step_<N>` atomically; returns its path. `host` (the memory
+    manager's `host_reader()`): each tensor of the model, reference and optimizer states is written from what it
+    returns, so classes the memory plan released are read from their host copies and never come back to the
+    device for the save."""
     root = Path(run_dir) / CHECKPOINTS
     extra_json = _extra_json(extra)  # before any file: a value JSON cannot hold is a bug of the caller
     tmp = _shared_tmp_dir(root, step)
     rank = dist.get_rank()
 
     def write_rank():
-        state = {"format": FORMAT, "model": _module(model).state_dict(),
-                 "reference": None if reference is None else _module(reference).state_dict(),
-                 "optimizer": optimizer.state_dict(), "step": int(step), "rng": rng_states(), "ranks": _ranks(),
-                 "extra_json": extra_json}
+        tensors = (lambda tree: _map_tensors(host, tree)) if host is not None else (lambda tree: tree)
+        state = {"format": FORMAT, "model": tensors(_module(model).state_dict()),
+                 "reference": None if reference is None else tensors(_module(reference).state_dict()),
+                 "optimizer": tensors(optimizer.state_dict()), "step": int(step), "rng": rng_states(),
+                 "ranks": _ranks(), "extra_json": extra_json}
         _save_rank_file(tmp / rank_file_name(rank), state)
 
     meta = {"format": FORMAT, "step": int(step), **_layout(), "config": config_yaml, "data": dict(data or {})}
@@ -277,6 +281,19 @@ def save_checkpoint(run_dir, step: int, model, reference, optimizer, extra: dict
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final if final is not None else root / step_dir_name(step)
+
+
+def _map_tensors(fn, tree):
+    """`tree` (dicts, lists, tuples) with every tensor replaced by fn(tensor)."""
+    if isinstance(tree, torch.Tensor):
+        return fn(tree)
+    if isinstance(tree, dict):
+        return type(tree)((k, _map_tensors(fn, v)) for k, v in tree.items())
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):  # a named tuple
+        return type(tree)(*(_map_tensors(fn, v) for v in tree))
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_map_tensors(fn, v) for v in tree)
+    return tree
 
 
 def _extra_json(extra: dict | None) -> str:

@@ -20,7 +20,8 @@ prefix keeps no graph (it is recomputed one group, or one pack of `workload.pref
 Offload: the device-to-host copy runs on a copy stream into persistent pinned host buffers, then
 the device storage is released (`resize_(0)`, so every view, optimizer reference and DDP bucket
 stays valid; reading a tensor of an offloaded class is invalid until it is back, so code outside
-the step calls `restore_all()` first, as the checkpoint writer does). The storage is marked as used by
+the step calls `restore_all()` first, or reads the host copies through `host_reader()`, as the checkpoint writer
+does, with no device memory for it). The storage is marked as used by
 the copy stream, so the caching allocator does not
 hand it out before the copy has finished. Prefetch: the storage is re-allocated on the compute
 stream, the host-to-device copy runs on the copy stream, and the compute stream waits on an event:
@@ -62,6 +63,12 @@ def _storages(tensors) -> list[torch.UntypedStorage]:
             seen.add(key)
             out.append(s)
     return out
+
+
+def _host_view(host: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """Tensor `t` (of a released storage) as a view of `host`, the flat uint8 host copy of that whole storage."""
+    flat = host.view(t.dtype)
+    return flat.as_strided(t.shape, t.stride(), flat.storage_offset() + t.storage_offset())
 
 
 def _bytes(storage: torch.UntypedStorage, device) -> torch.Tensor:
@@ -216,8 +223,30 @@ class MemoryManager:
                 if c is not None and c.resident and name in self.released:
                     self._offload(c)
 
+    def host_reader(self):
+        """A function giving a tensor's current values as a host tensor, for a checkpoint written without bringing
+        released classes back (a save point then needs no more device memory than the phase it follows): a tensor of
+        an offloaded class is read from that class's host buffer, once its copy there has finished; any other is
+        copied from the device (a CPU tensor: itself). A released class without a valid host copy (freed, not
+        copied) is refused by name."""
+        by_storage = {}
+        for c in self.classes.values():
+            if c.resident or not c.sizes:
+                continue
+            if not c.host_valid:
+                raise RuntimeError(f"memory class {c.name} is released without a current host copy; its values "
+                                   f"cannot be written")
+            if self.cuda and c.event is not None:
+                c.event.synchronize()
+            by_storage.update((s._cdata, h) for s, h in zip(_storages(c.tensors()), c.host))
+
+        def read(t: torch.Tensor) -> torch.Tensor:
+            h = by_storage.get(t.untyped_storage()._cdata)
+            return t.detach().cpu() if h is None else _host_view(h, t).clone()
+        return read
+
     def restore_all(self) -> None:
-        """Every class back on the device (before a checkpoint is written)."""
+        """Every class back on the device."""
         for c in self.classes.values():
             if not c.resident:
                 self._prefetch(c)

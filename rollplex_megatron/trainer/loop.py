@@ -176,10 +176,10 @@ def train_rank(cfg: RunConfig) -> dict:
             stop = preempt.agreed(rt.dev)
             every = cfg.train.save_every and (step + 1) % cfg.train.save_every == 0
             if (last and cfg.train.save_final) or stop or every:
-                rt.memory.restore_all()  # offloaded classes come back before their state is written
+                # released classes are written from their host copies (no device memory past the last phase's)
                 train_state.save_checkpoint(run, step + 1, rt.ddp.module, rt.ref, rt.optimizer,
                                             {"lr_scheduler": rt.scheduler.state_dict(), "data_cursor": rt.data_cursor},
-                                            to_yaml(cfg), data_prints)
+                                            to_yaml(cfg), data_prints, host=rt.memory.host_reader())
             if stop:  # every rank agreed: the launcher starts nothing after this run either
                 stopped = step + 1
                 break
