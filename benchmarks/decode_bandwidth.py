@@ -31,7 +31,7 @@ from rollplex_megatron.recipes import load_run_config  # noqa: E402
 
 CLASSES = (  # (class, pattern on the kernel's name), first match wins
     ("gemm", r"nvjet|gemm|cutlass|splitKreduce|^_sml_"),  # _sml_: models/triton_linear.py (decode_gemm=triton)
-    ("attention", r"^_prefix_kernel|^_resp_kernel|^_merge_kernel"),
+    ("attention", r"^_prefix_kernel|^_resp_kernel|^_merge_kernel|^_parts_kernel"),
     ("rope_cache_write", r"^_rope_write_kernel"),
     ("norm_glue", r"^_add_rms_norm|^_rms_norm|^_silu_mul|CUDAFunctor_add<c10::BFloat16>"),
     ("sampling", r"^_sample"),

@@ -35,9 +35,10 @@ def main() -> int:
                          "(megatron's layer modules instead of the fused layer path, models/decode_layers.py; "
                          "norope and nonorm turn it off too), noskip (the Triton response kernel runs the key blocks "
                          "past each sample's length masked instead of skipping them, attention/triton_decode.py "
-                         "skip_empty=False), gemm (rollout.decode_gemm=triton: the layer path's GEMMs as "
-                         "models/triton_linear.py's kernels at steps of at most 32 samples), onelaunch (the "
-                         "attention's prefix and response programs in one kernel, one_launch)")
+                         "skip_empty=False), gated / all (rollout.decode_gemm: the layer path's fc1 and activation, or "
+                         "every layer GEMM, as models/triton_linear.py's kernels at steps of at most 32 samples), "
+                         "threelaunch (the "
+                         "attention's prefix and response programs in kernels of their own, one_launch=False)")
     ap.add_argument("--cases", default="shared_16x8,shared_8x8,shared_8x1,unshared_128x1",
                     help="name_GROUPSxSAMPLES: groups sharing one prefix each, samples per group")
     ap.add_argument("--split-halves", action="store_true",
@@ -81,11 +82,11 @@ def main() -> int:
             split_halves(model, a.split_only)
         skip = "noskip" not in opt.split("+")
         embedded.triton_shared_prefix_decode_attention = partial(triton_shared_prefix_decode_attention, skip_empty=skip,
-                                                                 one_launch="onelaunch" in opt.split("+"))
+                                                                 one_launch="threelaunch" not in opt.split("+"))
         eng = EmbeddedEngine(model, cfg, 4096, a.max_new, kv_cache_gib=60.0, decode_attention=impl,
                              sampling_kernel=samp, fused_rope="norope" not in opt, fused_norm="nonorm" not in opt,
                              fused_layer="nolayer" not in opt,
-                             decode_gemm="triton" if "gemm" in opt.split("+") else "torch")
+                             decode_gemm=next((g for g in ("gated", "all") if g in opt.split("+")), "torch"))
         store = KVStore(leaves={(layer, g): kv for (layer, _), kv in one.leaves.items() for g in range(groups)})
         reqs = [RolloutRequest(prompt, n, a.max_new, (), seed=g) for g in range(groups)]
         cache = DecodeCache.for_wave(store, list(range(groups)), [n] * groups, a.max_new, dtype)
@@ -112,7 +113,7 @@ def main() -> int:
                       "fused_norm": eng.fused_norm, "fused_layer": eng.fused_layer, "layer_error": eng.layer_error,
                       "decode_gemm": eng.decode_gemm,
                       "skip_empty_response_blocks": skip and impl == "triton",
-                      "one_launch_attention": "onelaunch" in opt.split("+") and impl == "triton",
+                      "one_launch_attention": "threelaunch" not in opt.split("+") and impl == "triton",
                       "step_ms": step_ms,
                       "kernel_ms_per_step": total, "kernels_per_step": sum(e.count for e in kernels) / 3,
                       "cuda_graphs": eng.cuda_graphs, "graph_error": eng.graph_error, "window": key[2],

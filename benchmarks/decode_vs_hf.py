@@ -145,8 +145,8 @@ def run_engine(model, cfg, ps, G: int, new_tokens: int, shared: bool, kv_gib: fl
     (rollout.keep_decode_state) and warms up on the same requests, so the timed rollout replays the warm-up's
     graphs (its capture_s is what a later rollout of a training run pays). `opts` (joined by +): nolayer
     (megatron's layer modules instead of the fused layer path), noskip (the Triton response kernel runs the key
-    blocks past each sample's length masked instead of skipping them), gemm (rollout.decode_gemm=triton),
-    onelaunch (the attention's two parts in one kernel, one_launch)."""
+    blocks past each sample's length masked instead of skipping them), gated / all (rollout.decode_gemm),
+    threelaunch (the attention's two parts in kernels of their own, one_launch=False)."""
     from rollplex_megatron.attention.triton_decode import triton_shared_prefix_decode_attention
     from rollplex_megatron.rollout import embedded
     from rollplex_megatron.rollout.engine import RolloutRequest
@@ -154,12 +154,12 @@ def run_engine(model, cfg, ps, G: int, new_tokens: int, shared: bool, kv_gib: fl
 
     embedded.triton_shared_prefix_decode_attention = partial(triton_shared_prefix_decode_attention,
                                                              skip_empty="noskip" not in opts.split("+"),
-                                                             one_launch="onelaunch" in opts.split("+"))
+                                                             one_launch="threelaunch" not in opts.split("+"))
     eng = embedded.EmbeddedEngine(model, cfg, max_prompt_len=max(p.input_ids.numel() for p in ps),
                                   max_response_len=new_tokens, kv_cache_gib=kv_gib, cuda_graphs=graphs,
                                   decode_attention=attention, sampling_kernel=sampling, keep_decode_state=kept,
                                   fused_layer="nolayer" not in opts,
-                                  decode_gemm="triton" if "gemm" in opts.split("+") else "torch")
+                                  decode_gemm=next((g for g in ("gated", "all") if g in opts.split("+")), "torch"))
     if shared:
         reqs = [RolloutRequest(p, G, new_tokens, (), seed=i) for i, p in enumerate(ps)]
     else:
@@ -177,7 +177,7 @@ def run_engine(model, cfg, ps, G: int, new_tokens: int, shared: bool, kv_gib: fl
     return {"total_s": total, "prefill_s": st["prefill_s"], "decode_s": st["decode_s"], "waves": st["waves"],
             "decode_steps": st["decode_steps"], "decode_attention": eng.attention, "sampling_kernel": st["sampling"],
             "fused_rope": eng.fused_rope, "fused_norm": eng.fused_norm, "fused_layer": eng.fused_layer,
-            "decode_gemm": eng.decode_gemm, "one_launch_attention": "onelaunch" in opts.split("+"),
+            "decode_gemm": eng.decode_gemm, "one_launch_attention": "threelaunch" not in opts.split("+"),
             "skip_empty_response_blocks": "noskip" not in opts.split("+") and eng.attention == "triton",
             "cuda_graphs": eng.cuda_graphs, "graph_error": eng.graph_error,
             "graphs_captured": st["graphs_captured"],
@@ -200,8 +200,9 @@ def main() -> int:
                     help="engine_shared runs the first decode_attention:sampling_kernel[:opts] path; each further "
                          "one runs as engine_shared_<attention>_<sampling>[_<opts>] in the same run (e.g. "
                          "triton:triton,triton:triton:nolayer,flash:torch); opts joined by +: nolayer (megatron's "
-                         "layer modules), noskip (the response kernel runs the blocks past each length masked), gemm "
-                         "(rollout.decode_gemm=triton), onelaunch (the attention in one kernel)")
+                         "layer modules), noskip (the response kernel runs the blocks past each length masked), "
+                         "gated / all (rollout.decode_gemm), threelaunch (the attention's parts in kernels of their "
+                         "own)")
     ap.add_argument("--only-paths", action="store_true", help="skip the unshared, eager, math and hf runs")
     ap.add_argument("--kept", action="store_true",
                     help="also the first path with rollout.keep_decode_state (a rollout after one of the same shape)")

@@ -421,10 +421,12 @@ class RolloutConfig:
                                 "between them fused, 13 kernels a layer for 18; bf16 bit-equal to modules; needs "
                                 "decode_attention=triton and pp=1) | auto (triton where it can run, else modules)",
                                 resumable=True)
-    decode_gemm: str = setting("torch", "the decode step's layer GEMMs on the fused layer path: torch (the linear "
-                               "modules' cuBLAS GEMMs) | triton (models/triton_linear.py's small_m_linear at steps of "
-                               "at most 32 samples, the modules above: within rounding of torch's, not bit-equal; "
-                               "needs the fused layer path, rollout.layer_kernel)", resumable=True)
+    decode_gemm: str = setting("torch", "the decode step's layer GEMMs on the fused layer path, at steps of at most "
+                               "32 samples (the modules above): torch (the linear modules' cuBLAS GEMMs) | gated "
+                               "(linear_fc1 and the gated activation as one Triton kernel, models/triton_linear.py "
+                               "small_m_gated; the others cuBLAS) | all (also linear_qkv, linear_proj and linear_fc2 "
+                               "as small_m_linear). Within rounding of torch's, not bit-equal; needs the fused layer "
+                               "path (rollout.layer_kernel)", resumable=True)
     length_dist: str = setting("", '"" (off: the model stops) | lognormal: for benchmarks on random weights, which '
                                "never stop by themselves, each request's maximum length is drawn (mean length_mean, "
                                "log-std length_sigma, capped at the source's maximum) from a seeded stream and stop "
@@ -474,10 +476,11 @@ class RolloutConfig:
             raise ValueError(f"rollout.sampling_kernel must be auto, triton or torch, got {self.sampling_kernel!r}")
         if self.layer_kernel not in ("auto", "modules", "triton"):
             raise ValueError(f"rollout.layer_kernel must be auto, modules or triton, got {self.layer_kernel!r}")
-        if self.decode_gemm not in ("torch", "triton"):
-            raise ValueError(f"rollout.decode_gemm must be torch or triton, got {self.decode_gemm!r}")
-        if self.decode_gemm == "triton" and self.layer_kernel == "modules":
-            raise ValueError("rollout.decode_gemm=triton runs on the fused layer path, which rollout.layer_kernel="
+        if self.decode_gemm not in ("torch", "gated", "all"):
+            raise ValueError(f"rollout.decode_gemm must be torch, gated or all, got {self.decode_gemm!r}")
+        if self.decode_gemm != "torch" and self.layer_kernel == "modules":
+            raise ValueError(f"rollout.decode_gemm={self.decode_gemm} runs on the fused layer path, which "
+                             "rollout.layer_kernel="
                              "modules turns off: set rollout.layer_kernel=auto (or triton), or "
                              "rollout.decode_gemm=torch")
         check_sampling_kernel(self.sampling_kernel, self.top_k, self.top_p, "rollout.top_k/top_p")

@@ -60,7 +60,7 @@ def requests(n_req: int = 2, longer: int = 0) -> list[RolloutRequest]:
 @contextmanager
 def counted_kernels(counts: dict):
     """Count the fused layer path's kernel calls (`decode_layers`' add_rms_norm, silu_mul, Qwen3's grouped query
-    norm and, under decode_gemm=triton, small_m_linear and small_m_gated) within the block."""
+    norm and, under a Triton decode_gemm, small_m_linear and small_m_gated) within the block."""
     own = {name: getattr(DL, name) for name in ("add_rms_norm", "silu_mul", "triton_rms_norm_grouped",
                                                 "small_m_linear", "small_m_gated")}
     for name, fn in own.items():

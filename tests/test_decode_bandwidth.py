@@ -16,9 +16,10 @@ DB = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(DB)
 
 
-@pytest.fixture(scope="module")
-def recorded():
-    out = json.loads((RESULTS / "decode_bandwidth_h100_1198c06.json").read_text())
+@pytest.fixture(scope="module",
+                params=["decode_bandwidth_h100_1198c06.json", "decode_bandwidth_gemm_h100_d21eb1e.json"])
+def recorded(request):
+    out = json.loads((RESULTS / request.param).read_text())
     return out, json.loads((RESULTS / out["profile"]).read_text())
 
 

@@ -11,8 +11,8 @@ tests/test_gpu_decode.py.
   log-probs within 1e-6, and fp32 equal to the full-recompute loop (docs/design.md §3); the fused kernels ran 2 and
   1 times a layer a step; a model setting the walk does not reproduce keeps the module path; mutation: the
   add-and-norm kernel dropping the residual changes the rollout; TP=2 (gloo, two ranks): fused equals modules.
-- `rollout.decode_gemm=triton` (models/triton_linear.py: linear_qkv, linear_proj and linear_fc2 as small_m_linear,
-  linear_fc1 with the activation as small_m_gated, at every layer of every step): fp32
+- `rollout.decode_gemm=all` (models/triton_linear.py: linear_qkv, linear_proj and linear_fc2 as small_m_linear,
+  linear_fc1 with the activation as small_m_gated, at every layer of every step) and `gated` (small_m_gated only): fp32
   decode of both families equals the module path within GEMM rounding and the full-recompute loop, at TP 1 and TP 2
   (the row-parallel all-reduce done by decode_layers); mutation: the GEMM dropping linear_qkv's bias changes the
   rollout; the setting is refused with layer_kernel=modules and where the layer path cannot run.
@@ -39,7 +39,7 @@ PARAMS = SamplingParams(0.9)
 ENGINE_DTYPES = ("bfloat16",) if GPU else ("float32", "bfloat16")
 FP32_ON_CPU = "fp32 decode with the Triton attention runs under the interpreter on CPU only (the CPU suite runs it)"
 FP32_TOL = 1e-6  # fused vs modules in fp32: silu's exp is numpy's under the interpreter, torch's is Sleef's (an ulp)
-GEMM_TOL = 1e-5  # decode_gemm=triton vs modules in fp32: the GEMMs sum in another order (docs/design.md §3)
+GEMM_TOL = 1e-5  # a Triton decode_gemm vs modules in fp32: the GEMMs sum in another order (docs/design.md §3)
 
 
 def _add_norm_case(dtype, seed=0, rows=9, h=320):
@@ -144,9 +144,10 @@ def one_rank():
     calls["qwen25", "no_add"] = (W.decode_paths, ("qwen25", "bfloat16", PARAMS, 1, "no_add", False, (True,)))
     if not GPU:  # the GEMM's bf16 twin is tests/test_triton_linear.py on the GPU machine (tokens may part in bf16)
         for fam in W.FAMILIES:
-            calls[fam, "gemm"] = (W.decode_paths, (fam, "float32", PARAMS, 1, "", True, (True, False), 0, "triton"))
+            calls[fam, "gemm"] = (W.decode_paths, (fam, "float32", PARAMS, 1, "", True, (True, False), 0, "all"))
         calls["qwen25", "gemm_no_bias"] = (W.decode_paths, ("qwen25", "float32", PARAMS, 1, "gemm_no_bias", False,
-                                                             (True,), 0, "triton"))
+                                                             (True,), 0, "all"))
+        calls["qwen3", "gated"] = (W.decode_paths, ("qwen3", "float32", PARAMS, 1, "", True, (True,), 0, "gated"))
     calls["unsupported", ""] = (W.unsupported_setting, ())
     calls["setting", ""] = (W.layer_kernel_setting, ())
     return run_local(in_turn, 1, calls)[0]
@@ -199,19 +200,21 @@ GEMM_ON_CPU = pytest.mark.skipif(GPU, reason="fp32 engine decode with the Triton
                                 "(interpreter); the GEMM's GPU test is tests/test_triton_linear.py")
 
 
-def _gemm_ran(res) -> None:
+def _gemm_ran(res, gemm="all") -> None:
     on = res[True]
     n = on["steps"] * on["layers"]
-    assert (on["gemm"], res[False]["gemm"]) == ("triton", "torch") and n > 0
-    assert (on["calls"].get("small_m_linear"), on["calls"].get("small_m_gated")) == (3 * n, n), on["calls"]
+    assert on["gemm"] == gemm and n > 0
+    want = (3 * n if gemm == "all" else None, n)
+    assert (on["calls"].get("small_m_linear"), on["calls"].get("small_m_gated")) == want, on["calls"]
     assert "silu_mul" not in on["calls"] and on["calls"]["add_rms_norm"] == 2 * n, on["calls"]
-    assert not {"small_m_linear", "small_m_gated"} & set(res[False]["calls"])
+    if False in res:
+        assert res[False]["gemm"] == "torch" and not {"small_m_linear", "small_m_gated"} & set(res[False]["calls"])
 
 
 @GEMM_ON_CPU
 @pytest.mark.parametrize("family", list(W.FAMILIES))
 def test_decode_gemm_triton_equals_the_module_path(one_rank, family):
-    """decode_gemm=triton: small_m_linear ran for linear_qkv, linear_proj and linear_fc2, small_m_gated for
+    """decode_gemm=all: small_m_linear ran for linear_qkv, linear_proj and linear_fc2, small_m_gated for
     linear_fc1 and the activation, at every layer of every step; the same tokens as the modules, log-probs within
     GEMM_TOL, and the full-recompute loop's."""
     res = case(one_rank, (family, "gemm"))
@@ -222,6 +225,15 @@ def test_decode_gemm_triton_equals_the_module_path(one_rank, family):
 
 
 @GEMM_ON_CPU
+@GEMM_ON_CPU
+def test_decode_gemm_gated_runs_only_the_gated_kernel(one_rank):
+    """decode_gemm=gated: small_m_gated for linear_fc1 and the activation at every layer of every step, no
+    small_m_linear (the other linears on cuBLAS); the full-recompute loop's tokens and log-probs."""
+    res = case(one_rank, ("qwen3", "gated"))
+    _gemm_ran(res, "gated")
+    _same(res[True]["results"], res["reference"])
+
+
 def test_decode_gemm_without_the_bias_is_detected(one_rank):
     """Mutation of the test above: small_m_linear called without linear_qkv's bias; the rollout changes."""
     res, modules = case(one_rank, ("qwen25", "gemm_no_bias")), case(one_rank, ("qwen25", "gemm"))[False]["results"]
@@ -235,14 +247,14 @@ def test_fused_layer_decode_tp2_equals_the_module_path():
     all-reduces run inside linear_proj and linear_fc2 as in the modules), and the ranks agree."""
     calls = {(fam, dt, "torch"): (W.decode_paths, (fam, dt, PARAMS, 2)) for fam, dt in (("qwen25", "bfloat16"),
                                                                                          ("qwen3", "float32"))}
-    if not GPU:  # decode_gemm=triton: the row-parallel linears' all-reduce by decode_layers
-        calls["qwen25", "float32", "triton"] = (W.decode_paths, ("qwen25", "float32", PARAMS, 2, "", False,
-                                                                 (True, False), 0, "triton"))
+    if not GPU:  # decode_gemm=all: the row-parallel linears' all-reduce by decode_layers
+        calls["qwen25", "float32", "all"] = (W.decode_paths, ("qwen25", "float32", PARAMS, 2, "", False,
+                                                              (True, False), 0, "all"))
     ranks = run_local(in_turn, 2, calls, False)
     for key in calls:
         a, b = cases(ranks, key)
         for res in (a, b):
-            if key[2] == "triton":
+            if key[2] == "all":
                 _gemm_ran(res)
                 _same(res[True]["results"], res[False]["results"], GEMM_TOL)
                 continue
@@ -279,12 +291,14 @@ def test_decode_kernel_settings_are_checked_before_any_model(monkeypatch):
     assert refused("rollout.decode_attention=triton", "rollout.layer_kernel=triton", "parallel.pp=2") == (
         "rollout.layer_kernel=triton cannot run here: parallel.pp=2 (it needs 1); use rollout.layer_kernel=modules")
     embedded.check_decode_settings(load_run_config(["rollout.decode_attention=triton", "rollout.layer_kernel=triton"]))
-    gemm = refused("rollout.decode_attention=math", "rollout.decode_gemm=triton")
-    assert gemm.startswith("rollout.decode_gemm=triton cannot run here: the decode attention is math"), gemm
+    gemm = refused("rollout.decode_attention=math", "rollout.decode_gemm=gated")
+    assert gemm.startswith("rollout.decode_gemm=gated cannot run here: the decode attention is math"), gemm
     assert gemm.endswith("; use rollout.decode_gemm=torch"), gemm
-    with pytest.raises(ValueError, match="rollout.decode_gemm=triton runs on the fused layer path"):
-        load_run_config(["rollout.decode_gemm=triton", "rollout.layer_kernel=modules"])
-    embedded.check_decode_settings(load_run_config(["rollout.decode_attention=triton", "rollout.decode_gemm=triton"]))
+    with pytest.raises(ValueError, match="rollout.decode_gemm=all runs on the fused layer path"):
+        load_run_config(["rollout.decode_gemm=all", "rollout.layer_kernel=modules"])
+    with pytest.raises(ValueError, match="rollout.decode_gemm must be torch, gated or all"):
+        load_run_config(["rollout.decode_gemm=triton"])
+    embedded.check_decode_settings(load_run_config(["rollout.decode_attention=triton", "rollout.decode_gemm=all"]))
     if not GPU:
         assert refused("rollout.decode_attention=flash").startswith("rollout.decode_attention=flash needs CUDA")
         monkeypatch.setattr(embedded, "TRITON_INTERPRET", False)  # a user's CPU run: no interpreter
@@ -313,7 +327,7 @@ def test_train_refuses_a_decode_kernel_it_cannot_run_before_building_a_model(tmp
 
 
 def test_gemm_gap_keeps_forwards_it_does_not_reproduce():
-    """`gemm_gap` (decode_gemm=triton's guard): a plain column- or row-parallel linear is taken; a subclass with its
+    """`gemm_gap` (the Triton decode_gemm's guard): a plain column- or row-parallel linear is taken; a subclass with its
     own forward (megatron's ColumnParallelLinearGathered gathers its output), a forward replaced on the instance
     (the split-GEMM executor), a gathered output, sequence parallelism and a strided weight keep the module's
     forward, each named."""

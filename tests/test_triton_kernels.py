@@ -557,13 +557,13 @@ def test_one_launch_gives_the_three_launch_bits(splits, tmp_path, monkeypatch):
     idx = triton_index(c["group"], slot, s_max, c["plen"], c["rlen"])
     run = lambda **k: triton_shared_prefix_decode_attention(c["q"], c["pk"], c["pv"], c["rk"], c["rv"], idx,  # noqa
                                                             None, prefix_split=splits[0], resp_split=splits[1], **k)
-    one, three = run(one_launch=True), run()
+    one, three = run(), run(one_launch=False)
     assert torch.equal(one, three)
     assert _rel(one, _reference(c)) < TOL
     mutant = _mutant(tmp_path, triton_decode._parts_kernel, "sp = pid % p_splits", "sp = 0",
                      "from rollplex_megatron.attention.triton_decode import _prefix_part, _resp_part")
     monkeypatch.setattr(triton_decode, "_parts_kernel", mutant)
-    assert not torch.equal(run(one_launch=True), three)
+    assert not torch.equal(run(), three)
 
 
 def test_the_kernel_shapes_benchmark_runs_its_attention_rows():

@@ -19,10 +19,13 @@ each, where megatron's `get_query_key_value_tensors` copies the queries and torc
 seven kernels per norm; the module path of a decode step runs the same norm kernel, `rollout/triton_norm.py`).
 Left as it is: linear_qkv's bias add (inside the module, which a second thread's prefix stage shares).
 
-The GEMMs: the modules' own (cuBLAS), or with `rollout.decode_gemm=triton` (the context's `gemm`) at most
-`SMALL_M` samples a step `models/triton_linear.py`'s `small_m_linear` on each module's weight, with the module's
-bias (and linear_qkv's bias add with it, in the module's rounding order) and its TP all-reduce, linear_fc1 with
-the gated activation in the same kernel (`small_m_gated`; a split K adds a reducing kernel); a module that
+The GEMMs: the modules' own (cuBLAS), or at steps of at most `SMALL_M` samples Triton kernels
+(`models/triton_linear.py`) by `rollout.decode_gemm` (the context's `gemm`): `gated`, linear_fc1 with the gated
+activation in one kernel (`small_m_gated`: on an H100 at batch 8 32.7 us a layer against cuBLAS and the
+activation's 36.5, `decode_kernel_shapes_h100_d21eb1e.json`); `all`, also linear_qkv, linear_proj and linear_fc2 as
+`small_m_linear` on each module's weight, with the module's bias (linear_qkv's bias add with it, in the module's
+rounding order) and its TP all-reduce (there cuBLAS was as fast or faster: 6.5 against 7.4 us for linear_qkv, 19.9
+against 20.5 for linear_fc2); a module that
 is not a plain TP linear (the split-GEMM executor's, sequence parallel, a gathered output) keeps its forward.
 That GEMM sums in another order than cuBLAS, so the step equals the modules' within rounding, not bit for bit.
 
@@ -40,7 +43,7 @@ from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_para
 from megatron.core.transformer.mlp import MLP
 
 from rollplex_megatron.models.triton_layer import add_rms_norm, silu_mul
-from rollplex_megatron.models.triton_linear import SMALL_M, gemm_config, small_m_gated, small_m_linear
+from rollplex_megatron.models.triton_linear import GATED_CONFIG, SMALL_M, gemm_config, small_m_gated, small_m_linear
 from rollplex_megatron.models.triton_norm import default_eps, triton_rms_norm, triton_rms_norm_grouped
 
 
@@ -84,26 +87,25 @@ def _split_qkv(attn, x_1BH, ctx=None):
 
 def _mlp(mlp, x_1BH, ctx=None):
     """megatron's gated MLP: linear_fc1, silu(gate) * (up + glu_linear_offset) in one kernel, linear_fc2; under
-    `_gemm_on` linear_fc1 and the activation as one kernel (`small_m_gated`, the same bits as small_m_linear then
-    silu_mul)."""
+    decode_gemm gated or all linear_fc1 and the activation as one kernel (`small_m_gated`, the same bits as
+    small_m_linear then silu_mul)."""
     fc1, offset = mlp.linear_fc1, mlp.config.glu_linear_offset
-    if _gemm_on(fc1, x_1BH, ctx) and (fc1.bias is None or fc1.skip_bias_add):
-        w = fc1.weight
-        act = small_m_gated(x_1BH, w, offset, **gemm_config(x_1BH.numel() // x_1BH.shape[-1], w.shape[0] // 2,
-                                                             w.shape[1]))
+    if _gemm_on(fc1, x_1BH, ctx, ("gated", "all")) and (fc1.bias is None or fc1.skip_bias_add):
+        act = small_m_gated(x_1BH, fc1.weight, offset, **GATED_CONFIG)
     else:
         act = silu_mul(_linear(fc1, x_1BH, ctx), offset)
     return _linear(mlp.linear_fc2, act, ctx)
 
 
-def _gemm_on(module, x, ctx) -> bool:
-    """Whether `module` runs as small_m_linear: the context's gemm is triton, at most SMALL_M rows, no gemm_gap."""
-    return getattr(ctx, "gemm", "torch") == "triton" and x.numel() // x.shape[-1] <= SMALL_M and not gemm_gap(module)
+def _gemm_on(module, x, ctx, choices=("all",)) -> bool:
+    """Whether `module` runs as a Triton kernel: the context's gemm is one of `choices`, at most SMALL_M rows, no
+    gemm_gap."""
+    return getattr(ctx, "gemm", "torch") in choices and x.numel() // x.shape[-1] <= SMALL_M and not gemm_gap(module)
 
 
 def _linear(module, x, ctx):
     """module(x)'s output (its bias added, as the forward adds it where it does not skip it): the module's forward,
-    or under the context's `gemm == "triton"` and at most SMALL_M rows `small_m_linear` on its weight (see the
+    or under the context's `gemm == "all"` and at most SMALL_M rows `small_m_linear` on its weight (see the
     module doc), where `gemm_gap(module)` is empty."""
     if not _gemm_on(module, x, ctx):
         return module(x)[0]
@@ -117,7 +119,7 @@ def _linear(module, x, ctx):
 
 
 def gemm_gap(module) -> str:
-    """Why `_linear` runs `module`'s own forward under `decode_gemm=triton`, or "" where small_m_linear computes it:
+    """Why `module` runs its own forward under a Triton decode_gemm, or "" where the Triton kernel computes it:
     a column- or row-parallel linear with its own weight, its class's forward (not the split-GEMM executor's or a
     bound rollout model's), no sequence parallelism, no gathered output, an input already split for a row one."""
     if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):

@@ -26,7 +26,10 @@ from rollplex_megatron.attention.triton_decode import INTERPRET
 from rollplex_megatron.models.triton_layer import _bits, _exp, _f32, _r32
 from rollplex_megatron.models.triton_norm import _cast, _rne_bf16
 
-SMALL_M = 32  # rows up to which the decode step may take small_m_linear (rollout.decode_gemm=triton)
+SMALL_M = 32  # rows up to which the decode step may take these kernels (rollout.decode_gemm)
+# small_m_gated's tiling on the decode path: the fastest of decode_kernel_shapes.py's at the 3B's linear_fc1 on an H100
+# at batch 8 (32.7 us; cuBLAS then silu_mul 36.5 us; decode_kernel_shapes_h100_d21eb1e.json)
+GATED_CONFIG = {"block_n": 32, "block_k": 128, "split_k": 1}
 TARGET_PROGRAMS = 264  # programs a launch aims at (two per SM of an H100 / H200, 132 SMs)
 
 

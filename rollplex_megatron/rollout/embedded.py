@@ -148,7 +148,7 @@ class DecodeContext(AttentionContext):
     flash: FlashIndex | None = None  # varlen offsets when decode attention runs on flash kernels
     triton: TritonIndex | None = None  # indices when decode attention runs on the Triton kernels
     rope: torch.Tensor | None = None  # [n, D] rotary angles when the attention applies RoPE (forward_decode)
-    gemm: str = "torch"  # the fused layer path's GEMMs: torch (the modules') | triton (models/decode_layers.py)
+    gemm: str = "torch"  # the fused layer path's GEMMs: torch (the modules') | gated | all (models/decode_layers.py)
 
     part = None  # decode steps record no phase part (an eager step per layer would cost two timing events)
 
@@ -234,7 +234,7 @@ class EmbeddedEngine:
         # what the modules do; its norms are the fused norm's arithmetic, so it goes with fused_rope and fused_norm
         self.layer_error = decode_layers_unsupported(unwrap(model)) if self.fused_rope and self.fused_norm else ""
         self.fused_layer = self.fused_rope and self.fused_norm and fused_layer and not self.layer_error
-        self.decode_gemm = decode_gemm if self.fused_layer else "torch"  # small_m_linear rides the fused layer path
+        self.decode_gemm = decode_gemm if self.fused_layer else "torch"  # the Triton GEMMs ride the fused layer path
         self.graph_error = ""  # why CUDA-graph decode was turned off, if it was
         if self.cuda_graphs and self.pp > 1:  # the stage-to-stage sends are not captured
             self.cuda_graphs = False
@@ -254,9 +254,9 @@ class EmbeddedEngine:
                   prefix_pack_tokens=cfg.workload.prefix_pack_tokens, actor_pack_tokens=actor_pack_tokens,
                   keep_decode_state=r.keep_decode_state, pack_splits=cfg.train.ppo_mini_batches,
                   decode_gemm=r.decode_gemm)
-        if (r.layer_kernel == "triton" or r.decode_gemm == "triton") and not eng.fused_layer:
-            _layer_kernel_refused(eng.layer_error or _layer_path_needs(eng.attention, eng.pp),
-                                  "decode_gemm" if r.layer_kernel != "triton" else "layer_kernel")
+        if (r.layer_kernel == "triton" or r.decode_gemm != "torch") and not eng.fused_layer:
+            name = "layer_kernel" if r.layer_kernel == "triton" else "decode_gemm"
+            _layer_kernel_refused(eng.layer_error or _layer_path_needs(eng.attention, eng.pp), name, getattr(r, name))
         return eng
 
     def generate(self, requests: list[RolloutRequest], params: SamplingParams,
@@ -430,9 +430,9 @@ def check_decode_settings(cfg) -> None:
     r, dev = cfg.rollout, device()
     attention = _decode_attention(r.decode_attention, getattr(torch, cfg.dtype), dev, cfg.model.head_dim)
     _check_sampling_kernel(r.sampling_kernel, dev)
-    for name in ("layer_kernel", "decode_gemm"):
-        if getattr(r, name) == "triton" and (attention != "triton" or cfg.parallel.pp > 1):
-            _layer_kernel_refused(_layer_path_needs(attention, cfg.parallel.pp), name)
+    for name, off in (("layer_kernel", "modules"), ("decode_gemm", "torch")):
+        if getattr(r, name) not in (off, "auto") and (attention != "triton" or cfg.parallel.pp > 1):
+            _layer_kernel_refused(_layer_path_needs(attention, cfg.parallel.pp), name, getattr(r, name))
 
 
 def _check_sampling_kernel(kernel: str, dev) -> None:
@@ -453,9 +453,9 @@ def _layer_path_needs(attention: str, pp: int) -> str:
     return " and ".join(why)
 
 
-def _layer_kernel_refused(why: str, name: str = "layer_kernel") -> None:
+def _layer_kernel_refused(why: str, name: str = "layer_kernel", value: str = "triton") -> None:
     fix = "rollout.layer_kernel=modules" if name == "layer_kernel" else "rollout.decode_gemm=torch"
-    raise ValueError(f"rollout.{name}=triton cannot run here: {why}; use {fix}")
+    raise ValueError(f"rollout.{name}={value} cannot run here: {why}; use {fix}")
 
 
 def _decode_attention(choice: str, dtype, dev, head_dim: int) -> str:
