@@ -224,11 +224,11 @@ class MemoryManager:
                     self._offload(c)
 
     def host_reader(self):
-        """A function giving a tensor's current values as a host tensor, for a checkpoint written without bringing
-        released classes back (a save point then needs no more device memory than the phase it follows): a tensor of
-        an offloaded class is read from that class's host buffer, once its copy there has finished; any other is
-        copied from the device (a CPU tensor: itself). A released class without a valid host copy (freed, not
-        copied) is refused by name."""
+        """A function giving what a checkpoint writes for a tensor, without bringing released classes back (a save
+        then needs no more device memory than the phase before it): for a tensor of an offloaded class, a view of
+        that class's host buffer at the tensor's place (once its copy there has finished; no new host memory), for
+        any other the tensor itself (torch.save copies a device tensor to the host one storage at a time, as
+        before). A released class without a valid host copy (freed, not copied) is refused by name."""
         by_storage = {}
         for c in self.classes.values():
             if c.resident or not c.sizes:
@@ -242,7 +242,7 @@ class MemoryManager:
 
         def read(t: torch.Tensor) -> torch.Tensor:
             h = by_storage.get(t.untyped_storage()._cdata)
-            return t.detach().cpu() if h is None else _host_view(h, t).clone()
+            return t if h is None else _host_view(h, t)
         return read
 
     def restore_all(self) -> None:
