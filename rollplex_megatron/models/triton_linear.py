@@ -30,16 +30,19 @@ SMALL_M = 32  # rows up to which the decode step may take these kernels (rollout
 # small_m_gated's tiling on the decode path: the fastest of decode_kernel_shapes.py's at the 3B's linear_fc1 on an H100
 # at batch 8 (32.7 us; cuBLAS then silu_mul 36.5 us; decode_kernel_shapes_h100_d21eb1e.json)
 GATED_CONFIG = {"block_n": 32, "block_k": 128, "split_k": 1}
-TARGET_PROGRAMS = 264  # programs a launch aims at (two per SM of an H100 / H200, 132 SMs)
 
 
 def gemm_config(m: int, n: int, k: int) -> dict:
-    """small_m_linear's tiling for an [m, k] x [n, k].T GEMM: 32 columns and 256 of K a step per program, K split
-    until the launch has about TARGET_PROGRAMS programs (at most 8 splits, each at least two K steps)."""
-    block_n, block_k = 32, 256
-    programs = max(1, triton.cdiv(n, block_n) * triton.cdiv(m, _block_m(m)))
-    split = max(1, min(8, triton.cdiv(TARGET_PROGRAMS, programs), k // (2 * block_k)))
-    return {"block_n": block_n, "block_k": block_k, "split_k": split}
+    """small_m_linear's tiling for an [m, k] x [n, k].T GEMM at decode rows, by shape class, each the fastest of
+    `benchmarks/decode_kernel_shapes.py`'s tilings at the 3B's layer of that class on an H100 at batch 8
+    (`decode_kernel_shapes_h100_d21eb1e.json`): a wide output (linear_fc1, the output layer) 64 columns and 128 of K
+    a program; a long K (linear_fc2) 16 columns, 256 of K, K in two splits; the rest (linear_qkv, linear_proj) 16
+    columns and 256 of K. Two K steps at least a split."""
+    if n > 8192:
+        return {"block_n": 64, "block_k": 128, "split_k": 1}
+    if k > 4096:
+        return {"block_n": 16, "block_k": 256, "split_k": max(1, min(2, k // 512))}
+    return {"block_n": 16, "block_k": 256, "split_k": 1}
 
 
 @triton.jit
