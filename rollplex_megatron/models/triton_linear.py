@@ -32,12 +32,12 @@ SMALL_M = 32  # rows up to which the decode step may take these kernels (rollout
 GATED_CONFIG = {"block_n": 32, "block_k": 128, "split_k": 1}
 
 
-def gemm_config(m: int, n: int, k: int) -> dict:
-    """small_m_linear's tiling for an [m, k] x [n, k].T GEMM at decode rows, by shape class, each the fastest of
-    `benchmarks/decode_kernel_shapes.py`'s tilings at the 3B's layer of that class on an H100 at batch 8
-    (`decode_kernel_shapes_h100_d21eb1e.json`): a wide output (linear_fc1, the output layer) 64 columns and 128 of K
-    a program; a long K (linear_fc2) 16 columns, 256 of K, K in two splits; the rest (linear_qkv, linear_proj) 16
-    columns and 256 of K. Two K steps at least a split."""
+def gemm_config(n: int, k: int) -> dict:
+    """small_m_linear's tiling for an [M, k] x [n, k].T GEMM at decode rows (M <= SMALL_M), by shape class, each
+    the fastest of `benchmarks/decode_kernel_shapes.py`'s tilings at the 3B's layer of that class on an H100 at
+    batch 8 (`decode_kernel_shapes_h100_d21eb1e.json`): a wide output (linear_fc1, the output layer) 64 columns and
+    128 of K a program; a long K (linear_fc2) 16 columns, 256 of K, K in two splits; the rest (linear_qkv,
+    linear_proj) 16 columns and 256 of K. Two K steps at least a split."""
     if n > 8192:
         return {"block_n": 64, "block_k": 128, "split_k": 1}
     if k > 4096:
