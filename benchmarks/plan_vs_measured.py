@@ -27,25 +27,29 @@ from rollplex_megatron.trainer.runtime import memory_plan  # noqa: E402
 GPU_KERNELS = ["train.norm_kernel=triton", "train.rope_kernel=triton", "train.logprob_kernel=triton"]
 
 
-def overrides(suite: str, mode: str, choices: dict) -> list[str]:
-    """A recorded mode's settings: its suite, the planner's recorded auto choices and the budget they were made
-    under, and the GPU run's kernels."""
-    out = [f"+bench={suite}", f"mode.name={mode}", *GPU_KERNELS, f"memory.budget_gib={choices['budget_gib']}"]
+def overrides(suite: str, mode: str, choices: dict, extra: list[str] = ()) -> list[str]:
+    """A recorded mode's settings: its suite and the record's own overrides (`extra`, e.g. model=...), the planner's
+    recorded auto choices and the budget they were made under, and the GPU run's kernels."""
+    out = [f"+bench={suite}", *extra, f"mode.name={mode}", *GPU_KERNELS, f"memory.budget_gib={choices['budget_gib']}"]
     return out + [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in choices.items()
                   if k != "budget_gib"]
 
 
 def compare(record: dict) -> dict:
-    """{mode: {released (planned, recorded), phases: {phase: planned, measured, planned / measured}}}."""
+    """{mode: {released (the recorded set, planned as it ran), released_now (what `memory.plan=auto` would
+    release now under the record's budget), phases: {phase: planned, measured, planned / measured}}}."""
     out = {}
     for mode, m in record["modes"].items():
-        cfg = load_run_config(overrides(record["suite"], mode, m["planned"]["auto_choices"]))
-        plan = memory_plan(cfg, build_source(cfg))
+        cfg = load_run_config(overrides(record["suite"], mode, m["planned"]["auto_choices"],
+                                        record.get("overrides", [])))
+        source = build_source(cfg)
+        ran = frozenset(m["memory"]["released"])
+        plan = memory_plan(cfg, source, release=ran)
         phases = {ph: {"planned_gib": round(gib, 3), "measured_gib": round(m["phase_peak_gib"][ph], 3),
                        "planned_over_measured": round(gib / m["phase_peak_gib"][ph], 3)}
                   for ph, gib in plan["phase_gib"].items() if ph in m["phase_peak_gib"]}
-        out[mode] = {"released": sorted(plan["released"]), "recorded_released": sorted(m["memory"]["released"]),
-                     "phases": phases}
+        out[mode] = {"released": sorted(plan["released"]),
+                     "released_now": sorted(memory_plan(cfg, source)["released"]), "phases": phases}
     return out
 
 

@@ -46,8 +46,8 @@ def test_serial_micro_batches_under_a_token_budget_are_counted_with_their_prompt
                                                                                      norm, rope)
     assert serial["old_logp_workspace"]["gib"] * M.GIB >= T.score_logits_bytes(m, 1, tokens, M.logprob_kernel(cfg))
     rollplex = M.summarize(M.plan(cfg, "rollplex", "keep", "embedded", s), "rollplex")["classes"]
-    assert rollplex["update_activations"]["gib"] * M.GIB == T.training_forward_bytes(m, 1, 1, False, s.mb * s.R, 0,
-                                                                                       norm, rope)
+    assert rollplex["update_activations"]["gib"] * M.GIB == T.training_forward_bytes(
+        m, 1, 1, False, s.mb * s.R, 0, norm, rope, M.logprob_kernel(cfg), cfg.param_bytes)
 
 
 @pytest.mark.parametrize("kernel,dtype,per_logit", [("triton", "bfloat16", 4), ("triton", "float32", 8),
@@ -55,8 +55,10 @@ def test_serial_micro_batches_under_a_token_budget_are_counted_with_their_prompt
 def test_scoring_workspace_counts_the_log_prob_kernels_bytes(kernel, dtype, per_logit):
     """A forward-only scoring pass over packed rows holds the logits and their contiguous copy with the fused
     log-prob kernel (twice the compute dtype's bytes a logit; counted with torch's 10, the H100 video_long record's
-    scoring phases were planned at 1.26-1.34 of their measured peaks), torch's fp32 copies without it; the update
-    keeps the training loss's workspace either way."""
+    scoring phases were planned at 1.26-1.34 of their measured peaks), torch's fp32 copies without it; the update's
+    response micro-batch (one packed row) counts the same loss workspace at its first backward op (the logits the
+    kernel saved and their gradient; counted with 10, the Qwen3-VL-2B image_short record's update was planned at
+    1.11 of its measured peak), and serial's whole sequences keep torch's 10."""
     cfg = load_run_config([*BASE, "mode.name=prefix_shared", f"{MB}=64", f"train.logprob_kernel={kernel}",
                            f"dtype={dtype}"])
     s = _shape(cfg)
@@ -64,8 +66,14 @@ def test_scoring_workspace_counts_the_log_prob_kernels_bytes(kernel, dtype, per_
     tokens, v = s.mb * s.R, cfg.model.vocab_size
     for ph in ("old_logp", "ref_logp"):
         assert classes[f"{ph}_workspace"]["gib"] * M.GIB == tokens * v * per_logit
-    assert classes["update_activations"]["gib"] * M.GIB == T.training_forward_bytes(
-        cfg.model, 1, 1, False, tokens, 0, M.norm_kernel(cfg), M.rope_kernel(cfg))  # with 10 bytes a logit
+    norm, rope = M.norm_kernel(cfg), M.rope_kernel(cfg)
+    no_loss = T.training_forward_bytes(cfg.model, 1, 1, False, tokens, 0, norm, rope) - T.logits_bytes(cfg.model, 1,
+                                                                                                        tokens)
+    assert classes["update_activations"]["gib"] * M.GIB == no_loss + tokens * v * per_logit
+    serial = M.summarize(M.plan(cfg, "serial", "keep", "embedded", s), "serial")["classes"]
+    mb = M.full_sequence_responses(cfg, s)
+    assert serial["update_activations"]["gib"] * M.GIB == T.training_forward_bytes(
+        cfg.model, 1, 1, False, mb * (s.P + s.R), mb * s.patches, norm, rope)  # torch's 10 a logit, any kernel
 
 
 def test_auto_size_takes_the_largest_that_fits_giving_up_the_decode_state_then_packs_then_the_micro_batch():

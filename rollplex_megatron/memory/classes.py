@@ -50,6 +50,8 @@ class PlanInputs:
     prefix_graph: int  # one group's saved prefix activations
     logits: Callable[[int], int]  # loss workspace of a forward over `tokens`
     score_logits: Callable[[int], int]  # loss workspace of a forward-only scoring pass over `tokens`
-    activations: Callable[[int, int], int]  # a training forward's saved tensors over (tokens, patches)
+    # a training forward's saved tensors and loss workspace over (tokens, patches, packed: one row of responses over
+    # stored prefix K/V, whose loss is counted with the log-prob kernel that runs, as `score_logits`)
+    activations: Callable[..., int]
     rounds: int = 1  # rollout rounds a step may sample (dynamic sampling: 1 + train.max_resample_rounds)
     pack_groups: int = 1  # groups whose prefixes run as one forward (workload.prefix_pack_tokens; one recomputed)

@@ -321,8 +321,9 @@ def plan(cfg: RunConfig, mode: str, residency: str, engine: str, s: Shape | None
                         prefix_graph=prefix_graph_bytes(m, par.tp, par.pp, sp, s.P, s.patches, norm, rope),
                         logits=lambda tokens: logits_bytes(m, par.tp, tokens),
                         score_logits=lambda tokens: score_logits_bytes(m, par.tp, tokens, logprob_kernel(cfg), e),
-                        activations=lambda tokens, patches: training_forward_bytes(m, par.tp, par.pp, sp, tokens,
-                                                                                   patches, norm, rope),
+                        activations=lambda tokens, patches, packed=False: training_forward_bytes(
+                            m, par.tp, par.pp, sp, tokens, patches, norm, rope,
+                            logprob_kernel(cfg) if packed else "torch", e),
                         rounds=1 + cfg.train.max_resample_rounds if cfg.train.dynamic_sampling else 1,
                         pack_groups=pack_groups(cfg, s))
     out += get_mode(mode).memory_classes(inputs)

@@ -115,18 +115,19 @@ def auto_sizes(cfg: RunConfig, source) -> tuple[RunConfig, dict]:
     return auto_size(cfg, shape, budget, torch.cuda.device_count())
 
 
-def memory_plan(cfg: RunConfig, source) -> dict:
+def memory_plan(cfg: RunConfig, source, release: frozenset | None = None) -> dict:
     """The planner's phases for this run (mode, `memory.plan`, the source's real prompt shape, the actor's
     packs `actor_pack_tokens`); raises when the peak exceeds `memory.budget_gib`, naming the class and what
-    would make it fit."""
+    would make it fit. `release`: under `memory.plan=auto`, the set a recorded run released, planned as it ran
+    instead of chosen again (benchmarks/plan_vs_measured.py)."""
     shape = run_shape(cfg, source)
     pack = max(cfg.workload.prefix_pack_tokens, 0)  # -1 (auto, not resolved: `auto_sizes`) packs nothing
     if cfg.memory.plan == "auto":
         budget = auto_budget_gib(cfg)
         # the release set is chosen with one group a recomputed pack (the least a recomputation holds), then
         # the actor's packs grow as far as that set allows
-        rel = frozenset() if budget is None else auto_release(with_pack_tokens(cfg, min(pack, shape.P)), shape, budget,
-                                                              torch.cuda.device_count())
+        rel = release if release is not None else frozenset() if budget is None else auto_release(
+            with_pack_tokens(cfg, min(pack, shape.P)), shape, budget, torch.cuda.device_count())
         actor_pack = actor_pack_tokens(cfg, shape, budget or 0.0, rel)
         rc = runtime_cfg(with_pack_tokens(cfg, actor_pack))
         ahead = _ahead(cfg, rc, rel, shape, budget)

@@ -154,7 +154,7 @@ def scoring_workspaces(p: PlanInputs, phases: tuple[str, ...], tokens: int, pack
 def response_stage_activations(p: PlanInputs) -> TensorClass:
     """The update's activations when responses run as a response stage over stored prefix K/V."""
     s = p.shape
-    act, note = p.activations(s.mb * s.R, 0), "one response micro-batch"
+    act, note = p.activations(s.mb * s.R, 0, packed=True), "one response micro-batch"
     if not p.keep:
         act, note = max(act, p.pack_groups * p.prefix_graph), note + ", or one recomputed pack's prefix graph " \
             f"({p.pack_groups} group(s); the larger)"
