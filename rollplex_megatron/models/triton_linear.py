@@ -114,10 +114,19 @@ def _sml_reduce_kernel(ws_ptr, b_ptr, y_ptr, M, N, stride_ym, S: tl.constexpr, H
     m_pad = tl.num_programs(1) * BLOCK_M
     rm = m0 + tl.arange(0, BLOCK_M)
     rn = n0 + tl.arange(0, BLOCK_N)
+    acc = _split_sum(ws_ptr, rm, rn, m_pad, N, S, 1, 0, BLOCK_M, BLOCK_N)
+    _epilogue(acc, b_ptr, y_ptr, m0, n0, M, N, stride_ym, HAS_BIAS, BLOCK_M, BLOCK_N, RNE)
+
+
+@triton.jit
+def _split_sum(ws_ptr, rm, rn, m_pad, N, S: tl.constexpr, PARTS: tl.constexpr, PART: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # partial `PART` of the [S, PARTS, m_pad, N] fp32 workspace summed over the S splits in split order
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for s in tl.static_range(S):
-        acc += tl.load(ws_ptr + (s * m_pad + rm[:, None]) * N + rn[None, :], mask=rn[None, :] < N, other=0.0)
-    _epilogue(acc, b_ptr, y_ptr, m0, n0, M, N, stride_ym, HAS_BIAS, BLOCK_M, BLOCK_N, RNE)
+        acc += tl.load(ws_ptr + ((s * PARTS + PART) * m_pad + rm[:, None]) * N + rn[None, :], mask=rn[None, :] < N,
+                       other=0.0)
+    return acc
 
 
 @triton.jit
@@ -171,12 +180,8 @@ def _sml_gated_reduce_kernel(ws_ptr, y_ptr, M, F, stride_ym, offset, S: tl.const
     m_pad = tl.num_programs(1) * BLOCK_M
     rm = m0 + tl.arange(0, BLOCK_M)
     rn = n0 + tl.arange(0, BLOCK_N)
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for s in tl.static_range(S):
-        acc_g += tl.load(ws_ptr + ((s * 2) * m_pad + rm[:, None]) * F + rn[None, :], mask=rn[None, :] < F, other=0.0)
-        acc_u += tl.load(ws_ptr + ((s * 2 + 1) * m_pad + rm[:, None]) * F + rn[None, :], mask=rn[None, :] < F,
-                         other=0.0)
+    acc_g = _split_sum(ws_ptr, rm, rn, m_pad, F, S, 2, 0, BLOCK_M, BLOCK_N)
+    acc_u = _split_sum(ws_ptr, rm, rn, m_pad, F, S, 2, 1, BLOCK_M, BLOCK_N)
     _gated_epilogue(acc_g, acc_u, y_ptr, m0, n0, M, F, stride_ym, offset, BLOCK_M, BLOCK_N, RNE, PRECISE)
 
 
