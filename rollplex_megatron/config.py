@@ -594,7 +594,8 @@ class WorkloadConfig:
 class ModeConfig:
     """How the step executes (docs/design.md §2); every mode computes the same update."""
 
-    name: str = setting("rollplex", "a registered mode (trainer/modes/): serial | prefix_shared | rollplex")
+    name: str = setting("rollplex", "a registered mode (trainer/modes/): serial | prefix_shared | rollplex | "
+                                    "disaggregated (rollout on ranks of its own: parallel.rollout_ranks)")
     window: str = setting("auto", "decode-window mechanism (rollout/window/): interleave | after | stream | tail | "
                           "green | auto (the default: the fastest in the measured table, window_policy.json, at the "
                           "wave's batch, `after` unless another beats it; interleave at tp or pp > 1 and on CPU)")

@@ -25,6 +25,8 @@ Commands
   print-config [--explain] [hydra overrides]
                                       the resolved config (--explain: each setting with its help)
   docs [--check]                      write docs/reference/settings.md and cli.md (--check: exit 1 if stale)
+  window-policy --from BENCH_JSON [--margin M] [--out PATH]
+                                      the table mode.window=auto reads, from benchmarks/decode_window.py's JSON
   eval (--hf-dir DIR | --run DIR [--step N]) data.val_files=[FILE] [val.*] [--out JSON]
                                       a checkpoint's per-data_source scores on a validation set
   generate (--hf-dir DIR | --run DIR [--step N]) data.val_files=[FILE] [--rows K] [val.n=N]
