@@ -1140,7 +1140,7 @@ class RunConfig:
         if t.profile_phases and not t.profile_step:
             raise ValueError("train.profile_phases chooses the phases train.profile_step profiles; set "
                              "train.profile_step=K too")
-        for phase in {"weight_refresh", "weight_transfer"} & set(t.profile_phases) - {self.weights_phase}:
+        for phase in sorted({"weight_refresh", "weight_transfer"} & set(t.profile_phases) - {self.weights_phase}):
             raise ValueError(f"train.profile_phases names {phase}, a phase this run does not have (the rollout's "
                              f"weights phase here: {self.weights_phase or 'none, it decodes on the actor'}); drop it")
         if "ref_logp" in t.profile_phases and not t.uses_reference:

@@ -31,6 +31,7 @@ def leave_after_the_last_rank(late_s: float) -> dict:
     from rollplex_megatron.dist import init_parallel, leave_torchrun
 
     init_parallel(1, 1, 0, "gloo")
+    dist.barrier()  # both ranks set up: from here only rank 1's sleep separates their arrivals
     if int(os.environ["RANK"]) == 1:
         time.sleep(late_s)
     arrived = time.time()

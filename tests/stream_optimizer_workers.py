@@ -126,8 +126,9 @@ def _same(a, b) -> bool:
 
 def _mutate(step, mutant: str) -> None:
     """Mutants the comparison must catch: `skip_copy_back` leaves bucket 1's update off the host (its copy out is
-    skipped); `stale_masters` updates bucket 1 from the values of the step before (its copy in is skipped once
-    values exist, so the slot holds what the bucket that used the slot before left there)."""
+    skipped); `stale_masters` skips bucket 1's copy in once values exist, its slot filled with 0xff bytes (NaN in
+    every float dtype) rather than whatever the allocator's block last held, which could by chance be the right
+    values."""
     orig_out, orig_in, n = step._copy_out, step._copy_in, {"out": 0, "in": 0}
 
     def copy_out(bucket, slot, streams):
@@ -137,7 +138,10 @@ def _mutate(step, mutant: str) -> None:
     def copy_in(bucket, slot, fresh, streams, free):
         n["in"] += 1
         first = step.stats["buckets"]  # buckets of the step before: 0 during the first step
-        return None if first and n["in"] == first + 2 else orig_in(bucket, slot, fresh, streams, free)
+        if first and n["in"] == first + 2:
+            slot.fill_(255)
+            return None
+        return orig_in(bucket, slot, fresh, streams, free)
 
     if mutant == "skip_copy_back":
         step._copy_out = copy_out

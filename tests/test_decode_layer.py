@@ -122,7 +122,9 @@ def test_grouped_query_norm_reads_linear_qkvs_output_in_place(dtype, tmp_path, m
     g = torch.Generator().manual_seed(7)
     b, ng, rep, d = 5, 3, 4, 64
     mixed = torch.randn(1, b, ng, (rep + 2) * d, generator=g) * torch.logspace(-2, 2, b)[None, :, None, None]
-    mixed = mixed.to(DEV, dtype)
+    # cut from a larger buffer: the mutant below reads rows past `mixed`'s end, which must stay inside an allocation
+    padded = torch.zeros(2 * mixed.numel(), dtype=dtype, device=DEV)
+    mixed = padded[:mixed.numel()].view(mixed.shape).copy_(mixed.to(DEV, dtype))
     before = mixed.clone()
     q = mixed[..., :rep * d].unflatten(-1, (rep, d))  # the view decode_layers' _split_qkv makes
     w = (1 + 0.3 * torch.randn(d, generator=g)).to(DEV)

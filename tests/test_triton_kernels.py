@@ -71,12 +71,12 @@ def _attention_case(seed, groups, per_group, p_max, rm, ng=2, rep=4, d=32):
     return case
 
 
-def _triton(c, plen=None, group=None, rlen=None, skip_empty=True):  # the kernel's default
+def _triton(c, plen=None, group=None, rlen=None, skip_empty=True, one_launch=True):  # the kernel's defaults
     group = c["group"] if group is None else group
     slot, s_max = group_slots(group, c["pk"].shape[0])
     idx = triton_index(group, slot, s_max, c["plen"] if plen is None else plen, c["rlen"] if rlen is None else rlen)
     return triton_shared_prefix_decode_attention(c["q"], c["pk"], c["pv"], c["rk"], c["rv"], idx, None,
-                                                 skip_empty=skip_empty)
+                                                 skip_empty=skip_empty, one_launch=one_launch)
 
 
 def _reference(c):
@@ -143,9 +143,12 @@ def test_skipping_the_empty_response_blocks_gives_the_same_bits(monkeypatch, tmp
                      "            if n_lo + start + BLOCK_N < n_hi:",
                      "from rollplex_megatron.attention.triton_decode import _NEG, _block")
     monkeypatch.setattr(triton_decode, "_partial", mutant)
-    # a compiled `_resp_kernel` keeps the `_partial` it was built with: a fresh JIT of it picks up the mutant
-    monkeypatch.setattr(triton_decode, "_resp_kernel", triton.jit(triton_decode._resp_kernel.fn))
+    # a compiled kernel keeps the `_partial` it was built with: fresh JITs of the response kernel and of the one-launch
+    # kernel (the default path) pick up the mutant
+    for name in ("_resp_kernel", "_parts_kernel"):
+        monkeypatch.setattr(triton_decode, name, triton.jit(getattr(triton_decode, name).fn))
     assert not torch.equal(_triton(c, skip_empty=True), ran[False][0])
+    assert not torch.equal(_triton(c, skip_empty=True, one_launch=False), ran[False][0])
 
 
 def test_triton_decode_attention_never_reads_past_the_lengths():
