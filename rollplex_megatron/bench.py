@@ -38,6 +38,8 @@ RESULTS = ROOT / "benchmarks" / "results"
 
 def _merged(path: str) -> dict:
     """The suite JSON `--merge` names, or a one-line error naming it."""
+    if Path(path).is_dir():
+        raise ValueError(f"--merge {path} is a folder; name a suite JSON this command wrote")
     try:
         prev = json.loads(Path(path).read_text())
     except FileNotFoundError:
@@ -108,13 +110,7 @@ def main(argv: list[str]) -> int:
     if steps < a.warmup + 3:
         raise ValueError(f"bench: train.steps={steps} leaves fewer than 3 steady steps after --warmup {a.warmup}; "
                          f"raise train.steps to {a.warmup + 3} or lower --warmup")
-    if a.dry_run:
-        for label, over in specs:
-            cfg_over, env = split_env(over)
-            words = [*(f"{k}={v}" for k, v in env.items()), "python", "-m", "rollplex_megatron", "train",
-                     f"+bench={a.suite}", *overrides, *cfg_over]
-            print(f"{label}: {shlex.join(words)}")
-        return 0
+    # the inputs checked before a dry run returns: it says yes only to what the run would take
     out = Path(a.out) if a.out else RESULTS / f"bench_{a.suite}.json"
     prev = _merged(a.merge) if a.merge else None
     if prev is not None and prev.get("warmup") != a.warmup:
@@ -128,6 +124,13 @@ def main(argv: list[str]) -> int:
                          f"machines: run every mode here, or write a new JSON with --out")
     if out.exists() and (prev is None or Path(a.merge).resolve() != out.resolve()):
         raise FileExistsError(f"{out} exists; pass --merge {out} to add modes run on the same machine, or --out NEW")
+    if a.dry_run:
+        for label, over in specs:
+            cfg_over, env = split_env(over)
+            words = [*(f"{k}={v}" for k, v in env.items()), "python", "-m", "rollplex_megatron", "train",
+                     f"+bench={a.suite}", *overrides, *cfg_over]
+            print(f"{label}: {shlex.join(words)}")
+        return 0
     settings, env = to_yaml(cfg), environment_record()
     if prev is not None and prev["environment"]["commit"] != env["commit"]:
         raise ValueError(f"--merge {a.merge}: ran at commit {prev['environment']['commit']}, this is {env['commit']}; "

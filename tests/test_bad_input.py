@@ -235,6 +235,9 @@ def test_command_arguments_are_checked_before_any_work(tmp_path, tiny_hf, capsys
         (["eval", "--hf-dir", tiny_hf, "--step", "3", rows], "--step 3 selects a checkpoint of a training run: use "
                                                              "it with --run RUN"),
         (["eval", "--hf-dir", str(tmp_path / "nothere"), rows], "nothere does not exist; name a Hugging Face"),
+        (["eval", "--hf-dir", str(existing), rows], "eval.json is a file, not a folder; name a Hugging Face"),
+        (["convert", "hf-to-mcore", "--hf-dir", str(Path(tiny_hf) / "config.json"), "--out", str(tmp_path / "mc")],
+         "config.json is a file; name the Hugging Face model folder that holds it"),
         (["generate", "--hf-dir", str(run_like), rows], f"is a training run directory (it has checkpoints/); use "
                                                         f"--run {run_like}"),
         (["eval", "--hf-dir", tiny_hf, rows, "--out", str(existing)], "eval.json exists; choose a new path"),

@@ -332,8 +332,18 @@ def test_window_policy_command_writes_the_table(tmp_path, capsys):
     assert capsys.readouterr().out.startswith(f"wrote {out}\n")  # not the shipped table: said without the note
     (tmp_path / "bad.json").write_text("{")
     (tmp_path / "other.json").write_text('{"rows": [{"case": "x"}]}')
+    (tmp_path / "empty.json").write_text('{"rows": []}')
+    row = json.loads((root / src).read_text())["rows"][0]
+    zero = dict(row, decode_alone=dict(row["decode_alone"], after_prefill_s=0.0), items_alone_s=0.0,
+                mechanisms={k: dict(m, after_prefill_s=0.0) for k, m in row["mechanisms"].items()})
+    (tmp_path / "zero.json").write_text(json.dumps({"rows": [zero]}))
+    odd = dict(row, mechanisms={"green:abc": dict(next(iter(row["mechanisms"].values())), after_prefill_s=1e-3)})
+    (tmp_path / "odd.json").write_text(json.dumps({"rows": [odd]}))
     for argv, want in [(["--from", str(tmp_path / "bad.json")], "bad.json is not JSON"),
                        (["--from", str(tmp_path / "other.json")], "other.json is not a decode-window benchmark JSON"),
+                       (["--from", str(tmp_path / "empty.json")], "empty.json has no rows"),
+                       (["--from", str(tmp_path / "zero.json")], "wall times must be positive seconds"),
+                       (["--from", str(tmp_path / "odd.json")], "'green:abc' is not a mechanism"),
                        (["--from", str(root / src), "--margin", "1.5"], "--margin is the share"),
                        (["--from", str(root / src), "--out", str(tmp_path / "no" / "p.json")], "folder"),
                        (["--from", str(tmp_path / "none.json"), "--out", str(out)], "none.json does not exist"),

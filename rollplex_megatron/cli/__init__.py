@@ -80,7 +80,7 @@ from rollplex_megatron.verify.smoke import main as smoke_main
 from rollplex_megatron.weights.plan import plan_weights
 
 # What a user's input can cause: printed as one line. Anything else is a bug and keeps its traceback.
-USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, PermissionError, NotADirectoryError,
+USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, PermissionError, NotADirectoryError, IsADirectoryError,
                HydraException, OmegaConfBaseException, LocalRunError, DiskFullError,
                UserCodeStopped)
 
@@ -184,7 +184,7 @@ def _cmd_plan_weights(argv: list[str]) -> int:
     for item in rest:
         key, _, value = item.partition("=")
         if key in ("train_tp", "rollout_tp"):
-            raise SystemExit(f"plan-weights: {key}= is gone; it reads the run's own settings: parallel.tp=T "
+            raise ValueError(f"plan-weights: {key}= is not an argument; it reads the run's own settings: parallel.tp=T "
                              f"rollout.tp=R (and parallel.dp so that rollout.tp divides tp*pp*dp)")
         if key in own:
             own[key] = value
@@ -376,7 +376,9 @@ def _check_checkpoint_args(a) -> None:
         raise ValueError(f"--step {a.step} selects a checkpoint of a training run: use it with --run RUN, or drop it "
                          f"with --hf-dir")
     if a.hf_dir and not Path(a.hf_dir).is_dir():
-        raise ValueError(f"--hf-dir {a.hf_dir} does not exist; name a Hugging Face Qwen2.5-VL directory")
+        what = "is a file, not a folder" if Path(a.hf_dir).exists() else "does not exist"
+        raise ValueError(f"--hf-dir {a.hf_dir} {what}; name a Hugging Face Qwen2.5-VL or Qwen3-VL model folder (the one "
+                         f"holding config.json)")
     if a.hf_dir and (Path(a.hf_dir) / "checkpoints").is_dir() and not (Path(a.hf_dir) / "config.json").is_file():
         raise ValueError(f"--hf-dir {a.hf_dir} is a training run directory (it has checkpoints/); use --run {a.hf_dir}")
 
@@ -502,7 +504,7 @@ def _cmd_window_policy(argv: list[str]) -> int:
         table = build_policy(bench, a.src, a.margin)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"window-policy: {src} is not JSON ({e}); pass benchmarks/decode_window.py's output") from None
-    except (KeyError, TypeError, AttributeError) as e:
+    except (KeyError, TypeError, AttributeError, IndexError) as e:
         raise ValueError(f"window-policy: {src} is not a decode-window benchmark JSON ({type(e).__name__}: {e}); "
                          f"pass benchmarks/decode_window.py's output") from None
     out = Path(a.out)

@@ -98,6 +98,9 @@ class HFCheckpoint:
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
+        if self.path.is_file():
+            raise CheckpointError(f"{self.path} is a file; name the Hugging Face model folder that holds it (the one "
+                                  f"with config.json)")
         if not (self.path / "config.json").is_file():
             raise CheckpointError(f"{self.path}: no config.json (expected a Hugging Face model directory)")
         self.raw_config = read_json(self.path / "config.json")

@@ -7,6 +7,7 @@ window must beat, so `auto` is never slower than no window where the table measu
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from rollplex_megatron.rollout.window.mechanisms import MECHANISMS
@@ -45,15 +46,25 @@ def build_policy(bench: dict, source: str, margin: float = MARGIN) -> dict:
     """The table `auto` reads, from a decode-window benchmark JSON: per case (decode batch and workload
     shape), the wall time of decode plus its side work under each mechanism, `after` (no window) among them,
     and the winner: the fastest, if it beats `after` by more than `margin`, else `after`. A case that did
-    not run `after` has its time as what `after` runs: decode alone, then the items alone."""
+    not run `after` has its time as what `after` runs: decode alone, then the items alone. Raises ValueError on a
+    JSON without rows or with a wall time that is not a positive number."""
     env = bench.get("environment", {})
+    if not bench["rows"]:
+        raise ValueError(f"window-policy: {source} has no rows (no case ran); a table from it would choose nothing")
     rows = []
     for r in bench["rows"]:
         walls = {spec: m["after_prefill_s"] for spec, m in r["mechanisms"].items() if "after_prefill_s" in m}
         walls.setdefault("after", r["decode_alone"]["after_prefill_s"] + r["items_alone_s"])
+        bad = {k: v for k, v in walls.items() if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0}
+        if bad:
+            raise ValueError(f"window-policy: {source}, case {r['case']!r}: wall times must be positive seconds, got "
+                             f"{bad}; rerun the benchmark for that case")
         best = min(walls, key=walls.get)
         win = best if walls[best] < (1 - margin) * walls["after"] else "after"
         mech, _, sms = win.partition(":")
+        if mech not in MECHANISMS or (sms and not sms.isdigit()):
+            raise ValueError(f"window-policy: {source}, case {r['case']!r}: {win!r} is not a mechanism (one of "
+                             f"{sorted(MECHANISMS)}, green as green:SMS); rerun benchmarks/decode_window.py")
         rows.append({"case": r["case"], "shape": r["case"].split("_")[0], "batch": r["batch"],
                      "wall_s": walls, "decode_alone_s": r["decode_alone"]["after_prefill_s"],
                      "items_alone_s": r["items_alone_s"], "mechanism": mech, "green_sms": int(sms or 0),
