@@ -377,8 +377,8 @@ def _check_checkpoint_args(a) -> None:
                          f"with --hf-dir")
     if a.hf_dir and not Path(a.hf_dir).is_dir():
         what = "is a file, not a folder" if Path(a.hf_dir).exists() else "does not exist"
-        raise ValueError(f"--hf-dir {a.hf_dir} {what}; name a Hugging Face Qwen2.5-VL or Qwen3-VL model folder (the one "
-                         f"holding config.json)")
+        raise ValueError(f"--hf-dir {a.hf_dir} {what}; name a Hugging Face Qwen2.5-VL or Qwen3-VL model folder "
+                         f"(the one holding config.json)")
     if a.hf_dir and (Path(a.hf_dir) / "checkpoints").is_dir() and not (Path(a.hf_dir) / "config.json").is_file():
         raise ValueError(f"--hf-dir {a.hf_dir} is a training run directory (it has checkpoints/); use --run {a.hf_dir}")
 
