@@ -110,20 +110,12 @@ def main(argv: list[str]) -> int:
     if steps < a.warmup + 3:
         raise ValueError(f"bench: train.steps={steps} leaves fewer than 3 steady steps after --warmup {a.warmup}; "
                          f"raise train.steps to {a.warmup + 3} or lower --warmup")
-    # the inputs checked before a dry run returns: it says yes only to what the run would take
-    out = Path(a.out) if a.out else RESULTS / f"bench_{a.suite}.json"
+    # the --merge file is read before a dry run returns: a dry run refuses a file the run would refuse
     prev = _merged(a.merge) if a.merge else None
     if prev is not None and prev.get("warmup") != a.warmup:
         raise ValueError(f"--merge {a.merge}: its modes kept --warmup {prev.get('warmup')} steps apart, this run "
                          f"{a.warmup}; the steady figures of one JSON share one warm-up: pass --warmup "
                          f"{prev.get('warmup')}")
-    here = machine()
-    if prev is not None and (prev["suite"] != a.suite or prev["machine"]["host"] != here["host"]
-                             or prev["machine"]["gpu_uuids"] != here["gpu_uuids"]):
-        raise ValueError(f"--merge {a.merge}: another suite or machine ({prev['machine']['host']}); ratios never mix "
-                         f"machines: run every mode here, or write a new JSON with --out")
-    if out.exists() and (prev is None or Path(a.merge).resolve() != out.resolve()):
-        raise FileExistsError(f"{out} exists; pass --merge {out} to add modes run on the same machine, or --out NEW")
     if a.dry_run:
         for label, over in specs:
             cfg_over, env = split_env(over)
@@ -131,6 +123,14 @@ def main(argv: list[str]) -> int:
                      f"+bench={a.suite}", *overrides, *cfg_over]
             print(f"{label}: {shlex.join(words)}")
         return 0
+    out = Path(a.out) if a.out else RESULTS / f"bench_{a.suite}.json"
+    here = machine()
+    if prev is not None and (prev["suite"] != a.suite or prev["machine"]["host"] != here["host"]
+                             or prev["machine"]["gpu_uuids"] != here["gpu_uuids"]):
+        raise ValueError(f"--merge {a.merge}: another suite or machine ({prev['machine']['host']}); ratios never mix "
+                         f"machines: run every mode here, or write a new JSON with --out")
+    if out.exists() and (prev is None or Path(a.merge).resolve() != out.resolve()):
+        raise FileExistsError(f"{out} exists; pass --merge {out} to add modes run on the same machine, or --out NEW")
     settings, env = to_yaml(cfg), environment_record()
     if prev is not None and prev["environment"]["commit"] != env["commit"]:
         raise ValueError(f"--merge {a.merge}: ran at commit {prev['environment']['commit']}, this is {env['commit']}; "

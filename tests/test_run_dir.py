@@ -173,7 +173,7 @@ def test_torchrun_ranks_leave_together_and_close_their_groups():
     interpreter's exit."""
     late = 1.5
     got = run_local(launch_workers.leave_after_the_last_rank, 2, late)
-    assert got[1]["arrived"] > got[0]["arrived"]  # rank 1 came late indeed (it slept after a common barrier)
+    assert got[1]["arrived"] - got[0]["arrived"] > late / 2  # rank 1 came late indeed (it slept after a barrier)
     assert got[0]["left"] >= got[1]["arrived"]  # rank 0 waited for it
     assert [(g["dist"], g["megatron"]) for g in got] == [(False, False), (False, False)]
 

@@ -129,3 +129,7 @@ def test_plan_weights_cli_refuses_a_bad_element_size(capsys):
         err = capsys.readouterr().err
         assert f"dtype_bytes={bad} is the rollout weights' bytes per element" in err and err.count("\n") == 1, err
     assert main(["plan-weights", "dtype_bytes=4"]) == 0  # fp32 rollout weights are a plan, not an error
+    capsys.readouterr()
+    assert main(["plan-weights", "train_tp=2"]) == 1  # not an argument: the run's own parallel.tp is
+    err = capsys.readouterr().err
+    assert err.startswith("error: plan-weights: train_tp= is not an argument") and err.count("\n") == 1, err

@@ -159,8 +159,7 @@ def training_forward_bytes(cfg: ModelConfig, tp: int, pp: int, sp: bool, tokens:
     """A micro-batch's saved activations plus the loss workspace (the update's peak moment: the backward's first
     op). `logprob`: the log-prob kernel counted for the loss, "triton" over one packed row (`score_logits_bytes`:
     the logits the fused kernel saves and their gradient, `elem` bytes each), else torch's fp32 copies
-    (`logits_bytes`; whole sequences of several rows are counted so, their measured peak being above the kernel's
-    count)."""
+    (`logits_bytes`; serial's whole sequences are counted so, their measured peaks lying above the kernel's count)."""
     out_in = tokens * 2 * cfg.hidden_size // (tp if sp else 1)  # the output layer's input
     return (prefix_graph_bytes(cfg, tp, pp, sp, tokens, patches, norm, rope) + out_in
             + score_logits_bytes(cfg, tp, tokens, logprob, elem))

@@ -55,16 +55,19 @@ def build_policy(bench: dict, source: str, margin: float = MARGIN) -> dict:
     for r in bench["rows"]:
         walls = {spec: m["after_prefill_s"] for spec, m in r["mechanisms"].items() if "after_prefill_s" in m}
         walls.setdefault("after", r["decode_alone"]["after_prefill_s"] + r["items_alone_s"])
-        bad = {k: v for k, v in walls.items() if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0}
+        bad = {k: v for k, v in walls.items()
+               if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0}
         if bad:
             raise ValueError(f"window-policy: {source}, case {r['case']!r}: wall times must be positive seconds, got "
                              f"{bad}; rerun the benchmark for that case")
+        for spec in walls:
+            mech, _, sms = spec.partition(":")
+            if mech not in MECHANISMS or (sms and (mech != "green" or not sms.isdigit())):
+                raise ValueError(f"window-policy: {source}, case {r['case']!r}: {spec!r} is not a mechanism (one of "
+                                 f"{sorted(MECHANISMS)}, green as green:SMS); rerun benchmarks/decode_window.py")
         best = min(walls, key=walls.get)
         win = best if walls[best] < (1 - margin) * walls["after"] else "after"
         mech, _, sms = win.partition(":")
-        if mech not in MECHANISMS or (sms and not sms.isdigit()):
-            raise ValueError(f"window-policy: {source}, case {r['case']!r}: {win!r} is not a mechanism (one of "
-                             f"{sorted(MECHANISMS)}, green as green:SMS); rerun benchmarks/decode_window.py")
         rows.append({"case": r["case"], "shape": r["case"].split("_")[0], "batch": r["batch"],
                      "wall_s": walls, "decode_alone_s": r["decode_alone"]["after_prefill_s"],
                      "items_alone_s": r["items_alone_s"], "mechanism": mech, "green_sms": int(sms or 0),

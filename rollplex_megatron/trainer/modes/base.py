@@ -144,9 +144,9 @@ def _select(rt, rounds: list, need: int) -> tuple[list, dict]:
 
 def scoring_workspaces(p: PlanInputs, phases: tuple[str, ...], tokens: int, packed: bool = True) -> list[TensorClass]:
     """One micro-batch's loss workspace per forward-only scoring phase: packed rows (one row of responses over
-    stored prefix K/V) count the log-prob kernel that runs (`PlanInputs.score_logits`); whole sequences of several
-    rows (`packed=False`) count the training loss's workspace, their measured peak being above the kernel's logits
-    and copy (docs/concepts/memory.md)."""
+    stored prefix K/V) count the log-prob kernel that runs (`PlanInputs.score_logits`); serial's whole sequences
+    (`packed=False`) count the training loss's workspace, their measured peaks being above the kernel's logits and
+    copy (docs/concepts/memory.md)."""
     return [TensorClass(f"{ph}_workspace", p.score_logits(tokens) if packed else p.logits(tokens), (ph,), "free",
                         "one micro-batch's loss workspace (forward only)") for ph in phases]
 
