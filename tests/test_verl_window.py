@@ -2,6 +2,7 @@
 reference prefix stage of each uid runs in SGLang's scheduler (a stand-in here: SGLang cannot be installed, see
 `tests/sglang_workers.py`), found through a rendezvous directory, and the reference phase uses those K/V only
 where the job's prompt is the batch's bit for bit (fp32 CPU, docs/design.md §3: 1e-5)."""
+import json
 import math
 
 import pytest
@@ -164,6 +165,39 @@ def test_window_needs_sglang_at_the_reference_tp():
     t.config.actor_rollout_ref.rollout.tensor_model_parallel_size = 1
     with pytest.raises(ValueError, match=r"rollout.tensor_model_parallel_size=2"):
         t._check_window_layout()
+
+
+def test_rendezvous_trusts_only_a_private_folder_and_file(tmp_path, monkeypatch):
+    """The rendezvous file's address and key open a channel of pickles into the scheduler: a folder other users may
+    write, or a file other users may read or write, is refused by name before any connection (a planted listener
+    would otherwise be trusted); the trainer's own publish makes a fresh folder private and refuses an open one."""
+    from multiprocessing.connection import Listener
+
+    from rollplex_megatron.rollout.sglang import protocol as P
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    monkeypatch.setenv(P.ENV_ADDRESS, f"dir:{shared}")
+    slot = P.device_slot(0)
+    with Listener(("127.0.0.1", 0), authkey=bytes.fromhex("11" * 16)) as planted:
+        (shared / f"{slot}.json").write_text(json.dumps({"address": f"127.0.0.1:{planted.address[1]}",
+                                                          "key": "11" * 16, "model_path": None}))
+        with pytest.raises(P.BridgeError, match="rendezvous folder .* mode 777, open to other users"):
+            P.connect(0)
+        with pytest.raises(P.BridgeError, match="mkdir -m 700"):
+            P.publish(shared, slot, "127.0.0.1:1", "00" * 16)
+        own = tmp_path / "own" / "deeper"
+        P.publish(own, slot, f"127.0.0.1:{planted.address[1]}", "11" * 16)
+        assert own.stat().st_mode & 0o777 == 0o700
+        monkeypatch.setenv(P.ENV_ADDRESS, f"dir:{own}")
+        (own / f"{slot}.json").chmod(0o644)
+        with pytest.raises(P.BridgeError, match="rendezvous file .* mode 644"):
+            P.connect(0)
+        (own / f"{slot}.json").unlink()
+        (own / f"{slot}.json").symlink_to(shared / f"{slot}.json")
+        with pytest.raises(P.BridgeError, match="a symbolic link"):
+            P.connect(0)
 
 
 def test_rendezvous_connects_only_the_scheduler_of_the_trainers_checkpoint(tmp_path, monkeypatch):

@@ -231,12 +231,30 @@ def device_slot(tp_rank: int) -> str:
     return f"cpu-{socket.gethostname()}-tp{tp_rank}"
 
 
+def check_private(path: Path, what: str) -> None:
+    """The rendezvous folder and its files open a channel of pickles into SGLang's scheduler (the address and the
+    key a file names): each must be this user's and writable by no one else (a file: readable by no one else), so
+    no other account on the host can plant a listener the scheduler would trust. Raises BridgeError naming it."""
+    st = path.lstat()
+    mask = 0o077 if what == "file" else 0o022
+    problem = ("a symbolic link" if path.is_symlink() else
+               f"owned by uid {st.st_uid}, not this user ({os.getuid()})" if st.st_uid != os.getuid() else
+               f"mode {st.st_mode & 0o777:o}, open to other users" if st.st_mode & mask else "")
+    if problem:
+        fix = ("use a folder of your own that only you can write (mkdir -m 700 DIR) in "
+               f"{ENV_ADDRESS}=dir:DIR" if what == "folder" else "remove it; the trainer writes its own")
+        raise BridgeError(f"{ENV_ADDRESS}: the rendezvous {what} {path} is {problem}: a listener named there would "
+                          f"be trusted with the scheduler's pickles; {fix}")
+
+
 def publish(directory: Path, slot: str, address: str, key: str, model_path: str | None = None) -> Path:
     """Trainer side: write this rank's listener for the scheduler on its device (written aside and renamed, so
     a reader never sees half a file; readable by this user only: it holds the auth key). `model_path`: only a
     scheduler serving that checkpoint connects (not another SGLang server of the job on the same device, such
-    as a reward model's). A file of a run before is replaced: the newest trainer on a device is the one."""
-    directory.mkdir(parents=True, exist_ok=True)
+    as a reward model's). A file of a run before is replaced: the newest trainer on a device is the one. The
+    folder is made private (mode 700) and must be this user's and writable by no one else (`check_private`)."""
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    check_private(directory, "folder")
     path = directory / f"{slot}.json"
     tmp = directory / f".{slot}.{os.getpid()}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -253,9 +271,12 @@ def _rendezvous_link(tp_rank: int, model_path: str | None, timeout: float | None
     scheduler has none (no file for its device: no trainer rank there; a file for another checkpoint: this is
     another of the job's SGLang servers; a listener that is gone: a file left by an earlier run). Trainer ranks
     publish before the framework starts SGLang, so there is nothing to wait for."""
-    path = rendezvous_dir() / f"{device_slot(tp_rank)}.json"
+    directory = rendezvous_dir()
+    path = directory / f"{device_slot(tp_rank)}.json"
     if not path.exists():
         return None
+    check_private(directory, "folder")
+    check_private(path, "file")
     entry = json.loads(path.read_text())
     if model_path and entry.get("model_path") and entry["model_path"] != model_path:
         return None
