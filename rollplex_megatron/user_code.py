@@ -38,6 +38,11 @@ _POLL_S = 0.05  # how often a waiting caller looks at its deadlines (a result wa
 _STOP_AT: float | None = None  # time.monotonic() of the stop signal in this process, None without one
 
 
+class UserCodeError(RuntimeError):
+    """A user function raised, or returned what the caller cannot use (the message names the function, the row
+    and the fix): the user's to mend, printed as one line by the command line."""
+
+
 class UserCodeTimeout(RuntimeError):
     """A user function ran past its time limit (the worker running it was killed)."""
 

@@ -344,11 +344,16 @@ def test_a_row_without_data_source_is_named_as_such(tmp_path):
 
 
 def test_registry_user_function_raises(user_module):
+    """A raising reward function is the user's error: one line on the command line, whichever way the command was
+    launched (under torchrun the error reaches the command line unwrapped)."""
+    from rollplex_megatron.cli import USER_ERRORS
+    from rollplex_megatron.user_code import UserCodeError
+
     reg = RewardRegistry(fns={"geo": f"{user_module}:boom"})
-    with pytest.raises(RuntimeError, match=r"^train\.parquet row 17: reward function my_rewards:boom "
+    with pytest.raises(UserCodeError, match=r"^train\.parquet row 17: reward function my_rewards:boom "
                                            r"\(data_source 'geo'\) raised ZeroDivisionError: division by zero$") as e:
         reg.score("x", "x", {}, "geo", "train.parquet row 17")
-    assert isinstance(e.value.__cause__, ZeroDivisionError)
+    assert isinstance(e.value.__cause__, ZeroDivisionError) and isinstance(e.value, USER_ERRORS)
 
 
 @pytest.mark.parametrize("name,match", [
@@ -357,8 +362,10 @@ def test_registry_user_function_raises(user_module):
     ("text", r"returned score of type str \(want a number\)"),
 ])
 def test_registry_bad_returns(user_module, name, match):
+    from rollplex_megatron.user_code import UserCodeError
+
     reg = RewardRegistry(fn=f"{user_module}:{name}")
-    with pytest.raises(RuntimeError, match=rf"^r9: reward function my_rewards:{name} \(data_source 's'\) {match}"):
+    with pytest.raises(UserCodeError, match=rf"^r9: reward function my_rewards:{name} \(data_source 's'\) {match}"):
         reg.score("x", "x", {}, "s", "r9")
 
 

@@ -58,7 +58,7 @@ from omegaconf.errors import OmegaConfBaseException
 from rollplex_megatron.bench import main as bench_main
 from rollplex_megatron.checkpoint import convert
 from rollplex_megatron.checkpoint.train_state import DiskFullError
-from rollplex_megatron.user_code import UserCodeStopped
+from rollplex_megatron.user_code import UserCodeError, UserCodeStopped, UserCodeTimeout
 from rollplex_megatron.checkpoint.files import atomic_write_text
 from rollplex_megatron.models.registry import open_hf
 from rollplex_megatron.cli import reference
@@ -82,7 +82,7 @@ from rollplex_megatron.weights.plan import plan_weights
 # What a user's input can cause: printed as one line. Anything else is a bug and keeps its traceback.
 USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, PermissionError, NotADirectoryError, IsADirectoryError,
                HydraException, OmegaConfBaseException, LocalRunError, DiskFullError,
-               UserCodeStopped)
+               UserCodeStopped, UserCodeError, UserCodeTimeout)
 
 
 def error_line(e: BaseException) -> str:

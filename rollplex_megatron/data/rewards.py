@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from typing import Any
 
-from rollplex_megatron.user_code import UserCodeStopped, UserCodeTimeout, UserFunctions
+from rollplex_megatron.user_code import UserCodeError, UserCodeStopped, UserCodeTimeout, UserFunctions
 
 RewardFn = Callable[[str, Any, dict], "float | dict"]
 
@@ -576,11 +576,11 @@ class RewardRegistry:
         except UserCodeStopped as e:
             raise UserCodeStopped(f"{where} {e}; the step was abandoned") from None
         except Exception as e:
-            raise RuntimeError(f"{where} raised {_one_line(e)}") from e
+            raise UserCodeError(f"{where} raised {_one_line(e)}") from e
         try:
             res = to_result(out)
         except (TypeError, ValueError) as e:
-            raise RuntimeError(f"{where} returned {e}; return a float or a dict with a finite 'score'") from e
+            raise UserCodeError(f"{where} returned {e}; return a float or a dict with a finite 'score'") from e
         if self.format_weight > 0:
             res = replace(res, score=res.score + self.format_weight * res.answered,
                           extra={**res.extra, "format": res.answered})
