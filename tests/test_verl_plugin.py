@@ -125,6 +125,14 @@ def test_engine_refuses_what_it_does_not_run():
         check_engine_config(McoreEngineConfig(strategy="megatron", context_parallel_size=2))
     with pytest.raises(ValueError, match="param_offload=True"):
         check_engine_config(McoreEngineConfig(strategy="megatron", param_offload=True))
+    # settings the engine would otherwise ignore: refused by name (verl's defaults turn both on)
+    with pytest.raises(ValueError, match="use_distributed_optimizer=True is not supported"):
+        check_engine_config(McoreEngineConfig(strategy="megatron", use_distributed_optimizer=True))
+    check_engine_config(McoreEngineConfig(strategy="megatron", use_distributed_optimizer=True, forward_only=True,
+                                          sequence_parallel=False))  # the reference has no optimizer
+    with pytest.raises(ValueError, match="sequence_parallel=True is not supported"):
+        check_engine_config(McoreEngineConfig(strategy="megatron", tensor_model_parallel_size=2,
+                                              sequence_parallel=True, use_distributed_optimizer=False))
 
 
 def test_batch_errors_name_the_key_and_sample():
@@ -163,6 +171,11 @@ def test_recipe_composes_on_verls_config_and_builds_configs_the_engine_accepts()
     actor = omega_conf_to_dataclass(c.actor_rollout_ref.actor)
     check_engine_config(actor.engine)
     check_engine_config(omega_conf_to_dataclass(c.actor_rollout_ref.ref.megatron))
+    with initialize_config_dir(config_dir=os.path.abspath("recipes/verl"), version_base=None):  # TP 2: still accepted
+        c2 = compose("qwen2_5_vl_rollplex", overrides=["actor_rollout_ref.model.path=/m",
+                                                        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"])
+    check_engine_config(omega_conf_to_dataclass(c2.actor_rollout_ref.actor).engine)
+    check_engine_config(omega_conf_to_dataclass(c2.actor_rollout_ref.ref.megatron))
     with initialize_config_dir(config_dir=os.path.abspath("recipes/verl"), version_base=None):
         w = compose("qwen2_5_vl_rollplex", overrides=["actor_rollout_ref.model.path=/m"] + WINDOW_OVERRIDES)
     env = w.ray_kwargs.ray_init.runtime_env.env_vars  # the docs' window overrides compose on the recipe

@@ -149,6 +149,30 @@ def test_window_swaps_verls_worker_before_any_starts(monkeypatch, tmp_path):
     monkeypatch.setenv(ENV_ADDRESS, "127.0.0.1:1")
     with pytest.raises(ValueError, match="dir:PATH"):
         trainer(kl, *WINDOW_OVERRIDES[1:])._init_resource_pool_mgr()
+    monkeypatch.setenv("ROLLPLEX_VERL_PREFIX", "fulll")  # a worker would refuse it only after Ray started it
+    with pytest.raises(ValueError, match="ROLLPLEX_VERL_PREFIX='fulll': use one of shared, full"):
+        trainer(kl, *WINDOW_OVERRIDES[1:])._init_resource_pool_mgr()
+
+
+@pytest.mark.parametrize("name,value,want", [
+    ("ROLLPLEX_VERL_ATTENTION", "sdpaa", "use one of auto, sdpa, flex, split"),
+    ("ROLLPLEX_VERL_DTYPE", "fp16", "use one of bfloat16"),
+    ("ROLLPLEX_VERL_NORM_KERNEL", "trion", "use one of auto, triton, torch"),
+    ("ROLLPLEX_VERL_ROPE_KERNEL", "x", "use one of auto, triton, torch"),
+    ("ROLLPLEX_VERL_WINDOW", "no", "use one of on, off"),
+    ("ROLLPLEX_VERL_WINDOW_MECHANISM", "fast", "use one of interleave"),
+    ("ROLLPLEX_VERL_KV_CACHE_GIB", "lots", "a positive number of GiB"),
+    ("ROLLPLEX_VERL_KV_CACHE_GIB", "-1", "a positive number of GiB"),
+])
+def test_every_verl_environment_value_is_checked_in_the_driver(name, value, want):
+    from rollplex_megatron.integrations.verl.trainer import check_environment
+
+    good = {"ROLLPLEX_VERL_PREFIX": "full", "ROLLPLEX_VERL_ATTENTION": "sdpa", "ROLLPLEX_VERL_DTYPE": "float32",
+            "ROLLPLEX_VERL_NORM_KERNEL": "torch", "ROLLPLEX_VERL_ROPE_KERNEL": "auto", "ROLLPLEX_VERL_WINDOW": "off",
+            "ROLLPLEX_VERL_WINDOW_MECHANISM": "after", "ROLLPLEX_VERL_KV_CACHE_GIB": "0.5"}
+    check_environment(good)
+    with pytest.raises(ValueError, match=f"^{name}={value!r}: .*{want}"):
+        check_environment({**good, name: value})
 
 
 def test_window_needs_sglang_at_the_reference_tp():

@@ -70,6 +70,14 @@ def check_engine_config(ec) -> None:
         if _setting(ec, name, False):
             raise ValueError(f"rollplex verl engine: {name}=True is not supported; set it to False (this engine "
                              f"keeps its model and optimizer resident)")
+    if _setting(ec, "sequence_parallel", False):
+        raise ValueError("rollplex verl engine: sequence_parallel=True is not supported; set megatron.sequence_parallel"
+                         "=false for the actor and the reference (this engine runs without sequence parallelism; the "
+                         "recipe sets it)")
+    if not _setting(ec, "forward_only", False) and _setting(ec, "use_distributed_optimizer", False):
+        raise ValueError("rollplex verl engine: use_distributed_optimizer=True is not supported; set the actor's "
+                         "megatron.use_distributed_optimizer=false (this engine trains with megatron's plain "
+                         "optimizer; the recipe sets it)")
 
 
 def micro_batch_plan(data, vg) -> tuple[int, int, int]:

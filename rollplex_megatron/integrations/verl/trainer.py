@@ -39,6 +39,33 @@ log = logging.getLogger(__name__)
 NAME = "rollplex"
 
 
+def check_environment(env=None) -> None:
+    """Every `ROLLPLEX_VERL_*` value the workers read (the recipe's `runtime_env.env_vars`), checked in the driver
+    before any worker starts or builds a model, each refusal naming the variable and its values."""
+    from rollplex_megatron.config import ATTENTION_BACKENDS
+    from rollplex_megatron.integrations.verl import engine as E
+    from rollplex_megatron.integrations.verl import rollout as R
+    from rollplex_megatron.integrations.verl import window as W
+    from rollplex_megatron.rollout.window.policy import choices
+
+    env = os.environ if env is None else env
+    allowed = {E.ENV_PREFIX: ("shared", "full"), E.ENV_ATTENTION: ATTENTION_BACKENDS, E.ENV_DTYPE: tuple(E.DTYPES),
+               E.ENV_NORM: ("auto", "triton", "torch"), E.ENV_ROPE: ("auto", "triton", "torch"),
+               R.ENV_WINDOW: ("on", "off"), W.ENV_MECHANISM: tuple(choices())}
+    for name, values in allowed.items():
+        if name in env and env[name] not in values:
+            raise ValueError(f"{name}={env[name]!r}: use one of {', '.join(values)} (the Ray workers' environment, "
+                             f"ray_kwargs.ray_init.runtime_env.env_vars)")
+    if R.ENV_KV_GIB in env:
+        try:
+            gib = float(env[R.ENV_KV_GIB])
+        except ValueError:
+            gib = float("nan")
+        if not gib > 0 or gib == float("inf"):
+            raise ValueError(f"{R.ENV_KV_GIB}={env[R.ENV_KV_GIB]!r}: the embedded engine's KV cache per rank, a "
+                             f"positive number of GiB")
+
+
 def row_uid(key: str) -> str:
     """The uid of a TransferQueue row key (verl's agent loop writes `{uid}_{session}_{index}`)."""
     return key.rsplit("_", 2)[0]
@@ -190,6 +217,7 @@ class RollplexTrainer(PPOTrainerSync):
     def _init_resource_pool_mgr(self):
         """verl's roles and pools; with the window, its colocated worker becomes the rollplex one (as verl's own
         separate-async trainer swaps its worker here), after the layout is checked: before any worker starts."""
+        check_environment()
         if os.environ.get(ENV_ADDRESS) and window_dir() is None:
             raise ValueError(f"trainer.v1.trainer_mode={NAME}: {ENV_ADDRESS}={os.environ[ENV_ADDRESS]} names "
                              f"listener addresses, which only this project's own trainer hands to the SGLang it "
