@@ -73,12 +73,32 @@ TEXT_POSITIONS = TextPositions()
 
 def text_groups(prompts: list[torch.Tensor], responses: list[list[torch.Tensor]],
                 advantages: list[torch.Tensor]) -> list[Group]:
-    """Groups of text prompts ([P] long, P >= 2) with their G responses ([R] long) and advantages [G]."""
+    """Groups of text prompts ([P] long, P >= 2) with their G responses ([R] long, R >= 1) and advantages [G]
+    (finite); each refusal names the group, the response and the fix."""
     if not len(prompts) == len(responses) == len(advantages):
         raise ValueError(f"text_groups: {len(prompts)} prompts, {len(responses)} response lists and "
                          f"{len(advantages)} advantage tensors; give one of each per group")
-    return [Group(Prompt(p), list(r), torch.as_tensor(a, dtype=torch.float32))
-            for p, r, a in zip(prompts, responses, advantages)]
+
+    def ids(t, what: str, least: int) -> torch.Tensor:
+        if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype.is_floating_point or t.dtype == torch.bool:
+            got = f"a {t.dim()}-D {t.dtype} tensor" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"text_groups: {what} must be a 1-D tensor of token ids (int64), got {got}")
+        if t.numel() < least:
+            raise ValueError(f"text_groups: {what} has {t.numel()} tokens; it needs at least {least}")
+        return t
+
+    out = []
+    for gi, (p, rs, a) in enumerate(zip(prompts, responses, advantages)):
+        ids(p, f"prompt {gi}", 2)  # the prefix stage runs prompt[:-1]; its last token starts the responses
+        rs = [ids(r, f"group {gi} response {ri}", 1) for ri, r in enumerate(rs)]
+        adv = torch.as_tensor(a, dtype=torch.float32).reshape(-1)
+        if adv.numel() != len(rs):
+            raise ValueError(f"text_groups: group {gi} has {len(rs)} responses but {adv.numel()} advantages; give one "
+                             f"advantage per response")
+        if not torch.isfinite(adv).all():
+            raise ValueError(f"text_groups: group {gi}'s advantages are not all finite ({adv.tolist()})")
+        out.append(Group(Prompt(p), rs, adv))
+    return out
 
 
 class PrefixGPT(MegatronModule):

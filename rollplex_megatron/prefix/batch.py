@@ -131,6 +131,22 @@ def pack_responses(lens: list[int], per_mb: int, max_tokens: int = 0) -> list[li
     return out
 
 
+def _check_packing(who: str, groups: list[Group], per_mb: int, total_tokens: int, select: list[int] | None,
+                   max_tokens: int) -> None:
+    """A micro-batch builder's arguments, each refusal naming the argument (the builders are public: api.py)."""
+    if max_tokens < 0:
+        raise ValueError(f"{who}: max_tokens={max_tokens}; give 0 (pack per_mb responses) or a token budget > 0")
+    if max_tokens == 0 and (isinstance(per_mb, bool) or not isinstance(per_mb, int) or per_mb < 1):
+        raise ValueError(f"{who}: per_mb={per_mb!r}; give the responses a micro-batch holds, an int >= 1")
+    if not total_tokens > 0:
+        raise ValueError(f"{who}: total_tokens={total_tokens!r}; give the loss's normaliser, the response tokens "
+                         f"over every rank (> 0)")
+    if select is not None:
+        bad = [i for i in select if not isinstance(i, int) or not 0 <= i < len(groups)]
+        if bad or len(set(select)) != len(select):
+            raise ValueError(f"{who}: select={list(select)} must name distinct groups in 0..{len(groups) - 1}")
+
+
 def _chunks(groups: list[Group], per_mb: int, select: list[int] | None,
             max_tokens: int = 0) -> list[list[tuple[int, int]]]:
     ids = range(len(groups)) if select is None else select
@@ -154,6 +170,7 @@ cfg: ModelConfig, groups: list[Group], per_mb: int, total_tokens: int,
     `max_tokens` > 0: packed up to that many response tokens instead of `per_mb` responses (`pack_responses`).
     `position_offset` exists only for mutation tests (a wrong offset must be detected).
     """
+    _check_packing("response_micro_batches", groups, per_mb, total_tokens, select, max_tokens)
     ids = range(len(groups)) if select is None else select
     positions = model_spec(cfg).positions
     last_pos = {gi: positions.prompt(cfg, groups[gi].prompt)[:, :, -1:] for gi in ids}  # [3,1,1]
@@ -186,6 +203,7 @@ def full_micro_batches(cfg: ModelConfig, groups: list[Group], per_mb: int, total
     """Full-sequence micro-batches: each response with its whole prompt (the serial baseline);
     `select` and `max_tokens` as in `response_micro_batches` (the budget counts response tokens only, so
     both kinds hold the same responses)."""
+    _check_packing("full_micro_batches", groups, per_mb, total_tokens, select, max_tokens)
     out = []
     for members in _chunks(groups, per_mb, select, max_tokens):
         ids, pos, lab, w, msk, seg, p = [], [], [], [], [], [], []
