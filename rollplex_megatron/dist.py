@@ -285,7 +285,8 @@ def check_world_size(parallel) -> None:
     if p.rollout_ranks:
         layout += f" plus parallel.rollout_ranks={p.rollout_ranks}"
     fix = "parallel.dp (or parallel.rollout_ranks)" if p.rollout_ranks else "parallel.dp"
-    raise ValueError(f"launched {os.environ['WORLD_SIZE']} processes but {layout} = {n}; launch {n} processes or "
+    have, need = int(os.environ["WORLD_SIZE"]), f"{n} process" + ("es" if n != 1 else "")
+    raise ValueError(f"launched {have} process{'es' if have != 1 else ''} but {layout} = {n}; launch {need} or "
                      f"set {fix} so that the layout equals the process count")
 
 

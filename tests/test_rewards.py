@@ -261,6 +261,7 @@ def user_module(tmp_path, monkeypatch):
     (tmp_path / "my_pkg" / "__init__.py").write_text("")
     (tmp_path / "my_pkg" / "scoring.py").write_text("def half(response, ground_truth, extra_info):\n    return 0.5\n")
     (tmp_path / "broken_rewards.py").write_text("def f(:\n")
+    (tmp_path / "exits_on_import.py").write_text("raise SystemExit(3)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     return "my_rewards"
 
@@ -382,6 +383,11 @@ def test_registry_config_errors(user_module):
     with pytest.raises(ValueError, match=r"^reward\.fns\['geo'\]='my_rewards:one_arg': one_arg\(response\) cannot "
                                          r"be called as fn\(response, ground_truth, extra_info\); give it those three"):
         RewardRegistry(fns={"geo": "my_rewards:one_arg"})
+    with pytest.raises(ValueError, match=r"the part before the colon is a file path, not a module; put the file's "
+                                         r"folder on PYTHONPATH and name the module: my_rewards:boom"):
+        RewardRegistry(fn="/some/where/my_rewards.py:boom")
+    with pytest.raises(ValueError, match=r"^reward\.fn='exits_on_import:f': cannot import module 'exits_on_import'"):
+        RewardRegistry(fn="exits_on_import:f")
     assert RewardRegistry(fn="my_rewards:with_defaults").score("x", "y", {}, "s", "r").score == 1.0
     assert RewardRegistry(fn="my_rewards:anything").score("x", "y", {}, "s", "r").score == 1.0
 

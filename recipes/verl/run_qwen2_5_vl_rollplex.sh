@@ -7,7 +7,7 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 # The settings verl has no default for, checked before Ray starts (without them the driver waits on Ray's workers)
 for key in data.train_files data.val_files actor_rollout_ref.model.path; do
   case " $* " in
-    *" $key="* | *" +$key="*) ;;
+    *" $key="* | *" +$key="* | *" ++$key="*) ;;
     *) echo "run_qwen2_5_vl_rollplex.sh: set $key=... (see the usage at the top of this script)" >&2; exit 2 ;;
   esac
 done

@@ -458,9 +458,13 @@ def load_function(spec: str, setting: str) -> RewardFn:
     if not module_name or not attr:
         raise ValueError(f"{setting}={spec!r} is neither a built-in ({', '.join(BUILTINS)}) nor "
                          "'package.module:function'; use one of those forms")
+    if "/" in module_name or "\\" in module_name or module_name.endswith(".py"):
+        stem = module_name.replace("\\", "/").rsplit("/", 1)[-1].removesuffix(".py")
+        raise ValueError(f"{setting}={spec!r}: the part before the colon is a file path, not a module; put the "
+                         f"file's folder on PYTHONPATH and name the module: {stem}:{attr}")
     try:
         obj = importlib.import_module(module_name)
-    except Exception as e:  # a broken user module (SyntaxError, its own ImportError, ...) is the same fix
+    except (Exception, SystemExit) as e:  # a broken user module (SyntaxError, ImportError, exit()): the same fix
         raise ValueError(f"{setting}={spec!r}: cannot import module {module_name!r} ({_one_line(e)}); "
                          "put it on PYTHONPATH or fix the module name") from e
     for part in attr.split("."):
