@@ -63,7 +63,8 @@ def test_scoring_workspace_counts_the_log_prob_kernels_bytes(kernel, dtype, per_
                            f"dtype={dtype}"])
     s = _shape(cfg)
     classes = M.summarize(M.plan(cfg, "prefix_shared", "keep", "embedded", s), "prefix_shared")["classes"]
-    tokens, v = s.mb * s.R, cfg.model.vocab_size
+    tokens, v = s.mb * s.R, cfg.model.padded_vocab_size(1)  # the logits' width: the vocabulary padded as megatron does
+    assert v > cfg.model.vocab_size  # the tiny model's 320 entries padded to 384: the padding is counted
     for ph in ("old_logp", "ref_logp"):
         assert classes[f"{ph}_workspace"]["gib"] * M.GIB == tokens * v * per_logit
     norm, rope = M.norm_kernel(cfg), M.rope_kernel(cfg)

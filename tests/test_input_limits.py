@@ -107,7 +107,7 @@ def test_a_batch_the_host_cannot_hold_is_refused_naming_the_settings(monkeypatch
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     cfg, source, plan = _planned(*BIG)
     _host(monkeypatch, 4)
-    with pytest.raises(ValueError, match=r"^this run needs 5\.4 GiB per rank \(5\.8\de\+09 bytes; peak phase "
+    with pytest.raises(ValueError, match=r"^this run needs 5\.9 GiB per rank \(6\.3\de\+09 bytes; peak phase "
                                          r"'rollout', largest class rollout_kv 3\.1 GiB\), over the 4\.0 GiB of "
                                          r"available host memory; a rank's batch is 8 prompts \("
                                          r"workload\.rollout_batch=800000 / rollout\.group_size=100000\) x 100000 "
@@ -157,6 +157,6 @@ def test_train_refuses_an_absurd_group_before_any_process_starts(tmp_path, capsy
     rc = cli_main(["train", "rollout.group_size=100000000", "workload.rollout_batch=800000000",
                    "memory.kv_cache_gib=1000000", f"train.out={tmp_path / 'run'}"])
     err = capsys.readouterr().err
-    assert rc != 0 and re.search(r"error: this run needs 54\d\d\.\d GiB per rank .* of available host memory; .*"
+    assert rc != 0 and re.search(r"error: this run needs 59\d\d\.\d GiB per rank .* of available host memory; .*"
                                  r"rollout\.group_size=100000000\) x 100000000 responses", err), err
     assert not (tmp_path / "run").exists()

@@ -251,4 +251,4 @@ def test_the_update_counts_the_output_layers_weight_gradient(tp):
     m = cfg.model
     for mode in ("serial", "prefix_shared", "rollplex"):
         c = {x.name: x for x in M.plan(cfg, mode, "phase", "embedded")}["output_weight_grad"]
-        assert (c.bytes, c.resident) == (2 * (m.vocab_size // tp) * m.hidden_size, ("update",)), mode
+        assert (c.bytes, c.resident) == (2 * (m.padded_vocab_size(tp) // tp) * m.hidden_size, ("update",)), mode

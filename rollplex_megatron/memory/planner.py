@@ -313,7 +313,7 @@ def plan(cfg: RunConfig, mode: str, residency: str, engine: str, s: Shape | None
     else:
         out.append(TensorClass("rollout_kv", _largest_wave(cfg, s, kv_tok),
                                *kept("the engine's cache: one prefix per group plus G response slots, largest wave")))
-    v = m.vocab_size // par.tp
+    v = m.padded_vocab_size(par.tp) // par.tp  # this rank's slice of the padded vocabulary
     if mode != "disaggregated":
         out.append(TensorClass("decode_workspace", s.samples * v * 10,
                                *kept("one decode step's logits and sampling uniforms (the graphs' pool)")))
@@ -328,7 +328,7 @@ def plan(cfg: RunConfig, mode: str, residency: str, engine: str, s: Shape | None
                         pack_groups=pack_groups(cfg, s))
     out += get_mode(mode).memory_classes(inputs)
     if "update" in allp:
-        out.append(TensorClass("output_weight_grad", e * (m.vocab_size // par.tp) * m.hidden_size, ("update",), "free",
+        out.append(TensorClass("output_weight_grad", e * v * m.hidden_size, ("update",), "free",
                                "autograd's gradient of the output layer's weight in the parameters' dtype, made at "
                                "the first op of the backward (the update's peak) and alive until DDP's hook adds it to "
                                "the fp32 main grad; with tied embeddings until the embedding's backward"))
@@ -391,7 +391,7 @@ def rollout_rank_plan(cfg: RunConfig, s: Shape | None = None) -> dict:
     per_replica = replace(s, prompts=max(1, -(-s.prompts * par.dp // replicas)))
     classes = {"rollout_weights": e * params_per_gpu(m, r, 1),
                "rollout_kv": _largest_wave(cfg, per_replica, kv_bytes_per_token(m, r, m.num_layers, e)),
-               "decode_workspace": per_replica.samples * (m.vocab_size // r) * 10}
+               "decode_workspace": per_replica.samples * (m.padded_vocab_size(r) // r) * 10}
     return {"peak_gib": sum(classes.values()) / GIB, "classes_gib": {k: v / GIB for k, v in classes.items()},
             "rollout_tp": r, "replicas": replicas}
 

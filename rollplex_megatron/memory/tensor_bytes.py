@@ -144,14 +144,16 @@ def prefix_graph_bytes(cfg: ModelConfig, tp: int, pp: int, sp: bool, tokens: int
 def logits_bytes(cfg: ModelConfig, tp: int, tokens: int) -> int:
     """Loss workspace at the end of a forward: bf16 logits, their fp32 copy and the max-shifted fp32
     logits of megatron's vocab-parallel cross entropy (10 bytes per token and vocabulary entry)."""
-    return tokens * (cfg.vocab_size // tp) * 10
+    return tokens * (cfg.padded_vocab_size(tp) // tp) * 10
 
 
 def score_logits_bytes(cfg: ModelConfig, tp: int, tokens: int, kernel: str, elem: int = 2) -> int:
     """Loss workspace of a forward-only scoring pass: with the fused log-prob kernel (`kernel="triton"`) the
     output layer's logits and their [B, S, V] contiguous copy in the compute dtype (`elem` bytes), both live while
     the copy is made (the kernel keeps per-row numbers only); with torch's path `logits_bytes`."""
-    return tokens * (cfg.vocab_size // tp) * 2 * elem if kernel == "triton" else logits_bytes(cfg, tp, tokens)
+    if kernel != "triton":
+        return logits_bytes(cfg, tp, tokens)
+    return tokens * (cfg.padded_vocab_size(tp) // tp) * 2 * elem
 
 
 def training_forward_bytes(cfg: ModelConfig, tp: int, pp: int, sp: bool, tokens: int, patches: int,
