@@ -50,7 +50,7 @@ def test_bad_batches_are_refused_naming_the_argument():
     for build in (response_micro_batches, full_micro_batches):
         assert len(build(TEXT_POSITIONS, groups, 1, 3)) == 2  # the arguments the cases below get wrong
         for kw, want in [(dict(per_mb=0), "per_mb=0"), (dict(per_mb=-1), "per_mb=-1"),
-                         (dict(total_tokens=0), "total_tokens=0"), (dict(max_tokens=-5), "max_tokens=-5"),
+                         (dict(total_tokens=0), "total_tokens=0"), (dict(max_tokens=-1, per_mb=0), "per_mb=0"),
                          (dict(select=[5]), r"select=\[5\] must name distinct groups in 0..0")]:
             args = {"per_mb": 1, "total_tokens": 3, **kw}
             with pytest.raises(ValueError, match=f"{build.__name__}: {want}"):

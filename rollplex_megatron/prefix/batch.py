@@ -8,6 +8,7 @@ per-token log-probs line up one to one.
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -134,16 +135,19 @@ def pack_responses(lens: list[int], per_mb: int, max_tokens: int = 0) -> list[li
 def _check_packing(who: str, groups: list[Group], per_mb: int, total_tokens: int, select: list[int] | None,
                    max_tokens: int) -> None:
     """A micro-batch builder's arguments, each refusal naming the argument (the builders are public: api.py)."""
-    if max_tokens < 0:
-        raise ValueError(f"{who}: max_tokens={max_tokens}; give 0 (pack per_mb responses) or a token budget > 0")
-    if max_tokens == 0 and (isinstance(per_mb, bool) or not isinstance(per_mb, int) or per_mb < 1):
+    if max_tokens <= 0 and (isinstance(per_mb, bool) or not isinstance(per_mb, int) or per_mb < 1):
         raise ValueError(f"{who}: per_mb={per_mb!r}; give the responses a micro-batch holds, an int >= 1")
     if not total_tokens > 0:
         raise ValueError(f"{who}: total_tokens={total_tokens!r}; give the loss's normaliser, the response tokens "
                          f"over every rank (> 0)")
     if select is not None:
-        bad = [i for i in select if not isinstance(i, int) or not 0 <= i < len(groups)]
-        if bad or len(set(select)) != len(select):
+        def index(i) -> int:  # an int, numpy's or a 0-d integer tensor; -1 where it is none
+            try:
+                return operator.index(i)
+            except TypeError:
+                return -1
+        picked = [index(i) for i in select]
+        if any(not 0 <= i < len(groups) for i in picked) or len(set(picked)) != len(picked):
             raise ValueError(f"{who}: select={list(select)} must name distinct groups in 0..{len(groups) - 1}")
 
 
