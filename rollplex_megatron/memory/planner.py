@@ -28,7 +28,8 @@ from rollplex_megatron.config import RunConfig
 from rollplex_megatron.memory.classes import PlanInputs, Shape, TensorClass
 from rollplex_megatron.memory.tensor_bytes import (block_activation_bytes, kv_bytes_per_token, layer_activation_bytes,
                                                    logits_bytes, params_per_gpu, prefix_graph_bytes,
-                                                   score_logits_bytes, training_forward_bytes, vision_base_bytes)
+                                                   score_logits_bytes, training_forward_bytes, vision_base_bytes,
+                                                   vocab_slice)
 from rollplex_megatron.runtime import device, kernel_for
 from rollplex_megatron.trainer.modes import get_mode
 from rollplex_megatron.weights.plan import plan_pairs, rank_pairs, split_gemm_bytes, split_local
@@ -313,7 +314,7 @@ def plan(cfg: RunConfig, mode: str, residency: str, engine: str, s: Shape | None
     else:
         out.append(TensorClass("rollout_kv", _largest_wave(cfg, s, kv_tok),
                                *kept("the engine's cache: one prefix per group plus G response slots, largest wave")))
-    v = m.padded_vocab_size(par.tp) // par.tp  # this rank's slice of the padded vocabulary
+    v = vocab_slice(m, par.tp)
     if mode != "disaggregated":
         out.append(TensorClass("decode_workspace", s.samples * v * 10,
                                *kept("one decode step's logits and sampling uniforms (the graphs' pool)")))
@@ -391,7 +392,7 @@ def rollout_rank_plan(cfg: RunConfig, s: Shape | None = None) -> dict:
     per_replica = replace(s, prompts=max(1, -(-s.prompts * par.dp // replicas)))
     classes = {"rollout_weights": e * params_per_gpu(m, r, 1),
                "rollout_kv": _largest_wave(cfg, per_replica, kv_bytes_per_token(m, r, m.num_layers, e)),
-               "decode_workspace": per_replica.samples * (m.padded_vocab_size(r) // r) * 10}
+               "decode_workspace": per_replica.samples * vocab_slice(m, r) * 10}
     return {"peak_gib": sum(classes.values()) / GIB, "classes_gib": {k: v / GIB for k, v in classes.items()},
             "rollout_tp": r, "replicas": replicas}
 

@@ -141,10 +141,15 @@ def prefix_graph_bytes(cfg: ModelConfig, tp: int, pp: int, sp: bool, tokens: int
                      + rope_bytes(vd, rope)[1])
     return llm + final_norm + vis
 
+def vocab_slice(cfg: ModelConfig, tp: int) -> int:
+    """The output layer's width on one TP rank: its slice of the vocabulary padded as megatron pads it."""
+    return cfg.padded_vocab_size(tp) // tp
+
+
 def logits_bytes(cfg: ModelConfig, tp: int, tokens: int) -> int:
     """Loss workspace at the end of a forward: bf16 logits, their fp32 copy and the max-shifted fp32
     logits of megatron's vocab-parallel cross entropy (10 bytes per token and vocabulary entry)."""
-    return tokens * (cfg.padded_vocab_size(tp) // tp) * 10
+    return tokens * vocab_slice(cfg, tp) * 10
 
 
 def score_logits_bytes(cfg: ModelConfig, tp: int, tokens: int, kernel: str, elem: int = 2) -> int:
@@ -153,7 +158,7 @@ def score_logits_bytes(cfg: ModelConfig, tp: int, tokens: int, kernel: str, elem
     the copy is made (the kernel keeps per-row numbers only); with torch's path `logits_bytes`."""
     if kernel != "triton":
         return logits_bytes(cfg, tp, tokens)
-    return tokens * (cfg.padded_vocab_size(tp) // tp) * 2 * elem
+    return tokens * vocab_slice(cfg, tp) * 2 * elem
 
 
 def training_forward_bytes(cfg: ModelConfig, tp: int, pp: int, sp: bool, tokens: int, patches: int,
