@@ -51,6 +51,7 @@ ENV_ROPE = "ROLLPLEX_VERL_ROPE_KERNEL"  # auto (default) | triton | torch: the m
 # auto (default: split where its flash kernels run, sdpa elsewhere) | sdpa | flex | split: the scoring and update
 # attention (attention/prefix.py, attention/split.py)
 ENV_ATTENTION = "ROLLPLEX_VERL_ATTENTION"
+PREFIX_MODES = ("shared", "full")  # ENV_PREFIX's values
 DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32"}
 
 
@@ -107,7 +108,7 @@ class RollplexMegatronEngine(BaseEngine):
         self.optimizer_config, self.checkpoint_config = optimizer_config, checkpoint_config
         if share_prefix is None:
             mode = os.environ.get(ENV_PREFIX, "shared")
-            if mode not in ("shared", "full"):
+            if mode not in PREFIX_MODES:
                 raise ValueError(f"{ENV_PREFIX}={mode!r}; use shared or full")
             share_prefix = mode == "shared"
         self.share_prefix = share_prefix

@@ -52,6 +52,7 @@ NAME = "rollplex"
 ENV_KV_GIB = "ROLLPLEX_VERL_KV_CACHE_GIB"  # the embedded engine's KV budget per rank (default 1 GiB)
 # on (default) | off: the prefill's K/V held for the old log-probs, the reference prefix stage in the decode window
 ENV_WINDOW = "ROLLPLEX_VERL_WINDOW"
+WINDOW_MODES = ("on", "off")  # ENV_WINDOW's values
 BATCH_QUIET_S = 0.5  # a batch runs once no generate call arrived for this long
 STOP_REASONS = {"stop": "completed", "length": "completed"}  # verl's: "completed" | "aborted"
 
@@ -147,7 +148,7 @@ def prefix_holders(actor_engine, ref_engine, round_: int) -> tuple:
     off (`ROLLPLEX_VERL_WINDOW=off`), no reference engine in this process, or an engine that does not share
     prefixes (`ROLLPLEX_VERL_PREFIX=full`: its scoring reads no prefix K/V)."""
     mode = os.environ.get(ENV_WINDOW, "on")
-    if mode not in ("on", "off"):
+    if mode not in WINDOW_MODES:
         raise ValueError(f"{ENV_WINDOW}={mode!r}; use on or off")
     holders = []
     for engine, role in ((actor_engine, "actor"), (ref_engine, "reference")):

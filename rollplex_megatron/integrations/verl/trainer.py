@@ -42,16 +42,16 @@ NAME = "rollplex"
 def check_environment(env=None) -> None:
     """Every `ROLLPLEX_VERL_*` value the workers read (the recipe's `runtime_env.env_vars`), checked in the driver
     before any worker starts or builds a model, each refusal naming the variable and its values."""
-    from rollplex_megatron.config import ATTENTION_BACKENDS
+    from rollplex_megatron.config import ATTENTION_BACKENDS, NORM_KERNELS, ROPE_KERNELS
     from rollplex_megatron.integrations.verl import engine as E
     from rollplex_megatron.integrations.verl import rollout as R
     from rollplex_megatron.integrations.verl import window as W
     from rollplex_megatron.rollout.window.policy import choices
 
     env = os.environ if env is None else env
-    allowed = {E.ENV_PREFIX: ("shared", "full"), E.ENV_ATTENTION: ATTENTION_BACKENDS, E.ENV_DTYPE: tuple(E.DTYPES),
-               E.ENV_NORM: ("auto", "triton", "torch"), E.ENV_ROPE: ("auto", "triton", "torch"),
-               R.ENV_WINDOW: ("on", "off"), W.ENV_MECHANISM: tuple(choices())}
+    allowed = {E.ENV_PREFIX: E.PREFIX_MODES, E.ENV_ATTENTION: ATTENTION_BACKENDS, E.ENV_DTYPE: tuple(E.DTYPES),
+               E.ENV_NORM: NORM_KERNELS, E.ENV_ROPE: ROPE_KERNELS, R.ENV_WINDOW: R.WINDOW_MODES,
+               W.ENV_MECHANISM: tuple(choices())}
     for name, values in allowed.items():
         if name in env and env[name] not in values:
             raise ValueError(f"{name}={env[name]!r}: use one of {', '.join(values)} (the Ray workers' environment, "
