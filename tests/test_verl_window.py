@@ -204,24 +204,26 @@ def test_rendezvous_trusts_only_a_private_folder_and_file(tmp_path, monkeypatch)
     shared.chmod(0o777)
     monkeypatch.setenv(P.ENV_ADDRESS, f"dir:{shared}")
     slot = P.device_slot(0)
-    with Listener(("127.0.0.1", 0), authkey=bytes.fromhex("11" * 16)) as planted:
-        (shared / f"{slot}.json").write_text(json.dumps({"address": f"127.0.0.1:{planted.address[1]}",
-                                                          "key": "11" * 16, "model_path": None}))
-        with pytest.raises(P.BridgeError, match="rendezvous folder .* mode 777, open to other users"):
-            P.connect(0)
-        with pytest.raises(P.BridgeError, match="mkdir -m 700"):
-            P.publish(shared, slot, "127.0.0.1:1", "00" * 16)
-        own = tmp_path / "own" / "deeper"
-        P.publish(own, slot, f"127.0.0.1:{planted.address[1]}", "11" * 16)
-        assert own.stat().st_mode & 0o777 == 0o700
-        monkeypatch.setenv(P.ENV_ADDRESS, f"dir:{own}")
-        (own / f"{slot}.json").chmod(0o644)
-        with pytest.raises(P.BridgeError, match="rendezvous file .* mode 644"):
-            P.connect(0)
-        (own / f"{slot}.json").unlink()
-        (own / f"{slot}.json").symlink_to(shared / f"{slot}.json")
-        with pytest.raises(P.BridgeError, match="a symbolic link"):
-            P.connect(0)
+    # a listener's address that no longer answers: without the checks `connect` would return None, not hang
+    with Listener(("127.0.0.1", 0), authkey=bytes.fromhex("11" * 16)) as gone:
+        port = gone.address[1]
+    (shared / f"{slot}.json").write_text(json.dumps({"address": f"127.0.0.1:{port}",
+                                                      "key": "11" * 16, "model_path": None}))
+    with pytest.raises(P.BridgeError, match="rendezvous folder .* mode 777, open to other users"):
+        P.connect(0)
+    with pytest.raises(P.BridgeError, match="mkdir -m 700"):
+        P.publish(shared, slot, "127.0.0.1:1", "00" * 16)
+    own = tmp_path / "own" / "deeper"
+    P.publish(own, slot, f"127.0.0.1:{port}", "11" * 16)
+    assert own.stat().st_mode & 0o777 == 0o700
+    monkeypatch.setenv(P.ENV_ADDRESS, f"dir:{own}")
+    (own / f"{slot}.json").chmod(0o644)
+    with pytest.raises(P.BridgeError, match="rendezvous file .* mode 644"):
+        P.connect(0)
+    (own / f"{slot}.json").unlink()
+    (own / f"{slot}.json").symlink_to(shared / f"{slot}.json")
+    with pytest.raises(P.BridgeError, match="a symbolic link"):
+        P.connect(0)
 
 
 def test_rendezvous_connects_only_the_scheduler_of_the_trainers_checkpoint(tmp_path, monkeypatch):
